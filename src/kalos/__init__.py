@@ -1,0 +1,46 @@
+"""Kalos: memory recall for LLM agents in microseconds.
+
+A sidecar process keeps every memory embedding resident (GPU, or NumPy on the CPU) and
+answers top-k cosine recalls through POSIX shared memory::
+
+    from kalos import Client
+    with Client() as memory:
+        ids = memory.add(vectors, texts=["..."] * len(vectors))
+        hits = memory.recall(query, k=8)
+"""
+from kalos.client import Client, Item, Recall, RecallBatch
+from kalos.errors import (
+    DimensionMismatch,
+    InvalidArgument,
+    InvalidQuery,
+    KalosError,
+    NotAKalosStore,
+    ProtocolMismatch,
+    ServerError,
+    SidecarAlreadyRunning,
+    SidecarUnavailable,
+    StoreError,
+    StoreLocked,
+    UnknownNamespace,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Client",
+    "Item",
+    "Recall",
+    "RecallBatch",
+    "KalosError",
+    "InvalidArgument",
+    "InvalidQuery",
+    "DimensionMismatch",
+    "UnknownNamespace",
+    "SidecarUnavailable",
+    "SidecarAlreadyRunning",
+    "ProtocolMismatch",
+    "StoreError",
+    "NotAKalosStore",
+    "StoreLocked",
+    "ServerError",
+]

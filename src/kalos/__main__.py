@@ -1,0 +1,3 @@
+from kalos.cli import main
+
+raise SystemExit(main())

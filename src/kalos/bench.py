@@ -1,0 +1,128 @@
+"""``kalos bench``: the channel and the sidecar measured against in-process baselines.
+
+Every row is measured from this process against a sidecar in another process (started
+here on a temporary store), side by side with its baseline in the same run. Latencies are
+wall-clock per call (``time.perf_counter``), reported as p50/p99 over all samples.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from kalos.client import Client
+from kalos.launcher import SidecarProcess
+
+__all__ = ["run_bench", "percentiles", "time_calls"]
+
+TINY_N, TINY_DIM = 1024, 128
+
+
+def percentiles(samples_s: list[float] | np.ndarray) -> dict[str, float]:
+    us = np.asarray(samples_s, dtype=np.float64) * 1e6
+    return {"p50_us": float(np.percentile(us, 50)), "p99_us": float(np.percentile(us, 99)), "n": int(len(us))}
+
+
+def time_calls(fn: Callable[[int], Any], repeats: int, warmup: int = 100) -> list[float]:
+    """Per-call wall time of ``fn(i)`` over ``repeats`` calls after ``warmup`` untimed ones."""
+    for i in range(warmup):
+        fn(i)
+    clock = time.perf_counter
+    samples = []
+    for i in range(repeats):
+        start = clock()
+        fn(i)
+        samples.append(clock() - start)
+    return samples
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _unit(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
+    m = rng.standard_normal((n, dim), dtype=np.float32)
+    m /= np.linalg.norm(m, axis=1, keepdims=True)
+    return m
+
+
+def _fill(client: Client, matrix: np.ndarray, chunk: int = 8192) -> np.ndarray:
+    return np.concatenate([client.add(matrix[s : s + chunk]) for s in range(0, len(matrix), chunk)])
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    rng = np.random.default_rng(20261130)
+    name = f"bench-{os.getpid()}"
+    rows: list[dict[str, Any]] = []
+    info = {
+        "machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
+        "numpy": np.__version__, "device": args.device,
+    }
+    with tempfile.TemporaryDirectory(prefix="kalos-bench-") as tmp:
+        # Tiny store: the channel itself (ping = no search) and a recall that costs almost nothing.
+        with SidecarProcess(Path(tmp) / "tiny.db", name=name, dim=TINY_DIM, device=args.device) as sidecar, \
+                Client(name) as client:
+            tiny = _unit(rng, TINY_N, TINY_DIM)
+            _fill(client, tiny)
+            queries = _unit(rng, 256, TINY_DIM)
+            rows.append({"row": "channel round trip (ping, no search)", "N": 0, "dim": TINY_DIM, "k": 0,
+                         **percentiles(time_calls(lambda i: client.ping(), args.repeats))})
+            rows.append({"row": "recall, tiny store, hot", "N": TINY_N, "dim": TINY_DIM, "k": args.k,
+                         **percentiles(time_calls(lambda i: client.recall(queries[i % 256], k=args.k), args.repeats))})
+            cold = []
+            for i in range(args.cold):
+                time.sleep(1.0)
+                start = time.perf_counter()
+                client.recall(queries[i % 256], k=args.k)
+                cold.append(time.perf_counter() - start)
+            rows.append({"row": "recall, tiny store, cold (first after 1 s idle)", "N": TINY_N, "dim": TINY_DIM,
+                         "k": args.k, **percentiles(cold)})
+            time.sleep(1.0)
+            before, t0 = _cpu_seconds(sidecar.pid), time.monotonic()
+            time.sleep(5.0)
+            idle = (_cpu_seconds(sidecar.pid) - before) / (time.monotonic() - t0)
+            info["idle_cpu_percent_of_one_core"] = round(100 * idle, 3)
+
+        # N x dim: end to end through the sidecar against in-process NumPy on the same data.
+        with SidecarProcess(Path(tmp) / "e2e.db", name=name, dim=args.dim, device=args.device) as sidecar, \
+                Client(name) as client:
+            matrix = _unit(rng, args.n, args.dim)
+            ids = _fill(client, matrix)
+            queries = _unit(rng, 64, args.dim)
+            k = args.k
+
+            def in_process(i: int) -> np.ndarray:
+                scores = matrix @ queries[i % 64]
+                top = np.argpartition(scores, -k)[-k:]
+                return top[np.argsort(-scores[top])]
+
+            for i in range(8):  # the two paths must agree before they are timed
+                if not np.array_equal(client.recall(queries[i], k=k).ids, ids[in_process(i)]):
+                    raise AssertionError("sidecar and in-process NumPy disagree on the top-k")
+            sidecar_samples, numpy_samples = [], []
+            for _ in range(10):  # interleaved blocks, so both paths see the same machine noise
+                sidecar_samples += time_calls(lambda i: client.recall(queries[i % 64], k=k), args.e2e_repeats // 10, 5)
+                numpy_samples += time_calls(in_process, args.e2e_repeats // 10, 5)
+            e2e, base = percentiles(sidecar_samples), percentiles(numpy_samples)
+            rows.append({"row": "in-process NumPy argpartition(M @ q) (baseline)", "N": args.n, "dim": args.dim, "k": k, **base})
+            rows.append({"row": "recall end to end via sidecar", "N": args.n, "dim": args.dim, "k": k, **e2e,
+                         "vs_baseline_p50": round(e2e["p50_us"] / base["p50_us"], 3)})
+
+    print(f"kalos bench on {info['machine']}, {info['cpus']} CPUs, Python {info['python']}, NumPy {info['numpy']}, "
+          f"device {info['device']}; float32, batch 1")
+    print(f"{'path':<52} {'N':>8} {'dim':>5} {'k':>3} {'p50 us':>10} {'p99 us':>10}")
+    for row in rows:
+        extra = f"  ({row['vs_baseline_p50']}x baseline p50)" if "vs_baseline_p50" in row else ""
+        print(f"{row['row']:<52} {row['N']:>8} {row['dim']:>5} {row['k']:>3} {row['p50_us']:>10.1f} {row['p99_us']:>10.1f}{extra}")
+    print(f"sidecar CPU while idle (5 s window after 1 s idle): {info['idle_cpu_percent_of_one_core']:.2f}% of one core")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"info": info, "rows": rows}, indent=2))
+    return 0

@@ -1,0 +1,455 @@
+"""What an LLM service imports: :class:`Client`.
+
+Recalls go through the client's slot in shared memory and never touch a socket; writes
+(add, delete) and lookups (get, stats) go over the control socket to the sidecar, the only
+writer of the store. A client whose sidecar dies raises :class:`SidecarUnavailable` within its
+timeout and connects again by itself on its next call.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import select
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from kalos.channel import ClientChannel, Endpoint, Segment
+from kalos.config import settings
+from kalos.control import (
+    PROTOCOL_VERSION,
+    ConnectionClosed,
+    array_blob,
+    blob_array,
+    raise_for_reply,
+    recv_fd,
+    recv_frame,
+    send_fd,
+    send_frame,
+)
+from kalos.engine.base import MISSING_ID
+from kalos.errors import (
+    DimensionMismatch,
+    InvalidArgument,
+    InvalidQuery,
+    KalosError,
+    ProtocolMismatch,
+    SidecarUnavailable,
+    error_from_code,
+)
+from kalos.protocol import NAMESPACE_BYTES, Layout, Op, RequestFlag
+from kalos.store import Item
+
+__all__ = ["Client", "Recall", "RecallBatch", "Item"]
+
+TimeLike = float | int | _dt.datetime
+#: recall_many splits a batch into requests of the sidecar's max_batch rows; past this many
+#: rows in one call the caller is almost certainly passing the wrong array.
+MAX_RECALL_MANY_ROWS = 1 << 20
+
+
+@dataclass(frozen=True)
+class Recall:
+    """The hits of one query, best first: ``ids`` (int64 store ids) and ``scores`` (float32 cosine)."""
+
+    ids: np.ndarray
+    scores: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __iter__(self) -> Iterator[tuple[int, float]]:
+        return zip(self.ids.tolist(), self.scores.tolist())
+
+    def __repr__(self) -> str:
+        if not len(self):
+            return "Recall(0 hits)"
+        return f"Recall({len(self)} hits, best id={int(self.ids[0])} score={float(self.scores[0]):.4f})"
+
+
+@dataclass(frozen=True)
+class RecallBatch:
+    """The hits of Q queries: ``ids[Q, k]``, ``scores[Q, k]``; missing hits are id -1, score -inf."""
+
+    ids: np.ndarray
+    scores: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> Recall:
+        ids, scores = self.ids[i], self.scores[i]
+        n = int(np.count_nonzero(ids != MISSING_ID))
+        return Recall(ids[:n], scores[:n])
+
+    def __iter__(self) -> Iterator[Recall]:
+        return (self[i] for i in range(len(self)))
+
+    def __repr__(self) -> str:
+        return f"RecallBatch({len(self)} queries, k={self.ids.shape[1] if self.ids.ndim == 2 else 0})"
+
+
+class _Connection:
+    """One hello'd connection: control socket, segment, slot channel, doorbells."""
+
+    sock: socket.socket | None = None
+    segment: Segment | None = None
+    channel: ClientChannel | None = None
+    wake_fd = -1
+    doorbell_fd = -1
+
+    def __init__(self, endpoint: Endpoint, timeout: float, spin_s: float) -> None:
+        path = endpoint.socket_path
+        try:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            self.sock.settimeout(timeout)
+            try:
+                self.sock.connect(str(path))
+            except (FileNotFoundError, ConnectionRefusedError):
+                raise SidecarUnavailable(
+                    f"no sidecar named {endpoint.name!r} is running (nothing listens at {path}); "
+                    f"start one with: kalos serve --name {endpoint.name}"
+                ) from None
+            self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            send_frame(self.sock, {"op": "hello", "protocol": PROTOCOL_VERSION, "pid": os.getpid()})
+            send_fd(self.sock, self.wake_fd)
+            reply = raise_for_reply(recv_frame(self.sock, max_bytes=1 << 20)[0])
+            self.doorbell_fd = recv_fd(self.sock)
+            self.segment = Segment(str(reply["segment"]))
+            self.layout = Layout.read_header(self.segment.buf, source=str(self.segment.path))
+            expected = (reply["dim"], reply["max_k"], reply["max_batch"], reply["n_slots"])
+            if (self.layout.dim, self.layout.max_k, self.layout.max_batch, self.layout.n_slots) != expected:
+                raise ProtocolMismatch(f"segment {self.segment.path} does not match the sidecar's hello {expected}")
+            self.epoch = int(reply["epoch"])
+            self.channel = ClientChannel(
+                self.segment, self.layout, int(reply["slot"]), doorbell_fd=self.doorbell_fd,
+                wake_fd=self.wake_fd, control=self.sock, epoch=self.epoch, timeout=timeout, spin_s=spin_s,
+            )
+            self.channel.check_alive()
+            self.sock.settimeout(None)
+        except (ConnectionClosed, socket.timeout, BrokenPipeError, ConnectionResetError) as exc:
+            self.close()
+            raise SidecarUnavailable(f"the sidecar did not complete the hello ({type(exc).__name__}: {exc})") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self.channel = None  # drop the slot's numpy views before unmapping
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+        for name in ("wake_fd", "doorbell_fd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+class Client:
+    """A connection to the sidecar called ``name`` on this host. Thread-safe; a context manager.
+
+    ``timeout`` bounds how long a call waits without a sign of life from the sidecar before
+    it raises :class:`SidecarUnavailable` (a slow but live sidecar is waited for). ``spin_us``
+    is how long a recall busy-polls for its answer before it sleeps on its doorbell.
+    """
+
+    def __init__(self, name: str = "default", timeout: float = 1.0, *, spin_us: float | None = None) -> None:
+        if not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise InvalidArgument(f"timeout must be a positive number of seconds, got {timeout!r}")
+        spin = settings().client_spin_us if spin_us is None else spin_us
+        if spin < 0:
+            raise InvalidArgument(f"spin_us must be >= 0, got {spin_us}")
+        self.name = name
+        self.timeout = float(timeout)
+        self._spin_s = spin / 1e6
+        self._endpoint = Endpoint(name)
+        self._lock = threading.RLock()
+        self._conn: _Connection | None = None
+        self._pid = os.getpid()
+        self._last_request: tuple[Any, ...] | None = None
+        self._connect()
+
+    # -- connection ------------------------------------------------------------------------
+
+    def _connect(self) -> _Connection:
+        self._conn = _Connection(self._endpoint, self.timeout, self._spin_s)
+        self._last_request = None
+        return self._conn
+
+    def _connection(self) -> _Connection:
+        if self._pid != os.getpid():  # forked: the slot belongs to the parent
+            self._conn = None
+            self._pid = os.getpid()
+        return self._conn if self._conn is not None else self._connect()
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    @property
+    def dim(self) -> int:
+        """The store's vector dimension."""
+        with self._lock:
+            return self._connection().layout.dim
+
+    @property
+    def max_k(self) -> int:
+        with self._lock:
+            return self._connection().layout.max_k
+
+    def close(self) -> None:
+        """Frees this client's slot. The client reconnects if used again."""
+        with self._lock:
+            self._drop()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "connected" if self._conn is not None else "disconnected"
+        return f"Client(name={self.name!r}, {state})"
+
+    # -- recall (shared memory only) ---------------------------------------------------------
+
+    def recall(
+        self, vector: Any, k: int = 8, namespace: str | None = "default",
+        since: TimeLike | None = None, until: TimeLike | None = None,
+    ) -> Recall:
+        """The ``k`` memories most similar to ``vector`` (cosine), best first.
+
+        ``namespace=None`` searches every namespace; ``since``/``until`` (unix seconds or
+        datetime) keep memories created in ``[since, until)``. Fewer than k hits come back
+        when fewer memories match.
+        """
+        return self._recall(vector, k, namespace, since, until, single=True)[0]
+
+    def recall_many(
+        self, matrix: Any, k: int = 8, namespace: str | None = "default",
+        since: TimeLike | None = None, until: TimeLike | None = None,
+    ) -> RecallBatch:
+        """One recall per row of ``matrix`` ``[Q, dim]``, answered in batches of the sidecar's max_batch."""
+        return self._recall(matrix, k, namespace, since, until, single=False)
+
+    def _recall(self, queries: Any, k: int, namespace: str | None, since: Any, until: Any, *, single: bool) -> RecallBatch:
+        with self._lock:
+            conn = self._connection()
+            layout = conn.layout
+            rows = _as_matrix(queries, layout.dim, single=single)
+            if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= layout.max_k:
+                raise InvalidQuery(f"k={k!r} is out of range: 1 <= k <= {layout.max_k}")
+            k = int(k)
+            request = (k, *_filter_words(namespace, since, until))
+            q = len(rows)
+            ids = np.empty((q, k), np.int64)
+            scores = np.empty((q, k), np.float32)
+            step = layout.max_batch
+            try:
+                for start in range(0, q, step):
+                    stop = min(q, start + step)
+                    self._round_trip(conn, rows[start:stop], request)
+                    slot = conn.channel.slot
+                    ids[start:stop] = slot.ids[: stop - start, :k]
+                    scores[start:stop] = slot.scores[: stop - start, :k]
+            except SidecarUnavailable:
+                self._drop()
+                raise
+            return RecallBatch(ids, scores)
+
+    def _round_trip(self, conn: _Connection, rows: np.ndarray, request: tuple[Any, ...], op: Op = Op.RECALL) -> None:
+        channel = conn.channel
+        slot = channel.slot
+        n = len(rows)
+        slot.queries[:n] = rows
+        # Request words are ours alone, so unchanged ones need not be written again.
+        key = (op, n, request)
+        if key != self._last_request:
+            k, flags, since, until, namespace = request
+            slot.op[0] = op
+            slot.k[0] = k
+            slot.n_queries[0] = n
+            slot.flags[0] = flags
+            slot.since[0] = since
+            slot.until[0] = until
+            slot.namespace[0] = namespace
+            slot.namespace_len[0] = len(namespace)
+            self._last_request = key
+        reply = channel.wait(channel.submit())
+        if reply.status:
+            raise error_from_code(reply.status, reply.message)
+
+    def ping(self) -> None:
+        """One bare round trip through the slot (no search): a liveness and latency probe."""
+        with self._lock:
+            conn = self._connection()
+            try:
+                self._round_trip(conn, conn.channel.slot.queries[:0], (1, 0, 0.0, 0.0, b""), op=Op.PING)
+            except SidecarUnavailable:
+                self._drop()
+                raise
+
+    # -- writes and lookups (control socket) ---------------------------------------------
+
+    def add(
+        self, vectors: Any, texts: Sequence[str | None] | None = None,
+        metadata: Sequence[dict[str, Any] | None] | None = None, namespace: str = "default",
+        *, created_at: float | Sequence[float] | None = None,
+    ) -> np.ndarray:
+        """Stores memories; returns their ids (int64) once they are durable and recallable.
+
+        ``vectors`` is ``[n, dim]`` (or one ``[dim]`` vector); ``texts`` and ``metadata``
+        (JSON-serialisable dicts), when given, have one entry per vector. The whole add is one
+        transaction: on any error nothing is stored.
+        """
+        with self._lock:
+            conn = self._connection()
+            matrix = _as_matrix(vectors, conn.layout.dim, single=False, what="vector", error=InvalidArgument)
+            n = len(matrix)
+            texts_list = _per_row(texts, n, "texts", lambda t: t is None or isinstance(t, str), "a str or None")
+            metadata_list = _per_row(metadata, n, "metadata", lambda m: m is None or isinstance(m, dict), "a dict or None")
+            if not isinstance(namespace, str):
+                raise InvalidArgument(f"namespace must be a str, got {type(namespace).__name__}")
+            spec, blob = array_blob(matrix, "float32")
+            message: dict[str, Any] = {"op": "add", "namespace": namespace, "vectors": spec,
+                                       "texts": texts_list, "metadata": metadata_list}
+            if created_at is not None:
+                message["created_at"] = np.asarray(created_at, dtype=np.float64).tolist()
+            reply, reply_blob = self._control(message, blob)
+            ids, _ = blob_array(reply["ids"], reply_blob)
+            return ids
+
+    def delete(self, ids: Any) -> int:
+        """Deletes memories by id; returns how many existed. Unknown ids are ignored."""
+        return int(self._control({"op": "delete", "ids": _id_list(ids)})[0]["deleted"])
+
+    def get(self, ids: Any) -> list[Item | None]:
+        """The stored memories for ``ids`` (text, metadata, namespace, created_at); None where absent."""
+        reply, _ = self._control({"op": "get", "ids": _id_list(ids)})
+        return [Item(**item) if item is not None else None for item in reply["items"]]
+
+    def stats(self) -> dict[str, Any]:
+        """Live counts, namespaces, device, QPS and service-time percentiles of the sidecar."""
+        reply, _ = self._control({"op": "stats"})
+        reply.pop("ok", None)
+        return reply
+
+    def compact(self) -> int:
+        """Squeezes deleted rows out of the engine now (it also happens by itself); returns how many."""
+        return int(self._control({"op": "compact"})[0]["removed"])
+
+    def _control(self, message: dict[str, Any], blob: bytes | memoryview = b"") -> tuple[dict[str, Any], bytearray]:
+        try:
+            json.dumps(message, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"{message.get('op')}: not JSON-serialisable: {exc}") from None
+        with self._lock:
+            conn = self._connection()
+            try:
+                send_frame(conn.sock, message, blob)
+                self._await_reply(conn)
+                reply, reply_blob = recv_frame(conn.sock, max_bytes=settings().max_message_bytes)
+            except (ConnectionClosed, OSError) as exc:
+                self._drop()
+                raise SidecarUnavailable(f"the sidecar connection broke during {message.get('op')} ({exc})") from None
+            except SidecarUnavailable:
+                self._drop()
+                raise
+            return raise_for_reply(reply), reply_blob
+
+    def _await_reply(self, conn: _Connection) -> None:
+        """Waits for the reply to start arriving, for as long as the sidecar shows signs of life."""
+        poller = select.poll()
+        poller.register(conn.sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+        while not poller.poll(50):
+            conn.channel.check_alive()
+
+
+def _as_matrix(
+    value: Any, dim: int, *, single: bool, what: str = "query", error: type[KalosError] = InvalidQuery
+) -> np.ndarray:
+    try:
+        array = np.asarray(value, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise error(f"{what} is not a numeric array: {exc}") from None
+    if single:
+        if array.ndim != 1:
+            raise error(f"recall takes one vector of shape ({dim},), got shape {array.shape}; use recall_many for a batch")
+        array = array[None, :]
+    elif array.ndim == 1 and what == "vector":
+        array = array[None, :]
+    if array.ndim != 2:
+        raise error(f"expected a matrix of shape (n, {dim}), got shape {array.shape}")
+    if array.shape[1] != dim:
+        raise DimensionMismatch(f"{what} has dimension {array.shape[1]}, the store holds dimension {dim}")
+    if len(array) == 0:
+        raise error(f"empty batch: at least one {what} is needed")
+    if len(array) > MAX_RECALL_MANY_ROWS:
+        raise error(f"batch of {len(array)} rows exceeds {MAX_RECALL_MANY_ROWS}; split it")
+    return array
+
+
+def _filter_words(namespace: str | None, since: Any, until: Any) -> tuple[int, float, float, bytes]:
+    flags = 0
+    if namespace is None:
+        flags |= RequestFlag.ALL_NAMESPACES
+        encoded = b""
+    elif isinstance(namespace, str):
+        encoded = namespace.encode("utf-8")
+        if not encoded or len(encoded) > NAMESPACE_BYTES or b"\x00" in encoded:
+            raise InvalidQuery(f"namespace {namespace!r} must be 1 to {NAMESPACE_BYTES} UTF-8 bytes without NUL")
+    else:
+        raise InvalidQuery(f"namespace must be a str or None, got {type(namespace).__name__}")
+    bounds = []
+    for label, flag, value in (("since", RequestFlag.HAS_SINCE, since), ("until", RequestFlag.HAS_UNTIL, until)):
+        if value is None:
+            bounds.append(0.0)
+            continue
+        flags |= flag
+        bounds.append(_to_timestamp(value, label))
+    if since is not None and until is not None and bounds[0] >= bounds[1]:
+        raise InvalidQuery(f"empty time range: since={bounds[0]} is not before until={bounds[1]}")
+    return int(flags), bounds[0], bounds[1], encoded
+
+
+def _to_timestamp(value: Any, label: str) -> float:
+    if isinstance(value, _dt.datetime):
+        return value.timestamp()
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+        if not np.isfinite(value):
+            raise InvalidQuery(f"{label} must be a finite time, got {value}")
+        return float(value)
+    raise InvalidQuery(f"{label} must be unix seconds or a datetime, got {type(value).__name__}")
+
+
+def _per_row(values: Any, n: int, label: str, accept: Any, kind: str) -> list[Any] | None:
+    if values is None:
+        return None
+    if isinstance(values, (str, dict)):
+        values = [values]
+    values = list(values)
+    if len(values) != n:
+        raise InvalidArgument(f"{label} has {len(values)} entries for {n} vectors")
+    for i, value in enumerate(values):
+        if not accept(value):
+            raise InvalidArgument(f"{label}[{i}] must be {kind}, got {type(value).__name__}")
+    return values
+
+
+def _id_list(ids: Any) -> list[int]:
+    array = np.asarray(ids)
+    if array.ndim == 0:
+        array = array[None]
+    if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
+        raise InvalidArgument(f"ids must be a 1-D sequence of integers, got dtype {array.dtype} shape {array.shape}")
+    return array.astype(np.int64).tolist()

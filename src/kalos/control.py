@@ -1,0 +1,137 @@
+"""The control socket's wire format: length-prefixed JSON plus an optional binary blob.
+
+Everything that is not a recall travels here (hello, add, delete, get, stats): writes are off
+the hot path, and the sidecar is the store's only writer. A frame is::
+
+    u32 json_len | u64 blob_len | json_len bytes of UTF-8 JSON (an object) | blob_len bytes
+
+Vectors and ids travel in the blob as little-endian float32 / int64 with their shape in the
+JSON, so no message is ever unpickled and every length is bounded before anything is
+allocated. A reply is ``{"ok": true, ...}`` or ``{"ok": false, "code": <ErrorCode>, "error": msg}``.
+
+File descriptors (the doorbell eventfds) ride on a one-byte message of their own, sent right
+after the frame they belong to, so that a plain ``recv`` of a frame never swallows them.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from typing import Any
+
+import numpy as np
+
+from kalos.errors import ErrorCode, InvalidArgument, KalosError, ProtocolMismatch, error_from_code
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "ConnectionClosed",
+    "send_frame",
+    "recv_frame",
+    "send_fd",
+    "recv_fd",
+    "ok_reply",
+    "error_reply",
+    "raise_for_reply",
+    "array_blob",
+    "blob_array",
+]
+
+PROTOCOL_VERSION = 1
+_PREFIX = struct.Struct("<IQ")
+_MAX_JSON_BYTES = 1 << 28
+
+
+class ConnectionClosed(Exception):
+    """The peer closed the socket (cleanly or by dying)."""
+
+
+def send_frame(sock: socket.socket, message: dict[str, Any], blob: bytes | memoryview = b"") -> None:
+    body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+    sock.sendall(_PREFIX.pack(len(body), len(blob)) + body)
+    if len(blob):
+        sock.sendall(blob)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        chunk = sock.recv_into(view[got:], n - got)
+        if chunk == 0:
+            raise ConnectionClosed("peer closed the connection")
+        got += chunk
+    return buf
+
+
+def recv_frame(sock: socket.socket, *, max_bytes: int) -> tuple[dict[str, Any], bytearray]:
+    """One frame; raises ProtocolMismatch for malformed frames, ConnectionClosed at EOF."""
+    json_len, blob_len = _PREFIX.unpack(_recv_exact(sock, _PREFIX.size))
+    if json_len > min(max_bytes, _MAX_JSON_BYTES) or blob_len > max_bytes:
+        raise ProtocolMismatch(
+            f"control message of {json_len} + {blob_len} bytes exceeds the limit of {max_bytes} bytes"
+        )
+    raw = _recv_exact(sock, json_len)
+    try:
+        message = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolMismatch(f"control message is not valid JSON: {exc}") from None
+    if not isinstance(message, dict):
+        raise ProtocolMismatch(f"control message must be a JSON object, got {type(message).__name__}")
+    blob = _recv_exact(sock, blob_len) if blob_len else bytearray()
+    return message, blob
+
+
+def send_fd(sock: socket.socket, fd: int) -> None:
+    socket.send_fds(sock, [b"F"], [fd])
+
+
+def recv_fd(sock: socket.socket) -> int:
+    data, fds, _flags, _addr = socket.recv_fds(sock, 1, 1)
+    if not data:
+        raise ConnectionClosed("peer closed the connection before passing a file descriptor")
+    if data != b"F" or len(fds) != 1:
+        for fd in fds:
+            socket.close(fd)
+        raise ProtocolMismatch("expected a file descriptor from the peer")
+    return fds[0]
+
+
+def ok_reply(**fields: Any) -> dict[str, Any]:
+    return {"ok": True, **fields}
+
+
+def error_reply(exc: BaseException) -> dict[str, Any]:
+    code = exc.code if isinstance(exc, KalosError) else ErrorCode.INTERNAL
+    return {"ok": False, "code": int(code), "error": str(exc) or type(exc).__name__}
+
+
+def raise_for_reply(reply: dict[str, Any]) -> dict[str, Any]:
+    """The reply itself if it is a success, else the matching Kalos exception."""
+    if reply.get("ok") is True:
+        return reply
+    raise error_from_code(int(reply.get("code", ErrorCode.INTERNAL)), str(reply.get("error", "unknown error")))
+
+
+def array_blob(array: np.ndarray, dtype: str) -> tuple[dict[str, Any], memoryview]:
+    """The JSON description and bytes of an array sent in a frame's blob."""
+    arr = np.ascontiguousarray(array, dtype=np.dtype(dtype).newbyteorder("<"))
+    return {"dtype": dtype, "shape": list(arr.shape)}, memoryview(arr).cast("B")
+
+
+def blob_array(spec: Any, blob: bytearray, *, offset: int = 0) -> tuple[np.ndarray, int]:
+    """The array a frame's blob carries at ``offset`` per ``spec``; returns it and the next offset."""
+    if not isinstance(spec, dict) or spec.get("dtype") not in ("float32", "int64"):
+        raise InvalidArgument(f"bad array description {spec!r}: dtype must be float32 or int64")
+    shape = spec.get("shape")
+    if not isinstance(shape, list) or not 1 <= len(shape) <= 2 or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise InvalidArgument(f"bad array shape {shape!r}")
+    dtype = np.dtype(spec["dtype"]).newbyteorder("<")
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if offset + nbytes > len(blob):
+        raise InvalidArgument(f"array of shape {shape} needs {nbytes} bytes, the message carries {len(blob) - offset}")
+    array = np.frombuffer(blob, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset).reshape(shape)
+    return array.astype(dtype.newbyteorder("="), copy=False), offset + nbytes

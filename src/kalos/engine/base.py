@@ -1,0 +1,288 @@
+"""The search-engine interface and the row bookkeeping every backend shares.
+
+An engine holds one row per memory: the unit vector plus the columns the scan filters on
+(namespace id, created_at, live flag). Rows are an implementation detail; everything that
+crosses the interface is a store id (int64). Deleting marks a row dead (a tombstone) and the
+scan skips it; once tombstones pass a quarter of the rows, :meth:`Engine.compact` squeezes
+them out with one pass. Capacity doubles when full, so adding n items costs O(n) amortised.
+
+Results: ``ids[Q, k]`` and ``scores[Q, k]``, best first. Where fewer than k rows pass the
+filters, the tail is padded with id ``-1`` and score ``-inf`` (FAISS's convention).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+from kalos.errors import InvalidArgument, InvalidQuery
+
+__all__ = ["Engine", "Filter", "MISSING_ID", "RowTable"]
+
+MISSING_ID = -1
+_COMPACT_FRACTION = 0.25
+_COMPACT_MIN_TOMBSTONES = 1024
+
+
+@dataclass(frozen=True)
+class Filter:
+    """Which rows a search may return: one namespace (None: all), created_at in [since, until)."""
+
+    namespace: int | None = None
+    since: float | None = None
+    until: float | None = None
+
+    @property
+    def is_trivial(self) -> bool:
+        return self.namespace is None and self.since is None and self.until is None
+
+
+class RowTable:
+    """Host-side columns of an engine's rows: id, namespace, created_at, live; id -> row map."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        capacity = max(1, capacity)
+        self.ids = np.full(capacity, MISSING_ID, dtype=np.int64)
+        self.namespaces = np.zeros(capacity, dtype=np.int32)
+        self.created_at = np.zeros(capacity, dtype=np.float64)
+        self.live = np.zeros(capacity, dtype=bool)
+        self.size = 0  # rows in use, tombstones included
+        self.live_count = 0
+        self._row_of: dict[int, int] = {}
+        self._masks: dict[Filter, np.ndarray] = {}
+
+    @property
+    def capacity(self) -> int:
+        return len(self.ids)
+
+    @property
+    def tombstones(self) -> int:
+        return self.size - self.live_count
+
+    def __contains__(self, item_id: int) -> bool:
+        return int(item_id) in self._row_of
+
+    def capacity_for(self, extra: int) -> int | None:
+        """The new capacity if ``extra`` more rows do not fit, else None (doubling growth)."""
+        needed = self.size + extra
+        if needed <= self.capacity:
+            return None
+        return max(needed, 2 * self.capacity)
+
+    def resize(self, capacity: int) -> None:
+        for name in ("ids", "namespaces", "created_at", "live"):
+            old = getattr(self, name)
+            new = np.zeros(capacity, dtype=old.dtype) if name != "ids" else np.full(capacity, MISSING_ID, np.int64)
+            new[: self.size] = old[: self.size]
+            setattr(self, name, new)
+
+    def check_new_ids(self, ids: np.ndarray) -> None:
+        if len(np.unique(ids)) != len(ids):
+            raise InvalidArgument("duplicate ids in one add")
+        clash = [int(i) for i in ids[:1000] if int(i) in self._row_of]
+        if clash:
+            raise InvalidArgument(f"ids already present: {clash[:5]}")
+
+    def append(self, ids: np.ndarray, namespaces: np.ndarray, created_at: np.ndarray) -> slice:
+        start, stop = self.size, self.size + len(ids)
+        self.ids[start:stop] = ids
+        self.namespaces[start:stop] = namespaces
+        self.created_at[start:stop] = created_at
+        self.live[start:stop] = True
+        self._row_of.update(zip(ids.tolist(), range(start, stop)))
+        self.size = stop
+        self.live_count += len(ids)
+        self._masks.clear()
+        return slice(start, stop)
+
+    def tombstone(self, ids: np.ndarray) -> np.ndarray:
+        """Marks the live rows of ``ids`` dead; returns their row numbers (unknown ids ignored)."""
+        rows = [self._row_of.pop(int(i)) for i in ids if int(i) in self._row_of]
+        rows_arr = np.asarray(rows, dtype=np.int64)
+        self.live[rows_arr] = False
+        self.live_count -= len(rows_arr)
+        if len(rows_arr):
+            self._masks.clear()
+        return rows_arr
+
+    def should_compact(self) -> bool:
+        dead = self.tombstones
+        return dead >= _COMPACT_MIN_TOMBSTONES and dead > _COMPACT_FRACTION * self.size
+
+    def compact(self) -> np.ndarray:
+        """Drops dead rows, keeping order; returns the old row number of each kept row."""
+        keep = np.flatnonzero(self.live[: self.size])
+        n = len(keep)
+        for name in ("ids", "namespaces", "created_at", "live"):
+            column = getattr(self, name)
+            column[:n] = column[keep]
+        self.ids[n : self.size] = MISSING_ID
+        self.live[n : self.size] = False
+        self.size = n
+        self._row_of = dict(zip(self.ids[:n].tolist(), range(n)))
+        self._masks.clear()
+        return keep
+
+    def mask(self, flt: Filter) -> np.ndarray | None:
+        """Rows (of ``size``) a search under ``flt`` may return, or None when all rows may."""
+        if flt.is_trivial and self.live_count == self.size:
+            return None
+        cached = self._masks.get(flt)
+        if cached is not None:
+            return cached
+        n = self.size
+        mask = self.live[:n].copy()
+        if flt.namespace is not None:
+            mask &= self.namespaces[:n] == flt.namespace
+        if flt.since is not None:
+            mask &= self.created_at[:n] >= flt.since
+        if flt.until is not None:
+            mask &= self.created_at[:n] < flt.until
+        if len(self._masks) > 64:  # many distinct time windows: keep the cache bounded
+            self._masks.clear()
+        self._masks[flt] = mask
+        return mask
+
+    def ids_of_rows(self, rows: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        ids = self.ids[rows]
+        ids[~np.isfinite(scores)] = MISSING_ID
+        return ids
+
+
+class Engine(ABC):
+    """Exact (or declared-approximate) top-k cosine search over unit vectors.
+
+    Callers (the sidecar) validate and normalise vectors before they reach an engine; the
+    engine still checks shapes, so a misuse fails loudly instead of corrupting rows.
+    Engines are not thread-safe: the sidecar serialises calls.
+    """
+
+    #: "cpu" for NumPy, "cuda:0" or "cpu" (PyTorch's CPU device) for the GPU engine.
+    device: str = "cpu"
+    #: A short name for stats and benchmarks.
+    name: str = "engine"
+
+    def __init__(self, dim: int, *, capacity: int = 1024) -> None:
+        if dim < 1:
+            raise InvalidArgument(f"dimension must be >= 1, got {dim}")
+        self.dim = dim
+        self.rows = RowTable(capacity)
+
+    # -- the interface -----------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.rows.live_count
+
+    def __contains__(self, item_id: int) -> bool:
+        return item_id in self.rows
+
+    @property
+    def capacity(self) -> int:
+        return self.rows.capacity
+
+    @property
+    def tombstones(self) -> int:
+        return self.rows.tombstones
+
+    def add(self, ids: np.ndarray, vectors: np.ndarray, namespaces: np.ndarray, created_at: np.ndarray) -> None:
+        """Appends rows. ``vectors`` must already be unit-norm float32 ``[n, dim]``."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+        n = len(ids)
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        if vectors.shape != (n, self.dim):
+            raise InvalidArgument(f"expected vectors of shape ({n}, {self.dim}), got {vectors.shape}")
+        namespaces = np.broadcast_to(np.asarray(namespaces, dtype=np.int32), (n,))
+        created_at = np.broadcast_to(np.asarray(created_at, dtype=np.float64), (n,))
+        if n == 0:
+            return
+        self.rows.check_new_ids(ids)
+        new_capacity = self.rows.capacity_for(n)
+        if new_capacity is not None:
+            self._resize(new_capacity)
+            self.rows.resize(new_capacity)
+        rows = self.rows.append(ids, namespaces, created_at)
+        self._write(rows, vectors)
+
+    def delete(self, ids: np.ndarray) -> int:
+        """Tombstones the live rows among ``ids``; returns how many. Compacts when due."""
+        rows = self.rows.tombstone(np.asarray(ids, dtype=np.int64).reshape(-1))
+        if len(rows):
+            self._tombstoned(rows)
+            if self.rows.should_compact():
+                self.compact()
+        return len(rows)
+
+    def compact(self) -> None:
+        """Removes tombstoned rows (one pass over the matrix)."""
+        if self.rows.tombstones:
+            keep = self.rows.compact()
+            self._compacted(keep)
+
+    def search(
+        self, queries: np.ndarray, k: int, flt: Filter = Filter()
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k by cosine for each unit-norm query row: ``(ids[Q, k] int64, scores[Q, k] float32)``."""
+        queries = np.asarray(queries, dtype=np.float32)
+        if queries.ndim != 2 or queries.shape[1] != self.dim:
+            raise InvalidQuery(f"expected queries of shape (Q, {self.dim}), got {queries.shape}")
+        if k < 1:
+            raise InvalidQuery(f"k must be >= 1, got {k}")
+        q = len(queries)
+        n = self.rows.size
+        if q == 0:
+            return np.empty((0, k), np.int64), np.empty((0, k), np.float32)
+        if n == 0:
+            return np.full((q, k), MISSING_ID, np.int64), np.full((q, k), -np.inf, np.float32)
+        rows, scores = self._search(queries, min(k, n), self.rows.mask(flt))
+        ids = self.rows.ids_of_rows(rows, scores)
+        if k > n:
+            ids = np.pad(ids, ((0, 0), (0, k - n)), constant_values=MISSING_ID)
+            scores = np.pad(scores, ((0, 0), (0, k - n)), constant_values=-np.inf)
+        return ids, scores
+
+    def memory_bytes(self) -> int:
+        """Bytes this engine holds for vectors and row columns (device memory for GPU engines)."""
+        return self._vector_bytes() + sum(
+            c.nbytes for c in (self.rows.ids, self.rows.namespaces, self.rows.created_at, self.rows.live)
+        )
+
+    # -- what a backend implements -------------------------------------------------------
+
+    @abstractmethod
+    def _resize(self, capacity: int) -> None:
+        """Grows vector storage to ``capacity`` rows, keeping rows ``[0, rows.size)``."""
+
+    @abstractmethod
+    def _write(self, rows: slice, vectors: np.ndarray) -> None:
+        """Stores ``vectors`` at ``rows`` (row columns are already in ``self.rows``)."""
+
+    def _tombstoned(self, rows: np.ndarray) -> None:
+        """Hook: rows just marked dead in ``self.rows.live`` (device mirrors update here)."""
+
+    @abstractmethod
+    def _compacted(self, keep: np.ndarray) -> None:
+        """Moves vector ``keep[i]`` to row ``i`` for every i (``self.rows`` is already compacted)."""
+
+    @abstractmethod
+    def _search(
+        self, queries: np.ndarray, k: int, mask: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k rows among ``[0, rows.size)`` where ``mask`` (None: all) holds.
+
+        ``1 <= k <= rows.size``. Returns ``(rows[Q, k] int64, scores[Q, k] float32)`` best
+        first; a masked-out row may appear only with score ``-inf``.
+        """
+
+    @abstractmethod
+    def _vector_bytes(self) -> int:
+        """Bytes of vector storage."""
+
+
+def as_unit_rows(vectors: np.ndarray) -> np.ndarray:
+    """Float32 rows scaled to unit norm (norms computed in float64 for accuracy)."""
+    v = np.asarray(vectors, dtype=np.float64)
+    norms = np.sqrt(np.einsum("ij,ij->i", v, v))
+    return (v / norms[:, None]).astype(np.float32)
+
+

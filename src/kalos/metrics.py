@@ -1,0 +1,50 @@
+"""Counters and latency percentiles the sidecar reports through ``stats``."""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import numpy as np
+
+__all__ = ["Metrics"]
+
+
+class Metrics:
+    """Batches served, queries answered, and a window of recent per-batch service times."""
+
+    def __init__(self, window: int = 8192) -> None:
+        self._lock = threading.Lock()
+        self._service_s: collections.deque[float] = collections.deque(maxlen=window)
+        self._stamps: collections.deque[tuple[float, int]] = collections.deque(maxlen=window)
+        self.queries = 0
+        self.batches = 0
+        self.errors = 0
+        self.started = time.time()
+
+    def record(self, n_queries: int, service_s: float) -> None:
+        with self._lock:
+            self.queries += n_queries
+            self.batches += 1
+            self._service_s.append(service_s)
+            self._stamps.append((time.monotonic(), n_queries))
+
+    def record_error(self) -> None:
+        with self._lock:
+            self.errors += 1
+
+    def snapshot(self, qps_window_s: float = 10.0) -> dict[str, float | int]:
+        with self._lock:
+            service = np.fromiter(self._service_s, dtype=np.float64)
+            now = time.monotonic()
+            recent = sum(n for t, n in self._stamps if now - t <= qps_window_s)
+            span = min(qps_window_s, max(1e-9, now - (self._stamps[0][0] if self._stamps else now)))
+            return {
+                "queries": self.queries,
+                "batches": self.batches,
+                "errors": self.errors,
+                "uptime_s": round(time.time() - self.started, 3),
+                "qps": round(recent / span, 1) if recent else 0.0,
+                "service_p50_us": round(float(np.percentile(service, 50)) * 1e6, 1) if len(service) else None,
+                "service_p99_us": round(float(np.percentile(service, 99)) * 1e6, 1) if len(service) else None,
+            }

@@ -1,0 +1,278 @@
+"""The byte layout of a Kalos shared-memory segment, declared once.
+
+Nothing outside this module knows an offset. A segment is one header followed by
+``n_slots`` equal slots; every slot belongs to one client at a time, so each word has exactly
+one writer and no compare-and-swap is ever needed::
+
+    offset 0              +--------------------------------------------------+
+                          | header (HEADER_DTYPE), padded to one page         |
+                          |   magic, version, sizes, epoch, heartbeat,       |
+                          |   sidecar_sleeping                                |
+    header_size           +--------------------------------------------------+
+    + i * slot_size       | slot i                                           |
+                          |   request  (REQUEST_DTYPE, written by the client) |
+                          |     req_seq, op, k, n_queries, flags, since,     |
+                          |     until, client_sleeping, namespace            |
+                          |   response (RESPONSE_DTYPE, written by sidecar)  |
+                          |     resp_seq, status, n_results, message         |
+                          |   queries  float32[max_batch, dim]   (client)    |
+                          |   ids      int64  [max_batch, max_k] (sidecar)   |
+                          |   scores   float32[max_batch, max_k] (sidecar)   |
+                          +--------------------------------------------------+
+
+A request is pending while ``req_seq != resp_seq``. The client fills the request and query
+rows, then increments ``req_seq``; the sidecar answers by writing the result rows and the
+response, then storing ``resp_seq = req_seq``. Why those stores become visible in that order
+to the other process is argued in :mod:`kalos.sync`.
+
+Every slot and every area starts on a 64-byte boundary (no false sharing between the
+client's request line and the sidecar's response line) and slots are whole pages, so the
+result areas can be page-locked for the GPU independently.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import mmap
+
+import numpy as np
+
+from kalos.errors import ProtocolMismatch
+
+__all__ = [
+    "MAGIC",
+    "VERSION",
+    "Op",
+    "RequestFlag",
+    "NAMESPACE_BYTES",
+    "MESSAGE_BYTES",
+    "HEADER_DTYPE",
+    "REQUEST_DTYPE",
+    "RESPONSE_DTYPE",
+    "Layout",
+    "HeaderView",
+    "SlotView",
+    "SlotColumns",
+]
+
+MAGIC = int.from_bytes(b"KALOSSHM", "little")
+VERSION = 1
+NAMESPACE_BYTES = 64
+MESSAGE_BYTES = 192
+_LINE = 64
+_PAGE = mmap.PAGESIZE
+
+
+class Op(enum.IntEnum):
+    RECALL = 1
+    PING = 2  # answered without touching the engine: the bare channel round trip
+
+
+class RequestFlag(enum.IntFlag):
+    ALL_NAMESPACES = 1
+    HAS_SINCE = 2
+    HAS_UNTIL = 4
+
+
+HEADER_DTYPE = np.dtype(
+    {
+        "names": [
+            "magic", "version", "header_size", "slot_size", "n_slots", "dim", "max_k",
+            "max_batch", "epoch", "heartbeat_ns", "sidecar_pid", "sidecar_sleeping",
+        ],
+        "formats": ["<u8", "<u4", "<u4", "<u8", "<u4", "<u4", "<u4", "<u4", "<u8", "<u8", "<u4", "<u4"],
+        "offsets": [0, 8, 12, 16, 24, 28, 32, 36, 40, 48, 56, 64],
+        "itemsize": 128,
+    }
+)
+
+REQUEST_DTYPE = np.dtype(
+    {
+        "names": ["req_seq", "op", "k", "n_queries", "flags", "since", "until", "client_sleeping",
+                  "namespace_len", "namespace"],
+        "formats": ["<u8", "<u4", "<u4", "<u4", "<u4", "<f8", "<f8", "<u4", "<u4", f"S{NAMESPACE_BYTES}"],
+        "offsets": [0, 8, 12, 16, 20, 24, 32, 40, 44, 48],
+        "itemsize": 128,
+    }
+)
+
+RESPONSE_DTYPE = np.dtype(
+    {
+        "names": ["resp_seq", "status", "n_results", "message_len", "message"],
+        "formats": ["<u8", "<u4", "<u4", "<u4", f"S{MESSAGE_BYTES}"],
+        "offsets": [0, 8, 12, 16, 64],
+        "itemsize": 64 + MESSAGE_BYTES,
+    }
+)
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Every offset and size of a segment, derived from four numbers."""
+
+    n_slots: int
+    dim: int
+    max_k: int
+    max_batch: int
+
+    @property
+    def header_size(self) -> int:
+        return _align(HEADER_DTYPE.itemsize, _PAGE)
+
+    @property
+    def request_offset(self) -> int:
+        return 0
+
+    @property
+    def response_offset(self) -> int:
+        return _align(REQUEST_DTYPE.itemsize, _LINE)
+
+    @property
+    def queries_offset(self) -> int:
+        return _align(self.response_offset + RESPONSE_DTYPE.itemsize, _LINE)
+
+    @property
+    def ids_offset(self) -> int:
+        return _align(self.queries_offset + 4 * self.max_batch * self.dim, _LINE)
+
+    @property
+    def scores_offset(self) -> int:
+        return _align(self.ids_offset + 8 * self.max_batch * self.max_k, _LINE)
+
+    @property
+    def slot_size(self) -> int:
+        return _align(self.scores_offset + 4 * self.max_batch * self.max_k, _PAGE)
+
+    @property
+    def size(self) -> int:
+        return self.header_size + self.n_slots * self.slot_size
+
+    def slot_offset(self, slot: int) -> int:
+        if not 0 <= slot < self.n_slots:
+            raise ProtocolMismatch(f"slot {slot} is outside the segment's {self.n_slots} slots")
+        return self.header_size + slot * self.slot_size
+
+    def write_header(self, buf: memoryview, *, epoch: int, pid: int) -> None:
+        header = np.ndarray((), HEADER_DTYPE, buf, 0)
+        header["version"] = VERSION
+        header["header_size"] = self.header_size
+        header["slot_size"] = self.slot_size
+        header["n_slots"] = self.n_slots
+        header["dim"] = self.dim
+        header["max_k"] = self.max_k
+        header["max_batch"] = self.max_batch
+        header["epoch"] = epoch
+        header["sidecar_pid"] = pid
+        header["magic"] = MAGIC  # last: a reader that sees the magic sees the sizes
+
+    @classmethod
+    def read_header(cls, buf: memoryview, *, source: str) -> "Layout":
+        """The layout a segment declares, after checking magic, version and sizes."""
+        if len(buf) < HEADER_DTYPE.itemsize:
+            raise ProtocolMismatch(f"{source}: {len(buf)} bytes is too small for a Kalos segment header")
+        header = np.ndarray((), HEADER_DTYPE, buf, 0)
+        if int(header["magic"]) != MAGIC:
+            raise ProtocolMismatch(f"{source}: not a Kalos segment (magic {int(header['magic']):#x}, expected {MAGIC:#x})")
+        if int(header["version"]) != VERSION:
+            raise ProtocolMismatch(
+                f"{source}: segment protocol version {int(header['version'])}, this client speaks {VERSION}; "
+                "upgrade the older of client and sidecar"
+            )
+        layout = cls(int(header["n_slots"]), int(header["dim"]), int(header["max_k"]), int(header["max_batch"]))
+        declared = (int(header["header_size"]), int(header["slot_size"]))
+        if declared != (layout.header_size, layout.slot_size) or len(buf) < layout.size:
+            raise ProtocolMismatch(
+                f"{source}: segment sizes disagree with its header (header/slot {declared}, "
+                f"expected {(layout.header_size, layout.slot_size)}; {len(buf)} bytes mapped, {layout.size} needed)"
+            )
+        return layout
+
+
+def _scalar_views(buf: memoryview, base: int, dtype: np.dtype) -> dict[str, np.ndarray]:
+    """One single-element array per field: ``view[0]`` reads or writes that field in place.
+
+    Reading one element of a plain array costs a fraction of a structured-field access,
+    and these reads sit on the hot path.
+    """
+    views = {}
+    for name, (field_dtype, offset) in dtype.fields.items():
+        views[name] = np.ndarray((1,), field_dtype, buf, base + offset)
+    return views
+
+
+class HeaderView:
+    """Field views of the segment header."""
+
+    def __init__(self, buf: memoryview) -> None:
+        fields = _scalar_views(buf, 0, HEADER_DTYPE)
+        self.epoch = fields["epoch"]
+        self.heartbeat_ns = fields["heartbeat_ns"]
+        self.sidecar_pid = fields["sidecar_pid"]
+        self.sidecar_sleeping = fields["sidecar_sleeping"]
+
+
+class SlotView:
+    """Field and array views of one slot."""
+
+    def __init__(self, buf: memoryview, layout: Layout, slot: int) -> None:
+        base = layout.slot_offset(slot)
+        self.index = slot
+        request = _scalar_views(buf, base + layout.request_offset, REQUEST_DTYPE)
+        response = _scalar_views(buf, base + layout.response_offset, RESPONSE_DTYPE)
+        self.req_seq = request["req_seq"]
+        self.op = request["op"]
+        self.k = request["k"]
+        self.n_queries = request["n_queries"]
+        self.flags = request["flags"]
+        self.since = request["since"]
+        self.until = request["until"]
+        self.client_sleeping = request["client_sleeping"]
+        self.namespace_len = request["namespace_len"]
+        self.namespace = request["namespace"]
+        self.resp_seq = response["resp_seq"]
+        self.status = response["status"]
+        self.n_results = response["n_results"]
+        self.message_len = response["message_len"]
+        self.message = response["message"]
+        self.queries = np.ndarray((layout.max_batch, layout.dim), np.float32, buf, base + layout.queries_offset)
+        self.ids = np.ndarray((layout.max_batch, layout.max_k), np.int64, buf, base + layout.ids_offset)
+        self.scores = np.ndarray((layout.max_batch, layout.max_k), np.float32, buf, base + layout.scores_offset)
+        self.request_bytes = np.ndarray((REQUEST_DTYPE.itemsize,), np.uint8, buf, base + layout.request_offset)
+        self.response_bytes = np.ndarray((RESPONSE_DTYPE.itemsize,), np.uint8, buf, base + layout.response_offset)
+
+    def read_namespace(self) -> bytes:
+        n = min(int(self.namespace_len[0]), NAMESPACE_BYTES)
+        return self.namespace[0][:n] if n else b""
+
+    def write_message(self, text: str) -> None:
+        data = text.encode("utf-8", "replace")[:MESSAGE_BYTES]
+        self.message[0] = data
+        self.message_len[0] = len(data)
+
+    def read_message(self) -> str:
+        n = min(int(self.message_len[0]), MESSAGE_BYTES)
+        return self.message[0][:n].decode("utf-8", "replace")
+
+    def reset(self) -> None:
+        """Zeroes the control words (the sidecar does this before handing the slot out)."""
+        self.request_bytes[:] = 0
+        self.response_bytes[:] = 0
+
+
+class SlotColumns:
+    """Strided views of one request word across all slots, for the sidecar's sweep."""
+
+    def __init__(self, buf: memoryview, layout: Layout) -> None:
+        def column(field: str) -> np.ndarray:
+            dtype, offset = REQUEST_DTYPE.fields[field]
+            return np.ndarray(
+                (layout.n_slots,), dtype, buf, layout.header_size + layout.request_offset + offset,
+                strides=(layout.slot_size,),
+            )
+
+        self.req_seq = column("req_seq")
+        self.client_sleeping = column("client_sleeping")

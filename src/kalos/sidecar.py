@@ -1,0 +1,518 @@
+"""The Kalos sidecar: one process that owns the store, the engine and the shared segment.
+
+Threads:
+  * the sweep (the thread that calls :meth:`Sidecar.serve_forever`): finds pending recalls in
+    the slots, answers all of them as one batch per filter, publishes the answers;
+  * the acceptor, and one thread per control connection: hello (slot assignment), add,
+    delete, get, stats. A connection's slot is freed when the connection closes, which the
+    kernel does for a client that dies;
+  * the heartbeat: stamps the segment header every ``heartbeat_interval_s``.
+
+``_state_lock`` serialises the engine and the slot table between the sweep and the control
+threads; ``_write_lock`` serialises writers so that the store and the engine see adds and
+deletes in the same order (a delete can never overtake the add it deletes).
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import logging
+import os
+import secrets
+import signal
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from kalos.channel import Endpoint, Segment, SidecarChannel
+from kalos.config import settings
+from kalos.control import (
+    PROTOCOL_VERSION,
+    ConnectionClosed,
+    array_blob,
+    blob_array,
+    error_reply,
+    ok_reply,
+    recv_fd,
+    recv_frame,
+    send_fd,
+    send_frame,
+)
+from kalos.engine import Engine, Filter, make_engine
+from kalos.errors import (
+    DimensionMismatch,
+    InvalidArgument,
+    InvalidQuery,
+    KalosError,
+    ProtocolMismatch,
+    ServerError,
+    SidecarAlreadyRunning,
+    UnknownNamespace,
+)
+from kalos.metrics import Metrics
+from kalos.protocol import Layout, Op, RequestFlag, SlotView
+from kalos.store import Store
+
+__all__ = ["SidecarConfig", "Sidecar"]
+
+log = logging.getLogger("kalos.sidecar")
+_PEERCRED = struct.Struct("3i")
+_KNOWN_FLAGS = int(RequestFlag.ALL_NAMESPACES | RequestFlag.HAS_SINCE | RequestFlag.HAS_UNTIL)
+
+
+@dataclasses.dataclass(frozen=True)
+class SidecarConfig:
+    store: Path
+    name: str = "default"
+    dim: int | None = None
+    device: str = "auto"
+    slots: int = dataclasses.field(default_factory=lambda: settings().slots)
+    max_k: int = dataclasses.field(default_factory=lambda: settings().max_k)
+    max_batch: int = dataclasses.field(default_factory=lambda: settings().max_batch)
+    spin_us: float = dataclasses.field(default_factory=lambda: settings().sidecar_spin_us)
+    heartbeat_interval_s: float = dataclasses.field(default_factory=lambda: settings().heartbeat_interval_s)
+    seed_compat: bool = False
+
+    def __post_init__(self) -> None:
+        for field, low, high in (("slots", 1, 4096), ("max_k", 1, 65536), ("max_batch", 1, 65536)):
+            value = getattr(self, field)
+            if not isinstance(value, int) or not low <= value <= high:
+                raise InvalidArgument(f"{field} must be an integer in [{low}, {high}], got {value!r}")
+        if self.spin_us < 0:
+            raise InvalidArgument(f"spin_us must be >= 0, got {self.spin_us}")
+        if not 0 < self.heartbeat_interval_s <= 1:
+            raise InvalidArgument(f"heartbeat interval must be in (0, 1] s, got {self.heartbeat_interval_s}")
+
+
+class _NameLock:
+    """An exclusive flock on ``<runtime>/<name>.lock``: one sidecar per name.
+
+    The file is never unlinked (unlinking a lock file races with the next locker); the pid
+    written into it only serves the error message of a second sidecar.
+    """
+
+    def __init__(self, path: Path, name: str) -> None:
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self._fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise SidecarAlreadyRunning(f"a sidecar named {name!r} is already running (pid {holder})") from None
+            raise
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class Sidecar:
+    """Serves one store to the clients of one host. Construct, then :meth:`serve_forever`."""
+
+    def __init__(self, config: SidecarConfig, *, engine_factory: Callable[[str, int, int], Engine] | None = None) -> None:
+        self.config = config
+        self.endpoint = Endpoint(config.name)
+        self.epoch = secrets.randbits(63) | 1
+        self.metrics = Metrics()
+        self._stopping = threading.Event()
+        self._state_lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._connections: set[socket.socket] = set()
+        self._listener: socket.socket | None = None
+        self._segment: Segment | None = None
+        self._seed: Any = None
+        self.store: Store | None = None
+        self._name_lock = _NameLock(self.endpoint.lock_path, config.name)
+        try:
+            self.store = Store.open(config.store, dim=config.dim)
+            started = time.perf_counter()
+            factory = engine_factory or (lambda device, dim, capacity: make_engine(device, dim, capacity=capacity))
+            self.engine = factory(config.device, self.store.dim, max(1024, self.store.count()))
+            for ids, vectors, namespace_ids, created_at in self.store.iter_rows():
+                self.engine.add(ids, vectors, namespace_ids, created_at)
+            self.load_seconds = time.perf_counter() - started
+            self._namespaces = {name.encode(): ns for name, ns in self.store.namespaces().items()}
+            self.layout = Layout(config.slots, self.store.dim, config.max_k, config.max_batch)
+            self._segment = Segment(self.endpoint.segment_name, create_size=self.layout.size)
+            self.layout.write_header(self._segment.buf, epoch=self.epoch, pid=os.getpid())
+            self.channel = SidecarChannel(self._segment, self.layout, epoch=self.epoch)
+            self.channel.stamp_heartbeat()
+            self._listener = self._listen(self.endpoint.socket_path)
+            if config.seed_compat:
+                from kalos.seed_compat import SeedCompatServer
+
+                self._seed = SeedCompatServer(
+                    search=self._search_all, dim=self.store.dim, spin_us=config.spin_us, log=log
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    @staticmethod
+    def _listen(path: Path) -> socket.socket:
+        try:
+            path.unlink()  # left behind by a sidecar that was killed; the name lock is ours
+        except FileNotFoundError:
+            pass
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)  # the socket is born 0600: no window where others may connect
+        try:
+            listener.bind(str(path))
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, 0o600)
+        listener.listen(64)
+        return listener
+
+    def ready_message(self) -> str:
+        return (
+            f"kalos sidecar {self.config.name!r} ready: {len(self.engine):,} memories (dim {self.store.dim}) "
+            f"on {self.engine.device} ({self.engine.name}), loaded in {self.load_seconds:.2f} s; "
+            f"store {self.store.path}; socket {self.endpoint.socket_path}"
+            + ("; seed-compat segment /kalos_recall_shm" if self._seed is not None else "")
+        )
+
+    def serve_forever(self, *, install_signal_handlers: bool = False) -> None:
+        """Runs the sweep in this thread until :meth:`stop` (or SIGINT/SIGTERM when asked)."""
+        if install_signal_handlers:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda _sig, _frame: self.stop())
+        self._start_thread(self._heartbeat, "kalos-heartbeat")
+        self._start_thread(self._accept, "kalos-accept")
+        if self._seed is not None:
+            self._seed.start()
+        try:
+            self._sweep()
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        """Asks the sidecar to shut down (safe from signal handlers and other threads)."""
+        self._stopping.set()
+        channel = getattr(self, "channel", None)
+        if channel is not None and channel.doorbell_fd >= 0:
+            channel.ring()
+
+    def close(self) -> None:
+        """Releases everything; clients see their connection close and reconnect later."""
+        self._stopping.set()
+        if self._seed is not None:
+            self._seed.stop()
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+            self._listener = None
+            try:
+                self.endpoint.socket_path.unlink()
+            except FileNotFoundError:
+                pass
+        for conn in list(self._connections):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5)
+        self._threads.clear()
+        if getattr(self, "channel", None) is not None:
+            with self._state_lock:
+                self.channel.close()
+            self.channel = None
+        if self._segment is not None:
+            self._segment.unlink()
+            self._segment.close()
+            self._segment = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+        self._name_lock.release()
+
+    def _start_thread(self, target: Callable[..., None], name: str, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _heartbeat(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        while not self._stopping.wait(interval):
+            self.channel.stamp_heartbeat()
+
+    # -- the recall path ---------------------------------------------------------------
+
+    def _sweep(self) -> None:
+        channel = self.channel
+        spin_s = self.config.spin_us / 1e6
+        clock = time.perf_counter
+        last_work = clock()
+        while not self._stopping.is_set():
+            with self._state_lock:
+                slots, seqs = channel.pending()
+                if len(slots):
+                    self._answer(slots, seqs)
+            if len(slots):
+                last_work = clock()
+            elif clock() - last_work < spin_s:
+                # Hot: keep sweeping, but hand the GIL to a waiting control thread at once
+                # instead of after the interpreter's 5 ms switch interval.
+                time.sleep(0)
+            else:
+                channel.sleep(timeout_s=0.5)
+                last_work = clock() - spin_s  # spin again only once a request has arrived
+
+    def _answer(self, slots: np.ndarray, seqs: np.ndarray) -> None:
+        """Answers the requests in ``slots`` (all of them, errors included), then publishes."""
+        started = time.perf_counter()
+        groups: dict[Filter, list[tuple[SlotView, int, np.ndarray]]] = {}
+        n_queries = 0
+        for index in slots.tolist():
+            view = self.channel.slots[index]
+            try:
+                op, k, flt, queries = self._read_request(view)
+            except KalosError as exc:
+                self._answer_error(view, exc)
+                continue
+            if op == Op.PING:
+                view.status[0] = 0
+                view.n_results[0] = 0
+                continue
+            groups.setdefault(flt, []).append((view, k, queries))
+            n_queries += len(queries)
+        for flt, members in groups.items():
+            batch = members[0][2] if len(members) == 1 else np.concatenate([m[2] for m in members])
+            k_max = max(k for _view, k, _q in members)
+            try:
+                ids, scores = self.engine.search(batch, k_max, flt)
+            except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
+                log.exception("engine search failed")
+                for view, _k, _q in members:
+                    self._answer_error(view, ServerError(f"search failed: {type(exc).__name__}: {exc}"))
+                continue
+            row = 0
+            for view, k, queries in members:
+                n = len(queries)
+                view.ids[:n, :k] = ids[row : row + n, :k]
+                view.scores[:n, :k] = scores[row : row + n, :k]
+                view.n_results[0] = k
+                view.status[0] = 0
+                row += n
+        self.channel.publish(slots, seqs)
+        if n_queries:
+            self.metrics.record(n_queries, time.perf_counter() - started)
+
+    def _answer_error(self, view: SlotView, exc: KalosError) -> None:
+        self.metrics.record_error()
+        view.n_results[0] = 0
+        view.write_message(str(exc))
+        view.status[0] = int(exc.code)
+
+    def _read_request(self, view: SlotView) -> tuple[int, int, Filter, np.ndarray]:
+        """Validates one slot's request; the query rows come back copied, normalised."""
+        layout = self.layout
+        op = int(view.op[0])
+        if op == Op.PING:
+            return op, 0, Filter(), np.empty((0, layout.dim), np.float32)
+        if op != Op.RECALL:
+            raise InvalidQuery(f"unknown operation code {op}")
+        n, k, flags = int(view.n_queries[0]), int(view.k[0]), int(view.flags[0])
+        if not 1 <= n <= layout.max_batch:
+            raise InvalidQuery(f"batch of {n} queries: a request carries 1 to {layout.max_batch}")
+        if not 1 <= k <= layout.max_k:
+            raise InvalidQuery(f"k={k} is out of range: 1 <= k <= {layout.max_k}")
+        if flags & ~_KNOWN_FLAGS:
+            raise InvalidQuery(f"unknown request flags {flags & ~_KNOWN_FLAGS:#x}")
+        namespace = None
+        if not flags & RequestFlag.ALL_NAMESPACES:
+            raw = view.read_namespace()
+            namespace = self._namespaces.get(raw)
+            if namespace is None:
+                shown = raw.decode("utf-8", "replace")
+                raise UnknownNamespace(f"namespace {shown!r} holds no memories")
+        since = float(view.since[0]) if flags & RequestFlag.HAS_SINCE else None
+        until = float(view.until[0]) if flags & RequestFlag.HAS_UNTIL else None
+        for label, value in (("since", since), ("until", until)):
+            if value is not None and not np.isfinite(value):
+                raise InvalidQuery(f"{label} must be a finite time, got {value}")
+        if since is not None and until is not None and since >= until:
+            raise InvalidQuery(f"empty time range: since={since} is not before until={until}")
+        queries = view.queries[:n].copy()
+        return op, k, Filter(namespace, since, until), normalise_rows(queries, what="query", error=InvalidQuery)
+
+    def _search_all(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Search over every namespace (the seed-compat protocol has no filters)."""
+        with self._state_lock:
+            return self.engine.search(queries, k, Filter())
+
+    # -- the control path ----------------------------------------------------------------
+
+    def _accept(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # listener closed by close()
+            pid, uid, _gid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            if uid != os.getuid():
+                log.warning("refused a control connection from uid %d (pid %d): not this sidecar's user", uid, pid)
+                try:
+                    send_frame(conn, error_reply(ProtocolMismatch(f"uid {uid} may not use the sidecar of uid {os.getuid()}")))
+                finally:
+                    conn.close()
+                continue
+            self._connections.add(conn)
+            self._start_thread(self._serve_connection, f"kalos-conn-{pid}", conn)
+
+    def _serve_connection(self, conn: socket.socket) -> None:
+        slot: int | None = None
+        max_bytes = settings().max_message_bytes
+        try:
+            while not self._stopping.is_set():
+                try:
+                    message, blob = recv_frame(conn, max_bytes=max_bytes)
+                except ProtocolMismatch as exc:
+                    send_frame(conn, error_reply(exc))
+                    return  # the stream is out of step: drop the connection
+                op = message.get("op")
+                try:
+                    if op == "hello":
+                        if slot is not None:
+                            raise InvalidArgument("this connection already holds a slot")
+                        slot = self._hello(conn, message)
+                        continue
+                    handler = self._handlers.get(op) if isinstance(op, str) else None
+                    if handler is None:
+                        raise InvalidArgument(f"unknown control operation {op!r}")
+                    reply, out_blob = handler(self, message, blob)
+                except KalosError as exc:
+                    reply, out_blob = error_reply(exc), b""
+                except Exception as exc:
+                    log.exception("control operation %r failed", op)
+                    reply, out_blob = error_reply(ServerError(f"{op} failed: {type(exc).__name__}: {exc}")), b""
+                send_frame(conn, reply, out_blob)
+        except (ConnectionClosed, OSError):
+            pass
+        finally:
+            if slot is not None:
+                with self._state_lock:
+                    if self.channel is not None:
+                        self.channel.deactivate(slot)
+            self._connections.discard(conn)
+            conn.close()
+
+    def _hello(self, conn: socket.socket, message: dict[str, Any]) -> int | None:
+        if message.get("protocol") != PROTOCOL_VERSION:
+            raise ProtocolMismatch(
+                f"client speaks control protocol {message.get('protocol')!r}, this sidecar {PROTOCOL_VERSION}"
+            )
+        wake_fd = recv_fd(conn)
+        with self._state_lock:
+            slot = self.channel.free_slot()
+            if slot is None:
+                os.close(wake_fd)
+                raise InvalidArgument(
+                    f"all {self.layout.n_slots} slots are in use; restart the sidecar with more --slots"
+                )
+            self.channel.activate(slot, wake_fd)
+        send_frame(conn, ok_reply(
+            slot=slot, segment=self.endpoint.segment_name, epoch=self.epoch, dim=self.layout.dim,
+            max_k=self.layout.max_k, max_batch=self.layout.max_batch, n_slots=self.layout.n_slots,
+        ))
+        send_fd(conn, self.channel.doorbell_fd)
+        return slot
+
+    def _op_add(self, message: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        vectors, _ = blob_array(message.get("vectors"), blob)
+        if vectors.ndim != 2 or vectors.dtype != np.float32:
+            raise InvalidArgument(f"vectors must be a 2-D float32 array, got shape {vectors.shape}")
+        if vectors.shape[1] != self.store.dim:
+            raise DimensionMismatch(f"vectors have dimension {vectors.shape[1]}, the store holds dimension {self.store.dim}")
+        namespace = message.get("namespace", "default")
+        unit = normalise_rows(vectors.copy(), what="vector", error=InvalidArgument)
+        with self._write_lock:
+            ids, namespace_id, created_at = self.store.add(
+                unit, namespace=namespace, texts=message.get("texts"), metadata=message.get("metadata"),
+                created_at=message.get("created_at"),
+            )
+            with self._state_lock:
+                self.engine.add(ids, unit, np.int32(namespace_id), created_at)
+                self._namespaces[namespace.encode()] = namespace_id
+        spec, out = array_blob(ids, "int64")
+        return ok_reply(ids=spec), out
+
+    def _op_delete(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        ids = _int_list(message.get("ids"), "ids")
+        with self._write_lock:
+            deleted = self.store.delete(ids)
+            with self._state_lock:
+                self.engine.delete(deleted)
+        return ok_reply(deleted=len(deleted)), b""
+
+    def _op_get(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        items = self.store.get(_int_list(message.get("ids"), "ids"))
+        return ok_reply(items=[dataclasses.asdict(item) if item is not None else None for item in items]), b""
+
+    def _op_stats(self, _message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        with self._state_lock:
+            engine = {
+                "count": len(self.engine), "capacity": self.engine.capacity, "tombstones": self.engine.tombstones,
+                "device": self.engine.device, "engine": self.engine.name, "engine_bytes": self.engine.memory_bytes(),
+                "clients": int(self.channel.active.sum()),
+            }
+        return ok_reply(
+            name=self.config.name, pid=os.getpid(), epoch=self.epoch, dim=self.store.dim,
+            store=str(self.store.path), store_bytes=self.store.size_bytes(),
+            namespaces=self.store.namespace_counts(), slots=self.layout.n_slots, max_k=self.layout.max_k,
+            max_batch=self.layout.max_batch, **engine, **self.metrics.snapshot(),
+            seed_compat=self._seed.stats if self._seed is not None else None,
+        ), b""
+
+    def _op_compact(self, _message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        with self._write_lock, self._state_lock:
+            before = self.engine.tombstones
+            self.engine.compact()
+        return ok_reply(removed=before), b""
+
+    _handlers: dict[str, Callable[["Sidecar", dict[str, Any], bytearray], tuple[dict[str, Any], bytes]]] = {
+        "add": _op_add,
+        "delete": _op_delete,
+        "get": _op_get,
+        "stats": _op_stats,
+        "compact": _op_compact,
+    }
+
+
+def normalise_rows(rows: np.ndarray, *, what: str, error: type[KalosError]) -> np.ndarray:
+    """Rows scaled to unit norm in place; ``error`` names the first NaN/inf or zero row."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        squared = np.einsum("ij,ij->i", rows, rows, dtype=np.float64)
+    bad = ~np.isfinite(squared) | (squared <= 0)
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        reason = "contains NaN or infinity" if not np.all(np.isfinite(rows[row])) else "is all zeros"
+        raise error(f"{what} {row} {reason}; it has no direction to compare by cosine")
+    rows *= (1.0 / np.sqrt(squared)).astype(np.float32)[:, None]
+    return rows
+
+
+def _int_list(value: Any, label: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise InvalidArgument(f"{label} must be a list of integers")
+    if any(not -(2**63) <= v < 2**63 for v in value):
+        raise InvalidArgument(f"{label} must fit in int64")
+    return value
