@@ -31,10 +31,11 @@ from kalos.errors import InvalidArgument, ProtocolMismatch, SidecarUnavailable
 from kalos.protocol import HeaderView, Layout, SlotColumns, SlotView
 from kalos.sync import full_fence
 
-__all__ = ["Endpoint", "Segment", "ClientChannel", "SidecarChannel", "Reply"]
+__all__ = ["Endpoint", "Segment", "ClientChannel", "SidecarChannel", "Reply", "SidecarExited"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _SHM_DIR = Path("/dev/shm")
+_NO_SEQS = np.empty(0, dtype=np.uint64)
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,10 @@ class Segment:
             pass
 
 
+class SidecarExited(SidecarUnavailable):
+    """The sidecar's end of the control socket closed: it exited or was killed (not merely slow)."""
+
+
 @dataclass
 class Reply:
     status: int
@@ -200,7 +205,7 @@ class ClientChannel:
             slot.client_sleeping[0] = 0
             for fd, _event in events:
                 if fd == self._control_fd:
-                    raise SidecarUnavailable("the sidecar closed the connection (it exited or was killed)")
+                    raise SidecarExited("the sidecar closed the connection (it exited or was killed)")
                 try:
                     os.eventfd_read(self._wake_fd)
                 except BlockingIOError:
@@ -256,11 +261,15 @@ class SidecarChannel:
 
     def pending(self) -> tuple[np.ndarray, np.ndarray]:
         """Slots with an unanswered request, and the req_seq seen for each."""
-        seqs = self._columns.req_seq.copy()
-        ready = np.flatnonzero(self.active & (seqs != self.answered))
-        if len(ready):
-            full_fence()  # acquire: req_seq was read before the request fields and rows
-        return ready, seqs[ready]
+        req_seq = self._columns.req_seq
+        ready = np.flatnonzero((req_seq != self.answered) & self.active)
+        if not len(ready):
+            return ready, _NO_SEQS
+        # An honest client does not touch its slot while its request is pending, so reading
+        # req_seq a second time here yields the value compared above.
+        seqs = req_seq[ready]
+        full_fence()  # acquire: req_seq was read before the request fields and rows
+        return ready, seqs
 
     def publish(self, slots: np.ndarray, seqs: np.ndarray) -> None:
         """Makes the answers already written into ``slots`` visible, waking sleepers."""

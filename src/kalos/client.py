@@ -18,7 +18,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from kalos.channel import ClientChannel, Endpoint, Segment
+from kalos.channel import ClientChannel, Endpoint, Segment, SidecarExited
 from kalos.config import settings
 from kalos.control import (
     PROTOCOL_VERSION,
@@ -185,8 +185,8 @@ class Client:
         return self._conn
 
     def _connection(self) -> _Connection:
-        if self._pid != os.getpid():  # forked: the slot belongs to the parent
-            self._conn = None
+        if self._pid != os.getpid():  # forked: the slot belongs to the parent; close our copies
+            self._drop()
             self._pid = os.getpid()
         return self._conn if self._conn is not None else self._connect()
 
@@ -255,16 +255,28 @@ class Client:
             ids = np.empty((q, k), np.int64)
             scores = np.empty((q, k), np.float32)
             step = layout.max_batch
-            try:
-                for start in range(0, q, step):
-                    stop = min(q, start + step)
+            start = 0
+            retried = False
+            while start < q:
+                stop = min(q, start + step)
+                try:
                     self._round_trip(conn, rows[start:stop], request)
-                    slot = conn.channel.slot
-                    ids[start:stop] = slot.ids[: stop - start, :k]
-                    scores[start:stop] = slot.scores[: stop - start, :k]
-            except SidecarUnavailable:
-                self._drop()
-                raise
+                except SidecarUnavailable as exc:
+                    # A recall changes nothing, so after the sidecar exited it is safe to ask
+                    # again: once, of a sidecar that is back already (a restart). A hung sidecar
+                    # has used up the timeout already: the caller hears of it.
+                    self._drop()
+                    if retried or not isinstance(exc, SidecarExited):
+                        raise
+                    retried = True
+                    conn = self._connect()
+                    if conn.layout.dim != layout.dim or conn.layout.max_k < k:
+                        raise SidecarUnavailable("the sidecar came back with another dimension or max_k") from None
+                    continue
+                slot = conn.channel.slot
+                ids[start:stop] = slot.ids[: stop - start, :k]
+                scores[start:stop] = slot.scores[: stop - start, :k]
+                start = stop
             return RecallBatch(ids, scores)
 
     def _round_trip(self, conn: _Connection, rows: np.ndarray, request: tuple[Any, ...], op: Op = Op.RECALL) -> None:
@@ -356,7 +368,14 @@ class Client:
         with self._lock:
             conn = self._connection()
             try:
-                send_frame(conn.sock, message, blob)
+                try:
+                    send_frame(conn.sock, message, blob)
+                except (BrokenPipeError, ConnectionResetError):
+                    # The sidecar went away before it read anything: nothing happened, so the
+                    # request can go to a sidecar that is back already.
+                    self._drop()
+                    conn = self._connect()
+                    send_frame(conn.sock, message, blob)
                 self._await_reply(conn)
                 reply, reply_blob = recv_frame(conn.sock, max_bytes=settings().max_message_bytes)
             except (ConnectionClosed, OSError) as exc:

@@ -59,11 +59,21 @@ from kalos.metrics import Metrics
 from kalos.protocol import Layout, Op, RequestFlag, SlotView
 from kalos.store import Store
 
-__all__ = ["SidecarConfig", "Sidecar"]
+__all__ = ["SidecarConfig", "Sidecar", "normalise_rows"]
 
 log = logging.getLogger("kalos.sidecar")
 _PEERCRED = struct.Struct("3i")
-_KNOWN_FLAGS = int(RequestFlag.ALL_NAMESPACES | RequestFlag.HAS_SINCE | RequestFlag.HAS_UNTIL)
+# Plain ints: IntFlag arithmetic costs microseconds, and these are tested on every request.
+_ALL_NAMESPACES = int(RequestFlag.ALL_NAMESPACES)
+_HAS_SINCE = int(RequestFlag.HAS_SINCE)
+_HAS_UNTIL = int(RequestFlag.HAS_UNTIL)
+_KNOWN_FLAGS = _ALL_NAMESPACES | _HAS_SINCE | _HAS_UNTIL
+_RECALL = int(Op.RECALL)
+_PING = int(Op.PING)
+
+
+_NO_FILTER = Filter()
+_NO_ROWS = np.empty((0, 0), np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +153,7 @@ class Sidecar:
                 self.engine.add(ids, vectors, namespace_ids, created_at)
             self.load_seconds = time.perf_counter() - started
             self._namespaces = {name.encode(): ns for name, ns in self.store.namespaces().items()}
+            self._filters: dict[tuple[int, bytes, float | None, float | None], Filter] = {}
             self.layout = Layout(config.slots, self.store.dim, config.max_k, config.max_batch)
             self._segment = Segment(self.endpoint.segment_name, create_size=self.layout.size)
             self.layout.write_header(self._segment.buf, epoch=self.epoch, pid=os.getpid())
@@ -288,7 +299,11 @@ class Sidecar:
             except KalosError as exc:
                 self._answer_error(view, exc)
                 continue
-            if op == Op.PING:
+            except Exception as exc:  # whatever a slot holds must not take the sweep down
+                log.exception("unexpected failure reading slot %d", index)
+                self._answer_error(view, ServerError(f"could not read the request: {type(exc).__name__}: {exc}"))
+                continue
+            if op == _PING:
                 view.status[0] = 0
                 view.n_results[0] = 0
                 continue
@@ -326,9 +341,9 @@ class Sidecar:
         """Validates one slot's request; the query rows come back copied, normalised."""
         layout = self.layout
         op = int(view.op[0])
-        if op == Op.PING:
-            return op, 0, Filter(), np.empty((0, layout.dim), np.float32)
-        if op != Op.RECALL:
+        if op == _PING:
+            return op, 0, _NO_FILTER, _NO_ROWS
+        if op != _RECALL:
             raise InvalidQuery(f"unknown operation code {op}")
         n, k, flags = int(view.n_queries[0]), int(view.k[0]), int(view.flags[0])
         if not 1 <= n <= layout.max_batch:
@@ -337,22 +352,31 @@ class Sidecar:
             raise InvalidQuery(f"k={k} is out of range: 1 <= k <= {layout.max_k}")
         if flags & ~_KNOWN_FLAGS:
             raise InvalidQuery(f"unknown request flags {flags & ~_KNOWN_FLAGS:#x}")
+        key = (flags, view.read_namespace() if not flags & _ALL_NAMESPACES else b"",
+               float(view.since[0]) if flags & _HAS_SINCE else None,
+               float(view.until[0]) if flags & _HAS_UNTIL else None)
+        flt = self._filters.get(key)
+        if flt is None:
+            flt = self._filter_for(*key)
+        return op, k, flt, normalise_rows(view.queries[:n].copy(), what="query", error=InvalidQuery)
+
+    def _filter_for(self, flags: int, namespace_bytes: bytes, since: float | None, until: float | None) -> Filter:
+        """The engine filter a request's words describe (validated, then cached)."""
         namespace = None
-        if not flags & RequestFlag.ALL_NAMESPACES:
-            raw = view.read_namespace()
-            namespace = self._namespaces.get(raw)
+        if not flags & _ALL_NAMESPACES:
+            namespace = self._namespaces.get(namespace_bytes)
             if namespace is None:
-                shown = raw.decode("utf-8", "replace")
+                shown = namespace_bytes.decode("utf-8", "replace")
                 raise UnknownNamespace(f"namespace {shown!r} holds no memories")
-        since = float(view.since[0]) if flags & RequestFlag.HAS_SINCE else None
-        until = float(view.until[0]) if flags & RequestFlag.HAS_UNTIL else None
         for label, value in (("since", since), ("until", until)):
             if value is not None and not np.isfinite(value):
                 raise InvalidQuery(f"{label} must be a finite time, got {value}")
         if since is not None and until is not None and since >= until:
             raise InvalidQuery(f"empty time range: since={since} is not before until={until}")
-        queries = view.queries[:n].copy()
-        return op, k, Filter(namespace, since, until), normalise_rows(queries, what="query", error=InvalidQuery)
+        if len(self._filters) >= 1024:  # clients sweeping time windows: keep the cache bounded
+            self._filters.clear()
+        flt = self._filters[(flags, namespace_bytes, since, until)] = Filter(namespace, since, until)
+        return flt
 
     def _search_all(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Search over every namespace (the seed-compat protocol has no filters)."""
@@ -499,13 +523,19 @@ class Sidecar:
 
 def normalise_rows(rows: np.ndarray, *, what: str, error: type[KalosError]) -> np.ndarray:
     """Rows scaled to unit norm in place; ``error`` names the first NaN/inf or zero row."""
-    with np.errstate(over="ignore", invalid="ignore"):
+    if len(rows) == 1:  # the common single query: one dot product instead of an einsum
+        squared = np.array([np.dot(rows[0], rows[0])], dtype=np.float64)
+    else:
         squared = np.einsum("ij,ij->i", rows, rows, dtype=np.float64)
-    bad = ~np.isfinite(squared) | (squared <= 0)
-    if bad.any():
-        row = int(np.flatnonzero(bad)[0])
-        reason = "contains NaN or infinity" if not np.all(np.isfinite(rows[row])) else "is all zeros"
-        raise error(f"{what} {row} {reason}; it has no direction to compare by cosine")
+    if not (np.isfinite(squared).all() and squared.min() > 0):
+        # Slow path, also for float32 overflow/underflow of the fast sum: decide in float64.
+        with np.errstate(over="ignore", invalid="ignore"):
+            squared = np.einsum("ij,ij->i", rows.astype(np.float64), rows.astype(np.float64))
+        bad = ~np.isfinite(squared) | (squared <= 0)
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            reason = "contains NaN or infinity" if not np.all(np.isfinite(rows[row])) else "is all zeros"
+            raise error(f"{what} {row} {reason}; it has no direction to compare by cosine")
     rows *= (1.0 / np.sqrt(squared)).astype(np.float32)[:, None]
     return rows
 

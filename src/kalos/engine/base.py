@@ -145,8 +145,10 @@ class RowTable:
         return mask
 
     def ids_of_rows(self, rows: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        """Store ids of ``rows``; MISSING_ID where the score is -inf (sorted: only in the tail)."""
         ids = self.ids[rows]
-        ids[~np.isfinite(scores)] = MISSING_ID
+        if scores[:, -1].min() == -np.inf:
+            ids[scores == -np.inf] = MISSING_ID
         return ids
 
 
