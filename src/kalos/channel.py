@@ -28,7 +28,7 @@ import numpy as np
 
 from kalos.config import runtime_dir
 from kalos.errors import InvalidArgument, ProtocolMismatch, SidecarUnavailable
-from kalos.protocol import HeaderView, Layout, SlotColumns, SlotView
+from kalos.protocol import HEADER_DTYPE, HeaderView, Layout, SlotColumns, SlotView
 from kalos.sync import full_fence
 
 __all__ = ["Endpoint", "Segment", "ClientChannel", "SidecarChannel", "Reply", "SidecarExited"]
@@ -94,6 +94,8 @@ class Segment:
                 if st.st_uid != os.getuid():
                     raise ProtocolMismatch(f"{self.path} belongs to uid {st.st_uid}, not to this user")
                 size = st.st_size
+                if size < HEADER_DTYPE.itemsize:
+                    raise ProtocolMismatch(f"{self.path} holds {size} bytes: too small for a Kalos segment header")
             self._mmap = mmap.mmap(self._fd, size)
             self.buf = memoryview(self._mmap)
         except BaseException:

@@ -1,9 +1,10 @@
-"""The ``kalos`` command: serve, add, recall, stats, demo, bench."""
+"""The ``kalos`` command: serve, add, import, recall, stats, demo, bench, doctor."""
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -59,11 +60,53 @@ def _build_parser() -> argparse.ArgumentParser:
     add.add_argument("--namespace", default="default", help="namespace for rows that name none (default: %(default)s)")
     add.add_argument("--batch", type=int, default=4096, help="rows per add request (default: %(default)s)")
 
+    imp = commands.add_parser(
+        "import", help="import text memories from a JSONL, CSV/TSV or Parquet file (validated, batched, resumable)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Import memories from FILE: one row per memory with a text column and, optionally, a vector, "
+        "a metadata object and a namespace column (the options below name them).\n"
+        "Rows without a vector are embedded with the default embedder (all-MiniLM-L6-v2, 384-dim; needs "
+        "pip install 'kalos[embed]'); the sidecar's store must have the vectors' dimension.\n\n"
+        "The WHOLE FILE IS VALIDATED FIRST: if any row is malformed, every malformed row is reported with its "
+        "line number\n(row number for Parquet) and NOTHING of the file is imported.\n\n"
+        "Then rows are added in batches (one transaction each). The progress file FILE.kalos-progress records how "
+        "many rows\nare committed; after an interrupted import, --resume imports only the rest (the progress is "
+        "keyed by the file's\npath, size and mtime, and by the store). CSV cells hold vectors and metadata as JSON "
+        "text. Parquet needs\npip install 'kalos[parquet]'.",
+    )
+    imp.add_argument("file", type=Path, help="the .jsonl/.ndjson, .csv, .tsv or .parquet file")
+    _add_name(imp)
+    imp.add_argument("--format", choices=["jsonl", "csv", "tsv", "parquet"], default=None,
+                     help="file format (default: from the file's suffix)")
+    imp.add_argument("--text-column", default="text", help="column holding the text (default: %(default)s)")
+    imp.add_argument("--vector-column", default="vector",
+                     help="column holding a precomputed vector; rows without one are embedded (default: %(default)s)")
+    imp.add_argument("--metadata-column", default="metadata",
+                     help="column holding a JSON object of metadata (default: %(default)s)")
+    imp.add_argument("--metadata-fields", default="",
+                     help="comma-separated plain columns to fold into each row's metadata (default: none)")
+    imp.add_argument("--namespace-column", default="namespace",
+                     help="column naming the row's namespace (default: %(default)s)")
+    imp.add_argument("--namespace", default="default", help="namespace for rows that name none (default: %(default)s)")
+    imp.add_argument("--batch", type=int, default=1000, help="rows per transaction (default: %(default)s)")
+    again = imp.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue an interrupted import of this file")
+    again.add_argument("--restart", action="store_true",
+                       help="ignore the progress file and import every row again")
+    imp.add_argument("--progress-file", type=Path, default=None,
+                     help="where to keep the progress (default: FILE.kalos-progress beside the file)")
+    imp.add_argument("--max-errors", type=int, default=20, help="malformed rows to list (default: %(default)s)")
+    imp.add_argument("--validate-only", action="store_true", help="check the file, import nothing")
+    imp.add_argument("--quiet", action="store_true", help="no progress bar")
+    imp.add_argument("--json", action="store_true", help="print the summary as JSON")
+
     recall = commands.add_parser(
-        "recall", help="recall the memories nearest to a vector",
-        description="Recall the k nearest memories to a query vector and print id, score and text.",
+        "recall", help="recall the memories nearest to a vector or a text",
+        description="Recall the k nearest memories to a query vector (or to a text, embedded with the default "
+        "embedder) and print id, score and text.",
     )
     source = recall.add_mutually_exclusive_group(required=True)
+    source.add_argument("--text", help="a text, embedded with the default embedder (needs kalos[embed])")
     source.add_argument("--vector", help="comma-separated floats")
     source.add_argument("--npy", type=Path, help="a .npy file holding the query vector (or a matrix: see --row)")
     recall.add_argument("--row", type=int, default=0, help="row of --npy to use (default: 0)")
@@ -82,13 +125,20 @@ def _build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser(
         "demo", help="start (or find) a sidecar on the default store and run a demo client",
-        description="Start a sidecar on the default store (or use the running one), add demo memories once, "
-        "run an agent-style loop of recalls, print what was recalled and the latency percentiles.",
+        description="Start a sidecar on the default store (or use the running one), store Python's own help texts "
+        "(pydoc_data.topics, about 800 passages) once, embedded with the default embedder, then run an agent-style "
+        "loop of recall_text over questions, print what was recalled and the latency percentiles of the recall "
+        "alone, the embedding alone and both together. A second run finds the passages in the store and skips the "
+        "embedding. Without pip install 'kalos[embed]' (or with --synthetic) it runs on synthetic vectors instead.",
     )
     _add_name(demo)
     demo.add_argument("--store", type=Path, default=None, help=f"store to serve if no sidecar runs (default: {default_store_path()})")
-    demo.add_argument("--memories", type=int, default=20000, help="demo memories to add on first run (default: %(default)s)")
-    demo.add_argument("--recalls", type=int, default=2000, help="recalls to time (default: %(default)s)")
+    demo.add_argument("--memories", type=int, default=20000,
+                      help="synthetic demo: memories to add on first run (default: %(default)s)")
+    demo.add_argument("--recalls", type=int, default=2000, help="vector recalls to time (default: %(default)s)")
+    demo.add_argument("--rounds", type=int, default=4,
+                      help="text demo: rounds over the questions when timing the embedding paths (default: %(default)s)")
+    demo.add_argument("--synthetic", action="store_true", help="run the synthetic-vector demo even if the embedder is installed")
     demo.add_argument("--device", default="auto", help="device if the demo starts the sidecar (default: auto)")
 
     bench = commands.add_parser(
@@ -105,12 +155,40 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--cold", type=int, default=20, help="cold (after 1 s idle) samples (default: %(default)s)")
     bench.add_argument("--device", default="cpu", help="sidecar device (default: %(default)s)")
     bench.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this file")
+    bench.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+                       help="also draw the latency CDF of each path beside its baseline (needs kalos[plot])")
+
+    doctor = commands.add_parser(
+        "doctor", help="check this machine for Kalos: GPU and CUDA, shared memory, permissions, store, sidecar",
+        description="Explain this machine in plain words: GPU visible or not, the NVIDIA driver against PyTorch's "
+        "CUDA runtime, /dev/shm, the runtime directory and socket permissions, the store's health (opened "
+        "readonly) and the sidecar's status. Exit code 0 when healthy, 1 when problems are listed.",
+    )
+    _add_name(doctor)
+    doctor.add_argument("--store", type=Path, default=None, help=f"store to check (default: {default_store_path()})")
+    doctor.add_argument("--json", action="store_true", help="print the findings as JSON")
     return parser
+
+
+def _glue_negative_values(argv: list[str]) -> list[str]:
+    """``--vector -0.5,1`` -> ``--vector=-0.5,1``: argparse would take "-0.5,1" for an option."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--vector" and i + 1 < len(argv) and argv[i + 1].startswith("-"):
+            out.append(f"--vector={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_glue_negative_values(list(sys.argv[1:] if argv is None else argv)))
+    # The text embedder loads from the installed package; this process never needs a model hub.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         return _COMMANDS[args.command](args)
     except KalosError as exc:
@@ -130,16 +208,21 @@ def _serve(args: argparse.Namespace) -> int:
         seed_compat=args.seed_compat,
     )
     sidecar = Sidecar(config)
+    sidecar.stop_on_signals()  # before the ready line: whoever saw it may signal at once
     print(sidecar.ready_message(), flush=True)
-    sidecar.serve_forever(install_signal_handlers=True)
+    sidecar.serve_forever()
     print(f"kalos sidecar {args.name!r} stopped", file=sys.stderr)
     return 0
 
 
 def _read_jsonl(path: Path, default_namespace: str) -> dict[str, list[tuple[list[float], str | None, dict | None]]]:
     groups: dict[str, list[tuple[list[float], str | None, dict | None]]] = {}
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InvalidArgument(f"{path}:{number}: not UTF-8 text: {exc}") from None
             if not line.strip():
                 continue
             try:
@@ -160,6 +243,16 @@ def _read_jsonl(path: Path, default_namespace: str) -> dict[str, list[tuple[list
     return groups
 
 
+def _load_npy(path: Path) -> np.ndarray:
+    try:
+        matrix = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        raise InvalidArgument(f"{path}: not a readable .npy array ({exc})") from None
+    if not isinstance(matrix, np.ndarray) or matrix.dtype.kind not in "iuf" or matrix.ndim not in (1, 2):
+        raise InvalidArgument(f"{path}: expected a 1-D or 2-D numeric array")
+    return matrix
+
+
 def _add(args: argparse.Namespace) -> int:
     from kalos.client import Client
 
@@ -170,7 +263,7 @@ def _add(args: argparse.Namespace) -> int:
     with Client(args.name) as client:
         total = 0
         if args.file.suffix == ".npy":
-            matrix = np.load(args.file, allow_pickle=False)
+            matrix = _load_npy(args.file)
             if matrix.ndim == 1:
                 matrix = matrix[None, :]
             for start in range(0, len(matrix), args.batch):
@@ -192,13 +285,15 @@ def _add(args: argparse.Namespace) -> int:
 def _recall(args: argparse.Namespace) -> int:
     from kalos.client import Client
 
+    if args.text is not None:
+        return _recall_text(args)
     if args.vector is not None:
         try:
             vector = np.array([float(x) for x in args.vector.split(",")], dtype=np.float32)
         except ValueError:
             raise InvalidArgument(f"--vector must be comma-separated numbers, got {args.vector!r}") from None
     else:
-        matrix = np.load(args.npy, allow_pickle=False)
+        matrix = _load_npy(args.npy)
         vector = matrix if matrix.ndim == 1 else matrix[args.row]
     with Client(args.name) as client:
         hits = client.recall(vector, k=args.k, namespace=None if args.all_namespaces else args.namespace,
@@ -217,6 +312,63 @@ def _recall(args: argparse.Namespace) -> int:
         if not rows:
             print("no memories matched")
     return 0
+
+
+def _recall_text(args: argparse.Namespace) -> int:
+    from kalos.client import Client
+
+    with Client(args.name) as client:
+        hits = client.recall_text(args.text, k=args.k, namespace=None if args.all_namespaces else args.namespace,
+                                  since=args.since, until=args.until)
+    rows = [{"id": h.id, "score": h.score, "namespace": h.namespace, "text": h.text, "metadata": h.metadata,
+             "created_at": h.created_at} for h in hits]
+    if args.json:
+        print(json.dumps(rows, indent=2, ensure_ascii=False))
+    else:
+        for row in rows:
+            text = (row["text"] or "").replace("\n", " ")
+            print(f"{row['id']:>10}  {row['score']:.4f}  [{row['namespace']}]  {text[:100]}")
+        if not rows:
+            print("no memories matched")
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from kalos.client import Client
+    from kalos.importer import Columns, import_file, validate_file
+
+    if args.batch < 1:
+        raise InvalidArgument("--batch must be >= 1")
+    columns = Columns(
+        text=args.text_column, vector=args.vector_column, metadata=args.metadata_column,
+        namespace=args.namespace_column,
+        metadata_fields=tuple(f.strip() for f in args.metadata_fields.split(",") if f.strip()),
+    )
+    with Client(args.name) as client:
+        if args.validate_only:
+            report = validate_file(args.file, dim=client.dim, fmt=args.format, columns=columns,
+                                   default_namespace=args.namespace, max_errors=args.max_errors)
+            print(f"{args.file}: {report.rows:,} rows are valid ({report.to_embed:,} to embed); namespaces: "
+                  + ", ".join(f"{k} {v:,}" for k, v in sorted(report.namespaces.items())))
+            return 0
+        summary = import_file(
+            client, args.file, fmt=args.format, columns=columns, default_namespace=args.namespace,
+            batch=args.batch, resume=args.resume, restart=args.restart, progress_file=args.progress_file,
+            progress=None if args.quiet else sys.stderr, max_errors=args.max_errors,
+        )
+    if args.json:
+        import dataclasses
+
+        print(json.dumps({**dataclasses.asdict(summary), "rows_per_s": summary.rows_per_s}, indent=2))
+    else:
+        print(summary.describe())
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from kalos.doctor import run_doctor
+
+    return run_doctor(args)
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -260,4 +412,5 @@ def _bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
-_COMMANDS = {"serve": _serve, "add": _add, "recall": _recall, "stats": _stats, "demo": _demo, "bench": _bench}
+_COMMANDS = {"serve": _serve, "add": _add, "import": _import, "recall": _recall, "stats": _stats, "demo": _demo,
+             "bench": _bench, "doctor": _doctor}

@@ -42,9 +42,9 @@ from kalos.errors import (
     error_from_code,
 )
 from kalos.protocol import NAMESPACE_BYTES, Layout, Op, RequestFlag
-from kalos.store import Item
+from kalos.store import Item, check_created_at, check_namespace, check_texts, check_vectors, encode_metadata
 
-__all__ = ["Client", "Recall", "RecallBatch", "Item"]
+__all__ = ["Client", "Recall", "RecallBatch", "Item", "Hit"]
 
 TimeLike = float | int | _dt.datetime
 #: recall_many splits a batch into requests of the sidecar's max_batch rows; past this many
@@ -159,9 +159,15 @@ class Client:
     ``timeout`` bounds how long a call waits without a sign of life from the sidecar before
     it raises :class:`SidecarUnavailable` (a slow but live sidecar is waited for). ``spin_us``
     is how long a recall busy-polls for its answer before it sleeps on its doorbell.
+    ``embedder`` turns text into vectors for :meth:`remember` and :meth:`recall_text`: None (the
+    packaged all-MiniLM-L6-v2, loaded on the first text call; needs ``kalos[embed]``), a
+    SentenceTransformer, a LangChain Embeddings, a function ``list[str] -> [n, dim]`` or a
+    :class:`kalos.embed.Embedder`. Its dimension must be the store's.
     """
 
-    def __init__(self, name: str = "default", timeout: float = 1.0, *, spin_us: float | None = None) -> None:
+    def __init__(
+        self, name: str = "default", timeout: float = 1.0, *, spin_us: float | None = None, embedder: Any = None,
+    ) -> None:
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InvalidArgument(f"timeout must be a positive number of seconds, got {timeout!r}")
         spin = settings().client_spin_us if spin_us is None else spin_us
@@ -175,6 +181,10 @@ class Client:
         self._conn: _Connection | None = None
         self._pid = os.getpid()
         self._last_request: tuple[Any, ...] | None = None
+        # The text API's embedder: resolved (and, for the default model, loaded) on first use.
+        self._embedder_spec = embedder
+        self._embedder: Any = None
+        self._embedder_lock = threading.Lock()
         self._connect()
 
     # -- connection ------------------------------------------------------------------------
@@ -272,6 +282,7 @@ class Client:
                     conn = self._connect()
                     if conn.layout.dim != layout.dim or conn.layout.max_k < k:
                         raise SidecarUnavailable("the sidecar came back with another dimension or max_k") from None
+                    step = conn.layout.max_batch
                     continue
                 slot = conn.channel.slot
                 ids[start:stop] = slot.ids[: stop - start, :k]
@@ -326,17 +337,21 @@ class Client:
         """
         with self._lock:
             conn = self._connection()
-            matrix = _as_matrix(vectors, conn.layout.dim, single=False, what="vector", error=InvalidArgument)
-            n = len(matrix)
-            texts_list = _per_row(texts, n, "texts", lambda t: t is None or isinstance(t, str), "a str or None")
-            metadata_list = _per_row(metadata, n, "metadata", lambda m: m is None or isinstance(m, dict), "a dict or None")
-            if not isinstance(namespace, str):
-                raise InvalidArgument(f"namespace must be a str, got {type(namespace).__name__}")
-            spec, blob = array_blob(matrix, "float32")
-            message: dict[str, Any] = {"op": "add", "namespace": namespace, "vectors": spec,
-                                       "texts": texts_list, "metadata": metadata_list}
+            if isinstance(vectors, np.ndarray) and vectors.ndim == 1:
+                vectors = vectors[None, :]
+            # The store's own checks, run here too so that a bad add fails before it is sent
+            # (and before JSON could silently turn a metadata key 1 into "1").
             if created_at is not None:
-                message["created_at"] = np.asarray(created_at, dtype=np.float64).tolist()
+                created_at = _timestamps(created_at)
+            matrix = check_vectors(vectors, conn.layout.dim)
+            n = len(matrix)
+            check_namespace(namespace)
+            texts_list = None if texts is None else check_texts(texts, n)
+            encode_metadata(metadata, n)
+            created = None if created_at is None else check_created_at(created_at, n).tolist()
+            spec, blob = array_blob(matrix, "float32")
+            message: dict[str, Any] = {"op": "add", "namespace": namespace, "vectors": spec, "texts": texts_list,
+                                       "metadata": None if metadata is None else list(metadata), "created_at": created}
             reply, reply_blob = self._control(message, blob)
             ids, _ = blob_array(reply["ids"], reply_blob)
             return ids
@@ -392,6 +407,109 @@ class Client:
         poller.register(conn.sock, select.POLLIN | select.POLLHUP | select.POLLERR)
         while not poller.poll(50):
             conn.channel.check_alive()
+
+    # -- text memories (embedding in this process, then the calls above) ---------------------
+
+    @property
+    def embedder(self) -> Any:
+        """The embedder of the text API (loaded on first use); its dim is checked against the store's."""
+        with self._embedder_lock:
+            if self._embedder is None:
+                from kalos.embed import as_embedder
+
+                self._embedder = as_embedder(self._embedder_spec)
+            embedder = self._embedder
+        dim = self.dim
+        if embedder.dim != dim:
+            raise DimensionMismatch(
+                f"embedder {embedder.name} makes {embedder.dim}-dimensional vectors but sidecar {self.name!r} "
+                f"serves a store of dimension {dim}: serve a store created with --dim {embedder.dim}, "
+                f"or pass Client(embedder=...) a model of dimension {dim}"
+            )
+        return embedder
+
+    def remember(
+        self, texts: str | Sequence[str], namespace: str = "default",
+        metadata: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
+        *, created_at: float | Sequence[float] | None = None,
+    ) -> np.ndarray:
+        """Embeds ``texts`` and stores them as memories; returns their ids (int64).
+
+        One text may be passed as a plain str (and its metadata as one dict). The whole call
+        is one transaction: on any error nothing is stored. For files of many rows use
+        ``kalos import`` (batched and resumable).
+        """
+        if isinstance(texts, str):
+            texts = [texts]
+            if isinstance(metadata, dict):
+                metadata = [metadata]
+        texts = list(texts)
+        if not texts:
+            raise InvalidArgument("remember needs at least one text")
+        # Checked before the (slow) embedding, and again by add.
+        _per_row(metadata, len(texts), "metadata", lambda m: m is None or isinstance(m, dict), "a dict or None")
+        if not isinstance(namespace, str):
+            raise InvalidArgument(f"namespace must be a str, got {type(namespace).__name__}")
+        vectors = self.embedder.embed(texts)
+        return self.add(vectors, texts=texts, metadata=metadata, namespace=namespace, created_at=created_at)
+
+    def recall_text(
+        self, text: str, k: int = 8, namespace: str | None = "default",
+        since: TimeLike | None = None, until: TimeLike | None = None,
+    ) -> list["Hit"]:
+        """The ``k`` memories closest in meaning to ``text``, best first, with their texts.
+
+        Embeds ``text`` here, recalls through shared memory, then fetches the hits' texts and
+        metadata in one control round trip. A memory deleted between the recall and the fetch
+        is left out, so fewer than k hits can come back. Filters as in :meth:`recall`.
+        """
+        if not isinstance(text, str):
+            raise InvalidArgument(f"recall_text takes one str, got {type(text).__name__}; use recall_texts for several")
+        return self.recall_texts([text], k, namespace, since, until)[0]
+
+    def recall_texts(
+        self, texts: Sequence[str], k: int = 8, namespace: str | None = "default",
+        since: TimeLike | None = None, until: TimeLike | None = None,
+    ) -> list[list["Hit"]]:
+        """:meth:`recall_text` for several texts: one embedding batch, one recall batch, one fetch."""
+        if isinstance(texts, str):
+            raise InvalidArgument("recall_texts takes a sequence of texts; use recall_text for one")
+        texts = list(texts)
+        if not texts:
+            return []
+        max_k = self.max_k
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= max_k:
+            raise InvalidQuery(f"k={k!r} is out of range: 1 <= k <= {max_k}")
+        _filter_words(namespace, since, until)  # bad filters fail before the (slow) embedding
+        vectors = self.embedder.embed(texts)
+        batch = self.recall_many(vectors, k=k, namespace=namespace, since=since, until=until)
+        hits = [batch[i] for i in range(len(texts))]
+        wanted = np.concatenate([h.ids for h in hits]) if hits else np.empty(0, np.int64)
+        items = dict(zip(wanted.tolist(), self.get(wanted))) if len(wanted) else {}
+        return [
+            [Hit.from_item(items[i], s) for i, s in hit if items.get(i) is not None]
+            for hit in hits
+        ]
+
+
+@dataclass(frozen=True)
+class Hit:
+    """One recalled text memory: ``id``, cosine ``score``, ``text``, ``metadata``, ``namespace``, ``created_at``."""
+
+    id: int
+    score: float
+    text: str | None
+    metadata: dict[str, Any] | None
+    namespace: str
+    created_at: float
+
+    @classmethod
+    def from_item(cls, item: Item, score: float) -> "Hit":
+        return cls(item.id, float(score), item.text, item.metadata, item.namespace, item.created_at)
+
+    def __repr__(self) -> str:
+        text = (self.text or "").replace("\n", " ")
+        return f"Hit(id={self.id}, score={self.score:.4f}, text={text[:60] + ('...' if len(text) > 60 else '')!r})"
 
 
 def _as_matrix(
@@ -451,18 +569,13 @@ def _to_timestamp(value: Any, label: str) -> float:
     raise InvalidQuery(f"{label} must be unix seconds or a datetime, got {type(value).__name__}")
 
 
-def _per_row(values: Any, n: int, label: str, accept: Any, kind: str) -> list[Any] | None:
-    if values is None:
-        return None
-    if isinstance(values, (str, dict)):
-        values = [values]
-    values = list(values)
-    if len(values) != n:
-        raise InvalidArgument(f"{label} has {len(values)} entries for {n} vectors")
-    for i, value in enumerate(values):
-        if not accept(value):
-            raise InvalidArgument(f"{label}[{i}] must be {kind}, got {type(value).__name__}")
-    return values
+def _timestamps(created_at: Any) -> Any:
+    """``created_at`` with datetimes turned into unix seconds (like since/until)."""
+    if isinstance(created_at, _dt.datetime):
+        return created_at.timestamp()
+    if isinstance(created_at, (list, tuple)):
+        return [c.timestamp() if isinstance(c, _dt.datetime) else c for c in created_at]
+    return created_at
 
 
 def _id_list(ids: Any) -> list[int]:

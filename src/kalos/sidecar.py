@@ -196,11 +196,13 @@ class Sidecar:
             + ("; seed-compat segment /kalos_recall_shm" if self._seed is not None else "")
         )
 
-    def serve_forever(self, *, install_signal_handlers: bool = False) -> None:
-        """Runs the sweep in this thread until :meth:`stop` (or SIGINT/SIGTERM when asked)."""
-        if install_signal_handlers:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda _sig, _frame: self.stop())
+    def stop_on_signals(self) -> None:
+        """SIGINT and SIGTERM stop the sidecar cleanly (call from the main thread, before serving)."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda _sig, _frame: self.stop())
+
+    def serve_forever(self) -> None:
+        """Runs the sweep in this thread until :meth:`stop`, then releases everything."""
         self._start_thread(self._heartbeat, "kalos-heartbeat")
         self._start_thread(self._accept, "kalos-accept")
         if self._seed is not None:
@@ -536,7 +538,9 @@ def normalise_rows(rows: np.ndarray, *, what: str, error: type[KalosError]) -> n
             row = int(np.flatnonzero(bad)[0])
             reason = "contains NaN or infinity" if not np.all(np.isfinite(rows[row])) else "is all zeros"
             raise error(f"{what} {row} {reason}; it has no direction to compare by cosine")
-    rows *= (1.0 / np.sqrt(squared)).astype(np.float32)[:, None]
+    # The scale stays float64: for a norm below float32's smallest normal its reciprocal
+    # would overflow float32.
+    rows *= (1.0 / np.sqrt(squared))[:, None]
     return rows
 
 

@@ -80,9 +80,10 @@ class RowTable:
     def check_new_ids(self, ids: np.ndarray) -> None:
         if len(np.unique(ids)) != len(ids):
             raise InvalidArgument("duplicate ids in one add")
-        clash = [int(i) for i in ids[:1000] if int(i) in self._row_of]
+        row_of = self._row_of
+        clash = [i for i in ids.tolist() if i in row_of]
         if clash:
-            raise InvalidArgument(f"ids already present: {clash[:5]}")
+            raise InvalidArgument(f"{len(clash)} ids already present, e.g. {clash[:5]}")
 
     def append(self, ids: np.ndarray, namespaces: np.ndarray, created_at: np.ndarray) -> slice:
         start, stop = self.size, self.size + len(ids)

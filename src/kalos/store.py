@@ -1,0 +1,922 @@
+"""The durable store: one SQLite file (WAL) that is the source of truth for every memory.
+
+The sidecar is the only writer. It loads every row into an engine at start
+(:meth:`Store.iter_rows`) and afterwards writes each add/delete here first; an add is
+acknowledged only once its transaction has committed, so kill -9 at any moment loses nothing
+that was acknowledged and never leaves half an item.
+
+Schema (version 1)::
+
+    meta        key TEXT PRIMARY KEY, value NOT NULL
+                  format         'kalos-store'
+                  schema_version 1
+                  dim            vector length, fixed at creation
+                  created_at     unix seconds of creation
+    namespaces  id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE
+                  'default' (id 1) is created with the store; others by the first add naming them
+    items       id INTEGER PRIMARY KEY AUTOINCREMENT   never reused, even after deleting the max id
+                namespace_id INTEGER NOT NULL REFERENCES namespaces(id)
+                created_at REAL NOT NULL               unix seconds
+                text TEXT                               NULL: none
+                metadata TEXT                           compact JSON object, NULL: none
+                vector BLOB NOT NULL                    dim little-endian float32, CHECKed length
+    items_by_namespace  index on items(namespace_id): counts without reading the vectors
+
+The header's ``application_id`` is ``0x4B4C4F53`` ("KLOS"), which lets :meth:`Store.open`
+reject someone else's SQLite file from its first 100 bytes, without letting SQLite touch it.
+Vectors are the last column so that reading the small columns never follows the overflow
+pages the 4 KiB blobs live in.
+
+Files next to the store: ``<db>-wal`` and ``<db>-shm`` (SQLite's, created 0600 like the db).
+Readonly opens also create those two if they are missing (SQLite needs them to read a WAL
+database); they never change the db file itself.
+
+Locking: a writable open holds an exclusive ``flock`` on the db file until :meth:`Store.close`,
+so a second sidecar on the same store fails at once with :class:`StoreLocked` instead of
+interleaving writes. Readonly opens take no lock.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import numbers
+import os
+import sqlite3
+import stat
+import tempfile
+import threading
+import time
+import unicodedata
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import numpy as np
+
+from kalos.errors import DimensionMismatch, InvalidArgument, NotAKalosStore, StoreError, StoreLocked
+
+__all__ = [
+    "Item",
+    "Store",
+    "FORMAT_NAME",
+    "SCHEMA_VERSION",
+    "DEFAULT_NAMESPACE",
+    "MAX_NAMESPACE_BYTES",
+    # The add's validators, public so that the client (and importer) reject bad input with
+    # exactly the store's rules before anything travels to the sidecar.
+    "check_vectors",
+    "check_namespace",
+    "check_texts",
+    "encode_metadata",
+    "check_created_at",
+]
+
+FORMAT_NAME = "kalos-store"
+SCHEMA_VERSION = 1
+DEFAULT_NAMESPACE = "default"
+MAX_NAMESPACE_BYTES = 63
+APPLICATION_ID = 0x4B4C4F53  # b"KLOS"
+
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+_HEADER_BYTES = 100
+_APPLICATION_ID_OFFSET = 68
+# A writer waits this long for SQLite's own locks. Only a foreign tool writing to the file
+# (the flock keeps other sidecars out) or a long checkpoint can make it wait at all.
+_BUSY_TIMEOUT_MS = 5000
+# After a checkpoint SQLite truncates the WAL back to this size, so one big import does not
+# leave a WAL of the same size on disk for the rest of the sidecar's life.
+_WAL_SIZE_LIMIT = 64 << 20
+_MMAP_BYTES = 1 << 40
+# Ids per statement in get/delete: under SQLite's historic 999-variable limit.
+_IDS_PER_QUERY = 500
+_MAX_ID = (1 << 63) - 1
+_MAX_NAMESPACE_ID = (1 << 31) - 1  # engines keep namespace ids as int32
+
+
+@dataclass(frozen=True)
+class Item:
+    """One memory as :meth:`Store.get` returns it (the vector stays in the engine)."""
+
+    id: int
+    namespace: str
+    text: str | None
+    metadata: dict | None
+    created_at: float
+
+
+# -- the per-process table of store files --------------------------------------------------
+#
+# SQLite locks with POSIX fcntl locks, and POSIX drops *all* of a process's fcntl locks on a
+# file as soon as the process closes *any* descriptor of that file (SQLite's docs list this
+# as a way to corrupt a database). So this module never closes a descriptor of a store file
+# while a Store of this process may still have it open through SQLite: each file (device,
+# inode) gets one shared descriptor, used for the header read and the flock, and closed only
+# when the last Store of this process on that file closes. The same table also tells a second
+# writer in this process that the flock is already ours (flock would happily grant it again
+# on the shared descriptor).
+
+
+class _FileRef:
+    __slots__ = ("fd", "refs", "writer")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.refs = 0
+        self.writer = False
+
+
+_files: dict[tuple[int, int], _FileRef] = {}
+_files_lock = threading.Lock()
+
+
+def _release_file(key: tuple[int, int], *, writer: bool) -> None:
+    with _files_lock:
+        ref = _files.get(key)
+        if ref is None:
+            return
+        if writer and ref.writer:
+            ref.writer = False
+            fcntl.flock(ref.fd, fcntl.LOCK_UN)
+        ref.refs -= 1
+        if ref.refs <= 0:
+            del _files[key]
+            os.close(ref.fd)
+
+
+def _lock_holder(st: os.stat_result) -> int | None:
+    """The pid that holds a flock on the file, from /proc/locks (Linux); None if unknown."""
+    wanted = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:  # not the store file: closing it is harmless
+            for line in f:
+                parts = line.split()
+                # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:5678 0 EOF"; waiters have a "->" field.
+                if len(parts) >= 6 and parts[1] == "FLOCK" and parts[2] != "->" and parts[5] == wanted:
+                    pid = int(parts[4])
+                    return pid if pid > 0 else None  # 0: the holder is in another pid namespace
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+# -- validation helpers (everything is checked before a transaction starts) ----------------
+
+
+def _check_dim(dim: Any) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or int(dim) < 1:
+        raise InvalidArgument(f"dim must be an integer >= 1, got {dim!r}")
+    return int(dim)
+
+
+def check_namespace(namespace: Any) -> str:
+    """``namespace`` if it is a valid namespace name, else InvalidArgument saying why."""
+    if not isinstance(namespace, str):
+        raise InvalidArgument(f"namespace must be a str, got {type(namespace).__name__}")
+    if not namespace:
+        raise InvalidArgument("namespace must not be empty")
+    try:
+        size = len(namespace.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidArgument(f"namespace {namespace!r} is not valid Unicode (lone surrogate)") from None
+    if size > MAX_NAMESPACE_BYTES:
+        raise InvalidArgument(
+            f"namespace {namespace[:20]!r}... is {size} UTF-8 bytes; the limit is {MAX_NAMESPACE_BYTES}"
+        )
+    for ch in namespace:
+        # "Cc" is C0, DEL and C1: NUL and everything that would garble a log line or a slot.
+        if unicodedata.category(ch) == "Cc":
+            raise InvalidArgument(f"namespace {namespace!r} contains control character U+{ord(ch):04X}")
+    return namespace
+
+
+# kalos.importer imports the namespace check under its earlier private name.
+_check_namespace = check_namespace
+
+
+def _check_json_keys(value: Any, index: int) -> None:
+    # json.dumps turns int/float/bool/None keys into strings without complaint, so such a dict
+    # would come back different from what was stored; refuse it instead of changing it.
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            for k, sub in v.items():
+                if not isinstance(k, str):
+                    raise InvalidArgument(f"metadata[{index}]: key {k!r} is not a str (JSON keys are strings)")
+                stack.append(sub)
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+
+
+def encode_metadata(metadata: Sequence[dict | None] | None, n: int) -> list[str | None]:
+    """The JSON text of each of the ``n`` metadata entries (None stays None), or InvalidArgument."""
+    if metadata is None:
+        return [None] * n
+    if isinstance(metadata, (str, bytes, dict)) or not hasattr(metadata, "__len__"):
+        raise InvalidArgument(f"metadata must be a sequence of n={n} dicts or None, got {type(metadata).__name__}")
+    if len(metadata) != n:
+        raise InvalidArgument(f"metadata has {len(metadata)} entries for {n} vectors")
+    out: list[str | None] = []
+    for i, m in enumerate(metadata):
+        if m is None:
+            out.append(None)
+            continue
+        if not isinstance(m, dict):
+            raise InvalidArgument(f"metadata[{i}] must be a dict or None, got {type(m).__name__}")
+        _check_json_keys(m, i)
+        try:
+            out.append(json.dumps(m, allow_nan=False, ensure_ascii=False, separators=(",", ":")))
+        except (TypeError, ValueError, RecursionError) as e:
+            raise InvalidArgument(f"metadata[{i}] is not JSON-serialisable: {e}") from None
+        try:
+            out[-1].encode("utf-8")  # type: ignore[union-attr]
+        except UnicodeEncodeError:
+            raise InvalidArgument(f"metadata[{i}] contains a lone surrogate (not valid Unicode)") from None
+    return out
+
+
+def check_texts(texts: Sequence[str | None] | None, n: int) -> list[str | None]:
+    """``n`` texts (str or None) as a list, or InvalidArgument naming the bad entry."""
+    if texts is None:
+        return [None] * n
+    # A str is a Sequence too: texts="abc" with three vectors would silently store "a", "b", "c".
+    if isinstance(texts, (str, bytes)) or not hasattr(texts, "__len__"):
+        raise InvalidArgument(f"texts must be a sequence of n={n} str or None, got {type(texts).__name__}")
+    if len(texts) != n:
+        raise InvalidArgument(f"texts has {len(texts)} entries for {n} vectors")
+    out: list[str | None] = []
+    for i, t in enumerate(texts):
+        if t is not None and not isinstance(t, str):
+            raise InvalidArgument(f"texts[{i}] must be a str or None, got {type(t).__name__}")
+        if t is not None:
+            try:
+                t.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidArgument(f"texts[{i}] contains a lone surrogate (not valid Unicode)") from None
+        out.append(t)
+    return out
+
+
+def check_vectors(vectors: Any, dim: int) -> np.ndarray:
+    """``vectors`` as C-contiguous little-endian float32 ``[n >= 1, dim]``: finite, no zero row."""
+    try:
+        v = np.asarray(vectors)
+    except (ValueError, TypeError) as e:  # ragged nested lists and the like
+        raise InvalidArgument(f"vectors is not an array of numbers: {e}") from None
+    if v.dtype.kind not in "iuf":
+        raise InvalidArgument(f"vectors must be numeric (float32-convertible), got dtype {v.dtype}")
+    if v.ndim != 2:
+        hint = " (one vector: pass v[None, :])" if v.ndim == 1 else ""
+        raise InvalidArgument(f"vectors must be 2-D [n, {dim}], got shape {v.shape}{hint}")
+    if v.shape[1] != dim:
+        raise DimensionMismatch(f"vectors have dimension {v.shape[1]}, the store's dimension is {dim}")
+    if v.shape[0] == 0:
+        raise InvalidArgument("add needs at least one vector, got 0")
+    # Little-endian float32, C order: these bytes are the blob. float64 values beyond float32's
+    # range become inf here, which the finiteness check below then reports.
+    with np.errstate(over="ignore"):
+        v = np.ascontiguousarray(v, dtype="<f4")
+    finite = np.isfinite(v).all(axis=1)
+    if not finite.all():
+        i = int(np.flatnonzero(~finite)[0])
+        raise InvalidArgument(f"vectors[{i}] contains NaN or inf")
+    nonzero = (v != 0).any(axis=1)
+    if not nonzero.all():
+        i = int(np.flatnonzero(~nonzero)[0])
+        raise InvalidArgument(f"vectors[{i}] is all zeros (it has no direction)")
+    return v
+
+
+def check_created_at(created_at: Any, n: int) -> np.ndarray:
+    """float64[n] unix seconds from a scalar, an array of n, or None (now); all finite."""
+    if created_at is None:
+        return np.full(n, time.time(), dtype=np.float64)
+    try:
+        c = np.asarray(created_at)
+    except (ValueError, TypeError) as e:
+        raise InvalidArgument(f"created_at is not a number or an array of numbers: {e}") from None
+    if c.dtype.kind not in "iuf":
+        raise InvalidArgument(f"created_at must be unix seconds (a number), got dtype {c.dtype}")
+    if c.ndim == 0:
+        c = np.full(n, c, dtype=np.float64)
+    elif c.shape != (n,):
+        raise InvalidArgument(f"created_at must be a scalar or have shape ({n},), got {c.shape}")
+    c = np.array(c, dtype=np.float64)  # a copy: the caller's array is not handed back to them
+    bad = ~np.isfinite(c)
+    if bad.any():
+        raise InvalidArgument(f"created_at[{int(np.flatnonzero(bad)[0])}] is not finite")
+    return c
+
+
+def _check_ids(ids: Any, what: str) -> np.ndarray:
+    if isinstance(ids, (str, bytes)):
+        raise InvalidArgument(f"{what} ids must be a sequence of ints, got {type(ids).__name__}")
+    try:
+        a = np.asarray(ids)
+    except (ValueError, TypeError) as e:
+        raise InvalidArgument(f"{what} ids are not a sequence of ints: {e}") from None
+    if a.ndim != 1:
+        raise InvalidArgument(f"{what} ids must be 1-D, got shape {a.shape}")
+    if a.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if a.dtype.kind == "O":  # Python ints beyond int64 land here
+        raise InvalidArgument(f"{what} ids must be int64 integers, got {ids!r:.80}")
+    if a.dtype.kind not in "iu":
+        raise InvalidArgument(f"{what} ids must be integers, got dtype {a.dtype}")
+    if a.dtype.kind == "u" and a.max() > _MAX_ID:
+        raise InvalidArgument(f"{what} id {int(a.max())} does not fit in int64")
+    return a.astype(np.int64)
+
+
+def _wrap(e: sqlite3.Error, what: str, path: Path) -> StoreError:
+    return StoreError(f"store {path}: {what} failed: {e}")
+
+
+# -- the store -------------------------------------------------------------------------------
+
+
+class Store:
+    """A Kalos store file. Open with :meth:`Store.open`; use as a context manager or call close().
+
+    Thread-safe: one lock serialises every use of the connection. Not fork-safe: open it in
+    the process that uses it.
+    """
+
+    # Class-level defaults so close() and repr() work on an instance whose open() failed halfway.
+    path: Path = Path()
+    dim: int = 0
+    readonly: bool = True
+    _conn: sqlite3.Connection | None = None
+    _file_key: tuple[int, int] | None = None
+    _closed: bool = True
+
+    def __init__(self) -> None:
+        # Private: Store.open() builds instances, so a half-open store is never handed out.
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("readonly" if self.readonly else "writer")
+        return f"Store({str(self.path)!r}, dim={self.dim}, {state})"
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- opening -------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, dim: int | None = None, readonly: bool = False) -> "Store":
+        """Opens the store at ``path``, creating it (with dimension ``dim``) if it is missing.
+
+        An existing file is checked without being modified: :class:`NotAKalosStore` if it is
+        not a Kalos store, :class:`StoreError` for a newer schema, :class:`DimensionMismatch`
+        if ``dim`` is given and differs. A writable open fails with :class:`StoreLocked` while
+        another writer (any process) has the store open. ``readonly`` opens never create a
+        store, never write and take no lock.
+        """
+        # The real path: the sidecar reports it and tools compare it, and SQLite names the
+        # -wal and -shm files after the symlink's target anyway.
+        path = Path(os.path.realpath(os.fspath(path)))
+        if dim is not None:
+            dim = _check_dim(dim)
+        if not os.path.lexists(path):
+            if readonly:
+                raise InvalidArgument(f"store {path} does not exist (a readonly open cannot create it)")
+            if dim is None:
+                raise InvalidArgument(f"store {path} does not exist; pass dim to create it")
+            _create(path, dim)
+        store = cls()
+        try:
+            store._open_existing(path, dim, readonly)
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    def _open_existing(self, path: Path, dim: int | None, readonly: bool) -> None:
+        self.path = path
+        self.readonly = readonly
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise StoreError(f"store {path} vanished while being opened (or is a dangling symlink)") from None
+        except OSError as e:
+            raise StoreError(f"store {path} cannot be opened: {e.strerror}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise NotAKalosStore(f"{path} is not a Kalos store: not a regular file")
+        if st.st_size == 0:
+            raise NotAKalosStore(f"{path} is not a Kalos store: it is an empty (0-byte) file")
+
+        fd = self._acquire_file(path, st, writer=not readonly)
+        self._check_header(fd)
+        meta_dim = self._read_meta(dim)
+        self.dim = meta_dim
+
+        mode = "ro" if readonly else "rw"
+        try:
+            conn = sqlite3.connect(
+                f"file:{quote(str(path))}?mode={mode}",
+                uri=True,
+                isolation_level=None,  # autocommit; every transaction is an explicit BEGIN
+                check_same_thread=False,  # self._lock serialises the threads instead
+                timeout=_BUSY_TIMEOUT_MS / 1000,
+            )
+        except sqlite3.Error as e:
+            raise _wrap(e, "open", path) from None
+        self._conn = conn
+        self._closed = False
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
+            conn.execute("PRAGMA foreign_keys = ON")
+            # FULL: the WAL is fsynced at every commit, so an acknowledged add survives a power
+            # cut too, not only kill -9 (NORMAL would only survive the latter).
+            conn.execute("PRAGMA synchronous = FULL")
+            # Read the db file through a mapping instead of one pread per page: loading the
+            # engine (iter_rows) gets about twice as fast. SQLite caps it at its compiled limit.
+            conn.execute(f"PRAGMA mmap_size = {_MMAP_BYTES}")
+            if readonly:
+                conn.execute("PRAGMA query_only = ON")
+            else:
+                got = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+                if str(got).lower() != "wal":
+                    raise StoreError(f"store {path}: cannot use WAL journal mode here (got {got!r})")
+                conn.execute(f"PRAGMA journal_size_limit = {_WAL_SIZE_LIMIT}")
+            # The path could have been replaced between the checks above and this connection.
+            now = os.stat(path)
+            if (now.st_dev, now.st_ino) != self._file_key:
+                raise StoreError(f"store {path} was replaced by another file while being opened")
+        except sqlite3.Error as e:
+            raise _wrap(e, "open", path) from None
+
+    def _acquire_file(self, path: Path, st: os.stat_result, *, writer: bool) -> int:
+        key = (st.st_dev, st.st_ino)
+        with _files_lock:
+            ref = _files.get(key)
+            if ref is None:
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError as e:
+                    raise StoreError(f"store {path} cannot be opened: {e.strerror}") from None
+                fst = os.fstat(fd)
+                if (fst.st_dev, fst.st_ino) != key:
+                    os.close(fd)  # a different file, which no Store of ours has open
+                    raise StoreError(f"store {path} was replaced by another file while being opened")
+                ref = _files[key] = _FileRef(fd)
+            if writer:
+                if ref.writer:
+                    raise StoreLocked(
+                        f"store {path} is already open for writing in this process (pid {os.getpid()})"
+                    )
+                try:
+                    fcntl.flock(ref.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    if ref.refs == 0:
+                        del _files[key]
+                        os.close(ref.fd)  # no Store of ours uses this file: closing is safe
+                    pid = _lock_holder(st)
+                    who = f"pid {pid}" if pid is not None else "another process"
+                    raise StoreLocked(f"store {path} is already open by another sidecar ({who})") from None
+                ref.writer = True
+            ref.refs += 1
+            self._file_key = key
+            self._holds_flock = writer
+            return ref.fd
+
+    def _check_header(self, fd: int) -> None:
+        # Read through the shared descriptor (see _files): opening and closing another one
+        # would drop SQLite's locks on this file held by other Stores of this process.
+        header = os.pread(fd, _HEADER_BYTES, 0)
+        if len(header) < _HEADER_BYTES or not header.startswith(_SQLITE_MAGIC):
+            raise NotAKalosStore(f"{self.path} is not a Kalos store: not an SQLite database")
+        app_id = int.from_bytes(header[_APPLICATION_ID_OFFSET : _APPLICATION_ID_OFFSET + 4], "big")
+        if app_id != APPLICATION_ID:
+            # Someone else's database: stop before SQLite opens it, which could create -wal
+            # and -shm files next to it.
+            raise NotAKalosStore(
+                f"{self.path} is not a Kalos store: an SQLite database of another application"
+                f" (application_id {app_id:#010x})"
+            )
+
+    def _read_meta(self, dim: int | None) -> int:
+        path = self.path
+        try:
+            ro = sqlite3.connect(f"file:{quote(str(path))}?mode=ro", uri=True, timeout=_BUSY_TIMEOUT_MS / 1000)
+        except sqlite3.Error as e:
+            raise _wrap(e, "open", path) from None
+        try:
+            try:
+                tables = {r[0] for r in ro.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+                meta = dict(ro.execute("SELECT key, value FROM meta")) if "meta" in tables else None
+            except sqlite3.Error as e:
+                # The header already says "Kalos store", so this is damage or an I/O problem.
+                raise StoreError(f"store {path} cannot be read: {e}") from None
+        finally:
+            ro.close()
+        if meta is None:
+            raise NotAKalosStore(f"{path} is not a Kalos store: an SQLite database without a Kalos meta table")
+        if meta.get("format") != FORMAT_NAME:
+            raise NotAKalosStore(
+                f"{path} is not a Kalos store: meta format is {meta.get('format')!r}, not {FORMAT_NAME!r}"
+            )
+        version = meta.get("schema_version")
+        if not isinstance(version, int) or version < 1:
+            raise StoreError(f"store {path} is damaged: schema_version {version!r} in its meta table")
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"store {path} has schema version {version}; this Kalos reads up to {SCHEMA_VERSION}"
+                " (upgrade Kalos to open it)"
+            )
+        missing = {"namespaces", "items"} - tables
+        if missing:
+            raise StoreError(f"store {path} is damaged: missing tables {sorted(missing)}")
+        meta_dim = meta.get("dim")
+        if not isinstance(meta_dim, int) or meta_dim < 1:
+            raise StoreError(f"store {path} is damaged: dim {meta_dim!r} in its meta table")
+        if dim is not None and dim != meta_dim:
+            raise DimensionMismatch(f"store {path} has dimension {meta_dim}, but dim={dim} was asked for")
+        return meta_dim
+
+    # -- closing ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Closes the connection and releases the writer lock. Idempotent."""
+        with self._lock:
+            conn, self._conn = self._conn, None
+            key, self._file_key = self._file_key, None
+            self._closed = True
+            # The connection first: the shared descriptor may be closed in _release_file,
+            # and SQLite's locks must be gone (or still covered by other Stores) by then.
+            if conn is not None:
+                try:
+                    conn.close()
+                except sqlite3.Error:
+                    pass  # nothing is pending (every write is committed or rolled back)
+            if key is not None:
+                _release_file(key, writer=getattr(self, "_holds_flock", False))
+
+    def _connection(self, *, write: bool = False) -> sqlite3.Connection:
+        # Called with self._lock held.
+        if self._conn is None:
+            raise StoreError(f"store {self.path} is closed")
+        if write and self.readonly:
+            raise StoreError(f"store {self.path} is open readonly")
+        return self._conn
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def add(
+        self,
+        vectors: np.ndarray,
+        *,
+        namespace: str,
+        texts: Sequence[str | None] | None = None,
+        metadata: Sequence[dict | None] | None = None,
+        created_at: float | np.ndarray | None = None,
+    ) -> tuple[np.ndarray, int, np.ndarray]:
+        """Adds ``n`` items in one transaction; returns ``(ids int64[n], namespace_id, created_at float64[n])``.
+
+        ``vectors`` are stored bit-exactly as little-endian float32 (the caller normalises).
+        Returns only after the commit is on disk. Any bad input raises before anything is
+        written (InvalidArgument / DimensionMismatch naming the offending index).
+        """
+        vecs = check_vectors(vectors, self.dim)
+        n = len(vecs)
+        ns = check_namespace(namespace)
+        text_col = check_texts(texts, n)
+        meta_col = encode_metadata(metadata, n)
+        times = check_created_at(created_at, n)
+
+        row_bytes = 4 * self.dim
+        # One buffer, sliced per row: no per-row copy before SQLite copies the blob.
+        blob = memoryview(vecs).cast("B")
+        time_col = times.tolist()
+
+        with self._lock:
+            conn = self._connection(write=True)
+            try:
+                # IMMEDIATE takes the write lock now, so the ids computed below cannot be taken
+                # by anyone else before the insert.
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    ns_id = self._namespace_id(conn, ns)
+                    # AUTOINCREMENT semantics by hand (executemany cannot report the ids it
+                    # assigned): the next id is above both the live max and the high-water mark
+                    # in sqlite_sequence. Inserting explicit ids advances sqlite_sequence too.
+                    seq = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'items'").fetchone()
+                    top = conn.execute("SELECT max(id) FROM items").fetchone()[0]
+                    start = max(seq[0] if seq else 0, top or 0) + 1
+                    if start + n - 1 > _MAX_ID:
+                        raise StoreError(f"store {self.path}: item ids are exhausted")
+                    ids = range(start, start + n)
+                    conn.executemany(
+                        "INSERT INTO items (id, namespace_id, created_at, text, metadata, vector)"
+                        " VALUES (?, ?, ?, ?, ?, ?)",
+                        (
+                            (ids[i], ns_id, time_col[i], text_col[i], meta_col[i], blob[i * row_bytes : (i + 1) * row_bytes])
+                            for i in range(n)
+                        ),
+                    )
+                    conn.execute("COMMIT")
+                except BaseException:
+                    # Also on KeyboardInterrupt: leave no open transaction behind.
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as e:
+                raise _wrap(e, "add", self.path) from None
+        return np.arange(start, start + n, dtype=np.int64), ns_id, times
+
+    def _namespace_id(self, conn: sqlite3.Connection, name: str) -> int:
+        # Inside the add's transaction: a new namespace exists only if its items do.
+        row = conn.execute("SELECT id FROM namespaces WHERE name = ?", (name,)).fetchone()
+        if row is not None:
+            return int(row[0])
+        cur = conn.execute("INSERT INTO namespaces (name) VALUES (?)", (name,))
+        ns_id = int(cur.lastrowid)
+        if ns_id > _MAX_NAMESPACE_ID:
+            raise StoreError(f"store {self.path}: namespace ids are exhausted")
+        return ns_id
+
+    def delete(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Deletes items in one transaction; returns the ids actually deleted (int64, ascending).
+
+        Unknown (or already deleted) ids are ignored.
+        """
+        wanted = np.unique(_check_ids(ids, "delete"))
+        with self._lock:
+            conn = self._connection(write=True)
+            if len(wanted) == 0:
+                return np.empty(0, dtype=np.int64)
+            found: list[int] = []
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    for chunk in _chunks(wanted):
+                        marks = ",".join("?" * len(chunk))
+                        # SELECT then DELETE rather than DELETE ... RETURNING, which needs
+                        # SQLite 3.35; the IMMEDIATE transaction makes the pair atomic.
+                        found += [r[0] for r in conn.execute(f"SELECT id FROM items WHERE id IN ({marks})", chunk)]
+                        conn.execute(f"DELETE FROM items WHERE id IN ({marks})", chunk)
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as e:
+                raise _wrap(e, "delete", self.path) from None
+        return np.sort(np.asarray(found, dtype=np.int64))
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def get(self, ids: Sequence[int] | np.ndarray) -> list[Item | None]:
+        """The items of ``ids``, aligned with them: None where an id is absent."""
+        wanted = _check_ids(ids, "get")
+        unique = np.unique(wanted)
+        found: dict[int, Item] = {}
+        with self._lock:
+            conn = self._connection()
+            try:
+                for chunk in _chunks(unique):
+                    marks = ",".join("?" * len(chunk))
+                    rows = conn.execute(
+                        "SELECT i.id, n.name, i.text, i.metadata, i.created_at"
+                        " FROM items AS i JOIN namespaces AS n ON n.id = i.namespace_id"
+                        f" WHERE i.id IN ({marks})",
+                        chunk,
+                    ).fetchall()
+                    for item_id, name, text, meta, created in rows:
+                        found[item_id] = Item(
+                            id=item_id,
+                            namespace=name,
+                            text=text,
+                            metadata=None if meta is None else json.loads(meta),
+                            created_at=float(created),
+                        )
+            except sqlite3.Error as e:
+                raise _wrap(e, "get", self.path) from None
+        return [found.get(i) for i in wanted.tolist()]
+
+    def namespaces(self) -> dict[str, int]:
+        """Every namespace ever used (and "default"): name -> namespace id."""
+        with self._lock:
+            conn = self._connection()
+            try:
+                return dict(conn.execute("SELECT name, id FROM namespaces ORDER BY id"))
+            except sqlite3.Error as e:
+                raise _wrap(e, "namespaces", self.path) from None
+
+    def namespace_counts(self) -> dict[str, int]:
+        """Live items per namespace, for every namespace (0 for an emptied one)."""
+        with self._lock:
+            conn = self._connection()
+            try:
+                names = dict(conn.execute("SELECT id, name FROM namespaces ORDER BY id"))
+                # Grouping over items_by_namespace reads the index only, never the vectors.
+                counts = dict(conn.execute("SELECT namespace_id, count(*) FROM items GROUP BY namespace_id"))
+            except sqlite3.Error as e:
+                raise _wrap(e, "namespace_counts", self.path) from None
+        return {name: int(counts.get(ns_id, 0)) for ns_id, name in names.items()}
+
+    def count(self) -> int:
+        """Live items in the store."""
+        with self._lock:
+            conn = self._connection()
+            try:
+                return int(conn.execute("SELECT count(*) FROM items").fetchone()[0])
+            except sqlite3.Error as e:
+                raise _wrap(e, "count", self.path) from None
+
+    def iter_rows(self, batch: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """Every item in id order, ``batch`` at a time, for loading an engine.
+
+        Yields ``(ids int64[b], vectors float32[b, dim], namespace_ids int32[b], created_at
+        float64[b])``; the vectors are a fresh writable array per batch. Each batch is read in
+        its own short transaction (the lock is not held across a yield), so writes made while
+        iterating may or may not be seen: load before accepting writes.
+        """
+        # Checked here, not in the generator, so a bad call fails at the call.
+        if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 1:
+            raise InvalidArgument(f"batch must be an integer >= 1, got {batch!r}")
+        with self._lock:
+            self._connection()
+        return self._iter_rows(int(batch))
+
+    def _iter_rows(self, batch: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        row_bytes = 4 * self.dim
+        after = 0  # ids start at 1; keyset paging costs O(batch) per step however deep we are
+        while True:
+            with self._lock:
+                conn = self._connection()
+                try:
+                    rows = conn.execute(
+                        "SELECT id, namespace_id, created_at, vector FROM items WHERE id > ? ORDER BY id LIMIT ?",
+                        (after, batch),
+                    ).fetchall()
+                except sqlite3.Error as e:
+                    raise _wrap(e, "iter_rows", self.path) from None
+            if not rows:
+                return
+            n = len(rows)
+            ids, ns_ids, times, blobs = zip(*rows)
+            # One C-level join into a writable buffer, then a zero-copy view: no per-row work.
+            # The table's CHECK keeps every blob at dim floats; the length test catches a file
+            # whose schema was altered behind our back.
+            try:
+                buf = bytearray().join(blobs)
+            except TypeError:
+                buf = bytearray()
+            if len(buf) != n * row_bytes:
+                bad = next(i for i, b in zip(ids, blobs) if not isinstance(b, bytes) or len(b) != row_bytes)
+                raise StoreError(f"store {self.path} is damaged: item {bad} has no {self.dim}-float vector")
+            yield (
+                np.fromiter(ids, dtype=np.int64, count=n),
+                np.frombuffer(buf, dtype="<f4").reshape(n, self.dim),
+                np.fromiter(ns_ids, dtype=np.int32, count=n),
+                np.fromiter(times, dtype=np.float64, count=n),
+            )
+            after = ids[-1]
+
+    def integrity_check(self) -> str:
+        """SQLite's ``PRAGMA integrity_check``: "ok", or its findings one per line."""
+        with self._lock:
+            conn = self._connection()
+            try:
+                return "\n".join(str(r[0]) for r in conn.execute("PRAGMA integrity_check"))
+            except sqlite3.Error as e:
+                raise _wrap(e, "integrity_check", self.path) from None
+
+    def size_bytes(self) -> int:
+        """Bytes on disk: the db file plus its WAL."""
+        total = 0
+        for p in (self.path, Path(f"{self.path}-wal")):
+            try:
+                total += os.stat(p).st_size
+            except FileNotFoundError:
+                pass
+        return total
+
+
+def _chunks(ids: np.ndarray) -> Iterator[list[int]]:
+    values = ids.tolist()
+    for i in range(0, len(values), _IDS_PER_QUERY):
+        yield values[i : i + _IDS_PER_QUERY]
+
+
+# -- creation ----------------------------------------------------------------------------------
+
+
+def _make_dirs(directory: Path) -> None:
+    # Path.mkdir(parents=True) gives the parents the default mode; every directory created
+    # here holds memories, so each one is 0700.
+    missing: list[Path] = []
+    d = directory
+    while not d.exists():
+        missing.append(d)
+        d = d.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass  # created concurrently by someone else: theirs to set up
+        except OSError as e:
+            raise StoreError(f"cannot create directory {d}: {e.strerror}") from None
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _create(path: Path, dim: int) -> None:
+    """Creates an empty store at ``path``, atomically: it appears complete or not at all."""
+    for suffix in ("-wal", "-journal"):
+        # SQLite would replay a leftover journal of a deleted store into the new one.
+        if os.path.lexists(f"{path}{suffix}"):
+            raise StoreError(
+                f"store {path} does not exist but {path}{suffix} does (left over from a deleted"
+                " store?); move it away before creating a new store there"
+            )
+    _make_dirs(path.parent)
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".creating", dir=path.parent)  # 0600
+    except OSError as e:
+        raise StoreError(f"cannot create store {path}: {e.strerror}") from None
+    os.close(fd)  # nothing else has this new inode open yet, so closing drops no one's locks
+    tmp = Path(tmp_name)
+    try:
+        _build_schema(tmp, dim)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _publish(tmp, path)
+        _fsync_dir(path.parent)
+    except sqlite3.Error as e:
+        raise StoreError(f"cannot create store {path}: {e}") from None
+    except OSError as e:
+        raise StoreError(f"cannot create store {path}: {e}") from None
+    finally:
+        for leftover in (tmp, Path(f"{tmp}-journal"), Path(f"{tmp}-wal"), Path(f"{tmp}-shm")):
+            try:
+                os.unlink(leftover)
+            except FileNotFoundError:
+                pass
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    # link() rather than replace(): it fails if the path exists, so two processes creating the
+    # same store at once cannot clobber each other; the loser then opens the winner's store.
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+        # A filesystem without hard links: replace, which is atomic but not exclusive.
+        if not os.path.lexists(path):
+            os.replace(tmp, path)
+
+
+def _build_schema(tmp: Path, dim: int) -> None:
+    conn = sqlite3.connect(str(tmp), isolation_level=None)
+    try:
+        conn.execute("PRAGMA synchronous = FULL")
+        conn.execute("BEGIN")
+        conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+        conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY NOT NULL, value NOT NULL)")
+        conn.executemany(
+            "INSERT INTO meta (key, value) VALUES (?, ?)",
+            [("format", FORMAT_NAME), ("schema_version", SCHEMA_VERSION), ("dim", dim), ("created_at", time.time())],
+        )
+        conn.execute("CREATE TABLE namespaces (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE)")
+        conn.execute("INSERT INTO namespaces (id, name) VALUES (1, ?)", (DEFAULT_NAMESPACE,))
+        # The vector length is part of the table, so even a foreign tool cannot write a row
+        # the engine could not load.
+        conn.execute(
+            "CREATE TABLE items ("
+            " id INTEGER PRIMARY KEY AUTOINCREMENT,"
+            " namespace_id INTEGER NOT NULL REFERENCES namespaces(id),"
+            " created_at REAL NOT NULL,"
+            " text TEXT,"
+            " metadata TEXT,"
+            f" vector BLOB NOT NULL CHECK (typeof(vector) = 'blob' AND length(vector) = {4 * dim}))"
+        )
+        conn.execute("CREATE INDEX items_by_namespace ON items (namespace_id)")
+        conn.execute("COMMIT")
+        # Switched last (it cannot run inside a transaction); closing the last connection
+        # checkpoints and removes the temp file's -wal, so the file is complete on its own.
+        got = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(got).lower() != "wal":
+            raise StoreError(f"cannot create store: WAL journal mode unavailable (got {got!r})")
+    finally:
+        conn.close()

@@ -1,0 +1,176 @@
+"""Shared fixtures: a private runtime dir per test, sidecar and child-process bookkeeping, seeds.
+
+Conventions (see also tests/reference.py):
+
+* every test that starts a sidecar or a client gets its own ``KALOS_RUNTIME_DIR`` (a short
+  directory under /tmp: Unix socket paths must stay under 108 bytes) and a unique sidecar
+  name, so tests run beside other people's tests on the same machine;
+* every process a test starts is killed (SIGKILL if SIGTERM did not end it) when the test
+  ends, and the sidecar's /dev/shm segment is removed, whatever the test's outcome;
+* random tests print their seed; ``KALOS_TEST_SEED=<n>`` replays one;
+* no timing assertions: deadlines only turn a hang into a failure.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import shutil
+import signal
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pytest
+
+from kalos.launcher import SidecarProcess
+
+DEADLINE_S = 60.0  # a hang guard, never a performance assertion
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "kalos_bug: a test that reproduces a known, reported Kalos bug (fails until it is fixed); "
+        "-m 'not kalos_bug' gives the green baseline",
+    )
+
+
+def short_tempdir(prefix: str = "k") -> str:
+    """A fresh 0700 directory directly under /tmp (short enough for Unix socket paths)."""
+    path = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    os.chmod(path, 0o700)
+    return path
+
+
+def unique_name(tag: str = "t") -> str:
+    return f"{tag}-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+
+
+def segment_path(name: str) -> Path:
+    return Path("/dev/shm") / f"kalos-{os.getuid()}-{name}"
+
+
+def wait_until(predicate: Callable[[], Any], what: str, timeout: float = DEADLINE_S, interval: float = 0.01) -> Any:
+    """Polls ``predicate`` until it returns something truthy; AssertionError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def _seed_value() -> int:
+    return int(os.environ.get("KALOS_TEST_SEED", random.randrange(2**32)))
+
+
+@pytest.fixture
+def seed() -> int:
+    value = _seed_value()
+    print(f"random seed: {value} (replay with KALOS_TEST_SEED={value})")
+    return value
+
+
+@pytest.fixture
+def rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """This test's own KALOS_RUNTIME_DIR (inherited by every child process it starts)."""
+    path = short_tempdir("k")
+    monkeypatch.setenv("KALOS_RUNTIME_DIR", path)
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def store_dir() -> Iterator[Path]:
+    path = short_tempdir("ks")
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class SidecarPool:
+    """Starts sidecars for one test and guarantees that none outlives it."""
+
+    def __init__(self) -> None:
+        self.started: list[SidecarProcess] = []
+        self.names: set[str] = set()
+
+    def start(self, store: str | os.PathLike[str], *, name: str, dim: int | None = None,
+              extra_args: list[str] | tuple[str, ...] = (), ready_timeout: float = 120.0) -> SidecarProcess:
+        self.names.add(name)
+        proc = SidecarProcess(store, name=name, dim=dim, device="cpu", extra_args=list(extra_args),
+                              ready_timeout=ready_timeout)
+        self.started.append(proc)
+        return proc
+
+    def cleanup(self) -> None:
+        for proc in self.started:
+            try:
+                proc.stop(timeout=10)
+            finally:
+                if proc.process.poll() is None:
+                    proc.kill()
+        for name in self.names:
+            try:
+                segment_path(name).unlink()
+            except FileNotFoundError:
+                pass
+
+
+@pytest.fixture
+def sidecars(runtime_dir: Path) -> Iterator[SidecarPool]:
+    pool = SidecarPool()
+    try:
+        yield pool
+    finally:
+        pool.cleanup()
+
+
+class ChildPool:
+    """multiprocessing 'spawn' children of one test; every one is killed when the test ends."""
+
+    def __init__(self) -> None:
+        self.ctx = multiprocessing.get_context("spawn")
+        self.children: list[Any] = []
+
+    def start(self, target: Callable[..., Any], *args: Any) -> Any:
+        proc = self.ctx.Process(target=target, args=args, daemon=True)
+        proc.start()
+        self.children.append(proc)
+        return proc
+
+    def queue(self) -> Any:
+        return self.ctx.Queue()
+
+    def event(self) -> Any:
+        return self.ctx.Event()
+
+    def cleanup(self) -> None:
+        for proc in self.children:
+            if proc.is_alive():
+                proc.join(timeout=5)
+            if proc.is_alive():
+                try:
+                    os.kill(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.join(timeout=10)
+
+
+@pytest.fixture
+def children() -> Iterator[ChildPool]:
+    pool = ChildPool()
+    try:
+        yield pool
+    finally:
+        pool.cleanup()

@@ -1,0 +1,526 @@
+"""The segment layout and the slot channel, exercised in one process.
+
+The "sidecar" is a thread driving a real SidecarChannel over a real /dev/shm segment; each
+"client" maps the segment a second time (as another process would) and drives a
+ClientChannel. Covered: the layout arithmetic and header round trip, thousands of sequenced
+requests with no lost or cross-delivered answer (spinning, sleeping and mixed waiters, a
+sidecar that sleeps on its doorbell), and liveness: a stopped heartbeat, an epoch change and
+a closed control socket each raise SidecarUnavailable instead of hanging.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import stat
+import sys
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kalos.channel import ClientChannel, Endpoint, Segment, SidecarChannel
+from kalos.errors import InvalidArgument, ProtocolMismatch, SidecarUnavailable
+from kalos.protocol import (
+    HEADER_DTYPE,
+    MAGIC,
+    MESSAGE_BYTES,
+    NAMESPACE_BYTES,
+    REQUEST_DTYPE,
+    RESPONSE_DTYPE,
+    VERSION,
+    Layout,
+    SlotColumns,
+    SlotView,
+)
+
+DEADLINE_S = 60.0  # hang guard only
+PAGE = mmap.PAGESIZE
+
+# -- layout -------------------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(n_slots=st.integers(1, 64), dim=st.integers(1, 4096), max_k=st.integers(1, 1024), max_batch=st.integers(1, 256))
+def test_layout_offsets_are_aligned_and_disjoint(n_slots, dim, max_k, max_batch):
+    layout = Layout(n_slots, dim, max_k, max_batch)
+    assert layout.header_size % PAGE == 0 and layout.header_size >= HEADER_DTYPE.itemsize
+    assert layout.slot_size % PAGE == 0
+    offsets = [layout.request_offset, layout.response_offset, layout.queries_offset, layout.ids_offset,
+               layout.scores_offset]
+    assert all(o % 64 == 0 for o in offsets), offsets
+    ends = [
+        layout.request_offset + REQUEST_DTYPE.itemsize,
+        layout.response_offset + RESPONSE_DTYPE.itemsize,
+        layout.queries_offset + 4 * max_batch * dim,
+        layout.ids_offset + 8 * max_batch * max_k,
+        layout.scores_offset + 4 * max_batch * max_k,
+    ]
+    for end, next_start in zip(ends, offsets[1:]):
+        assert end <= next_start, "areas overlap"
+    assert ends[-1] <= layout.slot_size
+    # The request and response lines never share a cache line.
+    assert layout.response_offset >= 64 and layout.request_offset + REQUEST_DTYPE.itemsize <= layout.response_offset
+    for slot in range(n_slots):
+        assert layout.slot_offset(slot) == layout.header_size + slot * layout.slot_size
+        assert layout.slot_offset(slot) % PAGE == 0
+    assert layout.size == layout.header_size + n_slots * layout.slot_size
+
+
+def test_slot_offset_out_of_range_is_a_protocol_error():
+    layout = Layout(2, 4, 2, 1)
+    for bad in (-1, 2, 100):
+        with pytest.raises(ProtocolMismatch, match="outside"):
+            layout.slot_offset(bad)
+
+
+@settings(max_examples=50, deadline=None)
+@given(n_slots=st.integers(1, 8), dim=st.integers(1, 300), max_k=st.integers(1, 300), max_batch=st.integers(1, 20),
+       epoch=st.integers(1, 2**63 - 1), pid=st.integers(1, 2**31 - 1))
+def test_header_round_trip(n_slots, dim, max_k, max_batch, epoch, pid):
+    layout = Layout(n_slots, dim, max_k, max_batch)
+    buf = memoryview(bytearray(layout.size))
+    layout.write_header(buf, epoch=epoch, pid=pid)
+    assert Layout.read_header(buf, source="test") == layout
+    header = np.ndarray((), HEADER_DTYPE, buf, 0)
+    assert int(header["magic"]) == MAGIC and int(header["version"]) == VERSION
+    assert int(header["epoch"]) == epoch and int(header["sidecar_pid"]) == pid
+
+
+def test_read_header_rejects_wrong_magic_version_sizes_and_short_buffers():
+    layout = Layout(3, 16, 8, 4)
+
+    def fresh() -> tuple[memoryview, np.ndarray]:
+        buf = memoryview(bytearray(layout.size))
+        layout.write_header(buf, epoch=5, pid=1)
+        return buf, np.ndarray((), HEADER_DTYPE, buf, 0)
+
+    buf, header = fresh()
+    header["magic"] = 0x1234
+    with pytest.raises(ProtocolMismatch, match=r"SRC: not a Kalos segment \(magic 0x1234"):
+        Layout.read_header(buf, source="SRC")
+    buf, header = fresh()
+    header["version"] = VERSION + 1
+    with pytest.raises(ProtocolMismatch, match=f"SRC: segment protocol version {VERSION + 1}"):
+        Layout.read_header(buf, source="SRC")
+    buf, header = fresh()
+    header["slot_size"] = layout.slot_size + PAGE
+    with pytest.raises(ProtocolMismatch, match="SRC: segment sizes disagree"):
+        Layout.read_header(buf, source="SRC")
+    buf, header = fresh()
+    header["dim"] = 4096  # the declared slot size no longer follows from the declared numbers
+    with pytest.raises(ProtocolMismatch, match="sizes disagree"):
+        Layout.read_header(buf, source="SRC")
+    buf, _ = fresh()
+    with pytest.raises(ProtocolMismatch, match="sizes disagree"):
+        Layout.read_header(buf[: layout.size - 1], source="SRC")
+    with pytest.raises(ProtocolMismatch, match="too small"):
+        Layout.read_header(buf[:64], source="SRC")
+
+
+def test_slot_views_stay_inside_their_slot_and_messages_round_trip():
+    layout = Layout(3, 5, 4, 2)
+    buf = memoryview(bytearray(layout.size))
+    layout.write_header(buf, epoch=1, pid=1)
+    views = [SlotView(buf, layout, i) for i in range(3)]
+    views[1].queries[:] = 1.0
+    views[1].ids[:] = -1
+    views[1].scores[:] = np.inf
+    views[1].request_bytes[:] = 0xFF
+    views[1].response_bytes[:] = 0xFF
+    for other in (views[0], views[2]):
+        assert not other.request_bytes.any() and not other.response_bytes.any()
+        assert not other.queries.any() and not other.ids.any() and not other.scores.any()
+    assert Layout.read_header(buf, source="t") == layout  # the header is untouched too
+    views[1].reset()
+    assert not views[1].request_bytes.any() and not views[1].response_bytes.any()
+    views[0].write_message("é" * 500)
+    assert len(views[0].read_message().encode()) <= MESSAGE_BYTES
+    views[0].write_message("bad k")
+    assert views[0].read_message() == "bad k"
+    views[2].namespace[0] = b"ns"
+    views[2].namespace_len[0] = 1000  # garbage length: clipped, never read past the field
+    assert views[2].read_namespace() == b"ns"
+    assert len(views[2].read_namespace()) <= NAMESPACE_BYTES
+    columns = SlotColumns(buf, layout)
+    views[2].req_seq[0] = 77
+    assert columns.req_seq.tolist() == [0, 0, 77]
+
+
+# -- segments ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def shm_name() -> Iterator[str]:
+    name = f"kalos-test-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+    yield name
+    try:
+        os.unlink(f"/dev/shm/{name}")
+    except FileNotFoundError:
+        pass
+
+
+def test_segment_is_created_owner_only_and_unlinked_by_its_creator(shm_name):
+    seg = Segment(shm_name, create_size=3 * PAGE)
+    try:
+        assert stat.S_IMODE(os.stat(seg.path).st_mode) == 0o600
+        assert len(seg.buf) == 3 * PAGE and seg.created
+        other = Segment(shm_name)
+        assert not other.created and len(other.buf) == 3 * PAGE
+        other.buf[10] = 42
+        assert seg.buf[10] == 42
+        other.close()
+        other.close()  # idempotent
+    finally:
+        seg.close()
+        seg.unlink()
+    assert not seg.path.exists()
+    with pytest.raises(SidecarUnavailable, match="does not exist"):
+        Segment(shm_name)
+
+
+def test_creating_over_a_leftover_segment_replaces_it(shm_name):
+    with open(f"/dev/shm/{shm_name}", "wb") as f:
+        f.write(b"x" * 100)
+    seg = Segment(shm_name, create_size=PAGE)
+    try:
+        assert len(seg.buf) == PAGE and bytes(seg.buf[:4]) == b"\0\0\0\0"
+    finally:
+        seg.close()
+        seg.unlink()
+
+
+@pytest.mark.kalos_bug
+def test_attaching_to_an_empty_segment_file_is_a_kalos_error(shm_name):
+    """BUG: Segment() on a 0-byte /dev/shm file raises a bare ValueError from mmap.
+
+    A sidecar killed between creating its segment and sizing it leaves exactly such a file;
+    the channel should say so with a Kalos error (ProtocolMismatch), not "cannot mmap an
+    empty file".
+    """
+    open(f"/dev/shm/{shm_name}", "wb").close()
+    with pytest.raises(ProtocolMismatch):
+        Segment(shm_name)
+
+
+def test_endpoint_names_are_validated(runtime_dir):
+    for bad in ("", "a/b", "../x", "x" * 65, "-lead", "sp ace"):
+        with pytest.raises(InvalidArgument):
+            Endpoint(bad)
+    ep = Endpoint("ok_name.1-2")
+    assert ep.socket_path.parent == runtime_dir and ep.segment_name == f"kalos-{os.getuid()}-ok_name.1-2"
+
+
+# -- the channel in one process --------------------------------------------------------------------
+
+
+class Harness:
+    """A segment, a SidecarChannel driven by a thread, and ClientChannels on a second mapping."""
+
+    def __init__(self, name: str, *, n_slots: int = 4, dim: int = 4, max_k: int = 4, max_batch: int = 2,
+                 epoch: int = 0x5EED) -> None:
+        self.layout = Layout(n_slots, dim, max_k, max_batch)
+        self.epoch = epoch
+        self.segment = Segment(name, create_size=self.layout.size)
+        self.layout.write_header(self.segment.buf, epoch=epoch, pid=os.getpid())
+        self.side = SidecarChannel(self.segment, self.layout, epoch=epoch)
+        self.side.stamp_heartbeat()
+        self.client_segment = Segment(name)  # a second mapping, as another process has
+        self.clients: list[ClientChannel] = []
+        self._fds: list[int] = []
+        self._socks: list[socket.socket] = []
+        self.peers: list[socket.socket] = []
+        self.stop = threading.Event()
+        self.beat = threading.Event()
+        self.beat.set()
+        self.answer = threading.Event()
+        self.answer.set()
+        self.errors: list[BaseException] = []
+        self.threads: list[threading.Thread] = []
+
+    def add_client(self, *, timeout: float = 30.0, spin_s: float = 0.0) -> ClientChannel:
+        slot = len(self.clients)
+        wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._fds.append(wake)
+        self.side.activate(slot, os.dup(wake))  # the sidecar closes its own copy
+        ours, theirs = socket.socketpair()
+        self._socks.append(ours)
+        self.peers.append(theirs)
+        channel = ClientChannel(
+            self.client_segment, self.layout, slot, doorbell_fd=self.side.doorbell_fd, wake_fd=wake,
+            control=ours, epoch=self.epoch, timeout=timeout, spin_s=spin_s,
+        )
+        self.clients.append(channel)
+        return channel
+
+    def serve(self, *, sleep_when_idle: bool, sleep_timeout_s: float = 30.0,
+              on_request: Callable[[int, int], None] | None = None) -> None:
+        """Starts the sidecar thread (echo server) and a heartbeat thread."""
+
+        def heartbeat() -> None:
+            while not self.stop.wait(0.01):
+                if self.beat.is_set():
+                    self.side.stamp_heartbeat()
+
+        def sweep() -> None:
+            try:
+                while not self.stop.is_set():
+                    if not self.answer.is_set():
+                        self.stop.wait(0.005)
+                        continue
+                    slots, seqs = self.side.pending()
+                    if len(slots):
+                        for slot, seq in zip(slots.tolist(), seqs.tolist()):
+                            if on_request is not None:
+                                on_request(slot, seq)
+                            view = self.side.slots[slot]
+                            n = int(view.n_queries[0])
+                            for row in range(n):
+                                view.ids[row, 0] = int(view.queries[row, 0])  # the request's token
+                                view.ids[row, 1] = slot
+                                view.ids[row, 2] = seq
+                                view.scores[row, 0] = view.queries[row, 1]
+                            view.n_results[0] = n
+                            view.status[0] = 0
+                        self.side.publish(slots, seqs)
+                    elif sleep_when_idle:
+                        self.side.sleep(timeout_s=sleep_timeout_s)
+                    else:
+                        time.sleep(0)
+            except BaseException as exc:  # surfaced by close()
+                self.errors.append(exc)
+
+        for target, name in ((heartbeat, "heartbeat"), (sweep, "sweep")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self.threads.append(thread)
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.side.doorbell_fd >= 0:
+            self.side.ring()
+        for thread in self.threads:
+            thread.join(timeout=DEADLINE_S)
+        self.clients.clear()
+        self.side.close()
+        for fd in self._fds:
+            os.close(fd)
+        for sock in self._socks + self.peers:
+            sock.close()
+        self.client_segment.close()
+        self.segment.close()
+        self.segment.unlink()
+        if self.errors:
+            raise self.errors[0]
+
+
+@pytest.fixture
+def harness(shm_name) -> Iterator[Callable[..., Harness]]:
+    made: list[Harness] = []
+
+    def make(**kwargs) -> Harness:
+        h = Harness(shm_name, **kwargs)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+@contextmanager
+def fast_thread_switches() -> Iterator[None]:
+    """A spinning waiter holds the GIL for a whole switch interval; make that short."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
+
+
+def run_clients(h: Harness, n_requests: int, *, tokens_base: int = 1) -> list[float]:
+    """Each client thread sends ``n_requests`` sequenced requests; returns the worst wait seen."""
+    failures: list[str] = []
+    worst: list[float] = []
+
+    def client_thread(ci: int, channel: ClientChannel) -> None:
+        slot = channel.slot
+        longest = 0.0
+        try:
+            for r in range(n_requests):
+                token = tokens_base + ci * 1_000_000 + r  # exact in float32 (< 2**24)
+                rows = 1 + (r % h.layout.max_batch)
+                slot.op[0] = 1
+                slot.n_queries[0] = rows
+                for row in range(rows):
+                    slot.queries[row, 0] = token + row
+                    slot.queries[row, 1] = ci
+                started = time.monotonic()
+                seq = channel.submit()
+                reply = channel.wait(seq)
+                longest = max(longest, time.monotonic() - started)
+                if reply.status != 0 or reply.n_results != rows:
+                    failures.append(f"client {ci} request {r}: status {reply.status} n {reply.n_results}")
+                    return
+                for row in range(rows):
+                    got = (int(slot.ids[row, 0]), int(slot.ids[row, 1]), int(slot.ids[row, 2]), float(slot.scores[row, 0]))
+                    if got != (token + row, slot.index, seq, float(ci)):
+                        failures.append(f"client {ci} request {r} row {row}: got {got}, expected "
+                                        f"{(token + row, slot.index, seq, float(ci))}")
+                        return
+                if int(slot.resp_seq[0]) != seq:
+                    failures.append(f"client {ci}: resp_seq moved past {seq} to {int(slot.resp_seq[0])}")
+                    return
+        except BaseException as exc:
+            failures.append(f"client {ci} raised {type(exc).__name__}: {exc}")
+        finally:
+            worst.append(longest)
+
+    threads = [threading.Thread(target=client_thread, args=(i, c), daemon=True) for i, c in enumerate(h.clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=DEADLINE_S * 3)
+    assert not any(t.is_alive() for t in threads), "a client thread hung"
+    assert not failures, failures[:5]
+    return worst
+
+
+def test_thousands_of_requests_spinning_and_sleeping_clients(harness):
+    h = harness(n_slots=6, max_batch=3)
+    for spin in (50e-6, 0.0, 200e-6, 0.0, 20e-6, 0.0):
+        h.add_client(spin_s=spin)
+    h.serve(sleep_when_idle=False)
+    with fast_thread_switches():
+        run_clients(h, 1500)
+
+
+def test_sleeping_sidecar_and_sleeping_clients_lose_no_wakeup(harness):
+    """Both sides always sleep; a lost doorbell would stall a request for the sidecar's 30 s nap."""
+    h = harness(n_slots=3, max_batch=2)
+    for _ in range(3):
+        h.add_client(spin_s=0.0)
+    h.serve(sleep_when_idle=True, sleep_timeout_s=30.0)
+    with fast_thread_switches():
+        worst = run_clients(h, 700)
+    # Generous liveness bound, not a performance assertion: a lost wake-up costs >= 30 s.
+    assert max(worst) < 20.0, f"a request waited {max(worst):.1f} s: a doorbell was lost"
+
+
+def test_single_client_ping_pong_with_pauses(harness):
+    """The sidecar falls asleep between requests (pauses), so every request must ring it."""
+    h = harness(n_slots=1)
+    channel = h.add_client(spin_s=0.0)
+    h.serve(sleep_when_idle=True, sleep_timeout_s=30.0)
+    slot = channel.slot
+    for r in range(40):
+        if r % 4 == 0:
+            time.sleep(0.02)
+        slot.n_queries[0] = 1
+        slot.queries[0, 0] = 100 + r
+        started = time.monotonic()
+        reply = channel.wait(channel.submit())
+        assert time.monotonic() - started < 20.0, "a doorbell was lost"
+        assert reply.status == 0 and int(slot.ids[0, 0]) == 100 + r
+
+
+def test_error_status_and_message_reach_the_client(harness):
+    h = harness(n_slots=1)
+    channel = h.add_client(spin_s=0.0)
+    # Answer with an error by hand (no sweep thread): publish a status and message.
+    slot = channel.slot
+    seq = channel.submit()
+    ready, seqs = h.side.pending()
+    assert ready.tolist() == [0] and seqs.tolist() == [seq]
+    view = h.side.slots[0]
+    view.write_message("k=0 is out of range")
+    view.status[0] = 2
+    view.n_results[0] = 0
+    h.side.publish(ready, seqs)
+    reply = channel.wait(seq)
+    assert (reply.status, reply.n_results, reply.message) == (2, 0, "k=0 is out of range")
+    assert h.side.pending()[0].tolist() == []  # answered once, not again
+    slot.resp_seq[0] = 12345  # a client scribbling on the sidecar's word changes nothing
+    assert h.side.pending()[0].tolist() == []
+
+
+def test_stopped_heartbeat_raises_sidecar_unavailable(harness):
+    h = harness(n_slots=1)
+    timeout = 0.3
+    channel = h.add_client(timeout=timeout, spin_s=0.0)
+    h.serve(sleep_when_idle=False)
+    channel.slot.n_queries[0] = 1
+    assert channel.wait(channel.submit()).status == 0  # alive first
+    h.answer.clear()  # hung: no answers...
+    h.beat.clear()  # ...and no heartbeat
+    started = time.monotonic()
+    with pytest.raises(SidecarUnavailable, match="heartbeat"):
+        channel.wait(channel.submit())
+    assert time.monotonic() - started < timeout + 10.0
+
+
+def test_slow_but_live_sidecar_is_waited_for(harness):
+    h = harness(n_slots=1)
+    channel = h.add_client(timeout=0.5, spin_s=0.0)
+    h.serve(sleep_when_idle=False)
+    h.answer.clear()  # slow: no answer for a while, but the heartbeat goes on
+    channel.slot.n_queries[0] = 1
+    channel.slot.queries[0, 0] = 9
+    seq = channel.submit()
+    timer = threading.Timer(1.5, h.answer.set)
+    timer.start()
+    try:
+        reply = channel.wait(seq)
+    finally:
+        timer.cancel()
+    assert reply.status == 0 and int(channel.slot.ids[0, 0]) == 9
+
+
+def test_epoch_change_raises_sidecar_unavailable(harness):
+    h = harness(n_slots=2)
+    channel = h.add_client(timeout=5.0, spin_s=0.0)
+    h.serve(sleep_when_idle=False)
+    channel.slot.n_queries[0] = 1
+    assert channel.wait(channel.submit()).status == 0
+    h.answer.clear()
+    h.side.header.epoch[0] = h.epoch + 2  # a new sidecar took the segment over
+    with pytest.raises(SidecarUnavailable, match="restarted"):
+        channel.wait(channel.submit())
+    with pytest.raises(SidecarUnavailable, match="restarted"):
+        channel.check_alive()
+
+
+def test_closed_control_socket_raises_sidecar_unavailable_at_once(harness):
+    h = harness(n_slots=1)
+    channel = h.add_client(timeout=30.0, spin_s=0.0)
+    h.serve(sleep_when_idle=False)
+    h.answer.clear()
+    channel.slot.n_queries[0] = 1
+    seq = channel.submit()
+    threading.Timer(0.1, h.peers[0].close).start()  # the kernel closes it when the sidecar dies
+    started = time.monotonic()
+    with pytest.raises(SidecarUnavailable, match="closed the connection"):
+        channel.wait(seq)
+    assert time.monotonic() - started < 30.0, "should not have waited for the heartbeat timeout"
+
+
+def test_deactivated_slot_is_not_swept_and_is_reset_for_the_next_owner(harness):
+    h = harness(n_slots=2)
+    channel = h.add_client(spin_s=0.0)
+    channel.slot.n_queries[0] = 1
+    seq = channel.submit()
+    assert h.side.pending()[0].tolist() == [0]
+    h.side.deactivate(0)  # the client died mid-request
+    assert h.side.pending()[0].tolist() == []
+    assert h.side.free_slot() == 0
+    wake = os.eventfd(0, os.EFD_NONBLOCK)
+    h.side.activate(0, wake)
+    assert int(h.side.slots[0].req_seq[0]) == 0 and int(h.side.slots[0].resp_seq[0]) == 0
+    assert h.side.pending()[0].tolist() == [] and seq == 1

@@ -1,0 +1,293 @@
+"""The ``kalos`` command line, run as real processes (``python -m kalos ...``).
+
+Help for the command and every subcommand; ``kalos serve`` on a temporary store driven by
+``kalos add`` (.npy and JSONL with texts, metadata and namespaces), ``kalos recall --json``
+and ``kalos stats --json``; clean shutdown on SIGTERM and SIGINT (exit 0, socket and segment
+removed); and user errors, which exit 2 with a one-line message and no traceback.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kalos import Client
+
+from conftest import DEADLINE_S, segment_path, unique_name
+from reference import assert_topk_matches, eligible_mask
+
+DIM = 6
+
+
+def kalos(*args: str, timeout: float = DEADLINE_S) -> subprocess.CompletedProcess:
+    """Runs ``python -m kalos ARGS`` in this test's environment (its KALOS_RUNTIME_DIR included)."""
+    cmd = [sys.executable, "-m", "kalos", *map(str, args)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"{cmd} hung (killed after {timeout} s); stderr: {err}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def assert_user_error(result: subprocess.CompletedProcess, command: str, *fragments: str) -> str:
+    """Exit 2, exactly one line on stderr naming the command, no traceback."""
+    err = result.stderr.strip()
+    assert result.returncode == 2, f"exit {result.returncode}, stderr: {result.stderr}"
+    assert "Traceback" not in result.stderr, result.stderr
+    assert len(err.splitlines()) == 1, f"expected a one-line message, got: {result.stderr!r}"
+    assert err.startswith(f"kalos {command}: error:"), err
+    for fragment in fragments:
+        assert fragment in err, f"{fragment!r} not in {err!r}"
+    return err
+
+
+# -- help -------------------------------------------------------------------------------------------
+
+HELP = {
+    None: ["serve", "add", "recall", "stats", "demo", "bench"],
+    "serve": ["--store", "--name", "--dim", "--device", "--slots", "--max-k", "--max-batch", "--spin-us",
+              "--seed-compat", "--log-level"],
+    "add": ["file", "--name", "--namespace", "--batch"],
+    "recall": ["--vector", "--npy", "--row", "--name", "-k", "--namespace", "--all-namespaces", "--since",
+               "--until", "--json"],
+    "stats": ["--name", "--json"],
+    "demo": ["--name", "--store", "--memories", "--recalls", "--device"],
+    "bench": ["--n", "--dim", "-k", "--repeats", "--e2e-repeats", "--cold", "--device", "--json"],
+}
+
+
+@pytest.mark.parametrize("command", list(HELP), ids=[c or "kalos" for c in HELP])
+def test_help_exits_0_and_mentions_every_option(command):
+    result = kalos(*([command] if command else []), "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert result.stdout.startswith("usage: kalos")
+    for option in HELP[command]:
+        assert option in result.stdout, f"{option} missing from `kalos {command or ''} --help`"
+
+
+def test_no_command_is_a_usage_error():
+    result = kalos()
+    assert result.returncode == 2 and "usage: kalos" in result.stderr and "Traceback" not in result.stderr
+
+
+# -- a served store driven through the CLI ---------------------------------------------------------
+
+
+def test_serve_add_recall_stats(sidecars, store_dir, runtime_dir, rng):
+    name = unique_name("cli")
+    sidecars.start(store_dir / "cli.db", name=name, dim=DIM)
+    # .npy into the default namespace, in several batches.
+    npy = rng.standard_normal((25, DIM)).astype(np.float32)
+    np.save(store_dir / "m.npy", npy)
+    result = kalos("add", store_dir / "m.npy", "--name", name, "--batch", "7")
+    assert result.returncode == 0, result.stderr
+    assert "added 25 memories" in result.stdout
+    # JSONL with texts, metadata, per-line namespaces and a --namespace default for the rest.
+    rows = []
+    for i in range(12):
+        row = {"vector": rng.standard_normal(DIM).round(4).tolist(), "text": f"note {i}"}
+        if i % 3 == 0:
+            row["metadata"] = {"i": i, "tags": ["x"]}
+        if i % 2 == 0:
+            row["namespace"] = "even"
+        rows.append(row)
+    lines = [json.dumps(r) for r in rows]
+    lines.insert(4, "   ")  # blank lines are skipped
+    (store_dir / "m.jsonl").write_text("\n".join(lines) + "\n")
+    result = kalos("add", store_dir / "m.jsonl", "--name", name, "--namespace", "odd")
+    assert result.returncode == 0, result.stderr
+    assert "added 12 memories" in result.stdout
+
+    result = kalos("stats", "--name", name, "--json")
+    assert result.returncode == 0, result.stderr
+    stats = json.loads(result.stdout)
+    assert stats["count"] == 37 and stats["dim"] == DIM and stats["name"] == name
+    assert stats["namespaces"]["default"] == 25 and stats["namespaces"]["even"] == 6 and stats["namespaces"]["odd"] == 6
+    result = kalos("stats", "--name", name)
+    assert result.returncode == 0 and name in result.stdout and "37 live" in result.stdout
+
+    # recall --vector --json equals the reference; JSONL texts and namespaces come back.
+    jsonl_vectors = np.array([r["vector"] for r in rows])
+    jsonl_ns = ["even" if i % 2 == 0 else "odd" for i in range(12)]
+    with Client(name, timeout=10.0) as client:
+        all_items = {}
+        for item in client.get(list(range(1, 38))):
+            if item is not None:
+                all_items[item.id] = item
+    assert len(all_items) == 37
+    ids = np.array(sorted(all_items), np.int64)
+    by_text = {r["text"]: r for r in rows}
+    vectors = np.array([npy[i - 1] if all_items[i].text is None else by_text[all_items[i].text]["vector"]
+                        for i in ids])
+    namespaces = [all_items[i].namespace for i in ids]
+    query = rng.standard_normal(DIM).round(3)
+    vector_arg = ",".join(str(x) for x in query)
+    for extra, namespace, k in ((["--namespace", "even"], "even", 4), (["--all-namespaces"], None, 10),
+                                ([], "default", 3), (["--namespace", "odd"], "odd", 50)):
+        result = kalos("recall", "--name", name, f"--vector={vector_arg}", "-k", k, "--json", *extra)
+        assert result.returncode == 0, result.stderr
+        hits = json.loads(result.stdout)
+        got_ids = np.array([h["id"] for h in hits], np.int64)
+        got_scores = np.array([h["score"] for h in hits])
+        eligible = eligible_mask(namespaces, np.zeros(len(ids)), namespace=namespace)
+        assert_topk_matches(got_ids[None], got_scores[None], ids, vectors, query, k, eligible, padded=False,
+                            context=f"cli recall {extra}")
+        for h in hits:
+            item = all_items[h["id"]]
+            assert h["namespace"] == item.namespace and h["text"] == item.text
+    odd_hits = json.loads(kalos("recall", "--name", name, f"--vector={vector_arg}", "--namespace", "odd", "--json").stdout)
+    assert all(h["text"].startswith("note ") for h in odd_hits)
+    # JSONL metadata arrived.
+    meta = [all_items[i].metadata for i in ids if all_items[i].text == "note 3"]
+    assert meta == [{"i": 3, "tags": ["x"]}]
+    # recall --npy --row, human-readable output.
+    np.save(store_dir / "q.npy", np.stack([query, npy[4]]))
+    result = kalos("recall", "--name", name, "--npy", store_dir / "q.npy", "--row", "1", "-k", "1")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[0] == "5"  # row 4 of the .npy got id 5, and is its own best match
+    # An empty window prints that nothing matched.
+    result = kalos("recall", "--name", name, f"--vector={vector_arg}", "--since", "1", "--until", "2")
+    assert result.returncode == 0 and "no memories matched" in result.stdout
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_serve_shuts_down_cleanly_on_signal(sidecars, store_dir, runtime_dir, sig):
+    name = unique_name("sig")
+    proc = sidecars.start(store_dir / "sig.db", name=name, dim=DIM)
+    sock = runtime_dir / f"{name}.sock"
+    with Client(name, timeout=10.0) as client:
+        client.add(np.eye(DIM, dtype=np.float32))
+        client.ping()  # the sweep is running, so the signal handlers are installed
+        assert sock.exists() and segment_path(name).exists()
+        proc.process.send_signal(sig)
+        try:
+            code = proc.process.wait(timeout=DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the sidecar ignored {sig.name}") from None
+    assert code == 0, f"exit code {code} after {sig.name}; log: {proc.log()[-2000:]}"
+    assert not sock.exists(), "socket left behind"
+    assert not segment_path(name).exists(), "/dev/shm segment left behind"
+    assert "Traceback" not in proc.log()
+    # The store was closed properly: a new sidecar serves it with everything in it.
+    again = sidecars.start(store_dir / "sig.db", name=name, dim=DIM)
+    with Client(name, timeout=10.0) as client:
+        assert client.stats()["count"] == DIM
+    again.stop()
+
+
+# -- user errors: exit 2, one line, no traceback --------------------------------------------------
+
+
+def test_recall_and_stats_without_a_sidecar(runtime_dir):
+    name = unique_name("none")
+    assert_user_error(kalos("recall", "--name", name, "--vector", "1,2,3"), "recall", "no sidecar", name)
+    assert_user_error(kalos("stats", "--name", name), "stats", "no sidecar", name)
+    assert_user_error(kalos("add", __file__, "--name", name), "add", "no sidecar", name)
+
+
+def test_add_of_a_missing_file(sidecars, store_dir, runtime_dir):
+    name = unique_name("miss")
+    sidecars.start(store_dir / "miss.db", name=name, dim=DIM)
+    missing = store_dir / "nope.jsonl"
+    assert_user_error(kalos("add", missing, "--name", name), "add", str(missing))
+    assert_user_error(kalos("add", store_dir / "nope.npy", "--name", name), "add", "nope.npy")
+
+
+def test_malformed_input_files_name_the_line_and_add_nothing(sidecars, store_dir, runtime_dir):
+    name = unique_name("bad")
+    sidecars.start(store_dir / "bad.db", name=name, dim=DIM)
+    good = json.dumps({"vector": [1.0] * DIM, "text": "fine"})
+    cases = {
+        "broken-json": ([good, good, '{"vector": [1, 2', good], ":3:"),
+        "not-an-object": ([good, "[1, 2, 3]"], ":2:"),
+        "no-vector": ([good, good, good, json.dumps({"text": "x"})], ":4:"),
+        "text-not-str": ([json.dumps({"vector": [1.0] * DIM, "text": 5})], ":1:"),
+        "metadata-not-object": ([good, json.dumps({"vector": [1.0] * DIM, "metadata": [1]})], ":2:"),
+        "namespace-not-str": ([good, json.dumps({"vector": [1.0] * DIM, "namespace": 3})], ":2:"),
+    }
+    for case, (lines, where) in cases.items():
+        path = store_dir / f"{case}.jsonl"
+        path.write_text("\n".join(lines) + "\n")
+        assert_user_error(kalos("add", path, "--name", name), "add", f"{path}{where}")
+    # Vectors of the wrong dimension, or of unequal lengths: exit 2 too.
+    path = store_dir / "dims.jsonl"
+    path.write_text(json.dumps({"vector": [1.0] * (DIM + 1)}) + "\n")
+    assert_user_error(kalos("add", path, "--name", name), "add", "dimension")
+    path.write_text(good + "\n" + json.dumps({"vector": [1.0, 2.0]}) + "\n")
+    assert_user_error(kalos("add", path, "--name", name), "add")
+    np.save(store_dir / "wide.npy", np.ones((2, DIM + 2), np.float32))
+    assert_user_error(kalos("add", store_dir / "wide.npy", "--name", name), "add", "dimension")
+    with Client(name, timeout=10.0) as client:
+        assert client.stats()["count"] == 0, "a failed add stored something"
+
+
+def test_bad_recall_arguments(sidecars, store_dir, runtime_dir):
+    name = unique_name("arg")
+    sidecars.start(store_dir / "arg.db", name=name, dim=DIM)
+    with Client(name, timeout=10.0) as client:
+        client.add(np.eye(DIM, dtype=np.float32))
+    assert_user_error(kalos("recall", "--name", name, "--vector", "1,2,x"), "recall", "comma-separated")
+    assert_user_error(kalos("recall", "--name", name, "--vector", "1,2,3"), "recall", "dimension")
+    assert_user_error(kalos("recall", "--name", name, "--vector", ",".join(["0"] * DIM)), "recall")
+    assert_user_error(kalos("recall", "--name", name, "--vector", ",".join(["1"] * DIM), "-k", "0"), "recall", "k=0")
+    assert_user_error(kalos("recall", "--name", name, "--vector", ",".join(["1"] * DIM), "--namespace", "zz"),
+                      "recall", "zz")
+
+
+@pytest.mark.kalos_bug
+def test_recall_from_a_missing_npy_file(sidecars, store_dir, runtime_dir):
+    """BUG: cli._recall calls np.load(args.npy) unguarded: a missing file ends in a
+    FileNotFoundError traceback (exit 1) instead of a one-line error with exit 2."""
+    name = unique_name("npy")
+    sidecars.start(store_dir / "npy.db", name=name, dim=DIM)
+    missing = store_dir / "absent.npy"
+    assert_user_error(kalos("recall", "--name", name, "--npy", missing), "recall", "absent.npy")
+
+
+@pytest.mark.kalos_bug
+def test_add_of_a_corrupt_npy_file(sidecars, store_dir, runtime_dir):
+    """BUG: cli._add calls np.load() unguarded: a file named .npy that is not one ends in a
+    ValueError/UnpicklingError traceback (exit 1) instead of a one-line error with exit 2."""
+    name = unique_name("cor")
+    sidecars.start(store_dir / "cor.db", name=name, dim=DIM)
+    bad = store_dir / "corrupt.npy"
+    bad.write_bytes(b"this is not a numpy file\n" * 10)
+    assert_user_error(kalos("add", bad, "--name", name), "add", "corrupt.npy")
+
+
+@pytest.mark.kalos_bug
+def test_add_of_a_jsonl_file_that_is_not_utf8(sidecars, store_dir, runtime_dir):
+    """BUG: cli._read_jsonl iterates a text-mode UTF-8 file without catching
+    UnicodeDecodeError: a Latin-1 file ends in a traceback (exit 1), not a one-line error
+    naming the line, with exit 2."""
+    name = unique_name("enc")
+    sidecars.start(store_dir / "enc.db", name=name, dim=DIM)
+    path = store_dir / "latin1.jsonl"
+    good = json.dumps({"vector": [1.0] * DIM, "text": "ok"})
+    path.write_bytes((good + "\n").encode() + json.dumps({"vector": [1.0] * DIM, "text": "caf\u00e9"}, ensure_ascii=False)
+                     .encode("latin-1") + b"\n")
+    assert_user_error(kalos("add", path, "--name", name), "add", "latin1.jsonl")
+
+
+@pytest.mark.kalos_bug
+def test_recall_vector_may_start_with_a_negative_number(sidecars, store_dir, runtime_dir):
+    """BUG: `kalos recall --vector -0.5,1,...` is a usage error (exit 2, "argument --vector:
+    expected one argument"): argparse takes a value that starts with '-' and is not a plain
+    negative number for an option. Half of all query vectors start with a negative component;
+    only the `--vector=-0.5,...` spelling works, and the help does not say so."""
+    name = unique_name("neg")
+    sidecars.start(store_dir / "neg.db", name=name, dim=DIM)
+    with Client(name, timeout=10.0) as client:
+        ids = client.add(-np.eye(DIM, dtype=np.float32))
+    vector = ",".join(["-0.5"] + ["0"] * (DIM - 1))
+    result = kalos("recall", "--name", name, "--vector", vector, "-k", "1", "--json")
+    assert result.returncode == 0, result.stderr
+    assert [h["id"] for h in json.loads(result.stdout)] == [int(ids[0])]
