@@ -31,14 +31,6 @@ from kalos.launcher import SidecarProcess
 DEADLINE_S = 60.0  # a hang guard, never a performance assertion
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        "kalos_bug: a test that reproduces a known, reported Kalos bug (fails until it is fixed); "
-        "-m 'not kalos_bug' gives the green baseline",
-    )
-
-
 def short_tempdir(prefix: str = "k") -> str:
     """A fresh 0700 directory directly under /tmp (short enough for Unix socket paths)."""
     path = tempfile.mkdtemp(prefix=prefix, dir="/tmp")

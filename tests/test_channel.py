@@ -196,7 +196,6 @@ def test_creating_over_a_leftover_segment_replaces_it(shm_name):
         seg.unlink()
 
 
-@pytest.mark.kalos_bug
 def test_attaching_to_an_empty_segment_file_is_a_kalos_error(shm_name):
     """BUG: Segment() on a 0-byte /dev/shm file raises a bare ValueError from mmap.
 

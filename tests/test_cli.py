@@ -242,7 +242,6 @@ def test_bad_recall_arguments(sidecars, store_dir, runtime_dir):
                       "recall", "zz")
 
 
-@pytest.mark.kalos_bug
 def test_recall_from_a_missing_npy_file(sidecars, store_dir, runtime_dir):
     """BUG: cli._recall calls np.load(args.npy) unguarded: a missing file ends in a
     FileNotFoundError traceback (exit 1) instead of a one-line error with exit 2."""
@@ -252,7 +251,6 @@ def test_recall_from_a_missing_npy_file(sidecars, store_dir, runtime_dir):
     assert_user_error(kalos("recall", "--name", name, "--npy", missing), "recall", "absent.npy")
 
 
-@pytest.mark.kalos_bug
 def test_add_of_a_corrupt_npy_file(sidecars, store_dir, runtime_dir):
     """BUG: cli._add calls np.load() unguarded: a file named .npy that is not one ends in a
     ValueError/UnpicklingError traceback (exit 1) instead of a one-line error with exit 2."""
@@ -263,7 +261,6 @@ def test_add_of_a_corrupt_npy_file(sidecars, store_dir, runtime_dir):
     assert_user_error(kalos("add", bad, "--name", name), "add", "corrupt.npy")
 
 
-@pytest.mark.kalos_bug
 def test_add_of_a_jsonl_file_that_is_not_utf8(sidecars, store_dir, runtime_dir):
     """BUG: cli._read_jsonl iterates a text-mode UTF-8 file without catching
     UnicodeDecodeError: a Latin-1 file ends in a traceback (exit 1), not a one-line error
@@ -277,7 +274,6 @@ def test_add_of_a_jsonl_file_that_is_not_utf8(sidecars, store_dir, runtime_dir):
     assert_user_error(kalos("add", path, "--name", name), "add", "latin1.jsonl")
 
 
-@pytest.mark.kalos_bug
 def test_recall_vector_may_start_with_a_negative_number(sidecars, store_dir, runtime_dir):
     """BUG: `kalos recall --vector -0.5,1,...` is a usage error (exit 2, "argument --vector:
     expected one argument"): argparse takes a value that starts with '-' and is not a plain

@@ -353,14 +353,7 @@ BAD_INPUTS: list[tuple[str, Callable[[Client], Any], type[Exception]]] = [
 ]
 
 
-# Client.add converts created_at without a guard: a bare ValueError/TypeError escapes (reported bug).
-_BUGGY_CASES = {"created-at-str", "created-at-dict"}
-
-
-@pytest.mark.parametrize(
-    "case, call, expected",
-    [pytest.param(*c, id=c[0], marks=[pytest.mark.kalos_bug] if c[0] in _BUGGY_CASES else []) for c in BAD_INPUTS],
-)
+@pytest.mark.parametrize("case, call, expected", [pytest.param(*c, id=c[0]) for c in BAD_INPUTS])
 def test_bad_input_raises_changes_nothing_and_sidecar_keeps_serving(served, case, call, expected):
     before = served.client.stats()
     with pytest.raises(expected) as info:
@@ -374,7 +367,6 @@ def test_bad_input_raises_changes_nothing_and_sidecar_keeps_serving(served, case
     served.check(namespace=None, k=3, n_queries=1, context=f"after {case}")
 
 
-@pytest.mark.kalos_bug
 def test_tiny_but_nonzero_query_is_normalised_or_refused(served):
     """BUG: sidecar.normalise_rows computes the scale 1/|q| in float64, then casts it to float32.
 
@@ -395,7 +387,6 @@ def test_tiny_but_nonzero_query_is_normalised_or_refused(served):
                         padded=False, context="tiny query")
 
 
-@pytest.mark.kalos_bug
 def test_metadata_with_non_string_keys_is_refused_not_rewritten(served):
     """BUG: the client JSON-encodes metadata before the store sees it, so {1: "a"} is silently
     stored as {"1": "a"} although Store._check_json_keys exists to refuse exactly that
@@ -409,7 +400,6 @@ def test_metadata_with_non_string_keys_is_refused_not_rewritten(served):
     assert served.client.get(ids)[0].metadata == meta, "metadata came back different from what was added"
 
 
-@pytest.mark.kalos_bug
 def test_created_at_accepts_a_datetime_like_since_and_until_do(served):
     """BUG: Client.add converts created_at with np.asarray(created_at, dtype=np.float64) without
     a guard, so a datetime (which recall's since/until accept) escapes as a bare TypeError

@@ -325,7 +325,6 @@ def test_duplicate_ids_are_refused_and_change_nothing(rng):
     assert len(engine) == 3 and 40 not in engine and 50 not in engine
 
 
-@pytest.mark.kalos_bug
 def test_id_already_present_is_refused_beyond_the_first_thousand_of_an_add(rng):
     """BUG: RowTable.check_new_ids only looks at ids[:1000] for clashes.
 
