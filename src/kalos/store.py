@@ -351,6 +351,7 @@ class Store:
     readonly: bool = True
     _conn: sqlite3.Connection | None = None
     _file_key: tuple[int, int] | None = None
+    _holds_flock: bool = False
     _closed: bool = True
 
     def __init__(self) -> None:
@@ -412,10 +413,13 @@ class Store:
         if st.st_size == 0:
             raise NotAKalosStore(f"{path} is not a Kalos store: it is an empty (0-byte) file")
 
-        fd = self._acquire_file(path, st, writer=not readonly)
+        # Identify the file before locking it: someone else's file that is flock'ed by its own
+        # application must be reported as "not a Kalos store", not as "locked".
+        fd = self._acquire_file(path, st)
         self._check_header(fd)
-        meta_dim = self._read_meta(dim)
-        self.dim = meta_dim
+        self.dim = self._read_meta(dim)
+        if not readonly:
+            self._lock_writer(path, st)
 
         mode = "ro" if readonly else "rw"
         try:
@@ -453,7 +457,8 @@ class Store:
         except sqlite3.Error as e:
             raise _wrap(e, "open", path) from None
 
-    def _acquire_file(self, path: Path, st: os.stat_result, *, writer: bool) -> int:
+    def _acquire_file(self, path: Path, st: os.stat_result) -> int:
+        """This process's shared descriptor of the store file (see _files), one more reference."""
         key = (st.st_dev, st.st_ino)
         with _files_lock:
             ref = _files.get(key)
@@ -467,25 +472,25 @@ class Store:
                     os.close(fd)  # a different file, which no Store of ours has open
                     raise StoreError(f"store {path} was replaced by another file while being opened")
                 ref = _files[key] = _FileRef(fd)
-            if writer:
-                if ref.writer:
-                    raise StoreLocked(
-                        f"store {path} is already open for writing in this process (pid {os.getpid()})"
-                    )
-                try:
-                    fcntl.flock(ref.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    if ref.refs == 0:
-                        del _files[key]
-                        os.close(ref.fd)  # no Store of ours uses this file: closing is safe
-                    pid = _lock_holder(st)
-                    who = f"pid {pid}" if pid is not None else "another process"
-                    raise StoreLocked(f"store {path} is already open by another sidecar ({who})") from None
-                ref.writer = True
             ref.refs += 1
             self._file_key = key
-            self._holds_flock = writer
             return ref.fd
+
+    def _lock_writer(self, path: Path, st: os.stat_result) -> None:
+        with _files_lock:
+            ref = _files[self._file_key]  # type: ignore[index]
+            if ref.writer:
+                # flock would grant the lock again on the shared descriptor, so the table is
+                # what knows that a Store of this process already writes here.
+                raise StoreLocked(f"store {path} is already open for writing in this process (pid {os.getpid()})")
+            try:
+                fcntl.flock(ref.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pid = _lock_holder(st)
+                who = f"pid {pid}" if pid is not None else "another process"
+                raise StoreLocked(f"store {path} is already open by another sidecar ({who})") from None
+            ref.writer = True
+            self._holds_flock = True
 
     def _check_header(self, fd: int) -> None:
         # Read through the shared descriptor (see _files): opening and closing another one
@@ -557,7 +562,8 @@ class Store:
                 except sqlite3.Error:
                     pass  # nothing is pending (every write is committed or rolled back)
             if key is not None:
-                _release_file(key, writer=getattr(self, "_holds_flock", False))
+                _release_file(key, writer=self._holds_flock)
+                self._holds_flock = False
 
     def _connection(self, *, write: bool = False) -> sqlite3.Connection:
         # Called with self._lock held.
@@ -593,7 +599,7 @@ class Store:
 
         row_bytes = 4 * self.dim
         # One buffer, sliced per row: no per-row copy before SQLite copies the blob.
-        blob = memoryview(vecs).cast("B")
+        blob = memoryview(vecs.reshape(-1).view(np.uint8))
         time_col = times.tolist()
 
         with self._lock:
