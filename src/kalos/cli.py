@@ -47,7 +47,9 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--spin-us", type=float, default=s.sidecar_spin_us,
                        help="microseconds to keep sweeping after the last request before sleeping (default: %(default)s)")
     serve.add_argument("--seed-compat", action="store_true",
-                       help="also serve the seed article's recall_shm_t protocol at /dev/shm/kalos_recall_shm")
+                       help="also serve the seed article's recall_shm_t protocol (top-8 over all namespaces)")
+    serve.add_argument("--seed-compat-shm", default="/kalos_recall_shm",
+                       help="POSIX shared-memory name of the seed-compat segment (default: %(default)s)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     add = commands.add_parser(
@@ -205,7 +207,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = SidecarConfig(
         store=args.store or default_store_path(), name=args.name, dim=args.dim, device=args.device,
         slots=args.slots, max_k=args.max_k, max_batch=args.max_batch, spin_us=args.spin_us,
-        seed_compat=args.seed_compat,
+        seed_compat=args.seed_compat, seed_compat_shm=args.seed_compat_shm,
     )
     sidecar = Sidecar(config)
     sidecar.stop_on_signals()  # before the ready line: whoever saw it may signal at once

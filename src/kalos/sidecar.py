@@ -88,6 +88,7 @@ class SidecarConfig:
     spin_us: float = dataclasses.field(default_factory=lambda: settings().sidecar_spin_us)
     heartbeat_interval_s: float = dataclasses.field(default_factory=lambda: settings().heartbeat_interval_s)
     seed_compat: bool = False
+    seed_compat_shm: str = "/kalos_recall_shm"
 
     def __post_init__(self) -> None:
         for field, low, high in (("slots", 1, 4096), ("max_k", 1, 65536), ("max_batch", 1, 65536)):
@@ -164,7 +165,8 @@ class Sidecar:
                 from kalos.seed_compat import SeedCompatServer
 
                 self._seed = SeedCompatServer(
-                    search=self._search_all, dim=self.store.dim, spin_us=config.spin_us, log=log
+                    search=self._search_all, dim=self.store.dim, spin_us=config.spin_us, log=log,
+                    shm_name=config.seed_compat_shm,
                 )
         except BaseException:
             self.close()
@@ -193,7 +195,7 @@ class Sidecar:
             f"kalos sidecar {self.config.name!r} ready: {len(self.engine):,} memories (dim {self.store.dim}) "
             f"on {self.engine.device} ({self.engine.name}), loaded in {self.load_seconds:.2f} s; "
             f"store {self.store.path}; socket {self.endpoint.socket_path}"
-            + ("; seed-compat segment /kalos_recall_shm" if self._seed is not None else "")
+            + (f"; seed-compat segment {self.config.seed_compat_shm}" if self._seed is not None else "")
         )
 
     def stop_on_signals(self) -> None:
@@ -425,6 +427,10 @@ class Sidecar:
                     if handler is None:
                         raise InvalidArgument(f"unknown control operation {op!r}")
                     reply, out_blob = handler(self, message, blob)
+                except (ConnectionClosed, ConnectionError):
+                    # The client hung up mid-operation (it died, e.g. mid-hello): not a server
+                    # error, so no traceback in the log; the finally below frees what it held.
+                    raise
                 except KalosError as exc:
                     reply, out_blob = error_reply(exc), b""
                 except Exception as exc:
@@ -455,11 +461,19 @@ class Sidecar:
                     f"all {self.layout.n_slots} slots are in use; restart the sidecar with more --slots"
                 )
             self.channel.activate(slot, wake_fd)
-        send_frame(conn, ok_reply(
-            slot=slot, segment=self.endpoint.segment_name, epoch=self.epoch, dim=self.layout.dim,
-            max_k=self.layout.max_k, max_batch=self.layout.max_batch, n_slots=self.layout.n_slots,
-        ))
-        send_fd(conn, self.channel.doorbell_fd)
+        try:
+            send_frame(conn, ok_reply(
+                slot=slot, segment=self.endpoint.segment_name, epoch=self.epoch, dim=self.layout.dim,
+                max_k=self.layout.max_k, max_batch=self.layout.max_batch, n_slots=self.layout.n_slots,
+            ))
+            send_fd(conn, self.channel.doorbell_fd)
+        except BaseException:
+            # The client hung up before it learnt its slot (it died mid-hello). The caller never
+            # receives the slot number, so its cleanup cannot free it: free it here, or the slot
+            # leaks for the sidecar's lifetime (found by tests/reliability/test_client_death.py).
+            with self._state_lock:
+                self.channel.deactivate(slot)
+            raise
         return slot
 
     def _op_add(self, message: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
