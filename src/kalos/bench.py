@@ -59,9 +59,19 @@ def _fill(client: Client, matrix: np.ndarray, chunk: int = 8192) -> np.ndarray:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.device.startswith("cuda"):
+        from kalos.bench_gpu import run_gpu_bench
+
+        return run_gpu_bench(args)
+    plot_path = getattr(args, "plot", None)
+    if plot_path is not None:
+        from kalos.plot import require_matplotlib
+
+        require_matplotlib()  # before minutes of measuring, not after
     rng = np.random.default_rng(20261130)
     name = f"bench-{os.getpid()}"
     rows: list[dict[str, Any]] = []
+    samples: dict[str, list[float]] = {}  # per-row samples (seconds), for --plot; not in the JSON
     info = {
         "machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
         "numpy": np.__version__, "device": args.device,
@@ -73,16 +83,19 @@ def run_bench(args: argparse.Namespace) -> int:
             tiny = _unit(rng, TINY_N, TINY_DIM)
             _fill(client, tiny)
             queries = _unit(rng, 256, TINY_DIM)
+            samples["ping"] = time_calls(lambda i: client.ping(), args.repeats)
             rows.append({"row": "channel round trip (ping, no search)", "N": 0, "dim": TINY_DIM, "k": 0,
-                         **percentiles(time_calls(lambda i: client.ping(), args.repeats))})
+                         **percentiles(samples["ping"])})
+            samples["tiny hot"] = time_calls(lambda i: client.recall(queries[i % 256], k=args.k), args.repeats)
             rows.append({"row": "recall, tiny store, hot", "N": TINY_N, "dim": TINY_DIM, "k": args.k,
-                         **percentiles(time_calls(lambda i: client.recall(queries[i % 256], k=args.k), args.repeats))})
+                         **percentiles(samples["tiny hot"])})
             cold = []
             for i in range(args.cold):
                 time.sleep(1.0)
                 start = time.perf_counter()
                 client.recall(queries[i % 256], k=args.k)
                 cold.append(time.perf_counter() - start)
+            samples["tiny cold"] = cold
             rows.append({"row": "recall, tiny store, cold (first after 1 s idle)", "N": TINY_N, "dim": TINY_DIM,
                          "k": args.k, **percentiles(cold)})
             time.sleep(1.0)
@@ -112,6 +125,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 sidecar_samples += time_calls(lambda i: client.recall(queries[i % 64], k=k), args.e2e_repeats // 10, 5)
                 numpy_samples += time_calls(in_process, args.e2e_repeats // 10, 5)
             e2e, base = percentiles(sidecar_samples), percentiles(numpy_samples)
+            samples["e2e"], samples["numpy"] = sidecar_samples, numpy_samples
             rows.append({"row": "in-process NumPy argpartition(M @ q) (baseline)", "N": args.n, "dim": args.dim, "k": k, **base})
             rows.append({"row": "recall end to end via sidecar", "N": args.n, "dim": args.dim, "k": k, **e2e,
                          "vs_baseline_p50": round(e2e["p50_us"] / base["p50_us"], 3)})
@@ -125,4 +139,26 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"sidecar CPU while idle (5 s window after 1 s idle): {info['idle_cpu_percent_of_one_core']:.2f}% of one core")
     if args.json is not None:
         args.json.write_text(json.dumps({"info": info, "rows": rows}, indent=2))
+    if plot_path is not None:
+        _plot(plot_path, samples, info, args)
+        print(f"latency CDFs written to {plot_path}")
     return 0
+
+
+def _plot(path: Path, samples: dict[str, list[float]], info: dict[str, Any], args: argparse.Namespace) -> None:
+    from kalos.plot import Panel, Series, plot_latency_cdfs
+
+    panels = [
+        Panel(f"end-to-end recall, N={args.n:,} x dim {args.dim}, k={args.k}", [
+            Series("in-process NumPy argpartition(M @ q)", samples["numpy"], baseline=True),
+            Series("recall via sidecar (separate process)", samples["e2e"]),
+        ]),
+        Panel(f"the channel: tiny store N={TINY_N:,} x dim {TINY_DIM}, k={args.k}", [
+            Series("channel round trip (ping, no search)", samples["ping"], baseline=True),
+            Series("recall, hot", samples["tiny hot"]),
+            Series("recall, cold (first after 1 s idle)", samples["tiny cold"]),
+        ]),
+    ]
+    plot_latency_cdfs(panels, path, title=(
+        f"kalos bench: {info['machine']}, {info['cpus']} CPUs, device {info['device']}, float32, batch 1"
+    ))

@@ -40,6 +40,9 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dim", type=int, default=None,
                        help="vector dimension; required to create a store, checked against an existing one")
     serve.add_argument("--device", default="auto", help="auto (CUDA when visible), cpu, cuda or cuda:N (default: auto)")
+    serve.add_argument("--precision", choices=["exact", "fast"], default="exact",
+                       help="GPU scan: exact float32, or fast (16-bit scan + certified float32 re-score, "
+                       "the same top-k) (default: %(default)s)")
     serve.add_argument("--slots", type=int, default=s.slots, help="most clients connected at once (default: %(default)s)")
     serve.add_argument("--max-k", type=int, default=s.max_k, help="largest k a recall may ask for (default: %(default)s)")
     serve.add_argument("--max-batch", type=int, default=s.max_batch,
@@ -155,7 +158,14 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=2000, help="timed round trips per hot row (default: %(default)s)")
     bench.add_argument("--e2e-repeats", type=int, default=200, help="timed recalls for the N x dim row (default: %(default)s)")
     bench.add_argument("--cold", type=int, default=20, help="cold (after 1 s idle) samples (default: %(default)s)")
-    bench.add_argument("--device", default="cpu", help="sidecar device (default: %(default)s)")
+    bench.add_argument("--device", default="cpu",
+                       help="sidecar device; cuda or cuda:N runs the GPU suite (default: %(default)s)")
+    bench.add_argument("--gpu-sizes", default="65536,1048576",
+                       help="GPU suite: comma-separated N values (default: %(default)s)")
+    bench.add_argument("--gpu-precisions", default="exact,fast",
+                       help="GPU suite: sidecar precisions measured end to end (default: %(default)s)")
+    bench.add_argument("--batches", default="1,8,64,256",
+                       help="GPU suite: batch sizes for throughput rows (default: %(default)s)")
     bench.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this file")
     bench.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
                        help="also draw the latency CDF of each path beside its baseline (needs kalos[plot])")
@@ -206,6 +216,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     config = SidecarConfig(
         store=args.store or default_store_path(), name=args.name, dim=args.dim, device=args.device,
+        precision=args.precision,
         slots=args.slots, max_k=args.max_k, max_batch=args.max_batch, spin_us=args.spin_us,
         seed_compat=args.seed_compat, seed_compat_shm=args.seed_compat_shm,
     )

@@ -13,6 +13,7 @@ import os
 import select
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -107,13 +108,25 @@ class _Connection:
         try:
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             self.sock.settimeout(timeout)
-            try:
-                self.sock.connect(str(path))
-            except (FileNotFoundError, ConnectionRefusedError):
-                raise SidecarUnavailable(
-                    f"no sidecar named {endpoint.name!r} is running (nothing listens at {path}); "
-                    f"start one with: kalos serve --name {endpoint.name}"
-                ) from None
+            connect_until = time.monotonic() + timeout
+            while True:
+                try:
+                    self.sock.connect(str(path))
+                    break
+                except (FileNotFoundError, ConnectionRefusedError):
+                    raise SidecarUnavailable(
+                        f"no sidecar named {endpoint.name!r} is running (nothing listens at {path}); "
+                        f"start one with: kalos serve --name {endpoint.name}"
+                    ) from None
+                except BlockingIOError:
+                    # A Unix socket answers EAGAIN while the sidecar's listen backlog is full (a
+                    # burst of clients, a flood): wait for room within the timeout instead of
+                    # escaping as a bare BlockingIOError (tests/reliability/test_hostile.py).
+                    if time.monotonic() >= connect_until:
+                        raise SidecarUnavailable(
+                            f"sidecar {endpoint.name!r} accepted no connection within {timeout:g} s (backlog full)"
+                        ) from None
+                    time.sleep(0.005)
             self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
             send_frame(self.sock, {"op": "hello", "protocol": PROTOCOL_VERSION, "pid": os.getpid()})
             send_fd(self.sock, self.wake_fd)
@@ -447,9 +460,8 @@ class Client:
         if not texts:
             raise InvalidArgument("remember needs at least one text")
         # Checked before the (slow) embedding, and again by add.
-        _per_row(metadata, len(texts), "metadata", lambda m: m is None or isinstance(m, dict), "a dict or None")
-        if not isinstance(namespace, str):
-            raise InvalidArgument(f"namespace must be a str, got {type(namespace).__name__}")
+        encode_metadata(metadata, len(texts))
+        check_namespace(namespace)
         vectors = self.embedder.embed(texts)
         return self.add(vectors, texts=texts, metadata=metadata, namespace=namespace, created_at=created_at)
 

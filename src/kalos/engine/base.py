@@ -11,6 +11,7 @@ filters, the tail is padded with id ``-1`` and score ``-inf`` (FAISS's conventio
 """
 from __future__ import annotations
 
+import collections
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -51,6 +52,9 @@ class RowTable:
         self.live_count = 0
         self._row_of: dict[int, int] = {}
         self._masks: dict[Filter, np.ndarray] = {}
+        # Live rows per namespace id: a filter on a namespace that holds every live row is
+        # no filter at all, and engines skip the mask for it.
+        self.namespace_live: collections.Counter[int] = collections.Counter()
 
     @property
     def capacity(self) -> int:
@@ -94,6 +98,8 @@ class RowTable:
         self._row_of.update(zip(ids.tolist(), range(start, stop)))
         self.size = stop
         self.live_count += len(ids)
+        values, counts = np.unique(namespaces, return_counts=True)
+        self.namespace_live.update(dict(zip(values.tolist(), counts.tolist())))
         self._masks.clear()
         return slice(start, stop)
 
@@ -103,9 +109,17 @@ class RowTable:
         rows_arr = np.asarray(rows, dtype=np.int64)
         self.live[rows_arr] = False
         self.live_count -= len(rows_arr)
+        values, counts = np.unique(self.namespaces[rows_arr], return_counts=True)
+        self.namespace_live.subtract(dict(zip(values.tolist(), counts.tolist())))
         if len(rows_arr):
             self._masks.clear()
         return rows_arr
+
+    def simplify(self, flt: Filter) -> Filter:
+        """``flt`` without a namespace condition that every live row meets."""
+        if flt.namespace is not None and self.namespace_live[flt.namespace] == self.live_count:
+            return Filter(None, flt.since, flt.until)
+        return flt
 
     def should_compact(self) -> bool:
         dead = self.tombstones
@@ -237,7 +251,7 @@ class Engine(ABC):
             return np.empty((0, k), np.int64), np.empty((0, k), np.float32)
         if n == 0:
             return np.full((q, k), MISSING_ID, np.int64), np.full((q, k), -np.inf, np.float32)
-        rows, scores = self._search(queries, min(k, n), self.rows.mask(flt))
+        rows, scores = self._search(queries, min(k, n), self.rows.mask(self.rows.simplify(flt)))
         ids = self.rows.ids_of_rows(rows, scores)
         if k > n:
             ids = np.pad(ids, ((0, 0), (0, k - n)), constant_values=MISSING_ID)

@@ -1,0 +1,241 @@
+"""``kalos bench --device cuda``: the GPU engine against in-process PyTorch, side by side.
+
+For each N (at ``--dim``, ``-k``) one run measures, in this order and on the same data:
+
+* the baselines, in this process: ``topk(M @ q)`` eager, and the same captured in a CUDA graph;
+* the Kalos engine in this process (``TorchEngine.search``), exact and fast, batch 1 and the
+  ``--batches`` sizes, with the GPU memory it holds against the bytes of the matrix;
+* Kalos end to end: a sidecar process on a store holding the same rows, and this process as
+  its client through shared memory: batch 1 p50/p99 and ``recall_many`` throughput per batch;
+* batch-1 end to end again while another process keeps the GPU busy with bf16 matrix products.
+
+Every latency is wall-clock per call on the host (what a caller waits for), p50/p99 over all
+samples. The floor next to each row is the bytes one scan must read over the copy bandwidth
+measured at the start of the run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from kalos.bench import percentiles, time_calls
+from kalos.client import Client
+from kalos.engine import Filter
+from kalos.launcher import SidecarProcess
+from kalos.store import Store
+
+__all__ = ["run_gpu_bench"]
+
+_LOAD_SCRIPT = """
+import sys, time, torch
+a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+print("busy", flush=True)
+end = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    for _ in range(8):
+        c = a @ b
+    torch.cuda.synchronize()
+"""
+
+
+def _copy_bandwidth(torch: Any, device: Any) -> float:
+    """Bytes read + written per second by a large device-to-device copy (the floor's ceiling)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    stop.record()
+    stop.synchronize()
+    seconds = start.elapsed_time(stop) / 1e3 / 10
+    del src, dst
+    return 2 * (1 << 30) / seconds
+
+
+def _row(rows: list[dict[str, Any]], path: str, n: int, batch: int, samples: list[float], floor_us: float | None,
+         **extra: Any) -> None:
+    p = percentiles(samples)
+    rows.append({"path": path, "N": n, "batch": batch, **p, "recalls_per_s": batch / (p["p50_us"] / 1e6),
+                 "floor_us": floor_us, **extra})
+    print(f"  {path:<46} N={n:>9,} batch={batch:>3}  p50 {p['p50_us']:>9.1f} us  p99 {p['p99_us']:>9.1f} us"
+          + (f"  floor {floor_us:.0f} us" if floor_us else ""), flush=True)
+
+
+def run_gpu_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from kalos.engine.torch_engine import TorchEngine
+
+    device = torch.device(args.device if args.device != "cuda" else "cuda:0")
+    torch.cuda.set_device(device)
+    dim, k = args.dim, args.k
+    batches = [int(b) for b in args.batches.split(",")]
+    sizes = [int(n) for n in args.gpu_sizes.split(",")]
+    bandwidth = _copy_bandwidth(torch, device)
+    info = {
+        "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
+        "copy_bandwidth_TBps": round(bandwidth / 1e12, 3), "dim": dim, "k": k, "cpus": os.cpu_count(),
+    }
+    print(f"kalos bench on {info['gpu']}, torch {info['torch']}, measured copy bandwidth "
+          f"{info['copy_bandwidth_TBps']} TB/s (read + write); dim {dim}, k {k}", flush=True)
+    rows: list[dict[str, Any]] = []
+    name = f"bench-{os.getpid()}"
+    with tempfile.TemporaryDirectory(prefix="kalos-gpu-bench-") as tmp:
+        for n in sizes:
+            floor32 = n * dim * 4 / bandwidth * 1e6
+            floor16 = n * dim * 2 / bandwidth * 1e6
+            gen = torch.Generator(device=device).manual_seed(n)
+            matrix_d = torch.randn(n, dim, device=device, generator=gen)
+            matrix_d /= matrix_d.norm(dim=1, keepdim=True)
+            queries_d = torch.randn(512, dim, device=device, generator=gen)
+            queries_d /= queries_d.norm(dim=1, keepdim=True)
+            matrix, queries = matrix_d.cpu().numpy(), queries_d.cpu().numpy()
+            print(f"N = {n:,}: matrix {matrix.nbytes / 2**20:,.0f} MiB float32", flush=True)
+            _baselines(torch, rows, matrix_d, queries, k, n, floor32, args.repeats)
+            del matrix_d, queries_d
+            torch.cuda.empty_cache()
+            reference = _in_process_engines(torch, TorchEngine, rows, matrix, queries, args, n, floor32, floor16,
+                                            batches, device)
+            store = Path(tmp) / f"store-{n}.db"
+            started = time.perf_counter()
+            with Store.open(store, dim=dim) as s:
+                for lo in range(0, n, 65536):
+                    s.add(matrix[lo : lo + 65536], namespace="default")
+            print(f"  (store of {n:,} rows written in {time.perf_counter() - started:.1f} s)", flush=True)
+            for precision in args.gpu_precisions.split(","):
+                _end_to_end(torch, rows, store, name, device, precision, matrix, queries, reference, args, n,
+                            floor32 if precision == "exact" else floor16, batches, under_load=(n == sizes[0]))
+            store.unlink()
+
+    print("\nsummary (wall-clock per call on the host; floor = bytes of one scan / measured copy bandwidth)")
+    print(f"{'path':<46} {'N':>9} {'batch':>5} {'p50 us':>9} {'p99 us':>9} {'recalls/s':>11} {'floor us':>8}")
+    for r in rows:
+        floor = f"{r['floor_us']:.0f}" if r["floor_us"] else "-"
+        print(f"{r['path']:<46} {r['N']:>9,} {r['batch']:>5} {r['p50_us']:>9.1f} {r['p99_us']:>9.1f} "
+              f"{r['recalls_per_s']:>11,.0f} {floor:>8}")
+    for r in rows:
+        if "gpu_bytes" in r:
+            print(f"GPU memory, {r['path']}, N={r['N']:,}: {r['gpu_bytes'] / 2**20:,.0f} MiB "
+                  f"for a {r['matrix_bytes'] / 2**20:,.0f} MiB float32 matrix ({r['gpu_bytes'] / r['matrix_bytes']:.3f}x)")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"info": info, "rows": rows}, indent=2))
+    return 0
+
+
+def _baselines(torch: Any, rows: list, matrix_d: Any, queries: np.ndarray, k: int, n: int, floor: float,
+               repeats: int) -> None:
+    pinned = torch.from_numpy(queries).pin_memory()
+    q_dev = torch.empty(matrix_d.shape[1], device=matrix_d.device)
+
+    def eager(i: int) -> Any:
+        q = pinned[i % len(pinned)].to(matrix_d.device, non_blocking=True)
+        top = torch.topk(matrix_d @ q, k)
+        return top.indices.cpu()  # synchronises: the caller has its answer
+
+    _row(rows, "torch topk(M @ q), eager, in-process", n, 1, time_calls(eager, repeats, 50), floor)
+    stream = torch.cuda.Stream()
+    out_i = torch.empty(k, dtype=torch.int64).pin_memory()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            torch.topk(matrix_d @ q_dev, k)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            top = torch.topk(matrix_d @ q_dev, k)
+    torch.cuda.synchronize()
+
+    def replay(i: int) -> Any:
+        with torch.cuda.stream(stream):
+            q_dev.copy_(pinned[i % len(pinned)], non_blocking=True)
+            graph.replay()
+            out_i.copy_(top.indices, non_blocking=True)
+        stream.synchronize()
+        return out_i
+
+    _row(rows, "torch topk(M @ q), CUDA graph, in-process", n, 1, time_calls(replay, repeats, 50), floor)
+    del graph
+
+
+def _in_process_engines(torch: Any, engine_cls: Any, rows: list, matrix: np.ndarray, queries: np.ndarray,
+                        args: argparse.Namespace, n: int, floor32: float, floor16: float, batches: list[int],
+                        device: Any) -> np.ndarray:
+    """Kalos's engine in this process; returns its exact top-k of every query (the e2e check)."""
+    reference = None
+    for precision in ("exact", "fast"):
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        engine = engine_cls(args.dim, capacity=n, device=str(device), precision=precision)
+        engine.add(np.arange(n, dtype=np.int64), matrix, np.int32(1), 0.0)
+        torch.cuda.synchronize(device)
+        held = torch.cuda.memory_allocated(device) - before
+        floor = floor32 if precision == "exact" else floor16
+        ids, _ = engine.search(queries, args.k)
+        if precision == "exact":
+            reference = ids
+        else:
+            agree = float(np.mean([len(set(a) & set(b)) / args.k for a, b in zip(ids, reference)]))
+            print(f"  fast vs exact top-{args.k} agreement over {len(queries)} queries: {agree:.6f}", flush=True)
+        _row(rows, f"Kalos engine {precision}, in-process", n, 1,
+             time_calls(lambda i: engine.search(queries[i % 512 : i % 512 + 1], args.k), args.repeats, 50), floor,
+             gpu_bytes=held, matrix_bytes=matrix.nbytes)
+        half = Filter(since=0.0, until=0.5)  # a time window that every row passes: the masked scan's cost
+        _row(rows, f"Kalos engine {precision}, in-process, time filter", n, 1,
+             time_calls(lambda i: engine.search(queries[i % 512 : i % 512 + 1], args.k, half), args.repeats, 50),
+             floor)
+        for b in batches:
+            if b > 1:
+                _row(rows, f"Kalos engine {precision}, in-process", n, b,
+                     time_calls(lambda i: engine.search(queries[(i * b) % 256 : (i * b) % 256 + b], args.k),
+                                max(20, args.repeats // b), 5), floor)
+        del engine
+        torch.cuda.empty_cache()
+    return reference
+
+
+def _end_to_end(torch: Any, rows: list, store: Path, name: str, device: Any, precision: str, matrix: np.ndarray,
+                queries: np.ndarray, reference: np.ndarray, args: argparse.Namespace, n: int, floor: float,
+                batches: list[int], *, under_load: bool) -> None:
+    max_batch = max(batches)
+    extra = ["--precision", precision, "--max-batch", str(max_batch)]
+    with SidecarProcess(store, name=name, device=str(device), extra_args=extra, ready_timeout=600) as sidecar, \
+            Client(name) as client:
+        print(f"  {sidecar.ready_line}", flush=True)
+        got = client.recall_many(queries, k=args.k).ids - 1  # store ids start at 1
+        agree = float(np.mean([len(set(a) & set(b)) / args.k for a, b in zip(got, reference)]))
+        print(f"  end to end ({precision}) vs in-process exact top-{args.k}: agreement {agree:.6f}", flush=True)
+        path = f"Kalos end to end {precision} (client process)"
+        _row(rows, path, n, 1, time_calls(lambda i: client.recall(queries[i % 512], k=args.k), args.repeats, 100),
+             floor, agreement=agree)
+        for b in batches:
+            if b > 1:
+                _row(rows, path, n, b,
+                     time_calls(lambda i: client.recall_many(queries[(i * b) % 256 : (i * b) % 256 + b], k=args.k),
+                                max(20, args.repeats // b), 5), floor)
+        stats = client.stats()
+        rows[-1]["engine_bytes"] = stats["engine_bytes"]
+        print(f"  sidecar-side service time per batch (all rows above): p50 {stats['service_p50_us']} us, "
+              f"p99 {stats['service_p99_us']} us", flush=True)
+        if under_load:
+            hog = subprocess.Popen([sys.executable, "-c", _LOAD_SCRIPT, "60"], stdout=subprocess.PIPE, text=True,
+                                   env=dict(os.environ, CUDA_VISIBLE_DEVICES=str(device.index or 0)))
+            try:
+                if hog.stdout.readline().strip() == "busy":
+                    time.sleep(1.0)
+                    _row(rows, f"{path}, GPU busy with bf16 GEMMs", n, 1,
+                         time_calls(lambda i: client.recall(queries[i % 512], k=args.k), args.repeats, 100), floor)
+            finally:
+                hog.kill()
+                hog.wait()

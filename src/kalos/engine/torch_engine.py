@@ -1,0 +1,914 @@
+"""The GPU engine: rows resident in device memory, a fused Triton scan + mask + top-k.
+
+Importing this module imports PyTorch (and Triton when the Triton backend is used); kalos
+core never imports it unless a GPU engine is asked for.
+
+Layout on the device
+--------------------
+``x32 [capacity, dim] float32`` -- the master copy, always resident.
+``x16 [capacity, dim] float16`` -- only with ``precision="fast"``: the copy the scan reads.
+``live uint8``, ``namespace int32``, ``created_at float64``, ``ids int64`` -- per-row columns,
+mirrored from :class:`~kalos.engine.base.RowTable` so that filtering happens inside the scan
+and results leave the device as store ids.
+
+Capacity doubles when full (one copy of the used rows, amortised O(1) per add); tombstones
+clear the live byte; compaction moves rows forward in place, chunk by chunk (no second copy
+of the matrix).
+
+One search (Triton backend)
+---------------------------
+A 64-byte header (rows in use ``n``, query count, ``k``, filter, max row norm) and the
+queries sit in a page-locked staging area at a fixed address. One host-to-device copy moves
+them; then the scan kernel, the merge levels and the final kernel run; one device-to-host
+copy brings status, ids and scores back. On CUDA all of it is captured once per
+(mode, batch bucket, k bucket, filter kind) in a CUDA graph and replayed; because ``n``
+travels in the header, adds and deletes need no re-capture. A resize moves the matrix, so
+it drops the graphs (captured again on next use).
+
+Exactness of ``precision="fast"``
+---------------------------------
+Let ``x``, ``q`` be the float32 row and query, ``x~``, ``q~`` their 16-bit roundings,
+``u`` the unit roundoff of the 16-bit format (2^-11 for float16), ``eta`` its subnormal
+absolute error (2^-25 for float16, ~0 for bfloat16), ``a = |x|``, ``b = |q|``. The products
+``x~_i q~_i`` are exact in float32, so the 16-bit score ``s~`` (float32 accumulation, any
+order, tensor cores allowed: we charge ``2^-22`` per addition instead of ``2^-24`` to cover
+their truncating accumulation) and the float32 re-score ``s`` (same ``gamma_D(2^-24)``
+bound as any float32 dot product) satisfy
+
+    |s~ - s| <= E = (2u + u^2) ab + eta (1+u) sqrt(D) (a+b) + eta^2 D
+                    + gamma_D(2^-22) [(1+u)^2 ab + eta (1+u) sqrt(D) (a+b) + eta^2 D]
+                    + gamma_D(2^-24) ab,        gamma_D(v) = D v / (1 - D v),
+
+inflated by 1% (:func:`fast_error_terms`). ``a`` is the largest row norm ever written
+(float64), ``b`` is computed per query in the kernel. Let ``t_k`` be the k-th best 16-bit
+score among eligible rows. Any row with ``s~ < t_k - 2E`` has ``s < t_k - E <= s_j`` for the
+k rows ``j`` at or above ``t_k``, so it cannot be in the float32 top-k. The pipeline keeps
+the exact top-``KF`` by 16-bit score (``KF`` = 4x the k bucket, at least 32); if the
+``KF``-th kept score is below ``t_k - 2E`` (or fewer than ``KF`` rows are eligible), every
+possible member of the float32 top-k is among the kept rows, which are re-scored in float32
+and the top k of those returned: the same answer as a float32 scan (ties aside). Otherwise
+the query's status is set and the host re-runs it with the exact float32 scan. For random
+unit vectors at D = 1024, E is about 1.3e-3 and the fallback essentially never fires;
+clusters of near-duplicates can make it fire, and it then costs one exact scan.
+
+The same certificate serves an opt-in tf32 scan of the float32 rows for exact batches
+(``tune={"exact_batch_scan": "tf32"}``; u = 2^-10 covers tf32 truncation), which moves
+exact batches from the FMA units to the tensor cores without a second copy of the rows.
+
+Scan variants (``benchmarks/NOTES-gpu.md`` has the measurements): v1 keeps a running top-K
+inside the streaming loop (default, measured); v2 (``tune={"scores_max_q": Q}``) writes
+masked float32 scores (4 bytes per row) and selects with a parallel chunked top-k, which
+takes every barrier out of the streaming loop (compiled for sm_90a and checked under the
+interpreter; not yet timed on a GPU).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kalos.engine.base import MISSING_ID, Engine, Filter
+from kalos.errors import InvalidArgument, InvalidQuery
+
+__all__ = ["TorchEngine", "HostBuffer", "register_host_buffer", "fast_error_terms", "MAX_K"]
+
+#: Largest k a search may ask for. The fast (16-bit) path serves k <= MAX_FAST_K; beyond it
+#: a fast engine answers with the exact float32 scan.
+MAX_K = 1024
+MAX_FAST_K = 256
+_HDR_BYTES = 64  # int64[8]: n, nq, k, has_ns, ns, since (f64), until (f64), max row norm (f64)
+_HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _kp(k: int) -> int:
+    """Columns the final kernel writes for k: a power of two, at least 4."""
+    return max(4, _next_pow2(k))
+
+
+def _kf(k: int) -> int:
+    """Candidates the fast path keeps for k (see the module docstring)."""
+    kp = _kp(k)
+    return min(max(32, 4 * kp), max(2 * kp, 256))
+
+
+def fast_error_terms(dim: int, half: str = "float16") -> tuple[float, float, float]:
+    """``(A, B, C)`` with ``|s16 - s32| <= A*|x|*|q| + B*(|x| + |q|) + C`` for one dot product
+    whose operands were rounded to ``half`` ("float16", "bfloat16" or "tf32").
+
+    See the module docstring for the derivation; 1% is added for the float64 evaluation.
+    """
+    if half == "float16":
+        u, eta = 2.0**-11, 2.0**-25
+    elif half == "bfloat16":
+        u, eta = 2.0**-8, 2.0**-134
+    elif half == "tf32":  # 10 stored mantissa bits; 2^-10 covers truncation as well as rounding
+        u, eta = 2.0**-10, 2.0**-134
+    else:
+        raise InvalidArgument(f"unknown reduced format {half!r}: use float16, bfloat16 or tf32")
+
+    def gamma(v: float) -> float:
+        nv = dim * v
+        if nv >= 0.5:
+            raise InvalidArgument(f"dimension {dim} too large for the 16-bit error bound")
+        return nv / (1.0 - nv)
+
+    g_acc, g32 = gamma(2.0**-22), gamma(2.0**-24)
+    root = math.sqrt(dim)
+    a = (2 * u + u * u) + g_acc * (1 + u) ** 2 + g32
+    b = eta * (1 + u) * root * (1 + g_acc)
+    c = eta * eta * dim * (1 + g_acc)
+    return a * 1.01, b * 1.01, c * 1.01 + 1e-12
+
+
+# -- tuning ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScanConfig:
+    """Tile shape of the scan kernel; ``progs`` = programs per query block (0: from occupancy)."""
+
+    block_n: int
+    block_d: int
+    block_q: int
+    warps: int
+    stages: int
+    progs: int = 0
+
+
+#: Defaults by (16-bit rows, batched): the fastest tiles of the v1 sweep on an H200
+#: (benchmarks/NOTES-gpu.md). ("scores", 16-bit, batched): tiles of the v2 score-writing scan.
+DEFAULT_TUNE: dict = {
+    (False, False): ScanConfig(block_n=8, block_d=512, block_q=1, warps=4, stages=1),
+    (True, False): ScanConfig(block_n=32, block_d=128, block_q=1, warps=4, stages=1),
+    (False, True): ScanConfig(block_n=64, block_d=32, block_q=32, warps=4, stages=3),
+    (True, True): ScanConfig(block_n=128, block_d=64, block_q=64, warps=8, stages=3),
+    ("scores", False, False): ScanConfig(block_n=32, block_d=128, block_q=1, warps=4, stages=1),
+    ("scores", True, False): ScanConfig(block_n=32, block_d=128, block_q=1, warps=4, stages=1),
+    ("scores", False, True): ScanConfig(block_n=64, block_d=64, block_q=16, warps=4, stages=3),
+    ("scores", True, True): ScanConfig(block_n=64, block_d=64, block_q=16, warps=4, stages=3),
+    # v2 (scan writes scores, parallel top-K per chunk) for batches of at most this many
+    # queries; 0 keeps the v1 fused scan everywhere. Measured (H200, NOTES-gpu.md, run 6):
+    # Q=1 at 1M rows 977 vs 1074 us exact, 551 vs 650 fast; Q=8 fast 109 vs 148 us at 65,536.
+    "scores_max_q": 8,
+    "score_chunk": 1024,
+    # Exact batches (Q > 1): "ieee" = float32 FMA scan; "tf32" = tensor-core scan + the
+    # certified float32 re-score (same answer). Measured (H200, run 6): at 65,536 rows Q=64
+    # 386 vs 1210 us, Q=256 1350 vs 4667 us; at 1M rows Q=256 20.4 vs 72.9 ms.
+    "exact_batch_scan": "tf32",
+    "merge_chunk": 1024,
+    "final_max": 2048,
+    # PyTorch's CPU device (Triton's interpreter): few, large blocks, since every
+    # tl.topk costs the interpreter a fraction of a second.
+    "cpu_progs": 2,
+    "cpu_block_n": 64,
+}
+
+
+@dataclass
+class _Plan:
+    k1: int  # keys kept per scan program
+    kout: int
+    cfg: ScanConfig
+    n_qblocks: int
+    progs: int
+    levels: list  # (chunk, programs) per merge level
+    count_final: int
+    final_chunk: int
+    final_block_d: int
+    ws_keys: int  # int64 keys per query the workspace must hold
+    score_chunk: int = 0  # v2: the scan writes scores, top-K per chunk of this many (0: fused)
+
+
+# -- host buffers ------------------------------------------------------------------------------
+
+
+class HostBuffer:
+    """A host buffer (mmap, bytearray, writable memoryview, NumPy array) as a uint8 tensor,
+    page-locked with ``cudaHostRegister`` when CUDA is available.
+
+    ``tensor`` shares the buffer's memory; :meth:`view` carves typed tensors out of it (for
+    the sidecar's slot areas). Unregister before the buffer is closed or unmapped;
+    :meth:`unregister` is idempotent and the handle is a context manager.
+    """
+
+    tensor: torch.Tensor | None = None
+    pinned: bool = False
+    _view: memoryview | None = None
+
+    def __init__(self, buffer, *, pin: bool = True) -> None:
+        view = memoryview(buffer)
+        if view.readonly:
+            raise InvalidArgument("host buffer must be writable")
+        if not view.contiguous:
+            raise InvalidArgument("host buffer must be contiguous")
+        self._view = view.cast("B")
+        self.nbytes = self._view.nbytes
+        if self.nbytes == 0:
+            raise InvalidArgument("host buffer is empty")
+        self.tensor = torch.frombuffer(self._view, dtype=torch.uint8)
+        self.ptr = self.tensor.data_ptr()
+        if pin and torch.cuda.is_available():
+            # 1 = cudaHostRegisterPortable (pinned for every context), 2 = Mapped (device
+            # pointer; implied under unified addressing, asked for explicitly anyway).
+            err = torch.cuda.cudart().cudaHostRegister(self.ptr, self.nbytes, 3)
+            if int(err) != 0:
+                raise InvalidArgument(f"cudaHostRegister({self.nbytes} bytes) failed with CUDA error {int(err)}")
+            self.pinned = True
+
+    def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A typed tensor over bytes ``[offset, offset + size)`` of the buffer."""
+        item = torch.empty((), dtype=dtype).element_size()
+        size = item * math.prod(shape)
+        if offset % item or offset < 0 or offset + size > self.nbytes:
+            raise InvalidArgument(f"view of {size} bytes at offset {offset} does not fit or is misaligned")
+        return self.tensor[offset : offset + size].view(dtype).view(shape)
+
+    def unregister(self) -> None:
+        """Unpins the buffer and drops this handle's references to it (idempotent). Tensors
+        made by :meth:`view` still reference the memory: delete them before unmapping."""
+        if self.pinned:
+            self.pinned = False
+            torch.cuda.cudart().cudaHostUnregister(self.ptr)
+        self.tensor = None
+        view, self._view = self._view, None
+        if view is not None:
+            try:
+                view.release()
+            except BufferError:  # a view() tensor is still alive; it holds the export
+                pass
+
+    def __enter__(self) -> "HostBuffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.unregister()
+
+    def __repr__(self) -> str:
+        return f"HostBuffer({self.nbytes} bytes, pinned={self.pinned})"
+
+
+def register_host_buffer(buffer, *, pin: bool = True) -> HostBuffer:
+    """Page-locks ``buffer`` (an mmap of /dev/shm, say) for direct DMA; see :class:`HostBuffer`."""
+    return HostBuffer(buffer, pin=pin)
+
+
+# -- the engine -------------------------------------------------------------------------------
+
+
+def _triton_kernels(require_interpreter: bool):
+    """The kernel module, or None when Triton is missing (or cannot run on this device)."""
+    try:
+        from kalos.engine import triton_kernels as tk
+    except ImportError:
+        return None
+    if require_interpreter:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(tk.scan_topk_kernel, InterpretedFunction):
+            return None
+    return tk
+
+
+class TorchEngine(Engine):
+    """Exact top-k over rows in device memory (CUDA, or PyTorch's CPU device for tests).
+
+    All arguments are keyword-only except ``dim``.
+
+    ``device``: "cuda", "cuda:N" or "cpu". ``precision``: "exact" scans float32; "fast" scans
+    a 16-bit copy (``half``: "float16" or "bfloat16") and re-scores a certified candidate set
+    in float32 (same answer, see the module docstring). ``backend``: "triton" (the fused
+    kernels; on the CPU device only under ``TRITON_INTERPRET=1``), "torch" (``matmul`` +
+    ``topk``), or "auto". ``max_batch``: most queries per kernel launch (larger batches are
+    split). ``graphs``: capture CUDA graphs (CUDA only). ``tune``: overrides of
+    :data:`DEFAULT_TUNE` (benchmarks).
+    """
+
+    name = "torch"
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        capacity: int = 1024,
+        device: str = "cuda",
+        precision: str = "exact",
+        half: str = "float16",
+        backend: str = "auto",
+        max_batch: int = 256,
+        graphs: bool = True,
+        tune: dict | None = None,
+    ) -> None:
+        super().__init__(dim, capacity=capacity)
+        if precision not in ("exact", "fast"):
+            raise InvalidArgument(f"precision must be 'exact' or 'fast', got {precision!r}")
+        if half not in _HALF_DTYPES:
+            raise InvalidArgument(f"half must be 'float16' or 'bfloat16', got {half!r}")
+        if max_batch < 1:
+            raise InvalidArgument(f"max_batch must be >= 1, got {max_batch}")
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise InvalidArgument(f"unknown device {device!r}: {e}") from None
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise InvalidArgument(f"device {device!r}: PyTorch sees no CUDA device")
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.type != "cpu":
+            raise InvalidArgument(f"device {device!r}: use cuda, cuda:N or cpu")
+        self._dev = dev
+        self.device = str(dev)
+        self.precision = precision
+        self.half = half
+        self._half_dtype = _HALF_DTYPES[half]
+        self.max_batch = int(max_batch)
+        self._is_cuda = dev.type == "cuda"
+        if backend not in ("auto", "triton", "torch"):
+            raise InvalidArgument(f"backend must be auto, triton or torch, got {backend!r}")
+        tk = None
+        if backend in ("auto", "triton"):
+            tk = _triton_kernels(require_interpreter=not self._is_cuda)
+            if tk is None and backend == "triton":
+                raise InvalidArgument(
+                    "the Triton backend needs triton installed and, on the CPU device, "
+                    "TRITON_INTERPRET=1 set before triton is first imported"
+                )
+        self._tk = tk
+        self.backend = "triton" if tk is not None else "torch"
+        self.name = f"torch-{self.backend}-{precision}"
+        self._graphs_enabled = bool(graphs) and self._is_cuda
+        self._tune = dict(DEFAULT_TUNE)
+        if tune:
+            self._tune.update(tune)
+        self._err = {"f16": fast_error_terms(dim, half), "tf32": fast_error_terms(dim, "tf32"), "f32": (0.0, 0.0, 0.0)}
+        self._max_norm = 0.0
+        self.stats = {"searches": 0, "fallbacks": 0, "graph_captures": 0}
+
+        if self._is_cuda:
+            # The highest priority PyTorch offers (out-of-range values are clamped to it).
+            self._stream = torch.cuda.Stream(device=dev, priority=-100)
+            props = torch.cuda.get_device_properties(dev)
+            self._sms = props.multi_processor_count
+            self._regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536) or 65536
+            self._smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) or 228 * 1024
+        else:
+            self._stream = None
+            self._sms = 1
+        self._plans: dict = {}
+        self._graphs: dict = {}
+        self._h_views: dict = {}
+        self._occupancy: dict = {}
+        self._ws = (None, None, None)
+        self._alloc_columns(self.rows.capacity)
+        self._alloc_staging()
+
+    # -- storage ------------------------------------------------------------------------------
+
+    def _on_stream(self):
+        return torch.cuda.stream(self._stream) if self._is_cuda else _NullContext()
+
+    def _alloc_columns(self, capacity: int) -> None:
+        dev, d = self._dev, self.dim
+        self._x32 = torch.zeros((capacity, d), dtype=torch.float32, device=dev)
+        self._x16 = (
+            torch.zeros((capacity, d), dtype=self._half_dtype, device=dev) if self.precision == "fast" else None
+        )
+        self._live = torch.zeros(capacity, dtype=torch.uint8, device=dev)
+        self._ns = torch.zeros(capacity, dtype=torch.int32, device=dev)
+        self._ts = torch.zeros(capacity, dtype=torch.float64, device=dev)
+        self._ids = torch.full((capacity,), MISSING_ID, dtype=torch.int64, device=dev)
+
+    def _alloc_staging(self) -> None:
+        qbytes = self.max_batch * self.dim * 4
+        pin = self._is_cuda
+        self._h_stage = torch.zeros(_HDR_BYTES + qbytes, dtype=torch.uint8, pin_memory=pin)
+        self._d_stage = self._h_stage.to(self._dev) if self._is_cuda else self._h_stage
+        self._h_hdr = self._h_stage[:_HDR_BYTES].numpy().view(np.int64)
+        self._h_hdrf = self._h_hdr.view(np.float64)
+        self._h_q = self._h_stage[_HDR_BYTES:].numpy().view(np.float32).reshape(self.max_batch, self.dim)
+        self._d_hdr = self._d_stage[:_HDR_BYTES].view(torch.int64)
+        self._d_hdrf = self._d_stage[:_HDR_BYTES].view(torch.float64)
+        self._d_q = self._d_stage[_HDR_BYTES:].view(torch.float32).view(self.max_batch, self.dim)
+        kp_max = _kp(MAX_K)
+        rbytes = _res_layout(self.max_batch, kp_max)[3]
+        self._d_res = torch.zeros(rbytes, dtype=torch.uint8, device=self._dev)
+        self._h_res = torch.zeros(rbytes, dtype=torch.uint8, pin_memory=pin) if self._is_cuda else self._d_res
+
+    def _resize(self, capacity: int) -> None:
+        n = self.rows.size
+        old = (self._x32, self._x16, self._live, self._ns, self._ts, self._ids)
+        with self._on_stream():
+            self._alloc_columns(capacity)
+            for new, src in zip((self._x32, self._x16, self._live, self._ns, self._ts, self._ids), old):
+                if new is not None and n:
+                    new[:n].copy_(src[:n])
+        del old
+        self._drop_graphs()
+        self._plans.clear()  # the v2 plan's grid and workspace follow the capacity
+
+    def _write(self, rows: slice, vectors: np.ndarray) -> None:
+        with self._on_stream():
+            x = torch.from_numpy(vectors).to(self._dev)
+            self._x32[rows].copy_(x)
+            if self._x16 is not None:
+                self._x16[rows].copy_(x.to(self._half_dtype))
+            self._live[rows] = 1
+            self._ns[rows].copy_(torch.from_numpy(self.rows.namespaces[rows]))
+            self._ts[rows].copy_(torch.from_numpy(self.rows.created_at[rows]))
+            self._ids[rows].copy_(torch.from_numpy(self.rows.ids[rows]))
+            step = 16384
+            for s in range(0, len(x), step):
+                norm = torch.linalg.vector_norm(x[s : s + step].double(), dim=1).max().item()
+                self._max_norm = max(self._max_norm, float(norm))
+
+    def _tombstoned(self, rows: np.ndarray) -> None:
+        with self._on_stream():
+            self._live[torch.from_numpy(rows).to(self._dev)] = 0
+
+    def _compacted(self, keep: np.ndarray) -> None:
+        n = len(keep)
+        keep_t = torch.from_numpy(keep).to(self._dev)
+        # keep is increasing with keep[i] >= i: moving rows forward in ascending chunks never
+        # overwrites a row a later chunk still has to read, so one chunk-sized buffer suffices.
+        step = max(1, (64 << 20) // (self.dim * 4))
+        with self._on_stream():
+            for mat in (self._x32, self._x16):
+                if mat is None:
+                    continue
+                for s in range(0, n, step):
+                    e = min(n, s + step)
+                    mat[s:e] = mat.index_select(0, keep_t[s:e])
+            cap = self.rows.capacity
+            self._live.copy_(torch.from_numpy(self.rows.live[:cap].view(np.uint8)))
+            self._ns.copy_(torch.from_numpy(self.rows.namespaces[:cap]))
+            self._ts.copy_(torch.from_numpy(self.rows.created_at[:cap]))
+            self._ids.copy_(torch.from_numpy(self.rows.ids[:cap]))
+
+    def _vector_bytes(self) -> int:
+        tensors = (self._x32, self._x16, self._live, self._ns, self._ts, self._ids)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    # -- searching ------------------------------------------------------------------------------
+
+    def search(self, queries: np.ndarray, k: int, flt: Filter = Filter()) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k by cosine: ``(ids[Q, k] int64, scores[Q, k] float32)``, best first, padded -1/-inf."""
+        if isinstance(queries, torch.Tensor):
+            queries = queries.detach().to("cpu", torch.float32).numpy()
+        queries = np.asarray(queries, dtype=np.float32)
+        if queries.ndim != 2 or queries.shape[1] != self.dim:
+            raise InvalidQuery(f"expected queries of shape (Q, {self.dim}), got {queries.shape}")
+        self._check_k(k)
+        nq = len(queries)
+        ids = np.full((nq, k), MISSING_ID, np.int64)
+        scores = np.full((nq, k), -np.inf, np.float32)
+        if nq == 0 or self.rows.size == 0:
+            return ids, scores
+        self._search_rows(queries, k, self.rows.simplify(flt), ids, scores, want_ids=True)
+        return ids, scores
+
+    def search_into(
+        self,
+        queries,
+        k: int,
+        flt: Filter = Filter(),
+        *,
+        out_ids: torch.Tensor,
+        out_scores: torch.Tensor,
+        precision: str | None = None,
+    ) -> None:
+        """Top-k of ``queries`` written into ``out_ids[:Q, :k]`` (int64) and ``out_scores``
+        (float32), best first, padded with -1 / -inf.
+
+        ``queries``: ``[Q, dim]`` float32 unit rows, a host tensor (pinned or not, e.g. a
+        view of a registered shared-memory slot), a tensor on this engine's device, or a
+        NumPy array. The outputs may be host tensors (pinned or not) or device tensors.
+        Work runs on the engine's own high-priority stream; only that stream is synchronised.
+        Nothing is written when an argument is rejected.
+        """
+        if isinstance(queries, np.ndarray):
+            if queries.dtype != np.float32:
+                raise InvalidQuery(f"queries must be float32, got {queries.dtype}")
+            q_np = queries
+        elif isinstance(queries, torch.Tensor):
+            if queries.dtype != torch.float32:
+                raise InvalidQuery(f"queries must be float32, got {queries.dtype}")
+            q_np = queries.detach().numpy() if queries.device.type == "cpu" else None
+        else:
+            raise InvalidQuery(f"queries must be a torch.Tensor or numpy array, got {type(queries).__name__}")
+        shape = tuple(queries.shape)
+        if len(shape) != 2 or shape[1] != self.dim:
+            raise InvalidQuery(f"expected queries of shape (Q, {self.dim}), got {shape}")
+        self._check_k(k)
+        nq = shape[0]
+        for name, t, dt in (("out_ids", out_ids, torch.int64), ("out_scores", out_scores, torch.float32)):
+            if not isinstance(t, torch.Tensor) or t.dtype != dt or t.dim() != 2:
+                raise InvalidArgument(f"{name} must be a 2-d {dt} tensor")
+            if t.shape[0] < nq or t.shape[1] < k:
+                raise InvalidArgument(f"{name} of shape {tuple(t.shape)} cannot hold ({nq}, {k}) results")
+        if q_np is None and queries.device != self._dev:
+            raise InvalidQuery(f"queries on {queries.device}, engine on {self._dev}")
+        if precision not in (None, "exact", "fast"):
+            raise InvalidArgument(f"precision must be 'exact' or 'fast', got {precision!r}")
+        if precision == "fast" and self._x16 is None:
+            raise InvalidArgument("precision='fast' needs an engine built with precision='fast'")
+        if nq == 0:
+            return
+        host_out = out_ids.device.type == "cpu" and out_scores.device.type == "cpu"
+        if host_out:
+            ids_np, sc_np = out_ids.numpy(), out_scores.numpy()
+        else:
+            ids_np = np.empty((nq, k), np.int64)
+            sc_np = np.empty((nq, k), np.float32)
+        if self.rows.size == 0:
+            ids_np[:nq, :k] = MISSING_ID
+            sc_np[:nq, :k] = -np.inf
+        else:
+            src = q_np if q_np is not None else queries.detach()
+            self._search_rows(src, k, self.rows.simplify(flt), ids_np, sc_np, want_ids=True, precision=precision)
+        if not host_out:
+            with self._on_stream():
+                out_ids[:nq, :k].copy_(torch.from_numpy(ids_np[:nq, :k]))
+                out_scores[:nq, :k].copy_(torch.from_numpy(sc_np[:nq, :k]))
+            if self._is_cuda:
+                self._stream.synchronize()
+
+    def _search(self, queries: np.ndarray, k: int, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """The base-class hook (row numbers, host mask): an eager scan with the mask as the live column."""
+        n = self.rows.size
+        nq = len(queries)
+        rows = np.zeros((nq, k), np.int64)
+        scores = np.full((nq, k), -np.inf, np.float32)
+        live = None
+        if mask is not None:
+            live = torch.zeros(self.rows.capacity, dtype=torch.uint8, device=self._dev)
+            live[:n].copy_(torch.from_numpy(mask.view(np.uint8)))
+        self._search_rows(queries, k, Filter(), rows, scores, want_ids=False, live=live)
+        return rows, scores
+
+    def _check_k(self, k: int) -> None:
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
+            raise InvalidQuery(f"k must be an integer, got {type(k).__name__}")
+        if k < 1 or k > MAX_K:
+            raise InvalidQuery(f"k must be in [1, {MAX_K}], got {k}")
+
+    def _search_rows(self, queries, k, flt, out_i, out_s, *, want_ids, precision=None, live=None) -> None:
+        """Fills ``out_i[:Q, :k]``, ``out_s[:Q, :k]`` (ids or rows), splitting into batches."""
+        precision = precision or self.precision
+        if precision not in ("exact", "fast"):
+            raise InvalidArgument(f"precision must be 'exact' or 'fast', got {precision!r}")
+        fast = precision == "fast" and k <= MAX_FAST_K
+        if fast and self._x16 is None:
+            raise InvalidArgument("precision='fast' needs an engine built with precision='fast'")
+        nq = len(queries)
+        self.stats["searches"] += nq
+        for s in range(0, nq, self.max_batch):
+            e = min(nq, s + self.max_batch)
+            if self.backend == "triton":
+                kind = "f16" if fast else "f32"
+                if kind == "f32" and e - s > 1 and self._tune["exact_batch_scan"] == "tf32" and k <= MAX_FAST_K:
+                    kind = "tf32"
+                self._triton_batch(queries[s:e], k, flt, out_i[s:e], out_s[s:e], want_ids, kind, live)
+            else:
+                self._torch_batch(queries[s:e], k, flt, out_i[s:e], out_s[s:e], want_ids, fast, live)
+
+    # -- the Triton pipeline ---------------------------------------------------------------------
+    #
+    # A scan "kind": "f32" reads the float32 rows and is exact as it stands; "f16" reads the
+    # 16-bit copy and "tf32" the float32 rows through tensor cores in tf32 (batches, opt-in):
+    # both keep the top-KF candidates and end in the certified float32 re-score.
+
+    def _triton_batch(self, queries, k, flt, out_i, out_s, want_ids, kind, live) -> None:
+        nq = len(queries)
+        n = self.rows.size
+        kk = min(k, n)
+        hdr, hdrf = self._h_hdr, self._h_hdrf
+        hdr[0] = n
+        hdr[1] = nq
+        hdr[2] = kk
+        if flt.namespace is None:
+            hdr[3] = 0
+            hdr[4] = 0
+        else:
+            hdr[3] = 1
+            hdr[4] = int(flt.namespace)
+        hdrf[5] = -np.inf if flt.since is None else float(flt.since)
+        hdrf[6] = np.inf if flt.until is None else float(flt.until)
+        hdrf[7] = self._max_norm
+        host_q = isinstance(queries, np.ndarray)
+        if host_q:
+            self._h_q[:nq] = queries
+        kp = _kp(k)
+        qb = _next_pow2(nq)
+        key = (kind, qb, kp, not flt.is_trivial, want_ids, host_q)
+        use_graph = self._graphs_enabled and live is None
+        if not host_q:
+            with self._on_stream():
+                self._d_q[:nq].copy_(queries, non_blocking=True)
+        entry = self._graphs.get(key) if use_graph else None
+        if entry is not None:
+            with self._on_stream():
+                entry.replay()
+        else:
+            self._launch(key, live)
+            if use_graph:
+                try:
+                    self._capture(key)
+                except Exception as e:  # noqa: BLE001 - eager launches still work; say why once
+                    self._graphs_enabled = False
+                    self.stats["graph_error"] = repr(e)[:300]
+        if self._is_cuda:
+            self._stream.synchronize()
+        views = self._h_views.get((qb, kp))
+        if views is None:
+            views = self._h_views[(qb, kp)] = _res_views(self._h_res, qb, kp, as_numpy=True)
+        st, ri, rs, _ = views
+        if kind != "f32" and n > _kf(k):
+            bad = np.flatnonzero(st[:nq])
+        else:
+            bad = ()
+        out_i[:nq, :kk] = ri[:nq, :kk]
+        out_s[:nq, :kk] = rs[:nq, :kk]
+        if kk < k:
+            out_i[:nq, kk:k] = MISSING_ID if want_ids else 0
+            out_s[:nq, kk:k] = -np.inf
+        if len(bad):
+            self.stats["fallbacks"] += len(bad)
+            redo = queries[bad] if host_q else queries[torch.from_numpy(bad).to(queries.device)]
+            self._triton_batch(redo, k, flt, _RowSink(out_i, bad), _RowSink(out_s, bad), want_ids, "f32", live)
+
+    def _plan(self, kind: str, qb: int, kp: int) -> _Plan:
+        key = (kind, qb, kp)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        tune = self._tune
+        batched = qb > 1
+        half = kind == "f16"
+        base: ScanConfig = tune[(half, batched)]
+        k1 = kp if kind == "f32" else _kf(kp)
+        scores = qb <= int(tune["scores_max_q"])
+        if scores:
+            base = tune[("scores", half, batched)]
+        block_n = base.block_n if scores else max(base.block_n, k1)
+        if not self._is_cuda:
+            block_n = max(block_n, int(tune["cpu_block_n"]))
+        tile = base.block_n * base.block_d
+        block_d = max(16, min(base.block_d, tile // block_n, _next_pow2(self.dim)))
+        block_q = min(base.block_q, max(16, qb)) if batched else 1
+        cfg = ScanConfig(block_n, block_d, block_q, base.warps, base.stages, base.progs)
+        n_qblocks = -(-qb // block_q)
+        if scores and cfg.progs == 0:  # one row block per program, capacity-wide grid
+            progs = -(-self.rows.capacity // block_n)
+        elif cfg.progs > 0:
+            progs = cfg.progs
+        elif cfg.progs < 0:  # -m: m programs per SM, whatever the occupancy
+            progs = max(1, (self._sms * -cfg.progs) // n_qblocks)
+        elif self._is_cuda:
+            progs = max(1, (self._sms * self._programs_per_sm(kind, cfg, k1)) // n_qblocks)
+        else:
+            progs = tune["cpu_progs"]
+        score_chunk = max(_next_pow2(int(tune["score_chunk"])), 2 * k1)
+        if scores:
+            count = -(-self.rows.capacity // score_chunk) * k1
+        else:
+            count = progs * k1
+        ws = count
+        levels = []
+        chunk = max(int(tune["merge_chunk"]), 2 * k1)
+        while count > max(int(tune["final_max"]), k1):
+            p2 = -(-count // chunk)
+            levels.append((chunk, p2))
+            count = p2 * k1
+        final_chunk = _next_pow2(max(count, k1))
+        final_block_d = max(16, min(_next_pow2(self.dim), 4096 // k1))
+        plan = _Plan(k1, kp, cfg, n_qblocks, progs, levels, count, final_chunk, final_block_d, ws,
+                     score_chunk if scores else 0)
+        self._plans[key] = plan
+        return plan
+
+    def _programs_per_sm(self, kind: str, cfg: ScanConfig, k1: int) -> int:
+        """Resident programs per SM for the scan kernel, from its compiled registers/shared memory."""
+        key = (kind, cfg, k1)
+        occ = self._occupancy.get(key)
+        if occ is None:
+            tk = self._tk
+            x = self._x16 if kind == "f16" else self._x32
+            ker = tk.scan_topk_kernel.warmup(
+                x, self._d_q, self._d_hdr, self._d_hdrf, self._live, self._ns, self._ts, self._d_hdr, 16,
+                D=self.dim, K=k1, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, BLOCK_Q=cfg.block_q,
+                HALF=kind == "f16", FILTER=True, PREC="tf32" if kind == "tf32" else "ieee",
+                num_warps=cfg.warps, num_stages=cfg.stages, grid=(1,),
+            )
+            ker._init_handles()
+            threads = cfg.warps * 32
+            by_regs = self._regs_per_sm // max(1, ker.n_regs * threads)
+            by_smem = self._smem_per_sm // max(1, ker.metadata.shared) if ker.metadata.shared else 32
+            occ = max(1, min(by_regs, by_smem, 2048 // threads, 32))
+            self._occupancy[key] = occ
+        return occ
+
+    def _workspace(self, qb: int, keys: int, scores: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Two int64 key buffers (ping-pong between merge levels) and a float32 score buffer."""
+        need, need_s = qb * keys, qb * scores
+        a, b, sc = self._ws
+        if a is None or a.numel() < need or (need_s and (sc is None or sc.numel() < need_s)):
+            self._drop_graphs()
+            if a is None or a.numel() < need:
+                size = max(need, 2 * (a.numel() if a is not None else 0))
+                a = torch.empty(size, dtype=torch.int64, device=self._dev)
+                b = torch.empty(size, dtype=torch.int64, device=self._dev)
+            if need_s and (sc is None or sc.numel() < need_s):
+                sc = torch.empty(need_s, dtype=torch.float32, device=self._dev)
+            self._ws = (a, b, sc)
+        return a, b, sc
+
+    def _launch(self, key, live) -> None:
+        """Runs one batch: staging copy in, scan, merges, final, results copy out."""
+        kind, qb, kp, filtered, want_ids, host_q = key
+        tk = self._tk
+        plan = self._plan(kind, qb, kp)
+        cfg = plan.cfg
+        half = kind == "f16"
+        cap = self.rows.capacity
+        ws_a, ws_b, ws_s = self._workspace(qb, plan.ws_keys, cap if plan.score_chunk else 0)
+        x = self._x16 if half else self._x32
+        live_t = self._live if live is None else live
+        st, ri, rs, rbytes = _res_views(self._d_res, qb, kp, as_numpy=False)
+        with self._on_stream():
+            if self._is_cuda:
+                nbytes = _HDR_BYTES + (qb * self.dim * 4 if host_q else 0)
+                self._d_stage[:nbytes].copy_(self._h_stage[:nbytes], non_blocking=True)
+            common = dict(
+                D=self.dim, K=plan.k1, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, BLOCK_Q=cfg.block_q,
+                HALF=half, FILTER=filtered, PREC="tf32" if kind == "tf32" else "ieee",
+                num_warps=cfg.warps, num_stages=cfg.stages,
+            )
+            if plan.score_chunk:
+                tk.scan_topk_kernel[(plan.n_qblocks, plan.progs)](
+                    x, self._d_q, self._d_hdr, self._d_hdrf, live_t, self._ns, self._ts, ws_s, cap,
+                    WRITE_SCORES=True, **common,
+                )
+                chunks = -(-cap // plan.score_chunk)
+                stride = chunks * plan.k1
+                tk.scores_topk_kernel[(qb, chunks)](
+                    ws_s, ws_a, self._d_hdr, cap, stride, K=plan.k1, CHUNK=plan.score_chunk, num_warps=4
+                )
+            else:
+                stride = plan.progs * plan.k1
+                tk.scan_topk_kernel[(plan.n_qblocks, plan.progs)](
+                    x, self._d_q, self._d_hdr, self._d_hdrf, live_t, self._ns, self._ts, ws_a, stride, **common
+                )
+            cur, nxt, count = ws_a, ws_b, stride
+            for chunk, p2 in plan.levels:
+                out_stride = p2 * plan.k1
+                tk.merge_topk_kernel[(qb, p2)](
+                    cur, nxt, self._d_hdr, stride, out_stride, count, K=plan.k1, CHUNK=chunk, num_warps=4
+                )
+                cur, nxt, stride, count = nxt, cur, out_stride, out_stride
+            ea, eb, ec = self._err[kind]
+            tk.final_kernel[(qb,)](
+                cur, self._d_hdr, self._d_hdrf, self._x32, self._d_q, self._ids, ri, rs, st, stride, count,
+                ea, eb, ec, D=self.dim, KIN=plan.k1, KOUT=kp, CHUNK=plan.final_chunk,
+                BLOCK_D=plan.final_block_d, RESCORE=kind != "f32", OUT_IDS=want_ids, num_warps=4,
+            )
+            if self._is_cuda:
+                self._h_res[:rbytes].copy_(self._d_res[:rbytes], non_blocking=True)
+
+    def _capture(self, key) -> None:
+        graph = torch.cuda.CUDAGraph()
+        self._stream.synchronize()
+        with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+            self._launch(key, None)
+        self._graphs[key] = graph
+        self.stats["graph_captures"] += 1
+
+    def _drop_graphs(self) -> None:
+        self._graphs.clear()
+
+    def retune(self, tune: dict | None = None) -> None:
+        """Replaces entries of the tuning table (benchmarks); drops plans and graphs."""
+        if tune:
+            self._tune.update(tune)
+        self._plans.clear()
+        self._occupancy.clear()
+        self._drop_graphs()
+
+    @property
+    def stream(self):
+        """The engine's CUDA stream (None on the CPU device)."""
+        return self._stream
+
+    def plan(self, q: int, k: int, precision: str | None = None) -> _Plan:
+        """The launch plan (tiles, programs, merge levels) a batch of q queries would use."""
+        fast = (precision or self.precision) == "fast" and k <= MAX_FAST_K
+        kind = "f16" if fast else ("tf32" if q > 1 and self._tune["exact_batch_scan"] == "tf32" else "f32")
+        return self._plan(kind, _next_pow2(q), _kp(k))
+
+    # -- the plain PyTorch path -----------------------------------------------------------------
+
+    def _torch_batch(self, queries, k, flt, out_i, out_s, want_ids, fast, live) -> None:
+        nq = len(queries)
+        n = self.rows.size
+        kk = min(k, n)
+        with self._on_stream():
+            q = torch.as_tensor(queries).to(self._dev, torch.float32)
+            ok = (self._live[:n] if live is None else live[:n]) != 0
+            if flt.namespace is not None:
+                ok &= self._ns[:n] == int(flt.namespace)
+            if flt.since is not None:
+                ok &= self._ts[:n] >= float(flt.since)
+            if flt.until is not None:
+                ok &= self._ts[:n] < float(flt.until)
+            bad = None
+            if fast:
+                kf = min(_kf(k), n)
+                s16 = q.to(self._half_dtype).float() @ self._x16[:n].float().T
+                s16.masked_fill_(~ok, -math.inf)
+                v16, r16 = s16.topk(kf, dim=1)
+                s32 = torch.einsum("qkd,qd->qk", self._x32[r16], q)
+                s32.masked_fill_(~torch.isfinite(v16), -math.inf)
+                sc, j = s32.topk(kk, dim=1)
+                rows = r16.gather(1, j)
+                if kf < n:
+                    ea, eb, ec = self._err["f16"]
+                    qn = torch.linalg.vector_norm(q.double(), dim=1)
+                    err = ea * self._max_norm * qn + eb * (self._max_norm + qn) + ec
+                    n_valid = torch.isfinite(v16).sum(dim=1)
+                    certified = (n_valid < kf) | (v16[:, kf - 1].double() < v16[:, kk - 1].double() - 2 * err)
+                    bad = torch.nonzero(~certified).flatten()
+            else:
+                s = q @ self._x32[:n].T
+                s.masked_fill_(~ok, -math.inf)
+                sc, rows = s.topk(kk, dim=1)
+            idx = self._ids[rows] if want_ids else rows
+            idx = torch.where(torch.isfinite(sc), idx, MISSING_ID if want_ids else 0)
+            idx_np, sc_np = idx.cpu().numpy(), sc.cpu().numpy()
+            bad_np = bad.cpu().numpy() if bad is not None else ()
+        out_i[:nq, :kk] = idx_np
+        out_s[:nq, :kk] = sc_np
+        if kk < k:
+            out_i[:nq, kk:k] = MISSING_ID if want_ids else 0
+            out_s[:nq, kk:k] = -np.inf
+        if len(bad_np):
+            self.stats["fallbacks"] += len(bad_np)
+            self._torch_batch(queries[bad_np], k, flt, _RowSink(out_i, bad_np), _RowSink(out_s, bad_np),
+                              want_ids, False, live)
+
+
+def _res_layout(qb: int, kp: int) -> tuple[int, int, int, int]:
+    """Byte offsets of status int32[qb], ids int64[qb, kp], scores float32[qb, kp]; total bytes."""
+    off_i = (qb * 4 + 7) // 8 * 8
+    off_s = off_i + qb * kp * 8
+    total = off_s + qb * kp * 4
+    return 0, off_i, off_s, total
+
+
+def _res_views(buf: torch.Tensor, qb: int, kp: int, as_numpy: bool):
+    """Typed views of a results buffer: NumPy arrays (host buffer) or tensors (for kernels)."""
+    _, off_i, off_s, total = _res_layout(qb, kp)
+    if as_numpy:
+        raw = buf.numpy()
+        return (
+            raw[: qb * 4].view(np.int32),
+            raw[off_i:off_s].view(np.int64).reshape(qb, kp),
+            raw[off_s:total].view(np.float32).reshape(qb, kp),
+            total,
+        )
+    return (
+        buf[: qb * 4].view(torch.int32),
+        buf[off_i:off_s].view(torch.int64).view(qb, kp),
+        buf[off_s:total].view(torch.float32).view(qb, kp),
+        total,
+    )
+
+
+class _RowSink:
+    """Writes ``sink[a:b, c:d] = v`` through to rows ``rows[a:b]`` of ``target`` (fallback re-runs)."""
+
+    def __init__(self, target: np.ndarray, rows: np.ndarray) -> None:
+        self._t = target
+        self._rows = np.asarray(rows)
+
+    def __getitem__(self, key):
+        return _RowSink(self._t, self._rows[key]) if isinstance(key, slice) else self._t[self._rows[key[0]], key[1]]
+
+    def __setitem__(self, key, value) -> None:
+        r, c = key
+        self._t[self._rows[r], c] = value
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
+class _NullContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None

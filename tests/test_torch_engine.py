@@ -1,0 +1,468 @@
+"""The GPU engine (kalos.engine.torch_engine) against a float64 brute force and NumpyEngine.
+
+Runs without a GPU: the engine on PyTorch's CPU device with the plain torch backend, and the
+Triton kernels themselves under Triton's interpreter (``TRITON_INTERPRET=1``, set here before
+Triton is first imported; the interpreter is slow, so those tests use a few hundred rows).
+Tests marked ``cuda`` need a real GPU and are skipped without one. Every test that draws
+random data prints its seed (set KALOS_TEST_SEED to replay one).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+HAVE_CUDA = torch.cuda.is_available()
+if not HAVE_CUDA and "triton" not in sys.modules:
+    # @triton.jit reads TRITON_INTERPRET when it decorates, so set it for the first import of
+    # triton and of the kernels, then put the environment back: child processes that other
+    # tests start must not inherit it.
+    _saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import kalos.engine.triton_kernels  # noqa: F401
+    except ImportError:  # no triton: the interpreter tests skip
+        pass
+    finally:
+        if _saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = _saved
+
+from kalos.engine import Filter, NumpyEngine  # noqa: E402
+from kalos.engine.base import as_unit_rows  # noqa: E402
+from kalos.engine import torch_engine as te  # noqa: E402
+from kalos.engine.torch_engine import MAX_K, TorchEngine, fast_error_terms, register_host_buffer  # noqa: E402
+from kalos.errors import InvalidArgument, InvalidQuery  # noqa: E402
+
+HAVE_INTERPRETER = not HAVE_CUDA and te._triton_kernels(require_interpreter=True) is not None
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_env(monkeypatch):
+    """Triton's interpreter also reads TRITON_INTERPRET while it runs: set it per test only."""
+    if HAVE_INTERPRETER:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+needs_interpreter = pytest.mark.skipif(
+    not HAVE_INTERPRETER, reason="needs triton with TRITON_INTERPRET=1 set before triton's first import"
+)
+cuda = pytest.mark.cuda
+needs_cuda = pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def rng(request):
+    seed = int(os.environ.get("KALOS_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
+    print(f"{request.node.name}: seed {seed}")
+    return np.random.default_rng(seed)
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+class Mirror:
+    """The same rows in a TorchEngine, a NumpyEngine and a float64 copy for brute force."""
+
+    def __init__(self, engine: TorchEngine, rng: np.random.Generator) -> None:
+        self.engine = engine
+        self.numpy = NumpyEngine(engine.dim, capacity=4)
+        self.rng = rng
+        self.vec: dict[int, np.ndarray] = {}
+        self.ns: dict[int, int] = {}
+        self.ts: dict[int, float] = {}
+        self.next_id = 1000
+
+    def add(self, n: int, vectors: np.ndarray | None = None) -> np.ndarray:
+        d = self.engine.dim
+        v = as_unit_rows(self.rng.standard_normal((n, d)) if vectors is None else vectors)
+        ids = self.next_id + 7 * np.arange(n, dtype=np.int64)  # ids far from row numbers
+        self.next_id += 7 * n
+        ns = self.rng.integers(0, 3, n).astype(np.int32)
+        ts = self.rng.uniform(0, 100, n)
+        for e in (self.engine, self.numpy):
+            e.add(ids, v, ns, ts)
+        for i, row, a, b in zip(ids.tolist(), v, ns.tolist(), ts.tolist()):
+            self.vec[i], self.ns[i], self.ts[i] = row, a, b
+        return ids
+
+    def delete(self, ids) -> None:
+        for e in (self.engine, self.numpy):
+            e.delete(np.asarray(ids))
+        for i in np.asarray(ids).tolist():
+            self.vec.pop(i, None)
+
+    def reference(self, queries: np.ndarray, flt: Filter):
+        """float64 brute force: per query, (ids, scores) of every eligible row, best first."""
+        ids = np.array(
+            [
+                i
+                for i in self.vec
+                if (flt.namespace is None or self.ns[i] == flt.namespace)
+                and (flt.since is None or self.ts[i] >= flt.since)
+                and (flt.until is None or self.ts[i] < flt.until)
+            ],
+            dtype=np.int64,
+        )
+        if len(ids) == 0:
+            return [(np.empty(0, np.int64), np.empty(0))] * len(queries)
+        mat = np.stack([self.vec[i] for i in ids]).astype(np.float64)
+        s = queries.astype(np.float64) @ mat.T
+        out = []
+        for row in s:
+            order = np.argsort(-row, kind="stable")
+            out.append((ids[order], row[order]))
+        return out
+
+    def check(self, queries: np.ndarray, k: int, flt: Filter = Filter(), *, same_as_numpy=True, precision=None):
+        if precision is None:
+            got_ids, got_sc = self.engine.search(queries, k, flt)
+        else:
+            got_ids = torch.full((len(queries), k), -99, dtype=torch.int64)
+            got_sc = torch.full((len(queries), k), float("nan"))
+            self.engine.search_into(queries, k, flt, out_ids=got_ids, out_scores=got_sc, precision=precision)
+            got_ids, got_sc = got_ids.numpy(), got_sc.numpy()
+        assert got_ids.shape == (len(queries), k) and got_sc.shape == (len(queries), k)
+        assert got_ids.dtype == np.int64 and got_sc.dtype == np.float32
+        for qi, (ref_ids, ref_sc) in enumerate(self.reference(queries, flt)):
+            assert_topk(got_ids[qi], got_sc[qi], ref_ids, ref_sc, k)
+        if same_as_numpy:
+            np_ids, np_sc = self.numpy.search(queries, k, flt)
+            for qi in range(len(queries)):
+                if not np.array_equal(np_ids[qi], got_ids[qi]):  # only ties may be ordered otherwise
+                    assert np.allclose(np_sc[qi], got_sc[qi], rtol=0, atol=1e-6), (np_ids[qi], got_ids[qi])
+        return got_ids, got_sc
+
+
+def assert_topk(got_ids, got_sc, ref_ids, ref_sc, k, tie=2e-6) -> None:
+    """``got`` is a top-k of the eligible rows ``ref`` (all of them, float64, best first):
+    the same rows up to ties with the k-th score, scores within 1e-5, padding -1 / -inf."""
+    m = min(k, len(ref_ids))
+    assert (got_ids[m:] == -1).all() and np.isneginf(got_sc[m:]).all(), "padding must be -1 / -inf"
+    gi, gs = got_ids[:m], got_sc[:m].astype(np.float64)
+    assert (gi >= 0).all(), f"expected {m} results, got {gi}"
+    assert len(set(gi.tolist())) == m, "duplicate ids"
+    assert (np.diff(gs) <= 1e-6).all(), "scores must be best first"
+    if m == 0:
+        return
+    ref_map = dict(zip(ref_ids.tolist(), ref_sc.tolist()))
+    kth = ref_sc[m - 1]
+    for i, s in zip(gi.tolist(), gs.tolist()):
+        assert i in ref_map, f"id {i} is not an eligible row"
+        assert abs(s - ref_map[i]) < 1e-5, f"score of id {i}: {s} vs float64 {ref_map[i]}"
+        assert ref_map[i] >= kth - tie, f"id {i} (score {ref_map[i]}) is not in the top {k}; k-th is {kth}"
+    for i in set(ref_ids[:m].tolist()) - set(gi.tolist()):
+        assert abs(ref_map[i] - kth) <= tie, f"id {i} (score {ref_map[i]}) missing; k-th is {kth}"
+
+
+def unit_queries(rng, q: int, d: int) -> np.ndarray:
+    return as_unit_rows(rng.standard_normal((q, d)))
+
+
+def torch_engine(dim, **kw) -> TorchEngine:
+    kw.setdefault("device", "cpu")
+    kw.setdefault("backend", "torch")
+    return TorchEngine(dim, **kw)
+
+
+FILTERS = [Filter(), Filter(namespace=1), Filter(since=20.0, until=70.0), Filter(namespace=2, since=50.0)]
+
+
+# -- the plain torch backend on the CPU device --------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+@pytest.mark.parametrize("dim", [8, 384, 768, 1024])
+def test_matches_reference_and_numpy(rng, precision, dim):
+    m = Mirror(torch_engine(dim, precision=precision, capacity=16), rng)
+    ids = m.add(1500)
+    m.delete(rng.choice(ids, 200, replace=False))
+    q = unit_queries(rng, 4, dim)
+    for flt in FILTERS:
+        for k in (1, 10, 256):
+            m.check(q, k, flt)
+
+
+def test_dim_4096_and_k_256(rng):
+    for precision in ("exact", "fast"):
+        m = Mirror(torch_engine(4096, precision=precision), rng)
+        m.add(400)
+        m.check(unit_queries(rng, 3, 4096), 256, Filter(namespace=0))
+        m.check(unit_queries(rng, 2, 4096), 7)
+
+
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_growth_deletes_and_compaction(rng, precision):
+    eng = torch_engine(32, precision=precision, capacity=4)
+    m = Mirror(eng, rng)
+    q = unit_queries(rng, 3, 32)
+    batches = [m.add(n) for n in (1, 3, 60, 700, 2000)]
+    assert eng.capacity >= 2764
+    m.check(q, 12)
+    everything = np.concatenate(batches)
+    m.delete(everything[:1400])  # > 1024 and > 25%: compacts inside delete
+    assert eng.tombstones == 0 and len(eng) == 2764 - 1400
+    m.check(q, 12, Filter(namespace=2))
+    m.delete(everything[1400:1500])  # tombstones only
+    assert eng.tombstones == 100
+    m.check(q, 12)
+    eng.compact()
+    assert eng.tombstones == 0
+    m.add(50)
+    m.check(q, 12)
+    m.check(q, 40, Filter(since=10.0, until=60.0))
+
+
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_k_larger_than_live_and_empty(rng, precision):
+    eng = torch_engine(16, precision=precision)
+    q = unit_queries(rng, 2, 16)
+    ids, sc = eng.search(q, 5)
+    assert (ids == -1).all() and np.isneginf(sc).all()
+    m = Mirror(eng, rng)
+    added = m.add(6)
+    m.delete(added[:4])
+    got, _ = m.check(q, 10)
+    assert (got[:, 2:] == -1).all()
+    m.check(q, 3, Filter(namespace=7))  # nothing passes: all padding
+
+
+def test_fast_mode_falls_back_on_near_duplicates(rng):
+    """A cluster of rows closer together than the 16-bit error: the certificate fails."""
+    d = 64
+    eng = torch_engine(d, precision="fast")
+    m = Mirror(eng, rng)
+    m.add(500)
+    base = rng.standard_normal(d)
+    m.add(100, base + 1e-5 * rng.standard_normal((100, d)))
+    q = as_unit_rows(base[None, :] + 1e-4 * rng.standard_normal((2, d)))
+    m.check(q, 5, same_as_numpy=False)  # near-ties: NumpyEngine's order may differ
+    assert eng.stats["fallbacks"] >= 1
+
+
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dim", [3, 384, 1024, 4096])
+def test_error_bound_holds(rng, half, dim):
+    """|score(16-bit copies, float32 sums) - score(float64)| <= E, also with tiny components."""
+    a, b, c = fast_error_terms(dim, half)
+    dt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[half]
+    x = rng.standard_normal((400, dim))
+    x[:100] *= np.exp(rng.uniform(-30, 0, (100, dim)))  # many subnormal float16 components
+    x = as_unit_rows(x)
+    q = as_unit_rows(rng.standard_normal((8, dim)))
+    s16 = torch.from_numpy(q).to(dt).float() @ torch.from_numpy(x).to(dt).float().T
+    s64 = q.astype(np.float64) @ x.astype(np.float64).T
+    xn = np.linalg.norm(x.astype(np.float64), axis=1).max()
+    qn = np.linalg.norm(q.astype(np.float64), axis=1)[:, None]
+    bound = a * xn * qn + b * (xn + qn) + c
+    assert (np.abs(s16.double().numpy() - s64) <= bound).all()
+
+
+def test_search_into_host_tensors(rng):
+    m = Mirror(torch_engine(24, precision="fast"), rng)
+    m.add(300)
+    q = unit_queries(rng, 3, 24)
+    out_i = torch.full((5, 9), -99, dtype=torch.int64)
+    out_s = torch.full((5, 9), 7.0)
+    m.engine.search_into(torch.from_numpy(q), 4, Filter(namespace=1), out_ids=out_i, out_scores=out_s)
+    ref = m.reference(q, Filter(namespace=1))
+    for i in range(3):
+        assert_topk(out_i[i, :4].numpy(), out_s[i, :4].numpy(), *ref[i], 4)
+    assert (out_i[3:] == -99).all() and (out_i[:, 4:] == -99).all() and (out_s[:, 4:] == 7.0).all()
+    # exact on a fast engine, numpy queries
+    m.check(q, 6, precision="exact")
+
+
+def test_search_into_rejects_bad_input_without_writing(rng):
+    eng = torch_engine(8)
+    Mirror(eng, rng).add(20)
+    q = torch.from_numpy(unit_queries(rng, 2, 8))
+    oi = torch.full((2, 4), -99, dtype=torch.int64)
+    os_ = torch.zeros((2, 4))
+    bad_calls = [
+        dict(queries=q[:, :7], k=4),
+        dict(queries=q.double(), k=4),
+        dict(queries=q, k=0),
+        dict(queries=q, k=MAX_K + 1),
+        dict(queries=q, k=5),  # outputs too small
+        dict(queries=q, k=4, out_ids=oi.int()),
+        dict(queries=q, k=4, precision="sloppy"),
+        dict(queries=[[0.0] * 8], k=4),
+    ]
+    for call in bad_calls:
+        kw = dict(out_ids=oi, out_scores=os_)
+        kw.update(call)
+        with pytest.raises(InvalidArgument):
+            eng.search_into(kw.pop("queries"), kw.pop("k"), **kw)
+        assert (oi == -99).all() and (os_ == 0).all()
+
+
+def test_bad_arguments():
+    with pytest.raises(InvalidArgument):
+        TorchEngine(8, device="cpu", precision="half")
+    with pytest.raises(InvalidArgument):
+        TorchEngine(8, device="tpu")
+    with pytest.raises(InvalidArgument):
+        TorchEngine(8, device="cpu", half="float8")
+    with pytest.raises(InvalidArgument):
+        TorchEngine(0, device="cpu")
+    if not HAVE_CUDA:
+        with pytest.raises(InvalidArgument):
+            TorchEngine(8, device="cuda")
+    eng = torch_engine(8)
+    with pytest.raises(InvalidQuery):
+        eng.search(np.zeros((1, 9), np.float32), 3)
+    with pytest.raises(InvalidQuery):
+        eng.search(np.zeros((1, 8), np.float32), 0)
+    with pytest.raises(InvalidArgument):
+        eng.search_into(np.zeros((1, 8), np.float32), 1, out_ids=torch.zeros((1, 1), dtype=torch.int64),
+                        out_scores=torch.zeros((1, 1)), precision="fast")  # no 16-bit copy
+
+
+def test_base_search_hook_with_mask(rng):
+    """The Engine._search contract: rows (not ids), masked rows only with score -inf."""
+    eng = torch_engine(16)
+    m = Mirror(eng, rng)
+    m.add(50)
+    q = unit_queries(rng, 2, 16)
+    mask = np.zeros(50, bool)
+    mask[[3, 9, 40]] = True
+    rows, sc = eng._search(q, 5, mask)
+    assert rows.shape == (2, 5)
+    for r, s in zip(rows, sc):
+        assert set(r[:3].tolist()) == {3, 9, 40} and np.isfinite(s[:3]).all() and np.isneginf(s[3:]).all()
+
+
+def test_memory_bytes():
+    eng = torch_engine(100, precision="fast", capacity=64)
+    assert eng.memory_bytes() >= 64 * 100 * (4 + 2)
+
+
+def test_register_host_buffer_without_pinning():
+    with mmap.mmap(-1, 4096) as mm:
+        buf = register_host_buffer(mm, pin=HAVE_CUDA)
+        assert buf.pinned == HAVE_CUDA
+        view = buf.view(64, torch.float32, (4, 8))
+        view[1, 2] = 3.5
+        assert np.frombuffer(mm, np.float32, count=1, offset=64 + 4 * 10)[0] == 3.5
+        with pytest.raises(InvalidArgument):
+            buf.view(4090, torch.float32, (4,))
+        buf.unregister()
+        buf.unregister()  # idempotent
+        del view
+    with pytest.raises(InvalidArgument):
+        register_host_buffer(bytes(16))
+
+
+# -- the Triton kernels, under the interpreter -------------------------------------------------
+
+
+def triton_engine(dim, **kw) -> TorchEngine:
+    return TorchEngine(dim, device="cpu", backend="triton", **kw)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_triton_one_query_and_batch(rng, precision):
+    m = Mirror(triton_engine(40, precision=precision, capacity=8), rng)  # 40: not a multiple of the tile
+    ids = m.add(260)
+    m.delete(ids[::9])
+    q = unit_queries(rng, 3, 40)
+    m.check(q[:1], 8, Filter(namespace=1, since=10.0, until=90.0))
+    m.check(q, 5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_triton_v2_scores_scan_and_tf32_batches(rng, precision):
+    """v2: the scan writes scores and a chunked top-k selects; exact batches scan in tf32
+    and re-score (certified) in float32. Also across a resize (the v2 grid follows capacity)."""
+    eng = triton_engine(40, precision=precision, capacity=8)
+    eng.retune({"scores_max_q": 8, "exact_batch_scan": "tf32", "score_chunk": 64})
+    assert eng.plan(1, 6).score_chunk and eng.plan(3, 5).score_chunk
+    m = Mirror(eng, rng)
+    ids = m.add(200)
+    m.delete(ids[::7])
+    q = unit_queries(rng, 3, 40)
+    m.check(q[:1], 6, Filter(namespace=2))
+    m.check(q, 5)
+    m.add(150)  # grows the capacity: plans and workspaces follow
+    m.check(q, 5, Filter(since=30.0))
+
+
+@needs_interpreter
+def test_triton_merge_levels_and_large_k(rng):
+    eng = triton_engine(32, precision="exact")
+    # the v1 fused scan (scores_max_q 0), forced into two merge levels
+    eng.retune({"final_max": 1, "merge_chunk": 16, "cpu_progs": 4, "scores_max_q": 0})
+    m = Mirror(eng, rng)
+    m.add(300)
+    plan = eng.plan(1, 8)
+    assert len(plan.levels) >= 1
+    q = unit_queries(rng, 1, 32)
+    m.check(q, 8)
+    eng.retune({"final_max": 2048, "cpu_progs": 2})
+    m.check(q, 200, Filter(namespace=0))  # k > eligible rows: padding
+
+
+@needs_interpreter
+def test_triton_growth_compaction_and_fallback(rng):
+    d = 32
+    eng = triton_engine(d, precision="fast", capacity=4)
+    m = Mirror(eng, rng)
+    first = m.add(100)
+    base = rng.standard_normal(d)
+    m.add(60, base + 1e-5 * rng.standard_normal((60, d)))  # near-duplicates: forces the fallback
+    m.delete(first[:50])
+    eng.compact()
+    assert eng.tombstones == 0
+    q = np.concatenate([as_unit_rows(base[None, :] + 1e-4 * rng.standard_normal((1, d))), unit_queries(rng, 1, d)])
+    m.check(q, 4, same_as_numpy=False)
+    assert eng.stats["fallbacks"] >= 1
+
+
+# -- a real GPU ------------------------------------------------------------------------------
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("tune", [None, {"scores_max_q": 256, "exact_batch_scan": "tf32"}], ids=["v1", "v2-tf32"])
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+@pytest.mark.parametrize("dim", [384, 1024])
+def test_cuda_matches_reference(rng, precision, dim, tune):
+    m = Mirror(TorchEngine(dim, device="cuda", precision=precision, capacity=1024, tune=tune), rng)
+    ids = m.add(20000)
+    m.delete(rng.choice(ids, 500, replace=False))
+    q = unit_queries(rng, 5, dim)
+    for flt in FILTERS[:3]:
+        for k in (1, 8, 256):
+            m.check(q[:1], k, flt)
+            m.check(q, k, flt)
+    m.add(3000)  # after graphs were captured: adds must be seen (n lives on the device)
+    m.check(q, 8)
+    assert m.engine.stats["graph_captures"] >= 1
+
+
+@cuda
+@needs_cuda
+def test_cuda_search_into_registered_shared_memory(rng):
+    d = 256
+    m = Mirror(TorchEngine(d, device="cuda", precision="fast"), rng)
+    m.add(5000)
+    q = unit_queries(rng, 4, d)
+    with mmap.mmap(-1, 1 << 16) as mm, register_host_buffer(mm) as buf:
+        assert buf.pinned
+        qv = buf.view(0, torch.float32, (4, d))
+        oi = buf.view(8192, torch.int64, (4, 16))
+        os_ = buf.view(8192 + 4 * 16 * 8, torch.float32, (4, 16))
+        assert qv.is_pinned()
+        qv.copy_(torch.from_numpy(q))
+        m.engine.search_into(qv, 16, out_ids=oi, out_scores=os_)
+        ref = m.reference(q, Filter())
+        for i in range(4):
+            assert_topk(oi[i].numpy(), os_[i].numpy(), *ref[i], 16)
+        del qv, oi, os_
