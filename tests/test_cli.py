@@ -51,15 +51,20 @@ def assert_user_error(result: subprocess.CompletedProcess, command: str, *fragme
 # -- help -------------------------------------------------------------------------------------------
 
 HELP = {
-    None: ["serve", "add", "recall", "stats", "demo", "bench"],
-    "serve": ["--store", "--name", "--dim", "--device", "--slots", "--max-k", "--max-batch", "--spin-us",
-              "--seed-compat", "--log-level"],
+    None: ["serve", "add", "import", "recall", "stats", "demo", "bench", "doctor"],
+    "serve": ["--store", "--name", "--dim", "--device", "--precision", "--slots", "--max-k", "--max-batch",
+              "--spin-us", "--seed-compat", "--seed-compat-shm", "--log-level"],
     "add": ["file", "--name", "--namespace", "--batch"],
-    "recall": ["--vector", "--npy", "--row", "--name", "-k", "--namespace", "--all-namespaces", "--since",
+    "import": ["file", "--name", "--format", "--text-column", "--vector-column", "--metadata-column",
+               "--metadata-fields", "--namespace-column", "--namespace", "--batch", "--resume", "--restart",
+               "--validate-only", "--json"],
+    "recall": ["--vector", "--npy", "--text", "--row", "--name", "-k", "--namespace", "--all-namespaces", "--since",
                "--until", "--json"],
     "stats": ["--name", "--json"],
-    "demo": ["--name", "--store", "--memories", "--recalls", "--device"],
-    "bench": ["--n", "--dim", "-k", "--repeats", "--e2e-repeats", "--cold", "--device", "--json"],
+    "demo": ["--name", "--store", "--memories", "--recalls", "--rounds", "--synthetic", "--device"],
+    "bench": ["--n", "--dim", "-k", "--repeats", "--e2e-repeats", "--cold", "--device", "--gpu-sizes",
+              "--gpu-precisions", "--batches", "--json", "--plot"],
+    "doctor": ["--name", "--store", "--json"],
 }
 
 

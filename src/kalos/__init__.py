@@ -8,7 +8,7 @@ answers top-k cosine recalls through POSIX shared memory::
         ids = memory.add(vectors, texts=["..."] * len(vectors))
         hits = memory.recall(query, k=8)
 """
-from kalos.client import Client, Item, Recall, RecallBatch
+from kalos.client import Client, Hit, Item, Recall, RecallBatch
 from kalos.errors import (
     DimensionMismatch,
     InvalidArgument,
@@ -28,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Client",
+    "Hit",
     "Item",
     "Recall",
     "RecallBatch",

@@ -288,8 +288,9 @@ class Sidecar:
                 last_work = clock()
             elif clock() - last_work < spin_s:
                 # Hot: keep sweeping, but hand the GIL to a waiting control thread at once
-                # instead of after the interpreter's 5 ms switch interval.
-                time.sleep(0)
+                # instead of after the interpreter's 5 ms switch interval. sched_yield, not
+                # time.sleep(0): a timed sleep may be stretched by the kernel's timer slack.
+                os.sched_yield()
             else:
                 channel.sleep(timeout_s=0.5)
                 last_work = clock() - spin_s  # spin again only once a request has arrived
