@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import platform
+import select
 import tempfile
 import time
 from pathlib import Path
@@ -58,6 +59,37 @@ def _fill(client: Client, matrix: np.ndarray, chunk: int = 8192) -> np.ndarray:
     return np.concatenate([client.add(matrix[s : s + chunk]) for s in range(0, len(matrix), chunk)])
 
 
+def _eventfd_round_trips(count: int, *, idle_s: float) -> list[float]:
+    """The platform's floor for a cold wake-up: two processes, each blocked on an eventfd,
+    ping-pong once after ``idle_s`` of idleness (two wake-ups, no Kalos code)."""
+    ping, pong = os.eventfd(0), os.eventfd(0)
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the forked child
+        try:
+            while True:
+                select.select([ping], [], [])
+                if os.eventfd_read(ping) > 1:
+                    os._exit(0)
+                os.eventfd_write(pong, 1)
+        finally:
+            os._exit(0)
+    samples = []
+    try:
+        for _ in range(count):
+            time.sleep(idle_s)
+            start = time.perf_counter()
+            os.eventfd_write(ping, 1)
+            select.select([pong], [], [])
+            os.eventfd_read(pong)
+            samples.append(time.perf_counter() - start)
+    finally:
+        os.eventfd_write(ping, 2)
+        os.waitpid(child, 0)
+        os.close(ping)
+        os.close(pong)
+    return samples
+
+
 def run_bench(args: argparse.Namespace) -> int:
     if args.device.startswith("cuda"):
         from kalos.bench_gpu import run_gpu_bench
@@ -98,6 +130,9 @@ def run_bench(args: argparse.Namespace) -> int:
             samples["tiny cold"] = cold
             rows.append({"row": "recall, tiny store, cold (first after 1 s idle)", "N": TINY_N, "dim": TINY_DIM,
                          "k": args.k, **percentiles(cold)})
+            samples["eventfd cold"] = _eventfd_round_trips(args.cold, idle_s=1.0)
+            rows.append({"row": "baseline: bare eventfd round trip after 1 s idle", "N": 0, "dim": 0, "k": 0,
+                         **percentiles(samples["eventfd cold"])})
             time.sleep(1.0)
             before, t0 = _cpu_seconds(sidecar.pid), time.monotonic()
             time.sleep(5.0)
@@ -157,6 +192,7 @@ def _plot(path: Path, samples: dict[str, list[float]], info: dict[str, Any], arg
             Series("channel round trip (ping, no search)", samples["ping"], baseline=True),
             Series("recall, hot", samples["tiny hot"]),
             Series("recall, cold (first after 1 s idle)", samples["tiny cold"]),
+            Series("bare eventfd round trip after 1 s idle", samples["eventfd cold"], baseline=True),
         ]),
     ]
     plot_latency_cdfs(panels, path, title=(
