@@ -166,3 +166,26 @@ def children() -> Iterator[ChildPool]:
         yield pool
     finally:
         pool.cleanup()
+
+
+# -- reliability suites (tests/reliability): the --long switch --------------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--long", action="store_true", default=False,
+        help="run the long versions of the reliability suites (tests/reliability): more kills, "
+             "more clients, more fuzz examples; what RELIABILITY.md's numbers come from",
+    )
+
+
+@pytest.fixture(scope="session")
+def long_run(request: pytest.FixtureRequest) -> bool:
+    """True under ``pytest --long``."""
+    return bool(request.config.getoption("--long"))
+
+
+@pytest.fixture(scope="session")
+def scale(long_run: bool) -> Callable[[Any, Any], Any]:
+    """``scale(short, long)``: the CI value, or the --long one."""
+    return lambda short, long: long if long_run else short

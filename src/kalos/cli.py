@@ -316,14 +316,18 @@ def _recall(args: argparse.Namespace) -> int:
         {"id": int(i), "score": float(s), "namespace": it.namespace if it else None, "text": it.text if it else None}
         for (i, s), it in zip(hits, items)
     ]
-    if args.json:
-        print(json.dumps(rows, indent=2))
-    else:
-        for row in rows:
-            text = (row["text"] or "").replace("\n", " ")
-            print(f"{row['id']:>10}  {row['score']:.4f}  [{row['namespace']}]  {text[:100]}")
-        if not rows:
-            print("no memories matched")
+    return _print_hits(rows, as_json=args.json)
+
+
+def _print_hits(rows: list[dict[str, Any]], *, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps(rows, indent=2, ensure_ascii=False))
+        return 0
+    for row in rows:
+        text = (row["text"] or "").replace("\n", " ")
+        print(f"{row['id']:>10}  {row['score']:.4f}  [{row['namespace']}]  {text[:100]}")
+    if not rows:
+        print("no memories matched")
     return 0
 
 
@@ -335,15 +339,7 @@ def _recall_text(args: argparse.Namespace) -> int:
                                   since=args.since, until=args.until)
     rows = [{"id": h.id, "score": h.score, "namespace": h.namespace, "text": h.text, "metadata": h.metadata,
              "created_at": h.created_at} for h in hits]
-    if args.json:
-        print(json.dumps(rows, indent=2, ensure_ascii=False))
-    else:
-        for row in rows:
-            text = (row["text"] or "").replace("\n", " ")
-            print(f"{row['id']:>10}  {row['score']:.4f}  [{row['namespace']}]  {text[:100]}")
-        if not rows:
-            print("no memories matched")
-    return 0
+    return _print_hits(rows, as_json=args.json)
 
 
 def _import(args: argparse.Namespace) -> int:
