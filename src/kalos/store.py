@@ -192,10 +192,6 @@ def check_namespace(namespace: Any) -> str:
     return namespace
 
 
-# kalos.importer imports the namespace check under its earlier private name.
-_check_namespace = check_namespace
-
-
 def _check_json_keys(value: Any, index: int) -> None:
     # json.dumps turns int/float/bool/None keys into strings without complaint, so such a dict
     # would come back different from what was stored; refuse it instead of changing it.
