@@ -16,17 +16,17 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kalos import Client, InvalidArgument
-from kalos.embed import DEFAULT_DIM, default_embedder
+from kalos.embed import DEFAULT_DIM
 from kalos.importer import Columns, ImportValidationError, import_file, progress_path, validate_file
 
 from conftest import DEADLINE_S
-from test_text import TextSidecar
+from test_text import client, minilm, sidecar  # noqa: F401 (the text tests' fixtures, shared)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -39,22 +39,6 @@ TEXTS = [
     "Dave's favourite editor is Emacs.",
     "Backups are kept for thirty days.",
 ]
-
-
-@pytest.fixture(scope="module")
-def sidecar() -> Iterator[TextSidecar]:
-    default_embedder()  # once per session (cached per process)
-    sc = TextSidecar(DEFAULT_DIM)
-    try:
-        yield sc
-    finally:
-        sc.close()
-
-
-@pytest.fixture
-def client(sidecar: TextSidecar) -> Iterator[Client]:
-    with Client(sidecar.name, timeout=DEADLINE_S) as c:
-        yield c
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import asyncio
 import hashlib
 import os
 import uuid
-from typing import Iterator
 
 import numpy as np
 import pytest
@@ -22,29 +21,13 @@ from langchain_core.retrievers import BaseRetriever  # noqa: E402
 from langchain_core.vectorstores import VectorStore, VectorStoreRetriever  # noqa: E402
 
 from kalos import Client, InvalidArgument  # noqa: E402
-from kalos.embed import DEFAULT_DIM, default_embedder  # noqa: E402
+from kalos.embed import DEFAULT_DIM  # noqa: E402
 from kalos.integrations.langchain import KalosRetriever, KalosVectorStore  # noqa: E402
 
 from conftest import DEADLINE_S  # noqa: E402
-from test_text import FACTS, QUESTIONS, TextSidecar  # noqa: E402
+from test_text import FACTS, QUESTIONS, client, minilm, sidecar  # noqa: E402, F401 (shared fixtures)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture(scope="module")
-def sidecar() -> Iterator[TextSidecar]:
-    default_embedder()
-    sc = TextSidecar(DEFAULT_DIM)
-    try:
-        yield sc
-    finally:
-        sc.close()
-
-
-@pytest.fixture
-def client(sidecar: TextSidecar) -> Iterator[Client]:
-    with Client(sidecar.name, timeout=DEADLINE_S) as c:
-        yield c
 
 
 @pytest.fixture
