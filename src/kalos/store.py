@@ -37,6 +37,7 @@ interleaving writes. Readonly opens take no lock.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -598,40 +599,46 @@ class Store:
         blob = memoryview(vecs.reshape(-1).view(np.uint8))
         time_col = times.tolist()
 
+        # IMMEDIATE (in _write_transaction) takes the write lock at once, so the ids computed
+        # below cannot be taken by anyone else before the insert.
+        with self._write_transaction("add") as conn:
+            ns_id = self._namespace_id(conn, ns)
+            # AUTOINCREMENT semantics by hand (executemany cannot report the ids it
+            # assigned): the next id is above both the live max and the high-water mark
+            # in sqlite_sequence. Inserting explicit ids advances sqlite_sequence too.
+            seq = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'items'").fetchone()
+            top = conn.execute("SELECT max(id) FROM items").fetchone()[0]
+            start = max(seq[0] if seq else 0, top or 0) + 1
+            if start + n - 1 > _MAX_ID:
+                raise StoreError(f"store {self.path}: item ids are exhausted")
+            ids = range(start, start + n)
+            conn.executemany(
+                "INSERT INTO items (id, namespace_id, created_at, text, metadata, vector)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (
+                    (ids[i], ns_id, time_col[i], text_col[i], meta_col[i], blob[i * row_bytes : (i + 1) * row_bytes])
+                    for i in range(n)
+                ),
+            )
+        return np.arange(start, start + n, dtype=np.int64), ns_id, times
+
+    @contextlib.contextmanager
+    def _write_transaction(self, what: str) -> Iterator[sqlite3.Connection]:
+        """One IMMEDIATE transaction under the store's lock: committed if the body returns,
+        rolled back on any exception (KeyboardInterrupt too: no transaction is left open)."""
         with self._lock:
             conn = self._connection(write=True)
             try:
-                # IMMEDIATE takes the write lock now, so the ids computed below cannot be taken
-                # by anyone else before the insert.
                 conn.execute("BEGIN IMMEDIATE")
                 try:
-                    ns_id = self._namespace_id(conn, ns)
-                    # AUTOINCREMENT semantics by hand (executemany cannot report the ids it
-                    # assigned): the next id is above both the live max and the high-water mark
-                    # in sqlite_sequence. Inserting explicit ids advances sqlite_sequence too.
-                    seq = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'items'").fetchone()
-                    top = conn.execute("SELECT max(id) FROM items").fetchone()[0]
-                    start = max(seq[0] if seq else 0, top or 0) + 1
-                    if start + n - 1 > _MAX_ID:
-                        raise StoreError(f"store {self.path}: item ids are exhausted")
-                    ids = range(start, start + n)
-                    conn.executemany(
-                        "INSERT INTO items (id, namespace_id, created_at, text, metadata, vector)"
-                        " VALUES (?, ?, ?, ?, ?, ?)",
-                        (
-                            (ids[i], ns_id, time_col[i], text_col[i], meta_col[i], blob[i * row_bytes : (i + 1) * row_bytes])
-                            for i in range(n)
-                        ),
-                    )
+                    yield conn
                     conn.execute("COMMIT")
                 except BaseException:
-                    # Also on KeyboardInterrupt: leave no open transaction behind.
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
                     raise
             except sqlite3.Error as e:
-                raise _wrap(e, "add", self.path) from None
-        return np.arange(start, start + n, dtype=np.int64), ns_id, times
+                raise _wrap(e, what, self.path) from None
 
     def _namespace_id(self, conn: sqlite3.Connection, name: str) -> int:
         # Inside the add's transaction: a new namespace exists only if its items do.
@@ -650,27 +657,18 @@ class Store:
         Unknown (or already deleted) ids are ignored.
         """
         wanted = np.unique(_check_ids(ids, "delete"))
-        with self._lock:
-            conn = self._connection(write=True)
-            if len(wanted) == 0:
-                return np.empty(0, dtype=np.int64)
-            found: list[int] = []
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                try:
-                    for chunk in _chunks(wanted):
-                        marks = ",".join("?" * len(chunk))
-                        # SELECT then DELETE rather than DELETE ... RETURNING, which needs
-                        # SQLite 3.35; the IMMEDIATE transaction makes the pair atomic.
-                        found += [r[0] for r in conn.execute(f"SELECT id FROM items WHERE id IN ({marks})", chunk)]
-                        conn.execute(f"DELETE FROM items WHERE id IN ({marks})", chunk)
-                    conn.execute("COMMIT")
-                except BaseException:
-                    if conn.in_transaction:
-                        conn.execute("ROLLBACK")
-                    raise
-            except sqlite3.Error as e:
-                raise _wrap(e, "delete", self.path) from None
+        if len(wanted) == 0:
+            with self._lock:
+                self._connection(write=True)  # a closed or read-only store still says so
+            return np.empty(0, dtype=np.int64)
+        found: list[int] = []
+        with self._write_transaction("delete") as conn:
+            for chunk in _chunks(wanted):
+                marks = ",".join("?" * len(chunk))
+                # SELECT then DELETE rather than DELETE ... RETURNING, which needs SQLite 3.35;
+                # the IMMEDIATE transaction makes the pair atomic.
+                found += [r[0] for r in conn.execute(f"SELECT id FROM items WHERE id IN ({marks})", chunk)]
+                conn.execute(f"DELETE FROM items WHERE id IN ({marks})", chunk)
         return np.sort(np.asarray(found, dtype=np.int64))
 
     # -- reads -----------------------------------------------------------------------------
