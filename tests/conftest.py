@@ -17,9 +17,11 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import tempfile
 import time
 import uuid
+import json
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -56,6 +58,54 @@ def wait_until(predicate: Callable[[], Any], what: str, timeout: float = DEADLIN
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+NOBODY = 65534  # the unprivileged uid/gid the cross-user tests drop to
+
+
+def run_guarded(cmd: list[str], timeout: float = DEADLINE_S) -> subprocess.CompletedProcess:
+    """Runs ``cmd`` to completion; a hang becomes an AssertionError (killed after ``timeout``)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"{cmd} hung (killed after {timeout} s); stderr: {err}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def as_nobody(action: Callable[[], Any]) -> Any:
+    """Runs ``action()`` in a forked child with uid/gid NOBODY; returns its JSON-able result.
+
+    An exception in the child fails the calling test with the child's message.
+    """
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(read_fd)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            os.write(write_fd, json.dumps({"result": action()}).encode())
+            code = 0
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            os.write(write_fd, json.dumps({"child_error": f"{type(exc).__name__}: {exc}"}).encode())
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    data = b""
+    deadline = time.monotonic() + DEADLINE_S
+    while chunk := os.read(read_fd, 65536):
+        data += chunk
+        assert time.monotonic() < deadline, "the child running as nobody hung"
+    os.close(read_fd)
+    os.waitpid(pid, 0)
+    reply = json.loads(data)
+    assert "child_error" not in reply, reply["child_error"]
+    return reply["result"]
 
 
 def _seed_value() -> int:

@@ -17,7 +17,7 @@ import pytest
 
 from kalos import Client
 
-from conftest import DEADLINE_S, segment_path, unique_name
+from conftest import DEADLINE_S, run_guarded, segment_path, unique_name
 from reference import assert_topk_matches, eligible_mask
 
 DIM = 6
@@ -25,15 +25,7 @@ DIM = 6
 
 def kalos(*args: str, timeout: float = DEADLINE_S) -> subprocess.CompletedProcess:
     """Runs ``python -m kalos ARGS`` in this test's environment (its KALOS_RUNTIME_DIR included)."""
-    cmd = [sys.executable, "-m", "kalos", *map(str, args)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        raise AssertionError(f"{cmd} hung (killed after {timeout} s); stderr: {err}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return run_guarded([sys.executable, "-m", "kalos", *map(str, args)], timeout)
 
 
 def assert_user_error(result: subprocess.CompletedProcess, command: str, *fragments: str) -> str:

@@ -18,7 +18,6 @@ import shutil
 import socket
 import sqlite3
 import stat
-import subprocess
 import sys
 import time
 import traceback
@@ -49,6 +48,8 @@ from kalos.protocol import HEADER_DTYPE, MAGIC, VERSION, Layout, Op, RequestFlag
 from conftest import (
     DEADLINE_S,
     SidecarPool,
+    as_nobody,
+    run_guarded,
     _seed_value,
     segment_path,
     short_tempdir,
@@ -706,41 +707,22 @@ def test_control_socket_refuses_another_users_connection(sidecars, store_dir, ru
     sock_path = runtime_dir / f"{name}.sock"
     os.chmod(runtime_dir, 0o711)
     os.chmod(sock_path, 0o666)
+
+    def connect_and_ask() -> dict:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(DEADLINE_S)
+        sock.connect(str(sock_path))
+        try:
+            send_frame(sock, {"op": "stats"})
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the sidecar may have answered and hung up before we sent anything
+        return recv_frame(sock, max_bytes=1 << 20)[0]
+
     try:
-        read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                os.close(read_fd)
-                os.setgroups([])
-                os.setgid(65534)
-                os.setuid(65534)
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(DEADLINE_S)
-                sock.connect(str(sock_path))
-                try:
-                    send_frame(sock, {"op": "stats"})
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the sidecar may have answered and hung up before we sent anything
-                reply, _ = recv_frame(sock, max_bytes=1 << 20)
-                os.write(write_fd, json.dumps(reply).encode())
-                code = 0
-            except BaseException as exc:  # noqa: BLE001
-                os.write(write_fd, json.dumps({"child_error": f"{type(exc).__name__}: {exc}"}).encode())
-            finally:
-                os._exit(code)
-        os.close(write_fd)
-        data = b""
-        while chunk := os.read(read_fd, 65536):
-            data += chunk
-        os.close(read_fd)
-        os.waitpid(pid, 0)
+        reply = as_nobody(connect_and_ask)
     finally:
         os.chmod(sock_path, 0o600)
         os.chmod(runtime_dir, 0o700)
-    reply = json.loads(data)
-    assert "child_error" not in reply, reply
     assert reply["ok"] is False and reply["code"] == ErrorCode.PROTOCOL and "uid 65534" in reply["error"], reply
     with Client(name, timeout=10.0) as client:  # the owner is still served
         assert client.stats()["count"] == 0
@@ -827,17 +809,6 @@ def _serve_cmd(store: Path, name: str, dim: int = 4) -> list[str]:
             "--device", "cpu"]
 
 
-def _run(cmd: list[str], timeout: float = DEADLINE_S) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        raise AssertionError(f"{cmd} did not exit within {timeout} s (it should fail at once): {err}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
 def test_a_file_that_is_not_a_kalos_store_is_refused_and_left_untouched(runtime_dir, store_dir):
     junk = store_dir / "junk.db"
     junk.write_bytes(os.urandom(10_000))
@@ -853,7 +824,7 @@ def test_a_file_that_is_not_a_kalos_store_is_refused_and_left_untouched(runtime_
         before = path.read_bytes()
         siblings = sorted(p.name for p in store_dir.iterdir())
         name = unique_name("junk")
-        result = _run(_serve_cmd(path, name))
+        result = run_guarded(_serve_cmd(path, name))
         assert result.returncode != 0, f"{path.name}: the sidecar started on a foreign file"
         assert str(path) in result.stderr, f"{path.name}: the message does not name the file: {result.stderr!r}"
         assert "not a Kalos store" in result.stderr
@@ -876,14 +847,14 @@ def test_a_second_sidecar_on_the_same_name_or_store_is_refused(sidecars, store_d
     with Client(name, timeout=10.0) as client:
         ids = client.add(np.eye(4, dtype=np.float32))
         # Same name, other store: SidecarAlreadyRunning, exit 2 with its message.
-        result = _run(_serve_cmd(store_dir / "b.db", name))
+        result = run_guarded(_serve_cmd(store_dir / "b.db", name))
         assert result.returncode == 2, result.stderr
         assert "already running" in result.stderr and name in result.stderr and "Traceback" not in result.stderr
         with pytest.raises(SidecarAlreadyRunning, match="already running"):
             Sidecar(SidecarConfig(store=store_dir / "c.db", name=name, dim=4, device="cpu"))
         # Same store, other name: StoreLocked.
         other = unique_name("two")
-        result = _run(_serve_cmd(store_dir / "a.db", other))
+        result = run_guarded(_serve_cmd(store_dir / "a.db", other))
         assert result.returncode == 2, result.stderr
         assert "already open" in result.stderr and str(store_dir / "a.db") in result.stderr
         with pytest.raises(StoreLocked, match="already open"):

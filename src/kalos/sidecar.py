@@ -46,7 +46,6 @@ from kalos.control import (
 )
 from kalos.engine import Engine, Filter, make_engine
 from kalos.errors import (
-    DimensionMismatch,
     InvalidArgument,
     InvalidQuery,
     KalosError,
@@ -57,7 +56,7 @@ from kalos.errors import (
 )
 from kalos.metrics import Metrics
 from kalos.protocol import Layout, Op, RequestFlag, SlotView
-from kalos.store import Store
+from kalos.store import Store, check_vectors
 
 __all__ = ["SidecarConfig", "Sidecar", "normalise_rows"]
 
@@ -493,12 +492,11 @@ class Sidecar:
 
     def _op_add(self, message: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
         vectors, _ = blob_array(message.get("vectors"), blob)
-        if vectors.ndim != 2 or vectors.dtype != np.float32:
-            raise InvalidArgument(f"vectors must be a 2-D float32 array, got shape {vectors.shape}")
-        if vectors.shape[1] != self.store.dim:
-            raise DimensionMismatch(f"vectors have dimension {vectors.shape[1]}, the store holds dimension {self.store.dim}")
+        if vectors.dtype != np.float32:
+            raise InvalidArgument(f"vectors must be float32, got {vectors.dtype}")
         namespace = message.get("namespace", "default")
-        unit = normalise_rows(vectors.copy(), what="vector", error=InvalidArgument)
+        # The store's own checks (shape, dimension, NaN/inf, zero rows), before normalising.
+        unit = normalise_rows(check_vectors(vectors, self.store.dim).copy(), what="vector", error=InvalidArgument)
         with self._write_lock:
             ids, namespace_id, created_at = self.store.add(
                 unit, namespace=namespace, texts=message.get("texts"), metadata=message.get("metadata"),

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 import kalos
-from conftest import DEADLINE_S, unique_name, wait_until
+from conftest import DEADLINE_S, NOBODY, as_nobody, unique_name, wait_until
 from kalos import Client
 from kalos.channel import Segment
 from kalos.control import PROTOCOL_VERSION, ok_reply, recv_frame, send_fd, send_frame
@@ -41,7 +41,6 @@ from reliability._support import raw_connection, rss_bytes, tracebacks
 
 DIM = 8
 _PREFIX = struct.Struct("<IQ")
-NOBODY = 65534
 
 
 def _start(sidecars: Any, store_dir: Path) -> tuple[str, Any, Client]:
@@ -70,37 +69,6 @@ def test_segment_socket_and_store_are_owner_only(sidecars, store_dir, runtime_di
     print(f"RELIABILITY security-modes: {checked} runtime_dir=0o700")
 
 
-def _as_nobody(action: Any) -> dict:
-    """Runs ``action()`` in a forked child with uid/gid 65534; returns its JSON-able result."""
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(read_fd)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            result = action()
-            os.write(write_fd, json.dumps(result).encode())
-            code = 0
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent
-            os.write(write_fd, json.dumps({"child_error": f"{type(exc).__name__}: {exc}"}).encode())
-        finally:
-            os._exit(code)
-    os.close(write_fd)
-    data = b""
-    deadline = time.monotonic() + DEADLINE_S
-    while chunk := os.read(read_fd, 65536):
-        data += chunk
-        assert time.monotonic() < deadline
-    os.close(read_fd)
-    os.waitpid(pid, 0)
-    result = json.loads(data)
-    assert "child_error" not in result, result["child_error"]
-    return result
-
-
 def _attempt(fn: Any) -> str:
     try:
         fn()
@@ -126,7 +94,7 @@ def test_another_uid_can_neither_map_nor_connect(sidecars, store_dir, runtime_di
                     "open_ro": _attempt(lambda: os.close(os.open(seg, os.O_RDONLY))),
                     "connect": _attempt(connect)}
 
-        result = _as_nobody(locked_out)
+        result = as_nobody(locked_out)
         assert result == {"open_rw": "PermissionError", "open_ro": "PermissionError", "connect": "PermissionError"}, result
 
         # Defence in depth: open the directory and the socket up; the sidecar checks the peer's uid.
@@ -160,7 +128,7 @@ def test_another_uid_can_neither_map_nor_connect(sidecars, store_dir, runtime_di
                 hangups += 1
             return {"replies": replies, "hangups": hangups}
 
-        result = _as_nobody(refused)
+        result = as_nobody(refused)
         for reply in result["replies"][0::2]:
             assert reply["ok"] is False and reply["code"] == ErrorCode.PROTOCOL and "uid" in reply["error"], reply
         assert all(r["closed"] for r in result["replies"][1::2])
