@@ -310,9 +310,7 @@ def timing(dev, n: int, dim: int, k: int, batches, iters: int) -> None:
         h_q = eng._h_q
         for prec in ("exact", "fast"):
             eng.search_into(qpin[0], k, out_ids=oi, out_scores=os_, precision=prec)  # compile + capture
-            key = ("f16" if prec == "fast" else "f32", 1 << max(0, (qn - 1).bit_length()),
-                   max(4, 1 << max(0, (k - 1).bit_length())), False, True, True)
-            graph = eng._graphs[key]
+            graph = graph_of(eng, prec, qn, k)
             hq = [t.numpy() for t in qpin]
 
             def prep_h(i, hq=hq):
@@ -343,8 +341,7 @@ def timing(dev, n: int, dim: int, k: int, batches, iters: int) -> None:
                     record(part="timing", n=n, q=qn, variant=f"engine_graph_{prec}_{label}", error=repr(e)[:300])
                     continue
                 kind = "f16" if prec == "fast" else ("tf32" if label == "tf32" else "f32")
-                key = (kind, 1 << max(0, (qn - 1).bit_length()), max(4, 1 << max(0, (k - 1).bit_length())),
-                       False, True, True)
+                key = eng._key(kind, qn, k, Filter(), True, True, False)
                 hq = [t.numpy() for t in qpin]
 
                 def prep_h(i, hq=hq):
@@ -355,6 +352,15 @@ def timing(dev, n: int, dim: int, k: int, batches, iters: int) -> None:
             eng.retune({"scores_max_q": 0, "exact_batch_scan": "ieee"})
     del eng, M, M16
     torch.cuda.empty_cache()
+
+
+def graph_of(eng, prec: str, qn: int, k: int):
+    """The CUDA graph a search of qn unit host queries (no filter) replays."""
+    if prec == "fast":
+        kind = "f16"
+    else:
+        kind = "tf32" if qn > 1 and eng._tune["exact_batch_scan"] == "tf32" else "f32"
+    return eng._graphs[eng._key(kind, qn, k, Filter(), True, True, False)]
 
 
 def sweep(dev, n: int, dim: int, k: int, iters: int) -> None:
@@ -400,13 +406,12 @@ def sweep_tiles(eng, qn, k, qpin, it, stream, flush) -> None:
                     except Exception as e:  # a tile that does not compile or fit: report, go on
                         record(part="sweep", q=qn, precision=prec, cfg=str(cfg), error=repr(e)[:200])
                         continue
-                    key = ("f16" if fast else "f32", 1 << max(0, (qn - 1).bit_length()),
-                           max(4, 1 << max(0, (k - 1).bit_length())), False, True, True)
+                    graph = graph_of(eng, prec, qn, k)
 
                     def prep_h(i):
                         h_q[:qn] = hq[i % len(hq)]
 
-                    p50, p99 = time_events(eng._graphs[key].replay, it, stream, prep_h, flush)
+                    p50, p99 = time_events(graph.replay, it, stream, prep_h, flush)
                     plan = eng.plan(qn, k, prec)
                     record(part="sweep", n=eng.rows.size, q=qn, precision=prec, cfg=str(cfg), final_max=final_max,
                            progs=plan.progs, levels=len(plan.levels), p50_us=p50, p99_us=p99)

@@ -1132,3 +1132,44 @@ def test_a_client_killed_mid_request_frees_its_slot_and_disturbs_no_one(sidecars
         assert msg[2] >= 10
         healthy.join(timeout=DEADLINE_S)
         wait_until(lambda: observer.stats()["clients"] == 1, "the healthy client's slot to be freed")
+
+
+def test_clients_spin_as_the_sidecar_advises_unless_told(runtime_dir, tmp_path, monkeypatch):
+    """A GPU sidecar answers in ~100-200 us: its clients poll up to 1 ms before sleeping (a
+    wake-up costs tens of us); a CPU sidecar's keep the default; spin_us / the env var win."""
+    import threading
+
+    from kalos.config import settings
+    from kalos.engine import NumpyEngine
+    from kalos.sidecar import GPU_CLIENT_SPIN_US, Sidecar, SidecarConfig
+
+    class LooksLikeAGpu(NumpyEngine):
+        device = "cuda:0"
+
+    def spin_of(client: Client) -> float:
+        return client._conn.channel._spin_s
+
+    for engine_cls, advised in ((NumpyEngine, settings().client_spin_us), (LooksLikeAGpu, GPU_CLIENT_SPIN_US)):
+        name = unique_name()
+        sidecar = Sidecar(SidecarConfig(store=tmp_path / f"{name}.db", name=name, dim=4, slots=4),
+                          engine_factory=lambda _device, dim, cap, cls=engine_cls: cls(dim, capacity=cap))
+        thread = threading.Thread(target=sidecar.serve_forever, daemon=True)
+        thread.start()
+        try:
+            with Client(name) as client:
+                assert spin_of(client) == pytest.approx(advised / 1e6)
+                client.add(np.eye(4, dtype=np.float32))
+                assert client.recall(np.ones(4, np.float32), k=2).ids.shape == (2,)
+            with Client(name, spin_us=5) as client:
+                assert spin_of(client) == pytest.approx(5e-6)
+            monkeypatch.setenv("KALOS_CLIENT_SPIN_US", "7")
+            settings.cache_clear()  # settings are read once per process
+            try:
+                with Client(name) as client:
+                    assert spin_of(client) == pytest.approx(7e-6)
+            finally:
+                monkeypatch.delenv("KALOS_CLIENT_SPIN_US")
+                settings.cache_clear()
+        finally:
+            sidecar.stop()
+            thread.join(timeout=30)

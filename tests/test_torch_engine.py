@@ -39,6 +39,7 @@ from kalos.engine.base import as_unit_rows  # noqa: E402
 from kalos.engine import torch_engine as te  # noqa: E402
 from kalos.engine.torch_engine import MAX_K, TorchEngine, fast_error_terms, register_host_buffer  # noqa: E402
 from kalos.errors import InvalidArgument, InvalidQuery  # noqa: E402
+from kalos.sidecar import normalise_rows, row_scales  # noqa: E402
 
 HAVE_INTERPRETER = not HAVE_CUDA and te._triton_kernels(require_interpreter=True) is not None
 
@@ -425,6 +426,159 @@ def test_triton_growth_compaction_and_fallback(rng):
     assert eng.stats["fallbacks"] >= 1
 
 
+# -- searching in place in an attached host buffer (the sidecar's zero-copy path) ----------------
+
+
+def attached_case(m: Mirror, rng, nq: int, k: int, dim: int):
+    """Queries of random length at scattered offsets of a buffer, and where their answers go."""
+    buf = bytearray(8 * (64 + nq * (dim + 2 * k + 16)))
+    f32 = np.frombuffer(buf, np.float32)
+    query_at = 16 + np.arange(nq, dtype=np.int64) * (dim + 8)
+    ids_at = (len(buf) // 8) - (np.arange(nq, dtype=np.int64) + 1) * (k + 1)  # from the end, int64 units
+    scores_at = query_at[-1] + dim + 4 + np.arange(nq, dtype=np.int64) * (k + 1)
+    raw = rng.standard_normal((nq, dim)) * rng.uniform(0.01, 100, (nq, 1))
+    for j in range(nq):
+        f32[query_at[j] : query_at[j] + dim] = raw[j]
+    rows = np.stack([f32[a : a + dim] for a in query_at])
+    scales = row_scales(rows, what="query", error=InvalidQuery)
+    unit = normalise_rows(rows.copy(), what="query", error=InvalidQuery)
+    return buf, query_at, scales, ids_at, scores_at, unit
+
+
+def read_attached(buf, ids_at, scores_at, k):
+    i64, f32 = np.frombuffer(buf, np.int64), np.frombuffer(buf, np.float32)
+    return (np.stack([i64[a : a + k] for a in ids_at]), np.stack([f32[a : a + k] for a in scores_at]))
+
+
+@pytest.mark.parametrize("backend", [
+    "torch", pytest.param("triton", marks=needs_interpreter),
+])
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_search_attached_reads_and_writes_the_buffer(rng, backend, precision):
+    """search_attached == search of the host-normalised queries, bit for bit, and == the
+    float64 reference; answers land exactly where the offsets say, nothing else changes."""
+    d = 40
+    eng = TorchEngine(d, device="cpu", backend=backend, precision=precision, capacity=8)
+    m = Mirror(eng, rng)
+    ids = m.add(230)
+    m.delete(ids[::11])
+    for nq, k, flt in ((1, 8, Filter()), (3, 5, Filter(namespace=1, since=10.0)), (2, 300, Filter(namespace=2))):
+        buf, query_at, scales, ids_at, scores_at, unit = attached_case(m, rng, nq, k, d)
+        before = bytes(buf)
+        eng.attach_host(buf)
+        try:
+            eng.search_attached(query_at, scales, ids_at, scores_at, k, flt)
+        finally:
+            eng.detach_host()
+        got_ids, got_sc = read_attached(buf, ids_at, scores_at, k)
+        want_ids, want_sc = eng.search(unit, k, flt)
+        np.testing.assert_array_equal(got_ids, want_ids)
+        np.testing.assert_array_equal(got_sc, want_sc)
+        for qi, (ref_ids, ref_sc) in enumerate(m.reference(unit, flt)):
+            assert_topk(got_ids[qi], got_sc[qi], ref_ids, ref_sc, k)
+        # Every byte outside the answer areas is as it was.
+        touched = np.zeros(len(buf), bool)
+        for a in ids_at:
+            touched[8 * a : 8 * (a + k)] = True
+        for a in scores_at:
+            touched[4 * a : 4 * (a + k)] = True
+        same = np.frombuffer(before, np.uint8) == np.frombuffer(bytes(buf), np.uint8)
+        assert same[~touched].all()
+
+
+@needs_interpreter
+def test_search_attached_fast_fallback(rng):
+    d = 32
+    eng = triton_engine(d, precision="fast", capacity=4)
+    m = Mirror(eng, rng)
+    m.add(100)
+    base = rng.standard_normal(d)
+    m.add(60, base + 1e-5 * rng.standard_normal((60, d)))  # near-duplicates: the certificate fails
+    buf = bytearray(4096)
+    f32 = np.frombuffer(buf, np.float32)
+    f32[:d] = base + 1e-4 * rng.standard_normal(d)
+    unit = as_unit_rows(f32[None, :d].astype(np.float64))
+    scale = np.array([1.0 / np.sqrt(np.dot(f32[:d], f32[:d]))])
+    eng.attach_host(buf)
+    eng.search_attached(np.array([0]), scale, np.array([100]), np.array([400]), 4)
+    eng.detach_host()
+    assert eng.stats["fallbacks"] >= 1
+    got_ids, got_sc = read_attached(buf, [100], [400], 4)
+    (ref_ids, ref_sc), = m.reference(unit, Filter())
+    assert_topk(got_ids[0], got_sc[0], ref_ids, ref_sc, 4)
+
+
+def test_search_attached_rejects_bad_input_without_writing(rng):
+    d = 16
+    eng = torch_engine(d)
+    Mirror(eng, rng).add(50)
+    buf = bytearray(1024)
+    np.frombuffer(buf, np.float32)[:d] = 1.0
+    with pytest.raises(InvalidArgument, match="attach_host"):
+        eng.search_attached([0], [0.25], [64], [200], 4)
+    eng.attach_host(buf)
+    before = bytes(buf)
+    for args, err in (
+        (([0], [0.25], [127], [200], 4), "ids_at points outside"),     # 127 + 4 > 1024 / 8
+        (([250], [0.25], [64], [200], 4), "query_at points outside"),  # 250 + 16 > 256
+        (([0], [0.25], [64], [-1], 4), "scores_at points outside"),
+        (([0], [0.25, 1.0], [64], [200], 4), "one entry per query"),
+    ):
+        with pytest.raises(InvalidArgument, match=err):
+            eng.search_attached(*args)
+    with pytest.raises(InvalidQuery, match="finite"):
+        eng.search_attached([0], [np.nan], [64], [200], 4)
+    with pytest.raises(InvalidQuery, match="k must be"):
+        eng.search_attached([0], [0.25], [64], [200], 0)
+    assert bytes(buf) == before
+    eng.detach_host()
+    eng.detach_host()  # idempotent
+
+
+@needs_interpreter
+def test_sidecar_answers_in_place_with_the_triton_engine(rng, runtime_dir, tmp_path):
+    """The whole zero-copy path through a real client: the sidecar hands the engine offsets
+    into its shared segment, the kernels read the queries there and write the answers there."""
+    sidecar_in_place(rng, tmp_path, device="cpu", precision="exact")
+
+
+def sidecar_in_place(rng, tmp_path, *, device: str, precision: str) -> None:
+    import threading
+
+    from kalos import Client
+    from kalos.sidecar import Sidecar, SidecarConfig
+
+    d = 24 if device == "cpu" else 1024
+    config = SidecarConfig(store=tmp_path / "m.db", name="zc", dim=d, slots=4, max_k=16, max_batch=8)
+    sidecar = Sidecar(config, engine_factory=lambda _dev, dim, cap: TorchEngine(
+        dim, device=device, backend="triton", capacity=cap, precision=precision))
+    assert sidecar.zero_copy
+    thread = threading.Thread(target=sidecar.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with Client("zc", timeout=60) as client:
+            vectors = rng.standard_normal((120, d)).astype(np.float32)
+            ids = client.add(vectors[:80], namespace="a")
+            ids = np.concatenate([ids, client.add(vectors[80:], namespace="b")])
+            unit = as_unit_rows(vectors.astype(np.float64))
+            queries = (rng.standard_normal((3, d)) * 7).astype(np.float32)
+            qunit = as_unit_rows(queries.astype(np.float64))
+            for namespace, members in (("a", slice(0, 80)), (None, slice(0, 120))):
+                ref = qunit @ unit[members].T
+                one = client.recall(queries[0], k=16, namespace=namespace)
+                many = client.recall_many(queries, k=5, namespace=namespace)
+                for qi, (got_ids, got_sc, k) in enumerate(
+                    [(one.ids, one.scores, 16)] + [(many[i].ids, many[i].scores, 5) for i in range(3)]
+                ):
+                    row = ref[0 if qi == 0 else qi - 1]
+                    order = np.argsort(-row, kind="stable")
+                    assert_topk(got_ids, got_sc, ids[members][order], row[order], k)
+    finally:
+        sidecar.stop()
+        thread.join(timeout=30)
+    assert not sidecar.zero_copy  # detached before the segment was unmapped
+
+
 # -- a real GPU ------------------------------------------------------------------------------
 
 
@@ -449,6 +603,14 @@ def test_cuda_matches_reference(rng, precision, dim, tune):
 
 @cuda
 @needs_cuda
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_cuda_sidecar_answers_in_place(rng, runtime_dir, tmp_path, precision):
+    """The segment in /dev/shm registered with cudaHostRegister; kernels read and write it."""
+    sidecar_in_place(rng, tmp_path, device="cuda", precision=precision)
+
+
+@cuda
+@needs_cuda
 def test_cuda_search_into_registered_shared_memory(rng):
     d = 256
     m = Mirror(TorchEngine(d, device="cuda", precision="fast"), rng)
@@ -466,3 +628,23 @@ def test_cuda_search_into_registered_shared_memory(rng):
         for i in range(4):
             assert_topk(oi[i].numpy(), os_[i].numpy(), *ref[i], 16)
         del qv, oi, os_
+
+
+@needs_interpreter
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_triton_gemm_batches(rng, precision):
+    """Batches scored by a matmul a slice of rows at a time (cuBLAS on a GPU; emulated here),
+    masked and reduced by scores_topk_kernel, then the certified re-score: same answers.
+    Few rows in the last slice, and slices past the live rows left out (then re-captured)."""
+    eng = triton_engine(40, precision=precision, capacity=8)
+    eng.retune({"gemm_min_q": 2, "gemm_rows": 128, "score_chunk": 64})
+    m = Mirror(eng, rng)
+    ids = m.add(300)
+    m.delete(ids[::7])
+    assert eng.plan(3, 5).gemm_rows == 128
+    q = unit_queries(rng, 3, 40)
+    m.check(q, 5)
+    m.check(q, 9, Filter(namespace=1, since=10.0))
+    m.add(200)  # more slices now hold rows
+    m.check(q, 5, Filter(until=60.0))
+    m.check(q[:1], 5)  # one query: the scan path, unchanged

@@ -119,6 +119,9 @@ def run_gpu_bench(args: argparse.Namespace) -> int:
             for precision in args.gpu_precisions.split(","):
                 _end_to_end(torch, rows, store, name, device, precision, matrix, queries, reference, args, n,
                             floor32 if precision == "exact" else floor16, batches, under_load=(n == sizes[0]))
+            if args.gpu_host_copies:
+                _end_to_end(torch, rows, store, name, device, "exact", matrix, queries, reference, args, n,
+                            floor32, [1], under_load=False, zero_copy=False)
             store.unlink()
 
     print("\nsummary (wall-clock per call on the host; floor = bytes of one scan / measured copy bandwidth)")
@@ -207,16 +210,16 @@ def _in_process_engines(torch: Any, engine_cls: Any, rows: list, matrix: np.ndar
 
 def _end_to_end(torch: Any, rows: list, store: Path, name: str, device: Any, precision: str, matrix: np.ndarray,
                 queries: np.ndarray, reference: np.ndarray, args: argparse.Namespace, n: int, floor: float,
-                batches: list[int], *, under_load: bool) -> None:
+                batches: list[int], *, under_load: bool, zero_copy: bool = True) -> None:
     max_batch = max(batches)
-    extra = ["--precision", precision, "--max-batch", str(max_batch)]
+    extra = ["--precision", precision, "--max-batch", str(max_batch)] + ([] if zero_copy else ["--no-zero-copy"])
     with SidecarProcess(store, name=name, device=str(device), extra_args=extra, ready_timeout=600) as sidecar, \
             Client(name) as client:
         print(f"  {sidecar.ready_line}", flush=True)
         got = client.recall_many(queries, k=args.k).ids - 1  # store ids start at 1
         agree = float(np.mean([len(set(a) & set(b)) / args.k for a, b in zip(got, reference)]))
         print(f"  end to end ({precision}) vs in-process exact top-{args.k}: agreement {agree:.6f}", flush=True)
-        path = f"Kalos end to end {precision} (client process)"
+        path = f"Kalos end to end {precision} (client process{'' if zero_copy else ', host copies'})"
         _row(rows, path, n, 1, time_calls(lambda i: client.recall(queries[i % 512], k=args.k), args.repeats, 100),
              floor, agreement=agree)
         for b in batches:

@@ -49,6 +49,9 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="query rows per request; bigger batches are split (default: %(default)s)")
     serve.add_argument("--spin-us", type=float, default=s.sidecar_spin_us,
                        help="microseconds to keep sweeping after the last request before sleeping (default: %(default)s)")
+    serve.add_argument("--no-zero-copy", dest="zero_copy", action="store_false",
+                       help="GPU engine: pass queries and answers through host copies instead of letting the "
+                       "kernels read and write the page-locked shared segment directly (for comparisons)")
     serve.add_argument("--seed-compat", action="store_true",
                        help="also serve the seed article's recall_shm_t protocol (top-8 over all namespaces)")
     serve.add_argument("--seed-compat-shm", default="/kalos_recall_shm",
@@ -164,6 +167,8 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="GPU suite: comma-separated N values (default: %(default)s)")
     bench.add_argument("--gpu-precisions", default="exact,fast",
                        help="GPU suite: sidecar precisions measured end to end (default: %(default)s)")
+    bench.add_argument("--gpu-host-copies", action="store_true",
+                       help="GPU suite: also measure the exact path end to end with --no-zero-copy, side by side")
     bench.add_argument("--batches", default="1,8,64,256",
                        help="GPU suite: batch sizes for throughput rows (default: %(default)s)")
     bench.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this file")
@@ -218,7 +223,7 @@ def _serve(args: argparse.Namespace) -> int:
         store=args.store or default_store_path(), name=args.name, dim=args.dim, device=args.device,
         precision=args.precision,
         slots=args.slots, max_k=args.max_k, max_batch=args.max_batch, spin_us=args.spin_us,
-        seed_compat=args.seed_compat, seed_compat_shm=args.seed_compat_shm,
+        seed_compat=args.seed_compat, seed_compat_shm=args.seed_compat_shm, zero_copy=args.zero_copy,
     )
     sidecar = Sidecar(config)
     sidecar.stop_on_signals()  # before the ready line: whoever saw it may signal at once

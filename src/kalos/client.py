@@ -103,7 +103,7 @@ class _Connection:
     wake_fd = -1
     doorbell_fd = -1
 
-    def __init__(self, endpoint: Endpoint, timeout: float, spin_s: float) -> None:
+    def __init__(self, endpoint: Endpoint, timeout: float, spin_s: float | None) -> None:
         path = endpoint.socket_path
         try:
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -138,6 +138,10 @@ class _Connection:
             if (self.layout.dim, self.layout.max_k, self.layout.max_batch, self.layout.n_slots) != expected:
                 raise ProtocolMismatch(f"segment {self.segment.path} does not match the sidecar's hello {expected}")
             self.epoch = int(reply["epoch"])
+            if spin_s is None:  # the sidecar's advice (longer for a GPU sidecar), else the default
+                advised = reply.get("client_spin_us")
+                ok = isinstance(advised, (int, float)) and not isinstance(advised, bool) and 0 <= advised <= 1e5
+                spin_s = (advised if ok else settings().client_spin_us) / 1e6
             self.channel = ClientChannel(
                 self.segment, self.layout, int(reply["slot"]), doorbell_fd=self.doorbell_fd,
                 wake_fd=self.wake_fd, control=self.sock, epoch=self.epoch, timeout=timeout, spin_s=spin_s,
@@ -171,7 +175,9 @@ class Client:
 
     ``timeout`` bounds how long a call waits without a sign of life from the sidecar before
     it raises :class:`SidecarUnavailable` (a slow but live sidecar is waited for). ``spin_us``
-    is how long a recall busy-polls for its answer before it sleeps on its doorbell.
+    is how long a recall busy-polls for its answer before it sleeps on its doorbell (default:
+    ``KALOS_CLIENT_SPIN_US`` if set, else what the sidecar advises: 1000 for a GPU sidecar,
+    100 for a CPU one).
     ``embedder`` turns text into vectors for :meth:`remember` and :meth:`recall_text`: None (the
     packaged all-MiniLM-L6-v2, loaded on the first text call; needs ``kalos[embed]``), a
     SentenceTransformer, a LangChain Embeddings, a function ``list[str] -> [n, dim]`` or a
@@ -183,12 +189,14 @@ class Client:
     ) -> None:
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InvalidArgument(f"timeout must be a positive number of seconds, got {timeout!r}")
-        spin = settings().client_spin_us if spin_us is None else spin_us
-        if spin < 0:
+        if spin_us is None and os.environ.get("KALOS_CLIENT_SPIN_US"):
+            spin_us = settings().client_spin_us
+        if spin_us is not None and not spin_us >= 0:
             raise InvalidArgument(f"spin_us must be >= 0, got {spin_us}")
         self.name = name
         self.timeout = float(timeout)
-        self._spin_s = spin / 1e6
+        # None: as the sidecar advises in its hello (1 ms for a GPU sidecar, else the default).
+        self._spin_s = None if spin_us is None else spin_us / 1e6
         self._endpoint = Endpoint(name)
         self._lock = threading.RLock()
         self._conn: _Connection | None = None

@@ -18,6 +18,7 @@ import dataclasses
 import errno
 import fcntl
 import logging
+import math
 import os
 import secrets
 import signal
@@ -58,7 +59,7 @@ from kalos.metrics import Metrics
 from kalos.protocol import Layout, Op, RequestFlag, SlotView
 from kalos.store import Store, check_vectors
 
-__all__ = ["SidecarConfig", "Sidecar", "normalise_rows"]
+__all__ = ["SidecarConfig", "Sidecar", "normalise_rows", "row_scales"]
 
 log = logging.getLogger("kalos.sidecar")
 _PEERCRED = struct.Struct("3i")
@@ -71,8 +72,13 @@ _RECALL = int(Op.RECALL)
 _PING = int(Op.PING)
 
 
+#: How long the clients of a GPU sidecar busy-poll for an answer before sleeping (advised in
+#: the hello reply; a client's own spin_us or KALOS_CLIENT_SPIN_US wins).
+GPU_CLIENT_SPIN_US = 1000.0
+
 _NO_FILTER = Filter()
 _NO_ROWS = np.empty((0, 0), np.float32)
+_NO_SCALES = np.empty(0, np.float64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +95,9 @@ class SidecarConfig:
     heartbeat_interval_s: float = dataclasses.field(default_factory=lambda: settings().heartbeat_interval_s)
     seed_compat: bool = False
     seed_compat_shm: str = "/kalos_recall_shm"
+    # A GPU engine reads queries from the slots and writes answers into them in place (the
+    # segment page-locked with cudaHostRegister); False: through host copies (benchmarks).
+    zero_copy: bool = True
 
     def __post_init__(self) -> None:
         for field, low, high in (("slots", 1, 4096), ("max_k", 1, 65536), ("max_batch", 1, 65536)):
@@ -144,6 +153,7 @@ class Sidecar:
         self._segment: Segment | None = None
         self._seed: Any = None
         self.store: Store | None = None
+        self.zero_copy = False
         self._name_lock = _NameLock(self.endpoint.lock_path, config.name)
         try:
             self.store = Store.open(config.store, dim=config.dim)
@@ -155,6 +165,12 @@ class Sidecar:
             for ids, vectors, namespace_ids, created_at in self.store.iter_rows():
                 self.engine.add(ids, vectors, namespace_ids, created_at)
             self.load_seconds = time.perf_counter() - started
+            # A GPU answers in about 100-200 us: a client that slept after the default 100 us
+            # of polling paid a wake-up (~40 us on the H200 host, benchmarks/profile_e2e.py).
+            # Clients that set their own spin_us keep it.
+            self.client_spin_us = (
+                GPU_CLIENT_SPIN_US if str(self.engine.device).startswith("cuda") else settings().client_spin_us
+            )
             self._namespaces = {name.encode(): ns for name, ns in self.store.namespaces().items()}
             self._filters: dict[tuple[int, bytes, float | None, float | None], Filter] = {}
             self.layout = Layout(config.slots, self.store.dim, config.max_k, config.max_batch)
@@ -162,6 +178,7 @@ class Sidecar:
             self.layout.write_header(self._segment.buf, epoch=self.epoch, pid=os.getpid())
             self.channel = SidecarChannel(self._segment, self.layout, epoch=self.epoch)
             self.channel.stamp_heartbeat()
+            self.zero_copy = self._attach_segment()
             self._listener = self._listen(self.endpoint.socket_path)
             if config.seed_compat:
                 from kalos.seed_compat import SeedCompatServer
@@ -191,6 +208,24 @@ class Sidecar:
         os.chmod(path, 0o600)
         listener.listen(64)
         return listener
+
+    def _attach_segment(self) -> bool:
+        """Lets a GPU engine read the queries in the slots and write the answers into them."""
+        attach = getattr(self.engine, "attach_host", None)
+        if attach is None or not self.config.zero_copy:
+            return False
+        try:
+            attach(self._segment.buf)
+        except Exception as exc:  # noqa: BLE001 - serving through host copies still works
+            log.warning("zero-copy off: the GPU engine could not attach the shared segment (%s)", exc)
+            return False
+        layout = self.layout
+        base = np.array([layout.slot_offset(s) for s in range(layout.n_slots)], np.int64)
+        # Element offsets (float32 queries and scores, int64 ids) of each slot's row 0.
+        self._query_at = (base + layout.queries_offset) // 4
+        self._ids_at = (base + layout.ids_offset) // 8
+        self._scores_at = (base + layout.scores_offset) // 4
+        return True
 
     def ready_message(self) -> str:
         return (
@@ -251,6 +286,9 @@ class Sidecar:
         if getattr(self, "channel", None) is not None:
             with self._state_lock:
                 self.channel.close()
+                if self.zero_copy:
+                    self.engine.detach_host()  # unpin before the segment is unmapped
+                    self.zero_copy = False
             self.channel = None
         if self._segment is not None:
             self._segment.unlink()
@@ -275,6 +313,9 @@ class Sidecar:
 
     def _sweep(self) -> None:
         channel = self.channel
+        bind_stream = getattr(self.engine, "bind_stream", None)
+        if bind_stream is not None:
+            bind_stream()  # this thread's GPU work all goes to the engine's stream
         spin_s = self.config.spin_us / 1e6
         clock = time.perf_counter
         last_work = clock()
@@ -297,12 +338,12 @@ class Sidecar:
     def _answer(self, slots: np.ndarray, seqs: np.ndarray) -> None:
         """Answers the requests in ``slots`` (all of them, errors included), then publishes."""
         started = time.perf_counter()
-        groups: dict[Filter, list[tuple[SlotView, int, np.ndarray]]] = {}
+        groups: dict[Filter, list[tuple[SlotView, int, np.ndarray, np.ndarray]]] = {}
         n_queries = 0
         for index in slots.tolist():
             view = self.channel.slots[index]
             try:
-                op, k, flt, queries = self._read_request(view)
+                op, k, flt, rows, scales = self._read_request(view)
             except KalosError as exc:
                 self._answer_error(view, exc)
                 continue
@@ -314,29 +355,63 @@ class Sidecar:
                 view.status[0] = 0
                 view.n_results[0] = 0
                 continue
-            groups.setdefault(flt, []).append((view, k, queries))
-            n_queries += len(queries)
+            groups.setdefault(flt, []).append((view, k, rows, scales))
+            n_queries += len(rows)
         for flt, members in groups.items():
-            batch = members[0][2] if len(members) == 1 else np.concatenate([m[2] for m in members])
-            k_max = max(k for _view, k, _q in members)
+            k_max = max(member[1] for member in members)
             try:
-                ids, scores = self.engine.search(batch, k_max, flt)
+                if self.zero_copy:
+                    self._search_in_place(members, k_max, flt)
+                else:
+                    self._search_copied(members, k_max, flt)
             except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
                 log.exception("engine search failed")
-                for view, _k, _q in members:
+                for view, *_ in members:
                     self._answer_error(view, ServerError(f"search failed: {type(exc).__name__}: {exc}"))
                 continue
-            row = 0
-            for view, k, queries in members:
-                n = len(queries)
-                view.ids[:n, :k] = ids[row : row + n, :k]
-                view.scores[:n, :k] = scores[row : row + n, :k]
+            for view, k, _rows, _scales in members:
                 view.n_results[0] = k
                 view.status[0] = 0
-                row += n
         self.channel.publish(slots, seqs)
         if n_queries:
             self.metrics.record(n_queries, time.perf_counter() - started)
+
+    def _search_copied(self, members: list, k_max: int, flt: Filter) -> None:
+        """Normalised copies of the queries to the engine; its answers copied into the slots."""
+        if len(members) == 1:
+            _view, _k, rows, scales = members[0]
+            batch = rows * scales[:, None]
+        else:
+            batch = np.concatenate([rows * scales[:, None] for _v, _k, rows, scales in members])
+        batch = batch.astype(np.float32, copy=False)
+        ids, scores = self.engine.search(batch, k_max, flt)
+        row = 0
+        for view, k, rows, _scales in members:
+            n = len(rows)
+            view.ids[:n, :k] = ids[row : row + n, :k]
+            view.scores[:n, :k] = scores[row : row + n, :k]
+            row += n
+
+    def _search_in_place(self, members: list, k_max: int, flt: Filter) -> None:
+        """The GPU engine reads each query from its slot and writes the answer into it."""
+        dim, max_k = self.layout.dim, self.layout.max_k
+        if len(members) == 1 and len(members[0][2]) == 1:
+            slot = members[0][0].index
+            self.engine.search_attached(
+                self._query_at[slot : slot + 1], members[0][3], self._ids_at[slot : slot + 1],
+                self._scores_at[slot : slot + 1], k_max, flt,
+            )
+            return
+        query_at, ids_at, scores_at = [], [], []
+        for view, _k, rows, _scales in members:
+            r = np.arange(len(rows), dtype=np.int64)
+            query_at.append(self._query_at[view.index] + r * dim)
+            ids_at.append(self._ids_at[view.index] + r * max_k)
+            scores_at.append(self._scores_at[view.index] + r * max_k)
+        scales = np.concatenate([member[3] for member in members])
+        self.engine.search_attached(
+            np.concatenate(query_at), scales, np.concatenate(ids_at), np.concatenate(scores_at), k_max, flt
+        )
 
     def _answer_error(self, view: SlotView, exc: KalosError) -> None:
         self.metrics.record_error()
@@ -344,12 +419,16 @@ class Sidecar:
         view.write_message(str(exc))
         view.status[0] = int(exc.code)
 
-    def _read_request(self, view: SlotView) -> tuple[int, int, Filter, np.ndarray]:
-        """Validates one slot's request; the query rows come back copied, normalised."""
+    def _read_request(self, view: SlotView) -> tuple[int, int, Filter, np.ndarray, np.ndarray]:
+        """Validates one slot's request: ``(op, k, filter, query rows, their scales)``.
+
+        The rows are the slot's own memory, not a copy (the client waits, untouching, until
+        the answer is published); ``scales`` (float64) normalise them.
+        """
         layout = self.layout
         op = int(view.op[0])
         if op == _PING:
-            return op, 0, _NO_FILTER, _NO_ROWS
+            return op, 0, _NO_FILTER, _NO_ROWS, _NO_SCALES
         if op != _RECALL:
             raise InvalidQuery(f"unknown operation code {op}")
         n, k, flags = int(view.n_queries[0]), int(view.k[0]), int(view.flags[0])
@@ -365,7 +444,8 @@ class Sidecar:
         flt = self._filters.get(key)
         if flt is None:
             flt = self._filter_for(*key)
-        return op, k, flt, normalise_rows(view.queries[:n].copy(), what="query", error=InvalidQuery)
+        rows = view.queries[:n]
+        return op, k, flt, rows, row_scales(rows, what="query", error=InvalidQuery)
 
     def _filter_for(self, flags: int, namespace_bytes: bytes, since: float | None, until: float | None) -> Filter:
         """The engine filter a request's words describe (validated, then cached)."""
@@ -479,6 +559,7 @@ class Sidecar:
             send_frame(conn, ok_reply(
                 slot=slot, segment=self.endpoint.segment_name, epoch=self.epoch, dim=self.layout.dim,
                 max_k=self.layout.max_k, max_batch=self.layout.max_batch, n_slots=self.layout.n_slots,
+                client_spin_us=self.client_spin_us,
             ))
             send_fd(conn, self.channel.doorbell_fd)
         except BaseException:
@@ -552,8 +633,21 @@ class Sidecar:
 
 def normalise_rows(rows: np.ndarray, *, what: str, error: type[KalosError]) -> np.ndarray:
     """Rows scaled to unit norm in place; ``error`` names the first NaN/inf or zero row."""
-    if len(rows) == 1:  # the common single query: one dot product instead of an einsum
-        squared = np.array([np.dot(rows[0], rows[0])], dtype=np.float64)
+    rows *= row_scales(rows, what=what, error=error)[:, None]
+    return rows
+
+
+def row_scales(rows: np.ndarray, *, what: str, error: type[KalosError]) -> np.ndarray:
+    """``1 / |row|`` per row, in float64; ``error`` names the first NaN/inf or zero row.
+
+    ``rows * scales[:, None]`` rounded to float32 is the unit row, whether NumPy computes it
+    on the host or a GPU kernel does it while copying the query (``search_attached``).
+    """
+    if len(rows) == 1:  # the common single query: one dot product, Python floats
+        squared1 = float(np.dot(rows[0], rows[0]))
+        if math.isfinite(squared1) and squared1 > 0:
+            return np.array([1.0 / math.sqrt(squared1)])
+        squared = np.array([squared1])
     else:
         squared = np.einsum("ij,ij->i", rows, rows, dtype=np.float64)
     if not (np.isfinite(squared).all() and squared.min() > 0):
@@ -567,8 +661,7 @@ def normalise_rows(rows: np.ndarray, *, what: str, error: type[KalosError]) -> n
             raise error(f"{what} {row} {reason}; it has no direction to compare by cosine")
     # The scale stays float64: for a norm below float32's smallest normal its reciprocal
     # would overflow float32.
-    rows *= (1.0 / np.sqrt(squared))[:, None]
-    return rows
+    return 1.0 / np.sqrt(squared)
 
 
 def _int_list(value: Any, label: str) -> list[int]:

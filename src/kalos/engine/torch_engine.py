@@ -63,8 +63,11 @@ interpreter; not yet timed on a GPU).
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -78,8 +81,30 @@ __all__ = ["TorchEngine", "HostBuffer", "register_host_buffer", "fast_error_term
 #: a fast engine answers with the exact float32 scan.
 MAX_K = 1024
 MAX_FAST_K = 256
-_HDR_BYTES = 64  # int64[8]: n, nq, k, has_ns, ns, since (f64), until (f64), max row norm (f64)
+# The staging header (int64[16]: n, nq, k, has_ns, ns, since (f64), until (f64), max row norm
+# (f64), k_out, spare) and the gather table after it (int64[4] per query: query offset, ids
+# offset, scores offset, scale (f64)); triton_kernels.HDR_WORDS declares the same layout.
+_HDR_WORDS = 16
+_HDR_BYTES = 8 * _HDR_WORDS
+_TAB_WORDS = 4
+_KP_MAX = 1024  # result row stride of the engine's own result area: _kp(MAX_K)
 _HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+SENTINEL_KEY = -(2**63)  # triton_kernels.SENTINEL: "no row"
+
+
+@contextlib.contextmanager
+def _tf32_matmul():
+    """float32 matmuls on tensor cores (tf32) inside the block; the caller's setting after.
+
+    The setting is process-wide, read by cuBLAS when a matmul is issued (or captured)."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def _next_pow2(x: int) -> int:
@@ -152,6 +177,10 @@ DEFAULT_TUNE: dict = {
     ("scores", True, False): ScanConfig(block_n=32, block_d=128, block_q=1, warps=4, stages=1),
     ("scores", False, True): ScanConfig(block_n=64, block_d=64, block_q=16, warps=4, stages=3),
     ("scores", True, True): ScanConfig(block_n=64, block_d=64, block_q=16, warps=4, stages=3),
+    # Batches of at least this many queries (16-bit and tf32 scans) are scored by cuBLAS, a
+    # slice of gemm_rows rows at a time, then the same chunked top-k and certified re-score.
+    "gemm_min_q": 16,
+    "gemm_rows": 65536,
     # v2 (scan writes scores, parallel top-K per chunk) for batches of at most this many
     # queries; 0 keeps the v1 fused scan everywhere. Measured (H200, NOTES-gpu.md, run 6):
     # Q=1 at 1M rows 977 vs 1074 us exact, 551 vs 650 fast; Q=8 fast 109 vs 148 us at 65,536.
@@ -183,6 +212,7 @@ class _Plan:
     final_block_d: int
     ws_keys: int  # int64 keys per query the workspace must hold
     score_chunk: int = 0  # v2: the scan writes scores, top-K per chunk of this many (0: fused)
+    gemm_rows: int = 0  # batches: cuBLAS scores this many rows at a time instead of the scan (0: scan)
 
 
 # -- host buffers ------------------------------------------------------------------------------
@@ -320,6 +350,8 @@ class TorchEngine(Engine):
                 raise InvalidArgument(f"device {device!r}: PyTorch sees no CUDA device")
             if dev.index is None:
                 dev = torch.device("cuda", torch.cuda.current_device())
+            if dev.index >= torch.cuda.device_count():
+                raise InvalidArgument(f"device {device!r}: PyTorch sees {torch.cuda.device_count()} CUDA device(s)")
         elif dev.type != "cpu":
             raise InvalidArgument(f"device {device!r}: use cuda, cuda:N or cpu")
         self._dev = dev
@@ -362,7 +394,9 @@ class TorchEngine(Engine):
             self._sms = 1
         self._plans: dict = {}
         self._graphs: dict = {}
-        self._h_views: dict = {}
+        self._bound_threads: set[int] = set()
+        self._d_q16: torch.Tensor | None = None
+        self._mm_fp32_out: bool | None = None
         self._occupancy: dict = {}
         self._ws = (None, None, None)
         self._alloc_columns(self.rows.capacity)
@@ -385,20 +419,48 @@ class TorchEngine(Engine):
         self._ids = torch.full((capacity,), MISSING_ID, dtype=torch.int64, device=dev)
 
     def _alloc_staging(self) -> None:
-        qbytes = self.max_batch * self.dim * 4
+        """Page-locked host areas the kernels read and write directly (no copy nodes), and
+        their device counterparts.
+
+        Host: header + gather table + queries (``_h_stage``); status + ids + scores
+        (``_h_res``, rows of ``_KP_MAX`` columns). Device: header + table + queries, which
+        :func:`stage_in_kernel` fills from the host side at the start of every search.
+        """
+        mb, d = self.max_batch, self.dim
+        meta = _HDR_BYTES + 8 * _TAB_WORDS * mb
         pin = self._is_cuda
-        self._h_stage = torch.zeros(_HDR_BYTES + qbytes, dtype=torch.uint8, pin_memory=pin)
-        self._d_stage = self._h_stage.to(self._dev) if self._is_cuda else self._h_stage
-        self._h_hdr = self._h_stage[:_HDR_BYTES].numpy().view(np.int64)
+        self._h_stage = torch.zeros(meta + mb * d * 4, dtype=torch.uint8, pin_memory=pin)
+        self._d_stage = torch.zeros(meta + mb * d * 4, dtype=torch.uint8, device=self._dev)
+        self._h_meta = self._h_stage[:meta].view(torch.int64)  # kernel argument HH
+        self._h_metaf = self._h_stage[:meta].view(torch.float64)
+        self._h_hdr = self._h_meta.numpy()[:_HDR_WORDS]
         self._h_hdrf = self._h_hdr.view(np.float64)
-        self._h_q = self._h_stage[_HDR_BYTES:].numpy().view(np.float32).reshape(self.max_batch, self.dim)
-        self._d_hdr = self._d_stage[:_HDR_BYTES].view(torch.int64)
-        self._d_hdrf = self._d_stage[:_HDR_BYTES].view(torch.float64)
-        self._d_q = self._d_stage[_HDR_BYTES:].view(torch.float32).view(self.max_batch, self.dim)
-        kp_max = _kp(MAX_K)
-        rbytes = _res_layout(self.max_batch, kp_max)[3]
-        self._d_res = torch.zeros(rbytes, dtype=torch.uint8, device=self._dev)
-        self._h_res = torch.zeros(rbytes, dtype=torch.uint8, pin_memory=pin) if self._is_cuda else self._d_res
+        self._h_tab = self._h_meta.numpy()[_HDR_WORDS:].reshape(mb, _TAB_WORDS)
+        self._h_tabf = self._h_tab.view(np.float64)
+        self._h_q_t = self._h_stage[meta:].view(torch.float32)  # kernel argument SRC (own staging)
+        self._h_q = self._h_q_t.numpy().reshape(mb, d)
+        self._d_hdr = self._d_stage[:meta].view(torch.int64)
+        self._d_hdrf = self._d_stage[:meta].view(torch.float64)
+        self._d_q = self._d_stage[meta:].view(torch.float32).view(mb, d)
+        off_i = (mb * 4 + 7) // 8 * 8
+        off_s = off_i + mb * _KP_MAX * 8
+        self._h_res = torch.zeros(off_s + mb * _KP_MAX * 4, dtype=torch.uint8, pin_memory=pin)
+        raw = self._h_res.numpy()
+        self._r_status = raw[: mb * 4].view(np.int32)
+        self._r_ids = raw[off_i:off_s].view(np.int64).reshape(mb, _KP_MAX)
+        self._r_scores = raw[off_s:].view(np.float32).reshape(mb, _KP_MAX)
+        self._res_status_t = self._h_res[: mb * 4].view(torch.int32)
+        self._res_i64 = self._h_res.view(torch.int64)
+        self._res_f32 = self._h_res.view(torch.float32)
+        # The gather table of a search from the engine's own staging: query j at row j of
+        # _h_q, results at row j of the result area, scale 1 (the caller normalised).
+        rows = np.arange(mb, dtype=np.int64)
+        self._own_tab = np.empty((mb, _TAB_WORDS), np.int64)
+        self._own_tab[:, 0] = rows * d
+        self._own_tab[:, 1] = off_i // 8 + rows * _KP_MAX
+        self._own_tab[:, 2] = off_s // 4 + rows * _KP_MAX
+        self._own_tab.view(np.float64)[:, 3] = 1.0
+        self._attached = None  # (HostBuffer, float32 view, int64 view): see attach_host
 
     def _resize(self, capacity: int) -> None:
         n = self.rows.size
@@ -472,6 +534,38 @@ class TorchEngine(Engine):
         self._search_rows(queries, k, self.rows.simplify(flt), ids, scores, want_ids=True)
         return ids, scores
 
+    def search_start(self, queries: np.ndarray, k: int, flt: Filter = Filter()) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
+        """Starts :meth:`search` and returns the function that waits for its answer.
+
+        With the Triton backend on CUDA a batch of up to ``max_batch`` queries is queued on
+        the engine's stream and the call returns at once, so that several engines (the shards
+        of :class:`~kalos.engine.sharded.ShardedEngine`, one per GPU) scan at the same time.
+        Otherwise the search runs here and the function returns its result. Call the function
+        before the next search of this engine.
+        """
+        queries = np.asarray(queries, dtype=np.float32)
+        if queries.ndim != 2 or queries.shape[1] != self.dim:
+            raise InvalidQuery(f"expected queries of shape (Q, {self.dim}), got {queries.shape}")
+        self._check_k(k)
+        nq = len(queries)
+        if self.backend != "triton" or nq == 0 or nq > self.max_batch or self.rows.size == 0:
+            result = self.search(queries, k, flt)
+            return lambda: result
+        flt = self.rows.simplify(flt)
+        fast = self.precision == "fast" and k <= MAX_FAST_K
+        kind = "f16" if fast else ("tf32" if nq > 1 and self._tune["exact_batch_scan"] == "tf32" and k <= MAX_FAST_K
+                                   else "f32")
+        self.stats["searches"] += nq
+        self._triton_start(queries, k, flt, True, kind, None)
+
+        def finish() -> tuple[np.ndarray, np.ndarray]:
+            ids = np.empty((nq, k), np.int64)
+            scores = np.empty((nq, k), np.float32)
+            self._triton_finish(queries, k, flt, ids, scores, True, kind, None)
+            return ids, scores
+
+        return finish
+
     def search_into(
         self,
         queries,
@@ -538,6 +632,125 @@ class TorchEngine(Engine):
             if self._is_cuda:
                 self._stream.synchronize()
 
+    # -- searching in place, in an attached host buffer (the sidecar's shared segment) -------
+
+    def bind_stream(self) -> None:
+        """Makes the engine's stream the calling thread's current CUDA stream, for good.
+
+        Searches from a bound thread replay their graphs without entering a
+        ``torch.cuda.stream`` context, which costs ~10 us of Python on a server CPU
+        (benchmarks/NOTES-gpu.md). For a thread that does nothing else on the GPU: the
+        sidecar's sweep. A no-op on the CPU device.
+        """
+        if self._is_cuda:
+            torch.cuda.set_stream(self._stream)
+            self._bound_threads.add(threading.get_ident())
+
+    def attach_host(self, buffer) -> HostBuffer:
+        """Page-locks ``buffer`` (an mmap, say) so that :meth:`search_attached` reads queries
+        from it and writes results into it with no intermediate host copy.
+
+        Replaces an earlier attachment. Call :meth:`detach_host` before the buffer is closed.
+        """
+        self.detach_host()
+        hb = register_host_buffer(buffer, pin=self._is_cuda)
+        words = hb.nbytes // 8
+        f32 = hb.tensor[: 8 * words].view(torch.float32)
+        i64 = hb.tensor[: 8 * words].view(torch.int64)
+        self._attached = (hb, f32, i64, f32.numpy(), i64.numpy())
+        return hb
+
+    def detach_host(self) -> None:
+        """Forgets the attached buffer (its graphs too) and unpins it; idempotent."""
+        if self._attached is None:
+            return
+        if self._is_cuda:
+            self._stream.synchronize()
+        self._graphs = {key: g for key, g in self._graphs.items() if not key[-1]}
+        hb = self._attached[0]
+        self._attached = None
+        hb.unregister()
+
+    def search_attached(
+        self,
+        query_at: np.ndarray,
+        scales: np.ndarray,
+        ids_at: np.ndarray,
+        scores_at: np.ndarray,
+        k: int,
+        flt: Filter = Filter(),
+    ) -> None:
+        """Top-k of queries that live in the attached buffer, written back into it.
+
+        Query ``j`` is the ``dim`` float32 values at float32 element ``query_at[j]`` of the
+        buffer, multiplied by ``scales[j]`` in float64 and rounded (exactly what
+        ``normalise_rows`` does on the host). Its ``k`` ids go to int64 element ``ids_at[j]``
+        and its scores to float32 element ``scores_at[j]``, best first, padded -1 / -inf.
+        With the Triton backend on CUDA the query travels from the buffer to the GPU and the
+        results back into the buffer with no host copy; otherwise the same answer is computed
+        through :meth:`search`. Nothing is written when an argument is rejected.
+        """
+        if self._attached is None:
+            raise InvalidArgument("search_attached needs a buffer: call attach_host first")
+        self._check_k(k)
+        _, _, _, f32, i64 = self._attached
+        query_at, ids_at, scores_at = (np.asarray(a, dtype=np.int64) for a in (query_at, ids_at, scores_at))
+        scales = np.asarray(scales, dtype=np.float64)
+        nq = len(query_at)
+        if not (len(scales) == len(ids_at) == len(scores_at) == nq):
+            raise InvalidArgument("query_at, scales, ids_at and scores_at must have one entry per query")
+        if nq == 0:
+            return
+        for name, at, width, size in (("query_at", query_at, self.dim, len(f32)), ("ids_at", ids_at, k, len(i64)),
+                                      ("scores_at", scores_at, k, len(f32))):
+            # (Python ints for the common single query: NumPy reductions cost ~1 us each.)
+            lo, hi = (int(at[0]),) * 2 if nq == 1 else (int(at.min()), int(at.max()))
+            if lo < 0 or hi + width > size:
+                raise InvalidArgument(f"{name} points outside the attached buffer")
+        if not (math.isfinite(float(scales[0])) if nq == 1 else np.isfinite(scales).all()):
+            raise InvalidQuery("query scales must be finite")
+        n = self.rows.size
+        if self.backend != "triton" or n == 0:
+            queries = (f32[query_at[:, None] + np.arange(self.dim)] * scales[:, None]).astype(np.float32)
+            ids, scores = self.search(queries, k, flt)
+            self._scatter(ids, scores, ids_at, scores_at, k)
+            return
+        for s in range(0, nq, self.max_batch):
+            e = min(nq, s + self.max_batch)
+            self._attached_batch(query_at[s:e], scales[s:e], ids_at[s:e], scores_at[s:e], k, self.rows.simplify(flt))
+
+    def _attached_batch(self, query_at, scales, ids_at, scores_at, k: int, flt: Filter) -> None:
+        nq = len(query_at)
+        n = self.rows.size
+        fast = self.precision == "fast" and k <= MAX_FAST_K
+        kind = "f16" if fast else ("tf32" if nq > 1 and self._tune["exact_batch_scan"] == "tf32" and k <= MAX_FAST_K
+                                   else "f32")
+        self._fill_header(n, nq, k, flt)
+        tab = self._h_tab
+        tab[:nq, 0] = query_at
+        tab[:nq, 1] = ids_at
+        tab[:nq, 2] = scores_at
+        self._h_tabf[:nq, 3] = scales
+        self.stats["searches"] += nq
+        self._run(self._key(kind, nq, k, flt, True, True, True), None)
+        if kind != "f32" and n > _kf(k):
+            bad = np.flatnonzero(self._r_status[:nq])
+            if len(bad):  # the certificate failed: redo those queries with the float32 scan
+                self.stats["fallbacks"] += len(bad)
+                f32 = self._attached[3]
+                rows = f32[query_at[bad, None] + np.arange(self.dim)]
+                queries = (rows * scales[bad, None]).astype(np.float32)
+                ids = np.empty((len(bad), k), np.int64)
+                scores = np.empty((len(bad), k), np.float32)
+                self._triton_batch(queries, k, flt, ids, scores, True, "f32", None)
+                self._scatter(ids, scores, ids_at[bad], scores_at[bad], k)
+
+    def _scatter(self, ids: np.ndarray, scores: np.ndarray, ids_at: np.ndarray, scores_at: np.ndarray, k: int) -> None:
+        _, _, _, f32, i64 = self._attached
+        cols = np.arange(k)
+        i64[ids_at[:, None] + cols] = ids[:, :k]
+        f32[scores_at[:, None] + cols] = scores[:, :k]
+
     def _search(self, queries: np.ndarray, k: int, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """The base-class hook (row numbers, host mask): an eager scan with the mask as the live column."""
         n = self.rows.size
@@ -583,14 +796,11 @@ class TorchEngine(Engine):
     # 16-bit copy and "tf32" the float32 rows through tensor cores in tf32 (batches, opt-in):
     # both keep the top-KF candidates and end in the certified float32 re-score.
 
-    def _triton_batch(self, queries, k, flt, out_i, out_s, want_ids, kind, live) -> None:
-        nq = len(queries)
-        n = self.rows.size
-        kk = min(k, n)
+    def _fill_header(self, n: int, nq: int, k: int, flt: Filter) -> None:
         hdr, hdrf = self._h_hdr, self._h_hdrf
         hdr[0] = n
         hdr[1] = nq
-        hdr[2] = kk
+        hdr[2] = min(k, n)
         if flt.namespace is None:
             hdr[3] = 0
             hdr[4] = 0
@@ -600,20 +810,57 @@ class TorchEngine(Engine):
         hdrf[5] = -np.inf if flt.since is None else float(flt.since)
         hdrf[6] = np.inf if flt.until is None else float(flt.until)
         hdrf[7] = self._max_norm
+        hdr[8] = k  # columns written: past min(k, n) they are padding (-1 / -inf)
+
+    def _triton_batch(self, queries, k, flt, out_i, out_s, want_ids, kind, live) -> None:
+        self._triton_start(queries, k, flt, want_ids, kind, live)
+        self._triton_finish(queries, k, flt, out_i, out_s, want_ids, kind, live)
+
+    def _triton_start(self, queries, k, flt, want_ids, kind, live) -> None:
+        """Stages the batch and queues its work on the engine's stream (no wait)."""
+        nq = len(queries)
+        self._fill_header(self.rows.size, nq, k, flt)
+        self._h_tab[:nq] = self._own_tab[:nq]
         host_q = isinstance(queries, np.ndarray)
         if host_q:
             self._h_q[:nq] = queries
-        kp = _kp(k)
-        qb = _next_pow2(nq)
-        key = (kind, qb, kp, not flt.is_trivial, want_ids, host_q)
-        use_graph = self._graphs_enabled and live is None
-        if not host_q:
+        else:
             with self._on_stream():
                 self._d_q[:nq].copy_(queries, non_blocking=True)
+        self._run(self._key(kind, nq, k, flt, want_ids, host_q, False), live, wait=False)
+
+    def _triton_finish(self, queries, k, flt, out_i, out_s, want_ids, kind, live) -> None:
+        """Waits for the batch :meth:`_triton_start` queued; copies its results out."""
+        if self._is_cuda:
+            self._stream.synchronize()
+        nq = len(queries)
+        n = self.rows.size
+        bad = np.flatnonzero(self._r_status[:nq]) if kind != "f32" and n > _kf(k) else ()
+        out_i[:nq, :k] = self._r_ids[:nq, :k]
+        out_s[:nq, :k] = self._r_scores[:nq, :k]
+        if len(bad):
+            self.stats["fallbacks"] += len(bad)
+            redo = queries[bad] if isinstance(queries, np.ndarray) else queries[torch.from_numpy(bad).to(queries.device)]
+            self._triton_batch(redo, k, flt, _RowSink(out_i, bad), _RowSink(out_s, bad), want_ids, "f32", live)
+
+    def _key(self, kind: str, nq: int, k: int, flt: Filter, want_ids: bool, host_q: bool, attached: bool) -> tuple:
+        """The graph key of a batch: what its launches depend on (attached last: detach_host)."""
+        qb, kp = _next_pow2(nq), _kp(k)
+        plan = self._plan(kind, qb, kp)
+        slices = -(-self.rows.size // plan.gemm_rows) if plan.gemm_rows else 0
+        return (kind, qb, kp, not flt.is_trivial, want_ids, host_q, slices, attached)
+
+    def _run(self, key, live, *, wait: bool = True) -> None:
+        """Replays the graph of ``key`` (capturing it on first use), or launches eagerly; waits
+        for it unless ``wait`` is False."""
+        use_graph = self._graphs_enabled and live is None
         entry = self._graphs.get(key) if use_graph else None
         if entry is not None:
-            with self._on_stream():
-                entry.replay()
+            if threading.get_ident() in self._bound_threads:
+                entry.replay()  # the engine's stream is already this thread's current stream
+            else:
+                with self._on_stream():  # ~10 us of Python on a server CPU: see bind_stream
+                    entry.replay()
         else:
             self._launch(key, live)
             if use_graph:
@@ -622,25 +869,8 @@ class TorchEngine(Engine):
                 except Exception as e:  # noqa: BLE001 - eager launches still work; say why once
                     self._graphs_enabled = False
                     self.stats["graph_error"] = repr(e)[:300]
-        if self._is_cuda:
+        if wait and self._is_cuda:
             self._stream.synchronize()
-        views = self._h_views.get((qb, kp))
-        if views is None:
-            views = self._h_views[(qb, kp)] = _res_views(self._h_res, qb, kp, as_numpy=True)
-        st, ri, rs, _ = views
-        if kind != "f32" and n > _kf(k):
-            bad = np.flatnonzero(st[:nq])
-        else:
-            bad = ()
-        out_i[:nq, :kk] = ri[:nq, :kk]
-        out_s[:nq, :kk] = rs[:nq, :kk]
-        if kk < k:
-            out_i[:nq, kk:k] = MISSING_ID if want_ids else 0
-            out_s[:nq, kk:k] = -np.inf
-        if len(bad):
-            self.stats["fallbacks"] += len(bad)
-            redo = queries[bad] if host_q else queries[torch.from_numpy(bad).to(queries.device)]
-            self._triton_batch(redo, k, flt, _RowSink(out_i, bad), _RowSink(out_s, bad), want_ids, "f32", live)
 
     def _plan(self, kind: str, qb: int, kp: int) -> _Plan:
         key = (kind, qb, kp)
@@ -653,6 +883,8 @@ class TorchEngine(Engine):
         base: ScanConfig = tune[(half, batched)]
         k1 = kp if kind == "f32" else _kf(kp)
         scores = qb <= int(tune["scores_max_q"])
+        gemm = batched and kind != "f32" and qb >= int(tune["gemm_min_q"]) and self._gemm_ok(kind)
+        scores = scores or gemm
         if scores:
             base = tune[("scores", half, batched)]
         block_n = base.block_n if scores else max(base.block_n, k1)
@@ -687,8 +919,9 @@ class TorchEngine(Engine):
             count = p2 * k1
         final_chunk = _next_pow2(max(count, k1))
         final_block_d = max(16, min(_next_pow2(self.dim), 4096 // k1))
+        gemm_rows = max(score_chunk, int(tune["gemm_rows"]) // score_chunk * score_chunk) if gemm else 0
         plan = _Plan(k1, kp, cfg, n_qblocks, progs, levels, count, final_chunk, final_block_d, ws,
-                     score_chunk if scores else 0)
+                     score_chunk if scores else 0, gemm_rows)
         self._plans[key] = plan
         return plan
 
@@ -729,27 +962,38 @@ class TorchEngine(Engine):
         return a, b, sc
 
     def _launch(self, key, live) -> None:
-        """Runs one batch: staging copy in, scan, merges, final, results copy out."""
-        kind, qb, kp, filtered, want_ids, host_q = key
+        """Runs one batch: stage-in (header, table, queries from host memory), scan, merges,
+        final (results straight into host memory: the engine's result area or the attached
+        buffer)."""
+        kind, qb, kp, filtered, want_ids, host_q, slices, attached = key
         tk = self._tk
         plan = self._plan(kind, qb, kp)
         cfg = plan.cfg
         half = kind == "f16"
         cap = self.rows.capacity
-        ws_a, ws_b, ws_s = self._workspace(qb, plan.ws_keys, cap if plan.score_chunk else 0)
+        # (The GEMM path's scores come from cuBLAS's own output buffers, one slice at a time.)
+        ws_a, ws_b, ws_s = self._workspace(qb, plan.ws_keys, cap if plan.score_chunk and not plan.gemm_rows else 0)
         x = self._x16 if half else self._x32
         live_t = self._live if live is None else live
-        st, ri, rs, rbytes = _res_views(self._d_res, qb, kp, as_numpy=False)
+        if attached:
+            _, src, res_i = self._attached[:3]
+            res_s = src
+        else:
+            src, res_i, res_s = self._h_q_t, self._res_i64, self._res_f32
         with self._on_stream():
-            if self._is_cuda:
-                nbytes = _HDR_BYTES + (qb * self.dim * 4 if host_q else 0)
-                self._d_stage[:nbytes].copy_(self._h_stage[:nbytes], non_blocking=True)
+            tk.stage_in_kernel[(qb,)](
+                self._h_meta, self._h_metaf, src, self._d_hdr, self._d_q,
+                D=self.dim, BLOCK_D=min(1024, _next_pow2(self.dim)), COPY_Q=host_q, num_warps=4,
+            )
             common = dict(
                 D=self.dim, K=plan.k1, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, BLOCK_Q=cfg.block_q,
                 HALF=half, FILTER=filtered, PREC="tf32" if kind == "tf32" else "ieee",
                 num_warps=cfg.warps, num_stages=cfg.stages,
             )
-            if plan.score_chunk:
+            if plan.gemm_rows:
+                stride = -(-cap // plan.score_chunk) * plan.k1
+                self._gemm_scores(kind, qb, plan, slices, ws_a, stride, live_t, filtered)
+            elif plan.score_chunk:
                 tk.scan_topk_kernel[(plan.n_qblocks, plan.progs)](
                     x, self._d_q, self._d_hdr, self._d_hdrf, live_t, self._ns, self._ts, ws_s, cap,
                     WRITE_SCORES=True, **common,
@@ -773,12 +1017,55 @@ class TorchEngine(Engine):
                 cur, nxt, stride, count = nxt, cur, out_stride, out_stride
             ea, eb, ec = self._err[kind]
             tk.final_kernel[(qb,)](
-                cur, self._d_hdr, self._d_hdrf, self._x32, self._d_q, self._ids, ri, rs, st, stride, count,
-                ea, eb, ec, D=self.dim, KIN=plan.k1, KOUT=kp, CHUNK=plan.final_chunk,
+                cur, self._d_hdr, self._d_hdrf, self._x32, self._d_q, self._ids, res_i, res_s, self._res_status_t,
+                stride, count, ea, eb, ec, D=self.dim, KIN=plan.k1, KOUT=kp, CHUNK=plan.final_chunk,
                 BLOCK_D=plan.final_block_d, RESCORE=kind != "f32", OUT_IDS=want_ids, num_warps=4,
             )
-            if self._is_cuda:
-                self._h_res[:rbytes].copy_(self._d_res[:rbytes], non_blocking=True)
+
+    def _gemm_scores(self, kind, qb, plan, slices, ws_a, stride, live_t, filtered) -> None:
+        """Batched scores by cuBLAS (tensor cores: fp16 rows, or fp32 rows read as tf32), a
+        slice of rows at a time, each slice's chunks reduced to their top-K keys at once.
+
+        Only the ``slices`` that hold rows are scored (the graph key carries the count); the
+        keys of the chunks after them are set to SENTINEL so the merge sees no stale keys.
+        """
+        tk, g, chunk = self._tk, plan.gemm_rows, plan.score_chunk
+        cap = self.rows.capacity
+        q = self._d_q[:qb]
+        if kind == "f16":
+            if self._d_q16 is None:
+                self._d_q16 = torch.empty((self.max_batch, self.dim), dtype=self._half_dtype, device=self._dev)
+            q16 = self._d_q16[:qb]
+            q16.copy_(q)
+        for c0 in range(0, slices * g, g):
+            c1 = min(cap, c0 + g)
+            if kind == "f16":
+                if self._is_cuda:  # fp16 products, fp32 accumulation and output
+                    sc = torch.mm(q16, self._x16[c0:c1].T, out_dtype=torch.float32)
+                else:  # the CPU emulates it: fp16 values are exact in fp32
+                    sc = torch.mm(q16.float(), self._x16[c0:c1].float().T)
+            else:
+                with _tf32_matmul():
+                    sc = torch.mm(q, self._x32[c0:c1].T)
+            tk.scores_topk_kernel[(qb, -(-(c1 - c0) // chunk))](
+                sc, ws_a, self._d_hdr, c1 - c0, stride, c0, c1 - c0, live_t, self._ns, self._ts, self._d_hdrf,
+                K=plan.k1, CHUNK=chunk, MASK=True, FILTER=filtered, num_warps=4,
+            )
+        done = -(-min(cap, slices * g) // chunk) * plan.k1
+        if done < stride:
+            ws_a[: qb * stride].view(qb, stride)[:, done:].fill_(SENTINEL_KEY)
+
+    def _gemm_ok(self, kind: str) -> bool:
+        """Whether cuBLAS can score this kind here (fp16 needs mm with a float32 output)."""
+        if kind == "tf32" or not self._is_cuda:
+            return True
+        if self._mm_fp32_out is None:
+            try:
+                a = torch.zeros((2, 8), dtype=self._half_dtype, device=self._dev)
+                self._mm_fp32_out = torch.mm(a, a.T, out_dtype=torch.float32).dtype == torch.float32
+            except (RuntimeError, TypeError):
+                self._mm_fp32_out = False
+        return self._mm_fp32_out
 
     def _capture(self, key) -> None:
         graph = torch.cuda.CUDAGraph()
@@ -859,33 +1146,6 @@ class TorchEngine(Engine):
             self.stats["fallbacks"] += len(bad_np)
             self._torch_batch(queries[bad_np], k, flt, _RowSink(out_i, bad_np), _RowSink(out_s, bad_np),
                               want_ids, False, live)
-
-
-def _res_layout(qb: int, kp: int) -> tuple[int, int, int, int]:
-    """Byte offsets of status int32[qb], ids int64[qb, kp], scores float32[qb, kp]; total bytes."""
-    off_i = (qb * 4 + 7) // 8 * 8
-    off_s = off_i + qb * kp * 8
-    total = off_s + qb * kp * 4
-    return 0, off_i, off_s, total
-
-
-def _res_views(buf: torch.Tensor, qb: int, kp: int, as_numpy: bool):
-    """Typed views of a results buffer: NumPy arrays (host buffer) or tensors (for kernels)."""
-    _, off_i, off_s, total = _res_layout(qb, kp)
-    if as_numpy:
-        raw = buf.numpy()
-        return (
-            raw[: qb * 4].view(np.int32),
-            raw[off_i:off_s].view(np.int64).reshape(qb, kp),
-            raw[off_s:total].view(np.float32).reshape(qb, kp),
-            total,
-        )
-    return (
-        buf[: qb * 4].view(torch.int32),
-        buf[off_i:off_s].view(torch.int64).view(qb, kp),
-        buf[off_s:total].view(torch.float32).view(qb, kp),
-        total,
-    )
 
 
 class _RowSink:

@@ -32,9 +32,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["SENTINEL", "scan_topk_kernel", "scores_topk_kernel", "merge_topk_kernel", "final_kernel"]
+__all__ = [
+    "SENTINEL", "HDR_WORDS", "stage_in_kernel", "scan_topk_kernel", "scores_topk_kernel", "merge_topk_kernel",
+    "final_kernel",
+]
 
 SENTINEL = -(2**63)
+
+#: The header is 16 int64 words: n, nq, k, has_ns, ns, since (f64), until (f64), max row norm
+#: (f64), k_out (result columns to write), 7 spare. The gather table follows it: 4 words per
+#: query (query offset in float32 elements of SRC, ids offset in int64 elements of RES_I,
+#: scores offset in float32 elements of RES_S, scale (f64) applied to the query).
+HDR_WORDS = tl.constexpr(16)
+TAB = tl.constexpr(16)
 
 
 @triton.jit
@@ -65,6 +75,41 @@ def _merge_sorted(a, b):
     # halves holds the K largest and is itself bitonic, so one bitonic merge sorts it.
     c = tl.maximum(a, tl.flip(b, 1))
     return tl.bitonic_merge(c, descending=True)
+
+
+@triton.jit
+def stage_in_kernel(
+    HH,  # host header + gather table (int64 words, page-locked: read over the bus)
+    HHF,  # the same words as float64
+    SRC,  # float32 base the table's query offsets point into (host: staging area or a slot)
+    DH,  # device copy of the header + table
+    DQ,  # [Qb, D] float32 device queries, scaled
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    COPY_Q: tl.constexpr = True,  # False: the queries are already on the device (DQ)
+):
+    """Grid (Qb,): program j copies query j (scaled, in float64 then rounded, exactly as the
+    host's normalisation) and its table row to the device; program 0 also copies the header.
+
+    This replaces a host-to-device memcpy node: a kernel reading page-locked host memory
+    directly costs the graph less than a copy-engine node (benchmarks/NOTES-gpu.md).
+    """
+    j = tl.program_id(0)
+    if j == 0:
+        w = tl.arange(0, HDR_WORDS)
+        tl.store(DH + w, tl.load(HH + w))
+    nq = tl.load(HH + 1)
+    if j < nq:
+        w4 = tl.arange(0, 4)
+        row = tl.load(HH + TAB + 4 * j + w4)
+        tl.store(DH + TAB + 4 * j + w4, row)
+        if COPY_Q:
+            q_off = tl.load(HH + TAB + 4 * j)
+            scale = tl.load(HHF + TAB + 4 * j + 3)
+            for d0 in range(0, D, BLOCK_D):
+                ds = d0 + tl.arange(0, BLOCK_D)
+                x = tl.load(SRC + q_off + ds, mask=ds < D, other=0.0)
+                tl.store(DQ + j.to(tl.int64) * D + ds, (x.to(tl.float64) * scale).to(tl.float32), mask=ds < D)
 
 
 @triton.jit
@@ -180,13 +225,21 @@ def scan_topk_kernel(
 
 @triton.jit
 def scores_topk_kernel(
-    S,  # [Qb, stride_s] float32 scores of rows [0, n); -inf = masked out
+    S,  # [Qb, stride_s] float32 scores of rows [row_base, row_base + width); -inf = masked out
     OUT,  # [Qb, stride_out] int64 keys
     HDR,
     stride_s,
     stride_out,
-    K: tl.constexpr,
-    CHUNK: tl.constexpr,
+    row_base=0,  # first row S holds (a multiple of CHUNK): the GEMM path scores rows in slices
+    width=0,  # rows S holds (0: stride_s)
+    LIVE=None,  # with MASK: the live / namespace / time columns and the float64 header
+    NS=None,
+    TS=None,
+    HDRF=None,
+    K: tl.constexpr = 8,
+    CHUNK: tl.constexpr = 1024,
+    MASK: tl.constexpr = False,  # S is unmasked (a GEMM wrote it): apply live (and FILTER) here
+    FILTER: tl.constexpr = False,
 ):
     """Top-K keys of each CHUNK of scores (rows past n give SENTINEL): grid (Qb, chunks)."""
     q = tl.program_id(0)
@@ -194,12 +247,25 @@ def scores_topk_kernel(
     n = tl.load(HDR)
     nq = tl.load(HDR + 1)
     if q < nq:
-        rows = j.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
-        ok = rows < n
-        sc = tl.load(S + q.to(tl.int64) * stride_s + rows, mask=ok, other=float("-inf"))
+        local = j.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+        rows = row_base + local
+        limit = stride_s if width == 0 else width
+        ok = (rows < n) & (local < limit)
+        sc = tl.load(S + q.to(tl.int64) * stride_s + local, mask=ok, other=float("-inf"))
+        if MASK:
+            ok = ok & (tl.load(LIVE + rows, mask=ok, other=0) != 0)
+            if FILTER:
+                has_ns = tl.load(HDR + 3)
+                want_ns = tl.load(HDR + 4)
+                since = tl.load(HDRF + 5)
+                until = tl.load(HDRF + 6)
+                nsv = tl.load(NS + rows, mask=ok, other=0)
+                ts = tl.load(TS + rows, mask=ok, other=0.0)
+                ok = ok & ((has_ns == 0) | (nsv.to(tl.int64) == want_ns)) & (ts >= since) & (ts < until)
         keys = tl.where(ok & (sc > float("-inf")), _pack(sc, rows), -9223372036854775808)
         top = tl.topk(tl.reshape(keys, [1, CHUNK]), K)
-        tl.store(OUT + q.to(tl.int64) * stride_out + j * K + tl.arange(0, K)[None, :], top)
+        out_chunk = row_base // CHUNK + j
+        tl.store(OUT + q.to(tl.int64) * stride_out + out_chunk * K + tl.arange(0, K)[None, :], top)
 
 
 @triton.jit
@@ -231,8 +297,8 @@ def final_kernel(
     X32,  # [cap, D] float32 rows (read only when RESCORE)
     Qs,  # [Qb, D] float32 queries
     IDS,  # [cap] int64 store ids (read only when OUT_IDS)
-    RES_I,  # [Qb, KOUT] int64: ids or rows
-    RES_S,  # [Qb, KOUT] float32 scores
+    RES_I,  # int64 base of the results: query q's ids (or rows) go to RES_I + HDR[TAB + 4q + 1]
+    RES_S,  # float32 base of the scores: query q's go to RES_S + HDR[TAB + 4q + 2]
     STATUS,  # [Qb] int32: 0 = certified / exact, 1 = certificate failed (re-run exactly)
     stride_in,
     count_in,
@@ -286,6 +352,9 @@ def final_kernel(
             out_i = tl.load(IDS + row, mask=valid_out, other=-1)
         else:
             out_i = row
-        o = q.to(tl.int64) * KOUT + tl.arange(0, KOUT)[None, :]
-        tl.store(RES_I + o, out_i)
-        tl.store(RES_S + o, score)
+        # Straight into host memory (page-locked, mapped): the engine's result area or a
+        # client's slot. Only the k_out columns asked for: a slot row may be narrower than KOUT.
+        cols = tl.arange(0, KOUT)[None, :]
+        want = cols < tl.load(HDR + 8)
+        tl.store(RES_I + tl.load(HDR + TAB + 4 * q + 1) + cols, out_i, mask=want)
+        tl.store(RES_S + tl.load(HDR + TAB + 4 * q + 2) + cols, score, mask=want)

@@ -1,0 +1,146 @@
+"""ShardedEngine: rows split across engines, searched together, merged exactly.
+
+On the CPU: shards are TorchEngines on PyTorch's CPU device (the plain torch backend, and the
+Triton kernels under the interpreter), checked against the float64 brute force of
+test_torch_engine's Mirror. On a GPU (marked cuda): two shards on one card, and one per card
+when there are several.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_torch_engine import (  # noqa: E402  (_interpreter_env: the autouse fixture, per test)
+    FILTERS, HAVE_CUDA, Mirror, _interpreter_env, needs_interpreter, rng, unit_queries,
+)
+
+from kalos import Client  # noqa: E402
+from kalos.engine import Engine, Filter, make_engine  # noqa: E402
+from kalos.engine.sharded import ShardedEngine, merge_topk  # noqa: E402
+from kalos.engine.torch_engine import TorchEngine  # noqa: E402
+from kalos.errors import InvalidArgument  # noqa: E402
+
+cuda = pytest.mark.cuda
+needs_cuda = pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU")
+
+
+def cpu_shards(n: int, dim: int, backend: str = "torch", **kw) -> ShardedEngine:
+    return ShardedEngine([TorchEngine(dim, device="cpu", backend=backend, capacity=8, **kw) for _ in range(n)])
+
+
+def add_batches(m: Mirror, sizes) -> list[np.ndarray]:
+    return [m.add(size) for size in sizes]
+
+
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_three_shards_match_the_reference(rng, precision):
+    eng = cpu_shards(3, 24, precision=precision)
+    assert isinstance(eng, Engine)
+    m = Mirror(eng, rng)
+    batches = add_batches(m, [50, 30, 40, 20, 60])
+    # Each batch went whole to the emptiest shard: 50 | 30+20 | 40, then 60 to the 40.
+    assert sorted(eng.shard_sizes()) == [50, 50, 100]
+    assert len(eng) == 200
+    m.delete(np.concatenate([b[::5] for b in batches]))
+    assert len(eng) == 200 - sum(len(b[::5]) for b in batches)
+    q = unit_queries(rng, 4, 24)
+    for flt in FILTERS:
+        for k in (1, 7, 300):  # 300: more than any shard holds, padding merged last
+            m.check(q, k, flt)
+    eng.compact()
+    assert eng.tombstones == 0
+    m.check(q, 10)
+    assert batches[0][3] in eng and batches[0][0] not in eng  # ids 0, 5, ... were deleted
+
+
+def test_adds_reject_an_id_another_shard_holds(rng):
+    eng = cpu_shards(2, 8)
+    vec = np.eye(8, dtype=np.float32)[:2]
+    eng.add(np.array([1, 2]), vec, 0, 0.0)
+    eng.add(np.array([3, 4]), vec, 0, 0.0)  # the other shard
+    with pytest.raises(InvalidArgument, match="already present"):
+        eng.add(np.array([5, 1]), vec, 0, 0.0)
+    assert len(eng) == 4 and 5 not in eng
+
+
+@needs_interpreter
+def test_triton_shards_started_together(rng):
+    """search_start queues every shard before any is awaited (Triton kernels, interpreter)."""
+    eng = cpu_shards(2, 40, backend="triton")
+    m = Mirror(eng, rng)
+    add_batches(m, [120, 90])
+    q = unit_queries(rng, 2, 40)
+    m.check(q[:1], 8, Filter(namespace=1))
+    m.check(q, 5)
+
+
+def test_merge_topk_keeps_order_ties_and_padding():
+    a = (np.array([[10, 11, -1]]), np.array([[0.9, 0.5, -np.inf]], np.float32))
+    b = (np.array([[20, 21, 22]]), np.array([[0.7, 0.5, 0.1]], np.float32))
+    ids, scores = merge_topk([a, b], 4)
+    np.testing.assert_array_equal(ids, [[10, 20, 11, 21]])  # the tie at 0.5: first answer first
+    np.testing.assert_array_equal(scores, np.array([[0.9, 0.7, 0.5, 0.5]], np.float32))
+    ids, scores = merge_topk([a, (np.array([[-1, -1, -1]]), np.full((1, 3), -np.inf, np.float32))], 3)
+    np.testing.assert_array_equal(ids, [[10, 11, -1]])
+
+
+def test_device_strings():
+    for bad in ("cuda:x", "tpu", "cuda:0,tpu", "", "cuda:0,,cuda:1"):
+        with pytest.raises(InvalidArgument):
+            make_engine(bad, 8)
+    with pytest.raises(InvalidArgument, match="at least one shard"):
+        ShardedEngine([])
+    with pytest.raises(InvalidArgument, match="one dimension"):
+        ShardedEngine([TorchEngine(4, device="cpu", backend="torch"), TorchEngine(5, device="cpu", backend="torch")])
+    if not HAVE_CUDA:
+        with pytest.raises(InvalidArgument):
+            make_engine("cuda:all", 8)
+
+
+def test_sidecar_serves_a_sharded_engine(rng, runtime_dir, tmp_path):
+    from kalos.sidecar import Sidecar, SidecarConfig
+
+    d = 16
+    config = SidecarConfig(store=tmp_path / "m.db", name="sh", dim=d, slots=4)
+    sidecar = Sidecar(config, engine_factory=lambda _dev, dim, cap: cpu_shards(2, dim))
+    thread = threading.Thread(target=sidecar.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with Client("sh", timeout=30) as client:
+            vectors = rng.standard_normal((90, d)).astype(np.float32)
+            ids = np.concatenate([client.add(vectors[:40]), client.add(vectors[40:])])
+            assert sorted(sidecar.engine.shard_sizes()) == [40, 50]
+            assert client.stats()["engine"].startswith("sharded-2x")
+            unit = vectors / np.linalg.norm(vectors.astype(np.float64), axis=1, keepdims=True)
+            q = rng.standard_normal((3, d)).astype(np.float32)
+            got = client.recall_many(q, k=6)
+            ref = (q / np.linalg.norm(q, axis=1, keepdims=True)) @ unit.T
+            for i in range(3):
+                np.testing.assert_array_equal(got[i].ids, ids[np.argsort(-ref[i], kind="stable")[:6]])
+            client.delete(ids[:45].tolist())
+            assert len(sidecar.engine) == 45
+    finally:
+        sidecar.stop()
+        thread.join(timeout=30)
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_cuda_shards(rng, precision):
+    """Two shards on card 0, and one per card with cuda:all when there are several."""
+    for device in ("cuda:0,cuda:0",) + (("cuda:all",) if torch.cuda.device_count() > 1 else ()):
+        eng = make_engine(device, 256, precision=precision)
+        assert isinstance(eng, ShardedEngine)
+        m = Mirror(eng, rng)
+        ids = np.concatenate(add_batches(m, [3000, 2500, 2000]))
+        m.delete(rng.choice(ids, 300, replace=False))
+        q = unit_queries(rng, 5, 256)
+        for flt in FILTERS[:3]:
+            for k in (1, 8, 256):
+                m.check(q[:1], k, flt)
+                m.check(q, k, flt)
