@@ -110,6 +110,10 @@ def test_api_matches_the_sqlite_store(url: str, store_dir: Path, rng: np.random.
         top = int(max(_all_rows(pgs)))
         pgs.delete([top])
         assert int(pgs.add(vecs[:1], namespace="one")[0][0]) == top + 1
+        # Loading in batches that leave exactly one row over, or hold one row each.
+        for batch in (len(_all_rows(pgs)) - 1, 1):
+            loaded = [(i.copy(), v.copy()) for i, v, _n, _t in pgs.iter_rows(batch=batch)]
+            assert sum(len(i) for i, _ in loaded) == pgs.count()
 
 
 def test_bad_input_writes_nothing(url: str, rng: np.random.Generator) -> None:
@@ -325,8 +329,10 @@ def test_two_sidecars_follow_each_other(url: str, sidecars: SidecarPool, rng: np
         for i in np.asarray(ids).tolist():
             model.pop(i)
 
-    # Add via A, in a namespace B has never seen: recallable via B (same answers as A).
+    # Add via A, in a namespace B has never seen: recallable via B (same answers as A). One
+    # single-item add too: a one-row change is its own case when the follower decodes it.
     ids = add(a, 20, "travel")
+    add(a, 1, "travel")
     wait_until(lambda: b.ids() == set(model), "B to see A's adds")
     for host in (a, b):
         _check_recalls(host, model, rng, "travel")

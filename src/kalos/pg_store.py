@@ -201,7 +201,9 @@ def _decode_rows(buf: bytes | bytearray | memoryview, dim: int, what: str) -> tu
         raise StoreError(f"store {what} is damaged: a row (near item {int(rec['id'][bad])}) has no {dim}-float vector")
     return (
         rec["id"].astype(np.int64),
-        np.ascontiguousarray(rec["v"], dtype=np.float32),  # a fresh writable copy of this batch only
+        # Always a copy (np.array, not ascontiguousarray, which returns a one-row field view as
+        # it is): the caller keeps it, and the buffer under ``rec`` is reused for the next rows.
+        np.array(rec["v"], dtype=np.float32, order="C", copy=True),
         rec["ns"].astype(np.int32),
         rec["t"].astype(np.float64),
     )
