@@ -42,12 +42,6 @@ from kalos.store import Store  # noqa: E402
 from pg_server import PgServer  # noqa: E402
 
 
-# A pause between B's recalls while waiting: without it, back-to-back recalls keep B's sweep
-# holding its state lock, and the follower thread that must take that lock to apply the add
-# can be starved for seconds (see BENCHMARKS.md). 100 us bounds the added delay.
-SPIN_PAUSE_S = 100e-6
-
-
 def pct(samples: list[float]) -> tuple[float, float]:
     a = np.asarray(samples) * 1e3
     return float(np.percentile(a, 50)), float(np.percentile(a, 99))
@@ -93,7 +87,6 @@ def propagation(url: str, dim: int, adds: int, rng: np.random.Generator) -> dict
                 while int(cb.recall(v[0], k=1, namespace="bench").ids[0]) != new:
                     if time.perf_counter() - t0 > 30:
                         raise RuntimeError(f"id {new} did not reach B within 30 s")
-                    time.sleep(SPIN_PAUSE_S)
                 done = time.perf_counter()
                 cross.append(done - t0)
                 after_ack.append(done - acked)
