@@ -65,7 +65,7 @@ def notify_round_trip(url: str, repeats: int) -> list[float]:
     return out
 
 
-def propagation(url: str, dim: int, adds: int, rng: np.random.Generator) -> dict[str, list[float]]:
+def propagation(url: str, dim: int, adds: int, rng: np.random.Generator, pause_s: float = 0.0) -> dict[str, list[float]]:
     a = SidecarProcess(url, name=f"bench-a-{os.getpid()}", dim=dim, device="cpu")
     b = SidecarProcess(url, name=f"bench-b-{os.getpid()}", dim=dim, device="cpu")
     try:
@@ -87,6 +87,8 @@ def propagation(url: str, dim: int, adds: int, rng: np.random.Generator) -> dict
                 while int(cb.recall(v[0], k=1, namespace="bench").ids[0]) != new:
                     if time.perf_counter() - t0 > 30:
                         raise RuntimeError(f"id {new} did not reach B within 30 s")
+                    if pause_s:
+                        time.sleep(pause_s)
                 done = time.perf_counter()
                 cross.append(done - t0)
                 after_ack.append(done - acked)
@@ -147,6 +149,8 @@ def main() -> int:
     parser.add_argument("--n", type=int, default=1_000_000, help="items for the start-time rows (default: %(default)s)")
     parser.add_argument("--starts", type=int, default=3, help="sidecar starts timed per store (default: %(default)s)")
     parser.add_argument("--skip-start", action="store_true", help="only the propagation rows")
+    parser.add_argument("--poll-us", type=float, default=0.0,
+                        help="pause between B's recalls while waiting for the id (default: 0, back to back)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     rng = np.random.default_rng(7)
@@ -154,13 +158,15 @@ def main() -> int:
     os.environ["KALOS_RUNTIME_DIR"] = runtime
     server = PgServer(durable=True).init().start()
     results: dict = {"host": f"{platform.processor() or platform.machine()}, {os.cpu_count()} vCPUs, "
-                             f"Linux {platform.release()}", "dim": args.dim}
+                             f"Linux {platform.release()}", "dim": args.dim,
+               "adds": args.adds, "poll_us": args.poll_us}
     try:
         url = server.url(server.create_database("bench"))
         notify = notify_round_trip(url, args.adds)
-        prop = propagation(url, args.dim, args.adds, rng)
+        prop = propagation(url, args.dim, args.adds, rng, args.poll_us / 1e6)
         results["propagation"] = {"notify_rtt": pct(notify), **{k: pct(v) for k, v in prop.items()}}
-        print(f"\npropagation, {args.adds} single-item adds (dim {args.dim}), ms p50 / p99:")
+        print(f"\npropagation, {args.adds} single-item adds (dim {args.dim}), B polled every {args.poll_us:g} us, "
+              "ms p50 / p99:")
         print(f"| PostgreSQL NOTIFY round trip (baseline) | {pct(notify)[0]:.2f} | {pct(notify)[1]:.2f} |")
         print(f"| same sidecar: add via A -> recallable via A | {pct(prop['same'])[0]:.2f} | {pct(prop['same'])[1]:.2f} |")
         print(f"| cross sidecar: add via A -> recallable via B | {pct(prop['cross'])[0]:.2f} | {pct(prop['cross'])[1]:.2f} |")

@@ -36,8 +36,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--store", type=_store_arg, default=None,
                        help=f"SQLite store file (created if missing; default: {default_store_path()}), or "
-                       "postgresql://USER:PASSWORD@HOST:PORT/DB to share one PostgreSQL database between the "
-                       "sidecars of several hosts (each follows the others' writes; needs kalos[postgres])")
+                       "postgresql://USER@HOST:PORT/DB to share one PostgreSQL database between the sidecars of "
+                       "several hosts (each follows the others' writes; needs kalos[postgres]; give the password "
+                       "by PGPASSWORD or ~/.pgpass rather than in the URL, which ps shows)")
     _add_name(serve)
     serve.add_argument("--dim", type=int, default=None,
                        help="vector dimension; required to create a store, checked against an existing one")

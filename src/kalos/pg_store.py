@@ -470,8 +470,6 @@ class PostgresStore:
     def _connection(self, *, write: bool = False) -> Any:
         # Called with self._lock held. A connection found broken (the server restarted) is
         # replaced here, so one outage costs at most the operation that discovered it.
-        if self._conn is None and not self._url:
-            raise StoreError(f"store {self.path} is closed")
         if self._conn is None:
             raise StoreError(f"store {self.path} is closed")
         if write and self.readonly:
