@@ -34,8 +34,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "serve", help="run a sidecar in the foreground",
         description="Run a sidecar in the foreground until SIGINT/SIGTERM. Prints one line when ready.",
     )
-    serve.add_argument("--store", type=Path, default=None,
-                       help=f"SQLite store file (created if missing; default: {default_store_path()})")
+    serve.add_argument("--store", type=_store_arg, default=None,
+                       help=f"SQLite store file (created if missing; default: {default_store_path()}), or "
+                       "postgresql://USER@HOST:PORT/DB to share one PostgreSQL database between the sidecars of "
+                       "several hosts (each follows the others' writes; needs kalos[postgres]; give the password "
+                       "by PGPASSWORD or ~/.pgpass rather than in the URL, which ps shows)")
     _add_name(serve)
     serve.add_argument("--dim", type=int, default=None,
                        help="vector dimension; required to create a store, checked against an existing one")
@@ -125,6 +128,9 @@ def _build_parser() -> argparse.ArgumentParser:
     recall.add_argument("--since", type=float, default=None, help="only memories created at or after (unix seconds)")
     recall.add_argument("--until", type=float, default=None, help="only memories created before (unix seconds)")
     recall.add_argument("--json", action="store_true", help="print JSON")
+    recall.add_argument("--store", default=None, metavar="postgresql://...",
+                        help="no sidecar: search this PostgreSQL store on the server (exact cosine; needs the "
+                        "pgvector extension; --vector or --npy only, no --since/--until)")
 
     stats = commands.add_parser("stats", help="print a sidecar's live statistics",
                                 description="Print counts, namespaces, device, QPS and latency percentiles.")
@@ -182,9 +188,16 @@ def _build_parser() -> argparse.ArgumentParser:
         "readonly) and the sidecar's status. Exit code 0 when healthy, 1 when problems are listed.",
     )
     _add_name(doctor)
-    doctor.add_argument("--store", type=Path, default=None, help=f"store to check (default: {default_store_path()})")
+    doctor.add_argument("--store", type=_store_arg, default=None,
+                        help=f"store to check: a file or a postgresql:// URL (default: {default_store_path()})")
     doctor.add_argument("--json", action="store_true", help="print the findings as JSON")
     return parser
+
+
+def _store_arg(text: str) -> Any:
+    from kalos.stores import store_spec
+
+    return store_spec(text)
 
 
 def _glue_negative_values(argv: list[str]) -> list[str]:
@@ -304,6 +317,8 @@ def _recall(args: argparse.Namespace) -> int:
     from kalos.client import Client
 
     if args.text is not None:
+        if args.store is not None:
+            raise InvalidArgument("--store takes --vector or --npy (the server search has no embedder)")
         return _recall_text(args)
     if args.vector is not None:
         try:
@@ -313,12 +328,35 @@ def _recall(args: argparse.Namespace) -> int:
     else:
         matrix = _load_npy(args.npy)
         vector = matrix if matrix.ndim == 1 else matrix[args.row]
+    if args.store is not None:
+        return _recall_on_server(args, vector)
     with Client(args.name) as client:
         hits = client.recall(vector, k=args.k, namespace=None if args.all_namespaces else args.namespace,
                              since=args.since, until=args.until)
         items = client.get(hits.ids) if len(hits) else []
     rows = [
         {"id": int(i), "score": float(s), "namespace": it.namespace if it else None, "text": it.text if it else None}
+        for (i, s), it in zip(hits, items)
+    ]
+    return _print_hits(rows, as_json=args.json)
+
+
+def _recall_on_server(args: argparse.Namespace, vector: np.ndarray) -> int:
+    """The fallback without a sidecar: pgvector's exact cosine search inside PostgreSQL."""
+    from kalos.stores import is_store_url
+
+    if not is_store_url(args.store):
+        raise InvalidArgument("--store takes a postgresql:// URL (a SQLite store is searched by its sidecar)")
+    if args.since is not None or args.until is not None:
+        raise InvalidArgument("--since/--until need a sidecar; the server search filters by namespace only")
+    from kalos.pg_store import PostgresStore
+
+    with PostgresStore.open(args.store, readonly=True) as store:
+        hits = store.search(np.asarray(vector, dtype=np.float32), args.k,
+                            None if args.all_namespaces else args.namespace)
+        items = store.get([i for i, _ in hits]) if hits else []
+    rows = [
+        {"id": i, "score": s, "namespace": it.namespace if it else None, "text": it.text if it else None}
         for (i, s), it in zip(hits, items)
     ]
     return _print_hits(rows, as_json=args.json)

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["Finding", "SmiInfo", "TorchInfo", "diagnose_gpu", "check_all", "run_doctor"]
+__all__ = ["Finding", "SmiInfo", "TorchInfo", "diagnose_gpu", "check_all", "check_pg_store", "run_doctor"]
 
 OK, NOTE, PROBLEM = "ok", "note", "problem"
 _SOCKET_PATH_MAX = 107  # sun_path is 108 bytes including the NUL
@@ -329,10 +329,48 @@ def check_runtime(name: str) -> Iterator[Finding]:
             yield Finding("runtime dir", OK, f"control socket {sock} is yours, mode 600")
 
 
-def check_store(path: Path) -> tuple[list[Finding], int | None]:
+def check_pg_store(url: str) -> tuple[list[Finding], int | None]:
+    """A PostgreSQL store, opened readonly: reachable, schema, counts, pgvector, change log."""
+    from kalos.errors import KalosError
+    from kalos.pg_store import PostgresStore, mask_url
+
+    where = mask_url(url)
+    try:
+        store = PostgresStore.open(url, readonly=True)
+    except KalosError as exc:
+        return [Finding("store", PROBLEM, f"cannot open {where}: {exc}",
+                        "check that the server is up and the URL, user and password are right; "
+                        "`kalos serve --store URL --dim D` creates the store")], None
+    try:
+        check = store.integrity_check()
+        count, size, dim = store.count(), store.size_bytes(), store.dim
+        namespaces, info = store.namespace_counts(), store.server_info()
+    except KalosError as exc:
+        return [Finding("store", PROBLEM, f"{where} could not be read: {exc}")], None
+    finally:
+        store.close()
+    if check != "ok":
+        return [Finding("store", PROBLEM, f"{where} fails Kalos's checks: {check[:500]}")], dim
+    used = ", ".join(f"{k} {v:,}" for k, v in sorted(namespaces.items()) if v) or "none"
+    findings = [Finding("store", OK, f"{where} (PostgreSQL {info['server_version']}): {count:,} memories of dim "
+                        f"{dim}, {_human(size)} in the database; namespaces: {used}; change log at "
+                        f"{info['change_mark']:,} ({info['changes']:,} entries)")]
+    if info["fallback_search"]:
+        findings.append(Finding("store", OK, f"pgvector {info['pgvector']}: `kalos recall --store URL` searches "
+                                "on the server when no sidecar runs"))
+    else:
+        findings.append(Finding("store", NOTE, "no pgvector column: `kalos recall --store URL` (the search without "
+                                "a sidecar) is unavailable; sidecars are unaffected"))
+    return findings, dim
+
+
+def check_store(path: Any) -> tuple[list[Finding], int | None]:
     from kalos.errors import KalosError
     from kalos.store import Store
+    from kalos.stores import is_store_url
 
+    if is_store_url(path):
+        return check_pg_store(path)
     if not path.exists():
         return [Finding("store", NOTE, f"no store at {path} yet: `kalos demo` or `kalos serve --dim D` creates it")], None
     findings = []
@@ -383,8 +421,12 @@ def check_sidecar(name: str, store: Path) -> Iterator[Finding]:
         f"{stats['slots']} slots in use, {stats['queries']:,} recalls"
         + (f", service p50 {p50:,.1f} us" if p50 is not None else "")
     ))
-    if Path(stats["store"]).resolve() != store.resolve():
-        yield Finding("sidecar", NOTE, f"the sidecar serves {stats['store']}, not {store}")
+    from kalos.stores import describe_store, is_store_url
+
+    same = (stats["store"] == describe_store(store) if is_store_url(store)
+            else Path(stats["store"]).resolve() == Path(store).resolve())
+    if not same:
+        yield Finding("sidecar", NOTE, f"the sidecar serves {stats['store']}, not {describe_store(store)}")
 
 
 def check_embedder(store_dim: int | None) -> Iterator[Finding]:

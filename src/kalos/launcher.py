@@ -70,8 +70,11 @@ class SidecarProcess:
             selector.close()
         self.kill()
         stderr = self.log()
+        from kalos.stores import describe_store  # a postgresql:// store's password stays out of errors
+
+        shown = " ".join(describe_store(a) for a in self.args)
         raise SidecarUnavailable(
-            f"sidecar {' '.join(self.args)} did not become ready (exit code {self.process.returncode}): {stderr.strip()[-2000:]}"
+            f"sidecar {shown} did not become ready (exit code {self.process.returncode}): {stderr.strip()[-2000:]}"
         )
 
     def log(self) -> str:

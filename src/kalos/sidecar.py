@@ -58,6 +58,7 @@ from kalos.errors import (
 from kalos.metrics import Metrics
 from kalos.protocol import Layout, Op, RequestFlag, SlotView
 from kalos.store import Store, check_vectors
+from kalos.stores import StoreSpec, open_store
 
 __all__ = ["SidecarConfig", "Sidecar", "normalise_rows", "row_scales"]
 
@@ -83,7 +84,7 @@ _NO_SCALES = np.empty(0, np.float64)
 
 @dataclasses.dataclass(frozen=True)
 class SidecarConfig:
-    store: Path
+    store: StoreSpec  # a SQLite file path, or a postgresql:// URL (kalos.stores)
     name: str = "default"
     dim: int | None = None
     device: str = "auto"
@@ -152,18 +153,25 @@ class Sidecar:
         self._listener: socket.socket | None = None
         self._segment: Segment | None = None
         self._seed: Any = None
-        self.store: Store | None = None
+        self.store: Store | None = None  # or a PostgresStore
+        self._follower: Any = None  # follows a shared (PostgreSQL) store's change log
         self.zero_copy = False
         self._name_lock = _NameLock(self.endpoint.lock_path, config.name)
         try:
-            self.store = Store.open(config.store, dim=config.dim)
+            self.store = open_store(config.store, dim=config.dim)
             started = time.perf_counter()
             factory = engine_factory or (
                 lambda device, dim, capacity: make_engine(device, dim, capacity=capacity, precision=config.precision)
             )
             self.engine = factory(config.device, self.store.dim, max(1024, self.store.count()))
-            for ids, vectors, namespace_ids, created_at in self.store.iter_rows():
+            # A shared store (PostgreSQL) is written by other sidecars too: load the rows and the
+            # change-log mark from one snapshot, then follow the log from that mark.
+            shared = getattr(self.store, "shared", False)
+            rows = self.store.snapshot_rows() if shared else self.store.iter_rows()
+            for ids, vectors, namespace_ids, created_at in rows:
                 self.engine.add(ids, vectors, namespace_ids, created_at)
+            if shared:
+                self._follower = self.store.follower(rows.mark, apply=self._apply_followed, lock=self._write_lock)
             self.load_seconds = time.perf_counter() - started
             # A GPU answers in about 100-200 us: a client that slept after the default 100 us
             # of polling paid a wake-up (~40 us on the H200 host, benchmarks/profile_e2e.py).
@@ -244,6 +252,8 @@ class Sidecar:
         """Runs the sweep in this thread until :meth:`stop`, then releases everything."""
         self._start_thread(self._heartbeat, "kalos-heartbeat")
         self._start_thread(self._accept, "kalos-accept")
+        if self._follower is not None:
+            self._follower.start()
         if self._seed is not None:
             self._seed.start()
         try:
@@ -261,6 +271,8 @@ class Sidecar:
     def close(self) -> None:
         """Releases everything; clients see their connection close and reconnect later."""
         self._stopping.set()
+        if self._follower is not None:
+            self._follower.stop()
         if self._seed is not None:
             self._seed.stop()
         if self._listener is not None:
@@ -588,6 +600,14 @@ class Sidecar:
                 self._namespaces[namespace.encode()] = namespace_id
         spec, out = array_blob(ids, "int64")
         return ok_reply(ids=spec), out
+
+    def _apply_followed(self, batch: Any) -> None:
+        """Applies changes other sidecars made to a shared store (called by the follower with
+        ``_write_lock`` held, like _op_add)."""
+        from kalos.follow import apply_to_engine
+
+        with self._state_lock:
+            apply_to_engine(self.engine, self._namespaces, batch)
 
     def _op_delete(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
         ids = _int_list(message.get("ids"), "ids")

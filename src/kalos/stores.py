@@ -1,0 +1,47 @@
+"""Choosing the store of record from its spec: a file path (SQLite) or a postgresql:// URL.
+
+The sidecar, ``kalos doctor`` and the CLI name a store by one string; this module is the one
+place that tells the two kinds apart, so the SQLite path stays free of PostgreSQL imports.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Union
+
+from kalos.store import Store
+
+__all__ = ["StoreSpec", "open_store", "is_store_url", "store_spec", "describe_store"]
+
+# A store as the CLI and SidecarConfig carry it: a Path (SQLite) or a URL string (PostgreSQL).
+StoreSpec = Union[str, "os.PathLike[str]"]
+
+
+def is_store_url(spec: Any) -> bool:
+    """True when ``spec`` is a postgresql:// (or postgres://) URL rather than a file path."""
+    from kalos.pg_store import is_postgres_url
+
+    return is_postgres_url(spec if isinstance(spec, str) else None)
+
+
+def store_spec(text: str) -> StoreSpec:
+    """The CLI's ``--store`` value: a URL stays a string (Path would fold its ``//``), else a Path."""
+    return text if is_store_url(text) else Path(text)
+
+
+def describe_store(spec: StoreSpec) -> str:
+    """``spec`` fit for a message or a log: a URL with its password masked, or the path."""
+    if is_store_url(spec):
+        from kalos.pg_store import mask_url
+
+        return mask_url(str(spec))
+    return str(spec)
+
+
+def open_store(spec: StoreSpec, *, dim: int | None = None, readonly: bool = False) -> Any:
+    """A :class:`kalos.store.Store` for a path, a :class:`kalos.pg_store.PostgresStore` for a URL."""
+    if is_store_url(spec):
+        from kalos.pg_store import PostgresStore
+
+        return PostgresStore.open(str(spec), dim=dim, readonly=readonly)
+    return Store.open(spec, dim=dim, readonly=readonly)
