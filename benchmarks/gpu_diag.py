@@ -73,15 +73,18 @@ def ceilings(n: int, dim: int, stream, flush) -> None:
         emit(part="ceiling", what=name, n=n, p50_us=p50, p99_us=p99, tb_s=moved / (p50 * 1e-6) / 1e12)
 
 
-def profile_graph(eng: TorchEngine, precision: str, stream, flush) -> None:
+def profile_graph(eng: TorchEngine, precision: str, stream, flush, nq: int = 1) -> None:
     dim = eng.dim
-    q = np.random.default_rng(1).standard_normal((1, dim)).astype(np.float32)
-    q /= np.linalg.norm(q)
+    q = np.random.default_rng(1).standard_normal((nq, dim)).astype(np.float32)
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
     eng.search(q, 8)  # compile + capture
-    key = [k for k in eng._graphs if k[0] == ("f16" if precision == "fast" else "f32") and k[1] == 1][0]
+    kind = "f16" if precision == "fast" else ("tf32" if nq > 1 else "f32")
+    from kalos.engine import Filter
+
+    key = eng._key(kind, nq, 8, Filter(), True, True, False)
     graph = eng._graphs[key]
     p50, p99 = events(graph.replay, 200, stream, flush)
-    emit(part="graph", precision=precision, n=eng.rows.size, p50_us=p50, p99_us=p99, key=str(key))
+    emit(part="graph", precision=precision, q=nq, n=eng.rows.size, p50_us=p50, p99_us=p99, key=str(key))
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -92,11 +95,14 @@ def profile_graph(eng: TorchEngine, precision: str, stream, flush) -> None:
     rows = {}
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            r = rows.setdefault(ev.name[:60], [0, 0.0])
+            r = rows.setdefault(ev.name[:70], [0, 0.0])
             r[0] += 1
             r[1] += ev.device_time
     for name, (count, total) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
-        emit(part="graph_kernel", precision=precision, name=name, count=count, avg_us=total / max(count, 1))
+        emit(part="graph_kernel", precision=precision, q=nq, name=name, count=count / 30,
+             avg_us=total / max(count, 1), per_search_us=total / 30)
+    if nq > 1:
+        return
     # host side of one search: wall vs device
     t = []
     for _ in range(300):
@@ -135,7 +141,7 @@ def sweep_scan(eng: TorchEngine, half: bool, stream, flush) -> None:
              (16, 128, 2), (32, 64, 2), (2, 1024, 2), (128, 64, 8)]
     for bn, bd, w in tiles:
         def fn(bn=bn, bd=bd, w=w):
-            tk.scan_topk_kernel[(1, -(-cap // bn))](
+            tk.scan_topk_kernel[(-(-cap // bn), 1)](
                 x, eng._d_q, eng._d_hdr, eng._d_hdrf, eng._live, eng._ns, eng._ts, scores, cap,
                 D=dim, K=8, BLOCK_N=bn, BLOCK_D=bd, BLOCK_Q=1, HALF=half, FILTER=False, PREC="ieee",
                 WRITE_SCORES=True, num_warps=w, num_stages=1,
@@ -182,9 +188,32 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--n", type=int, default=65536)
     ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--batches", default="", help="only profile the graphs of these batch sizes (e.g. 64,256)")
+    ap.add_argument("--final-tiles", action="store_true",
+                    help="only time the fast Q=1 graph for several final-kernel tiles (final_tile, final_warps)")
     args = ap.parse_args()
     stream = torch.cuda.Stream(priority=-100)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    if args.final_tiles:
+        from kalos.engine import Filter
+
+        eng = build(args.n, args.dim, "fast")
+        q = np.random.default_rng(1).standard_normal((1, args.dim)).astype(np.float32)
+        q /= np.linalg.norm(q)
+        for tile, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 16)):
+            eng.retune({"final_tile": tile, "final_warps": warps})
+            eng.search(q, 8)
+            graph = eng._graphs[eng._key("f16", 1, 8, Filter(), True, True, False)]
+            p50, p99 = events(graph.replay, 300, eng.stream, flush)
+            emit(part="final_tile", tile=tile, warps=warps, p50_us=p50, p99_us=p99)
+        return 0
+    if args.batches:
+        for precision in ("exact", "fast"):
+            eng = build(args.n, args.dim, precision)
+            for nq in (int(b) for b in args.batches.split(",")):
+                profile_graph(eng, precision, eng.stream, flush, nq)
+            del eng
+        return 0
     ceilings(args.n, args.dim, stream, flush)
     ceilings(1 << 20, args.dim, stream, flush)
     host_pointer_check(stream)

@@ -596,8 +596,11 @@ def test_cuda_matches_reference(rng, precision, dim, tune):
         for k in (1, 8, 256):
             m.check(q[:1], k, flt)
             m.check(q, k, flt)
+    big = unit_queries(rng, 40, dim)  # a batch of 40: scored by cuBLAS (gemm_min_q), not the scan
+    m.check(big, 8, FILTERS[1])
     m.add(3000)  # after graphs were captured: adds must be seen (n lives on the device)
     m.check(q, 8)
+    m.check(big, 16)
     assert m.engine.stats["graph_captures"] >= 1
 
 
@@ -648,3 +651,25 @@ def test_triton_gemm_batches(rng, precision):
     m.add(200)  # more slices now hold rows
     m.check(q, 5, Filter(until=60.0))
     m.check(q[:1], 5)  # one query: the scan path, unchanged
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_cuda_more_row_blocks_than_a_grid_axis_holds(rng, precision):
+    """2.2M rows: the one-block-per-program scan launches 68,750 programs, more than CUDA's
+    65,535 limit of grid axes 1 and 2 (the bug this pins: the scan failed with 'invalid
+    argument' above 2M rows). Batches too (the GEMM path's chunk grid)."""
+    d, n = 16, 2_200_000
+    x = as_unit_rows(rng.standard_normal((n, d)))
+    eng = TorchEngine(d, device="cuda", precision=precision, capacity=n)
+    eng.add(np.arange(n, dtype=np.int64), x, np.zeros(n, np.int32), np.zeros(n))
+    q = unit_queries(rng, 20, d)
+    ids, scores = eng.search(q[:1], 8)
+    ids_b, scores_b = eng.search(q, 8)
+    ref = q.astype(np.float64) @ x.astype(np.float64).T
+    for qi, (got_i, got_s) in enumerate([(ids[0], scores[0])] + list(zip(ids_b, scores_b))):
+        row = ref[0 if qi == 0 else qi - 1]
+        order = np.argpartition(-row, 100)[:100]  # the best 100 hold the top 8 and its ties
+        order = order[np.argsort(-row[order], kind="stable")]
+        assert_topk(got_i, got_s, order, row[order], 8)

@@ -192,6 +192,11 @@ DEFAULT_TUNE: dict = {
     "exact_batch_scan": "tf32",
     "merge_chunk": 1024,
     "final_max": 2048,
+    # The final kernel's [candidates x BLOCK_D] tile (elements) and warps: the certified
+    # re-score reads KF float32 rows per query in one program, latency-bound when narrow.
+    # Measured (H200, fast Q=1 graph at 65,536 rows): 4096/4 warps 85.2 us, 8192/8 77.6 us.
+    "final_tile": 8192,
+    "final_warps": 8,
     # PyTorch's CPU device (Triton's interpreter): few, large blocks, since every
     # tl.topk costs the interpreter a fraction of a second.
     "cpu_progs": 2,
@@ -918,7 +923,7 @@ class TorchEngine(Engine):
             levels.append((chunk, p2))
             count = p2 * k1
         final_chunk = _next_pow2(max(count, k1))
-        final_block_d = max(16, min(_next_pow2(self.dim), 4096 // k1))
+        final_block_d = max(16, min(_next_pow2(self.dim), int(tune["final_tile"]) // k1))
         gemm_rows = max(score_chunk, int(tune["gemm_rows"]) // score_chunk * score_chunk) if gemm else 0
         plan = _Plan(k1, kp, cfg, n_qblocks, progs, levels, count, final_chunk, final_block_d, ws,
                      score_chunk if scores else 0, gemm_rows)
@@ -994,24 +999,24 @@ class TorchEngine(Engine):
                 stride = -(-cap // plan.score_chunk) * plan.k1
                 self._gemm_scores(kind, qb, plan, slices, ws_a, stride, live_t, filtered)
             elif plan.score_chunk:
-                tk.scan_topk_kernel[(plan.n_qblocks, plan.progs)](
+                tk.scan_topk_kernel[(plan.progs, plan.n_qblocks)](
                     x, self._d_q, self._d_hdr, self._d_hdrf, live_t, self._ns, self._ts, ws_s, cap,
                     WRITE_SCORES=True, **common,
                 )
                 chunks = -(-cap // plan.score_chunk)
                 stride = chunks * plan.k1
-                tk.scores_topk_kernel[(qb, chunks)](
+                tk.scores_topk_kernel[(chunks, qb)](
                     ws_s, ws_a, self._d_hdr, cap, stride, K=plan.k1, CHUNK=plan.score_chunk, num_warps=4
                 )
             else:
                 stride = plan.progs * plan.k1
-                tk.scan_topk_kernel[(plan.n_qblocks, plan.progs)](
+                tk.scan_topk_kernel[(plan.progs, plan.n_qblocks)](
                     x, self._d_q, self._d_hdr, self._d_hdrf, live_t, self._ns, self._ts, ws_a, stride, **common
                 )
             cur, nxt, count = ws_a, ws_b, stride
             for chunk, p2 in plan.levels:
                 out_stride = p2 * plan.k1
-                tk.merge_topk_kernel[(qb, p2)](
+                tk.merge_topk_kernel[(p2, qb)](
                     cur, nxt, self._d_hdr, stride, out_stride, count, K=plan.k1, CHUNK=chunk, num_warps=4
                 )
                 cur, nxt, stride, count = nxt, cur, out_stride, out_stride
@@ -1019,7 +1024,8 @@ class TorchEngine(Engine):
             tk.final_kernel[(qb,)](
                 cur, self._d_hdr, self._d_hdrf, self._x32, self._d_q, self._ids, res_i, res_s, self._res_status_t,
                 stride, count, ea, eb, ec, D=self.dim, KIN=plan.k1, KOUT=kp, CHUNK=plan.final_chunk,
-                BLOCK_D=plan.final_block_d, RESCORE=kind != "f32", OUT_IDS=want_ids, num_warps=4,
+                BLOCK_D=plan.final_block_d, RESCORE=kind != "f32", OUT_IDS=want_ids,
+                num_warps=int(self._tune["final_warps"]) if kind != "f32" else 4,
             )
 
     def _gemm_scores(self, kind, qb, plan, slices, ws_a, stride, live_t, filtered) -> None:
@@ -1047,7 +1053,7 @@ class TorchEngine(Engine):
             else:
                 with _tf32_matmul():
                     sc = torch.mm(q, self._x32[c0:c1].T)
-            tk.scores_topk_kernel[(qb, -(-(c1 - c0) // chunk))](
+            tk.scores_topk_kernel[(-(-(c1 - c0) // chunk), qb)](
                 sc, ws_a, self._d_hdr, c1 - c0, stride, c0, c1 - c0, live_t, self._ns, self._ts, self._d_hdrf,
                 K=plan.k1, CHUNK=chunk, MASK=True, FILTER=filtered, num_warps=4,
             )

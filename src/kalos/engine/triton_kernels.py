@@ -133,9 +133,11 @@ def scan_topk_kernel(
     PREC: tl.constexpr = "ieee",  # float32 rows, batched: "ieee" (exact FMA) or "tf32" (certified)
     WRITE_SCORES: tl.constexpr = False,  # store masked scores (-inf) instead of keeping a top-K
 ):
-    pid_q = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    n_progs = tl.num_programs(1)
+    # Row blocks on grid axis 0 (up to 2^31 - 1 programs; axes 1 and 2 stop at 65,535, which
+    # a one-block-per-program grid passes at 2M rows), query blocks on axis 1.
+    pid_n = tl.program_id(0)
+    pid_q = tl.program_id(1)
+    n_progs = tl.num_programs(0)
     n = tl.load(HDR)
     nq = tl.load(HDR + 1)
     if FILTER:
@@ -241,9 +243,9 @@ def scores_topk_kernel(
     MASK: tl.constexpr = False,  # S is unmasked (a GEMM wrote it): apply live (and FILTER) here
     FILTER: tl.constexpr = False,
 ):
-    """Top-K keys of each CHUNK of scores (rows past n give SENTINEL): grid (Qb, chunks)."""
-    q = tl.program_id(0)
-    j = tl.program_id(1)
+    """Top-K keys of each CHUNK of scores (rows past n give SENTINEL): grid (chunks, Qb)."""
+    j = tl.program_id(0)
+    q = tl.program_id(1)
     n = tl.load(HDR)
     nq = tl.load(HDR + 1)
     if q < nq:
@@ -279,8 +281,8 @@ def merge_topk_kernel(
     K: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    q = tl.program_id(0)
-    j = tl.program_id(1)
+    j = tl.program_id(0)  # chunks on axis 0 (axis 1 stops at 65,535), queries on axis 1
+    q = tl.program_id(1)
     nq = tl.load(HDR + 1)
     if q < nq:
         offs = j * CHUNK + tl.arange(0, CHUNK)
