@@ -42,7 +42,9 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_name(serve)
     serve.add_argument("--dim", type=int, default=None,
                        help="vector dimension; required to create a store, checked against an existing one")
-    serve.add_argument("--device", default="auto", help="auto (CUDA when visible), cpu, cuda or cuda:N (default: auto)")
+    serve.add_argument("--device", default="auto",
+                       help="auto (CUDA when visible), cpu, cuda, cuda:N, or several GPUs to shard the rows over: "
+                       "cuda:0,cuda:1 or cuda:all (default: auto)")
     serve.add_argument("--precision", choices=["exact", "fast"], default="exact",
                        help="GPU scan: exact float32, or fast (16-bit scan + certified float32 re-score, "
                        "the same top-k) (default: %(default)s)")
