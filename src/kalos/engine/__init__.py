@@ -3,9 +3,12 @@ from __future__ import annotations
 
 from kalos.engine.base import MISSING_ID, Engine, Filter, as_unit_rows
 from kalos.engine.numpy_engine import NumpyEngine
+from kalos.engine.sharded import ShardedEngine
 from kalos.errors import InvalidArgument
 
-__all__ = ["Engine", "Filter", "MISSING_ID", "NumpyEngine", "as_unit_rows", "make_engine", "cuda_available"]
+__all__ = [
+    "Engine", "Filter", "MISSING_ID", "NumpyEngine", "ShardedEngine", "as_unit_rows", "make_engine", "cuda_available",
+]
 
 
 def cuda_available() -> bool:
@@ -41,8 +44,6 @@ def make_engine(device: str, dim: int, *, capacity: int = 1024, precision: str =
         raise InvalidArgument(f"device {device!r} needs PyTorch with CUDA (pip install 'kalos[gpu]'): {exc}") from None
     if len(devices) == 1:
         return TorchEngine(dim, capacity=capacity, device=devices[0], precision=precision)
-    from kalos.engine.sharded import ShardedEngine
-
     per_shard = max(1024, -(-capacity // len(devices)))
     return ShardedEngine([TorchEngine(dim, capacity=per_shard, device=d, precision=precision) for d in devices])
 
