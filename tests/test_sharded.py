@@ -68,14 +68,49 @@ def test_adds_reject_an_id_another_shard_holds(rng):
 
 
 @needs_interpreter
-def test_triton_shards_started_together(rng):
-    """search_start queues every shard before any is awaited (Triton kernels, interpreter)."""
+def test_triton_shards_through_search_start(rng):
+    """The shards' start-then-wait path with the Triton kernels (interpreter). On the CPU a
+    start runs to completion; the overlap of shards is a CUDA matter (test_cuda_shards)."""
     eng = cpu_shards(2, 40, backend="triton")
     m = Mirror(eng, rng)
     add_batches(m, [120, 90])
     q = unit_queries(rng, 2, 40)
     m.check(q[:1], 8, Filter(namespace=1))
     m.check(q, 5)
+
+
+def test_batches_larger_than_a_shard_round(rng):
+    """More queries than a shard's max_batch: searched in rounds, answers in query order."""
+    eng = ShardedEngine([TorchEngine(16, device="cpu", backend="torch", max_batch=3) for _ in range(2)])
+    m = Mirror(eng, rng)
+    add_batches(m, [40, 40])
+    m.check(unit_queries(rng, 8, 16), 5)
+
+
+def test_a_failing_shard_does_not_leave_the_others_pending(rng):
+    eng = cpu_shards(2, 8)
+    Mirror(eng, rng).add(20)
+    started = []
+
+    class Broken:
+        def __call__(self):
+            raise RuntimeError("shard 0 failed")
+
+    real = eng.shards[1].search_start
+
+    def second(*args, **kwargs):
+        wait = real(*args, **kwargs)
+
+        def waited():
+            started.append(True)
+            return wait()
+        return waited
+
+    eng.shards[0].search_start = lambda *a, **k: Broken()
+    eng.shards[1].search_start = second
+    with pytest.raises(RuntimeError, match="shard 0 failed"):
+        eng.search(unit_queries(rng, 1, 8), 3)
+    assert started == [True]  # the healthy shard was awaited all the same
 
 
 def test_merge_topk_keeps_order_ties_and_padding():
@@ -94,6 +129,9 @@ def test_device_strings():
             make_engine(bad, 8)
     with pytest.raises(InvalidArgument, match="at least one shard"):
         ShardedEngine([])
+    same = TorchEngine(4, device="cpu", backend="torch")
+    with pytest.raises(InvalidArgument, match="listed twice"):
+        ShardedEngine([same, same])
     with pytest.raises(InvalidArgument, match="one dimension"):
         ShardedEngine([TorchEngine(4, device="cpu", backend="torch"), TorchEngine(5, device="cpu", backend="torch")])
     if not HAVE_CUDA:

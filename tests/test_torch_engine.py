@@ -659,7 +659,8 @@ def test_triton_gemm_batches(rng, precision):
 def test_cuda_more_row_blocks_than_a_grid_axis_holds(rng, precision):
     """2.2M rows: the one-block-per-program scan launches 68,750 programs, more than CUDA's
     65,535 limit of grid axes 1 and 2 (the bug this pins: the scan failed with 'invalid
-    argument' above 2M rows). Batches too (the GEMM path's chunk grid)."""
+    argument' above 2M rows). The batch half checks the GEMM path at this size (its grids
+    stay under the limit)."""
     d, n = 16, 2_200_000
     x = as_unit_rows(rng.standard_normal((n, d)))
     eng = TorchEngine(d, device="cuda", precision=precision, capacity=n)
@@ -673,3 +674,54 @@ def test_cuda_more_row_blocks_than_a_grid_axis_holds(rng, precision):
         order = np.argpartition(-row, 100)[:100]  # the best 100 hold the top 8 and its ties
         order = order[np.argsort(-row[order], kind="stable")]
         assert_topk(got_i, got_s, order, row[order], 8)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_search_attached_gemm_batches_beyond_max_batch(rng, precision):
+    """Zero-copy with the GEMM batch path and more queries than max_batch (split in rounds)."""
+    d = 40
+    eng = TorchEngine(d, device="cpu", backend="triton", precision=precision, capacity=8, max_batch=4)
+    eng.retune({"gemm_min_q": 2, "gemm_rows": 128, "score_chunk": 64})
+    m = Mirror(eng, rng)
+    m.add(300)
+    flt = Filter(namespace=1, since=10.0)
+    buf, query_at, scales, ids_at, scores_at, unit = attached_case(m, rng, 7, 6, d)
+    eng.attach_host(buf)
+    eng.search_attached(query_at, scales, ids_at, scores_at, 6, flt)
+    eng.detach_host()
+    got_ids, got_sc = read_attached(buf, ids_at, scores_at, 6)
+    for qi, (ref_ids, ref_sc) in enumerate(m.reference(unit, flt)):
+        assert_topk(got_ids[qi], got_sc[qi], ref_ids, ref_sc, 6)
+
+
+@needs_interpreter
+def test_search_start_answers_cannot_be_mixed_up(rng):
+    """A search (or an add) before the waiter of search_start is called finishes the started
+    search first; its waiter still returns its own answer (the review's reproducer)."""
+    d = 24
+    eng = triton_engine(d, capacity=8)
+    m = Mirror(eng, rng)
+    m.add(120)
+    q = unit_queries(rng, 2, d)
+    wait = eng.search_start(q[:1], 4)
+    other_ids, _ = eng.search(q[1:], 4)
+    ids, scores = wait()
+    (ref_ids, ref_sc), = m.reference(q[:1], Filter())
+    assert_topk(ids[0], scores[0], ref_ids, ref_sc, 4)
+    assert not np.array_equal(ids, other_ids)
+    wait = eng.search_start(q[:1], 4)
+    m.add(5)  # an add in between: the started search is finished first, on the old rows
+    assert_topk(wait()[0][0], wait()[1][0], ref_ids, ref_sc, 4)
+
+
+def test_sidecar_refuses_a_max_k_the_gpu_engine_cannot_serve(runtime_dir, tmp_path):
+    from kalos.sidecar import Sidecar, SidecarConfig
+
+    config = SidecarConfig(store=tmp_path / "m.db", name="mk", dim=8, slots=2, max_k=MAX_K + 1)
+    with pytest.raises(InvalidArgument, match=f"--max-k {MAX_K}"):
+        Sidecar(config, engine_factory=lambda _d, dim, cap: torch_engine(dim, capacity=cap))
+    # Nothing is left behind: the same name starts at once with a max_k it can serve.
+    ok = Sidecar(SidecarConfig(store=tmp_path / "m.db", name="mk", dim=8, slots=2, max_k=MAX_K),
+                 engine_factory=lambda _d, dim, cap: torch_engine(dim, capacity=cap))
+    ok.close()

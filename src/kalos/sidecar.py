@@ -164,6 +164,12 @@ class Sidecar:
                 lambda device, dim, capacity: make_engine(device, dim, capacity=capacity, precision=config.precision)
             )
             self.engine = factory(config.device, self.store.dim, max(1024, self.store.count()))
+            engine_max_k = getattr(self.engine, "max_k", None)
+            if engine_max_k is not None and config.max_k > engine_max_k:
+                raise InvalidArgument(
+                    f"max_k {config.max_k} exceeds what the {self.engine.name} engine serves ({engine_max_k}); "
+                    f"start with --max-k {engine_max_k} or less"
+                )
             # A shared store (PostgreSQL) is written by other sidecars too: load the rows and the
             # change-log mark from one snapshot, then follow the log from that mark.
             shared = getattr(self.store, "shared", False)
@@ -328,6 +334,14 @@ class Sidecar:
         bind_stream = getattr(self.engine, "bind_stream", None)
         if bind_stream is not None:
             bind_stream()  # this thread's GPU work all goes to the engine's stream
+        try:
+            self._sweep_until_stopped(channel)
+        finally:
+            unbind_stream = getattr(self.engine, "unbind_stream", None)
+            if unbind_stream is not None:
+                unbind_stream()
+
+    def _sweep_until_stopped(self, channel: SidecarChannel) -> None:
         spin_s = self.config.spin_us / 1e6
         clock = time.perf_counter
         last_work = clock()
@@ -435,7 +449,8 @@ class Sidecar:
         """Validates one slot's request: ``(op, k, filter, query rows, their scales)``.
 
         The rows are the slot's own memory, not a copy (the client waits, untouching, until
-        the answer is published); ``scales`` (float64) normalise them.
+        the answer is published; one that rewrites its slot meanwhile can only spoil its own
+        answer, since the offsets are the sidecar's); ``scales`` (float64) normalise them.
         """
         layout = self.layout
         op = int(view.op[0])
@@ -663,8 +678,9 @@ def row_scales(rows: np.ndarray, *, what: str, error: type[KalosError]) -> np.nd
     ``rows * scales[:, None]`` rounded to float32 is the unit row, whether NumPy computes it
     on the host or a GPU kernel does it while copying the query (``search_attached``).
     """
-    if len(rows) == 1:  # the common single query: one dot product, Python floats
-        squared1 = float(np.dot(rows[0], rows[0]))
+    if len(rows) == 1:  # the common single query: one float64 dot product, Python floats
+        row = rows[0].astype(np.float64)  # float64 as the batch's einsum: the same scale alone or batched
+        squared1 = float(np.dot(row, row))
         if math.isfinite(squared1) and squared1 > 0:
             return np.array([1.0 / math.sqrt(squared1)])
         squared = np.array([squared1])

@@ -34,6 +34,8 @@ class ShardedEngine:
     def __init__(self, shards: Sequence[Engine]) -> None:
         if len(shards) < 1:
             raise InvalidArgument("a sharded engine needs at least one shard")
+        if len({id(shard) for shard in shards}) != len(shards):
+            raise InvalidArgument("a shard is listed twice (two shards on one card are two engines)")
         dims = {shard.dim for shard in shards}
         if len(dims) != 1:
             raise InvalidArgument(f"shards must share one dimension, got {sorted(dims)}")
@@ -45,6 +47,11 @@ class ShardedEngine:
         self.device = ",".join(str(shard.device) for shard in self.shards)
         self.name = f"sharded-{len(self.shards)}x-{self.shards[0].name}"
         self.precision = getattr(self.shards[0], "precision", "exact")
+        limits = [getattr(shard, "max_k", None) for shard in self.shards]
+        if all(limit is not None for limit in limits):
+            self.max_k = min(limits)
+        # Queries per round: each shard queues at most its max_batch at once (search_start).
+        self._round = min(getattr(shard, "max_batch", 1 << 30) for shard in self.shards)
 
     def __repr__(self) -> str:
         return f"ShardedEngine({len(self)} rows on {self.device})"
@@ -94,12 +101,27 @@ class ShardedEngine:
         queries = np.asarray(queries, dtype=np.float32)
         if queries.ndim != 2 or queries.shape[1] != self.dim:
             raise InvalidQuery(f"expected queries of shape (Q, {self.dim}), got {queries.shape}")
+        if len(queries) <= self._round:
+            return self._search_round(queries, k, flt)
+        parts = [self._search_round(queries[s : s + self._round], k, flt) for s in range(0, len(queries), self._round)]
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+    def _search_round(self, queries: np.ndarray, k: int, flt: Filter) -> tuple[np.ndarray, np.ndarray]:
         waits: list[Callable[[], tuple[np.ndarray, np.ndarray]]] = []
+        answers: list[tuple[np.ndarray, np.ndarray]] = []
+        failure: BaseException | None = None
         try:
             for shard in self.shards:  # every shard's scan is queued before any is awaited
                 waits.append(shard.search_start(queries, k, flt))
-        finally:
-            answers = [wait() for wait in waits]  # a failed start must not leave one in flight
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the waits
+            failure = exc
+        for wait in waits:  # await every started shard, even after a failure: none stays queued
+            try:
+                answers.append(wait())
+            except BaseException as exc:  # noqa: BLE001
+                failure = failure or exc
+        if failure is not None:
+            raise failure
         return merge_topk(answers, k)
 
     def memory_bytes(self) -> int:
@@ -109,6 +131,9 @@ class ShardedEngine:
 
     def bind_stream(self) -> None:
         """Nothing to bind: every shard's work runs under its own stream's context."""
+
+    def unbind_stream(self) -> None:
+        """Nothing was bound."""
 
 
 def merge_topk(answers: Sequence[tuple[np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -325,6 +325,8 @@ class TorchEngine(Engine):
     """
 
     name = "torch"
+    #: Largest k a search may ask for (the sidecar refuses a larger --max-k at start).
+    max_k = MAX_K
 
     def __init__(
         self,
@@ -399,7 +401,10 @@ class TorchEngine(Engine):
             self._sms = 1
         self._plans: dict = {}
         self._graphs: dict = {}
-        self._bound_threads: set[int] = set()
+        self._bound = threading.local()  # .stream: this thread runs on the engine's stream
+        # The waiter of a search_start not yet awaited: every other use of the staging areas
+        # (searches, adds, deletes, compaction) first finishes it (_settle).
+        self._pending: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None
         self._d_q16: torch.Tensor | None = None
         self._mm_fp32_out: bool | None = None
         self._occupancy: dict = {}
@@ -467,7 +472,13 @@ class TorchEngine(Engine):
         self._own_tab.view(np.float64)[:, 3] = 1.0
         self._attached = None  # (HostBuffer, float32 view, int64 view): see attach_host
 
+    def _settle(self) -> None:
+        """Finishes a search that search_start queued (its waiter then returns the kept answer)."""
+        if self._pending is not None:
+            self._pending()
+
     def _resize(self, capacity: int) -> None:
+        self._settle()
         n = self.rows.size
         old = (self._x32, self._x16, self._live, self._ns, self._ts, self._ids)
         with self._on_stream():
@@ -480,6 +491,7 @@ class TorchEngine(Engine):
         self._plans.clear()  # the v2 plan's grid and workspace follow the capacity
 
     def _write(self, rows: slice, vectors: np.ndarray) -> None:
+        self._settle()
         with self._on_stream():
             x = torch.from_numpy(vectors).to(self._dev)
             self._x32[rows].copy_(x)
@@ -495,10 +507,12 @@ class TorchEngine(Engine):
                 self._max_norm = max(self._max_norm, float(norm))
 
     def _tombstoned(self, rows: np.ndarray) -> None:
+        self._settle()
         with self._on_stream():
             self._live[torch.from_numpy(rows).to(self._dev)] = 0
 
     def _compacted(self, keep: np.ndarray) -> None:
+        self._settle()
         n = len(keep)
         keep_t = torch.from_numpy(keep).to(self._dev)
         # keep is increasing with keep[i] >= i: moving rows forward in ascending chunks never
@@ -531,6 +545,7 @@ class TorchEngine(Engine):
         if queries.ndim != 2 or queries.shape[1] != self.dim:
             raise InvalidQuery(f"expected queries of shape (Q, {self.dim}), got {queries.shape}")
         self._check_k(k)
+        self._settle()
         nq = len(queries)
         ids = np.full((nq, k), MISSING_ID, np.int64)
         scores = np.full((nq, k), -np.inf, np.float32)
@@ -545,13 +560,15 @@ class TorchEngine(Engine):
         With the Triton backend on CUDA a batch of up to ``max_batch`` queries is queued on
         the engine's stream and the call returns at once, so that several engines (the shards
         of :class:`~kalos.engine.sharded.ShardedEngine`, one per GPU) scan at the same time.
-        Otherwise the search runs here and the function returns its result. Call the function
-        before the next search of this engine.
+        Otherwise the search runs here and the function returns its result. Anything else
+        this engine is asked to do before the function is called finishes the search first
+        (the function then returns the kept answer), so answers can never be mixed up.
         """
         queries = np.asarray(queries, dtype=np.float32)
         if queries.ndim != 2 or queries.shape[1] != self.dim:
             raise InvalidQuery(f"expected queries of shape (Q, {self.dim}), got {queries.shape}")
         self._check_k(k)
+        self._settle()
         nq = len(queries)
         if self.backend != "triton" or nq == 0 or nq > self.max_batch or self.rows.size == 0:
             result = self.search(queries, k, flt)
@@ -563,12 +580,18 @@ class TorchEngine(Engine):
         self.stats["searches"] += nq
         self._triton_start(queries, k, flt, True, kind, None)
 
-        def finish() -> tuple[np.ndarray, np.ndarray]:
-            ids = np.empty((nq, k), np.int64)
-            scores = np.empty((nq, k), np.float32)
-            self._triton_finish(queries, k, flt, ids, scores, True, kind, None)
-            return ids, scores
+        answer: list[tuple[np.ndarray, np.ndarray]] = []
 
+        def finish() -> tuple[np.ndarray, np.ndarray]:
+            if not answer:
+                self._pending = None  # first: a failure below must not leave it pending
+                ids = np.empty((nq, k), np.int64)
+                scores = np.empty((nq, k), np.float32)
+                self._triton_finish(queries, k, flt, ids, scores, True, kind, None)
+                answer.append((ids, scores))
+            return answer[0]
+
+        self._pending = finish
         return finish
 
     def search_into(
@@ -618,6 +641,7 @@ class TorchEngine(Engine):
             raise InvalidArgument("precision='fast' needs an engine built with precision='fast'")
         if nq == 0:
             return
+        self._settle()
         host_out = out_ids.device.type == "cpu" and out_scores.device.type == "cpu"
         if host_out:
             ids_np, sc_np = out_ids.numpy(), out_scores.numpy()
@@ -649,7 +673,13 @@ class TorchEngine(Engine):
         """
         if self._is_cuda:
             torch.cuda.set_stream(self._stream)
-            self._bound_threads.add(threading.get_ident())
+            self._bound.stream = True  # thread-local: dies with the thread
+
+    def unbind_stream(self) -> None:
+        """Undoes :meth:`bind_stream` for the calling thread (its current stream: the default)."""
+        if getattr(self._bound, "stream", False):
+            self._bound.stream = False
+            torch.cuda.set_stream(torch.cuda.default_stream(self._dev))
 
     def attach_host(self, buffer) -> HostBuffer:
         """Page-locks ``buffer`` (an mmap, say) so that :meth:`search_attached` reads queries
@@ -714,6 +744,7 @@ class TorchEngine(Engine):
                 raise InvalidArgument(f"{name} points outside the attached buffer")
         if not (math.isfinite(float(scales[0])) if nq == 1 else np.isfinite(scales).all()):
             raise InvalidQuery("query scales must be finite")
+        self._settle()
         n = self.rows.size
         if self.backend != "triton" or n == 0:
             queries = (f32[query_at[:, None] + np.arange(self.dim)] * scales[:, None]).astype(np.float32)
@@ -758,6 +789,7 @@ class TorchEngine(Engine):
 
     def _search(self, queries: np.ndarray, k: int, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """The base-class hook (row numbers, host mask): an eager scan with the mask as the live column."""
+        self._settle()
         n = self.rows.size
         nq = len(queries)
         rows = np.zeros((nq, k), np.int64)
@@ -861,7 +893,7 @@ class TorchEngine(Engine):
         use_graph = self._graphs_enabled and live is None
         entry = self._graphs.get(key) if use_graph else None
         if entry is not None:
-            if threading.get_ident() in self._bound_threads:
+            if getattr(self._bound, "stream", False):
                 entry.replay()  # the engine's stream is already this thread's current stream
             else:
                 with self._on_stream():  # ~10 us of Python on a server CPU: see bind_stream
@@ -976,8 +1008,9 @@ class TorchEngine(Engine):
         cfg = plan.cfg
         half = kind == "f16"
         cap = self.rows.capacity
-        # (The GEMM path's scores come from cuBLAS's own output buffers, one slice at a time.)
-        ws_a, ws_b, ws_s = self._workspace(qb, plan.ws_keys, cap if plan.score_chunk and not plan.gemm_rows else 0)
+        with self._on_stream():  # the workspace belongs to the stream that uses it
+            # (The GEMM path's scores come from cuBLAS's own output buffers, one slice at a time.)
+            ws_a, ws_b, ws_s = self._workspace(qb, plan.ws_keys, cap if plan.score_chunk and not plan.gemm_rows else 0)
         x = self._x16 if half else self._x32
         live_t = self._live if live is None else live
         if attached:
