@@ -23,6 +23,7 @@ import time
 import numpy as np
 import torch
 
+from gpu_engine import Flusher, time_events  # benchmarks/: the script's own folder is on sys.path
 from kalos.engine.torch_engine import TorchEngine
 
 OUT_ROWS: list[dict] = []
@@ -31,24 +32,6 @@ OUT_ROWS: list[dict] = []
 def emit(**kw) -> None:
     OUT_ROWS.append(kw)
     print(json.dumps(kw), flush=True)
-
-
-def events(fn, iters: int, stream, flush=None) -> tuple[float, float]:
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with torch.cuda.stream(stream):
-        for i in range(iters):
-            if flush is not None:
-                flush.zero_()
-            starts[i].record(stream)
-            fn()
-            ends[i].record(stream)
-    torch.cuda.synchronize()
-    t = np.array([s.elapsed_time(e) * 1000 for s, e in zip(starts, ends)])
-    return float(np.median(t)), float(np.percentile(t, 99))
 
 
 def build(n: int, dim: int, precision: str) -> TorchEngine:
@@ -68,7 +51,7 @@ def ceilings(n: int, dim: int, stream, flush) -> None:
     nbytes = x.numel() * 4
     for name, fn in (("read_sum", lambda: x.sum()), ("cublas_mv", lambda: torch.mv(x, q)),
                      ("copy", lambda: x.clone())):
-        p50, p99 = events(fn, 100, stream, flush)
+        p50, p99 = time_events(fn, 100, stream, flush=flush)
         moved = nbytes * (2 if name == "copy" else 1)
         emit(part="ceiling", what=name, n=n, p50_us=p50, p99_us=p99, tb_s=moved / (p50 * 1e-6) / 1e12)
 
@@ -83,7 +66,7 @@ def profile_graph(eng: TorchEngine, precision: str, stream, flush, nq: int = 1) 
 
     key = eng._key(kind, nq, 8, Filter(), True, True, False)
     graph = eng._graphs[key]
-    p50, p99 = events(graph.replay, 200, stream, flush)
+    p50, p99 = time_events(graph.replay, 200, stream, flush=flush)
     emit(part="graph", precision=precision, q=nq, n=eng.rows.size, p50_us=p50, p99_us=p99, key=str(key))
     from torch.profiler import ProfilerActivity, profile
 
@@ -147,7 +130,7 @@ def sweep_scan(eng: TorchEngine, half: bool, stream, flush) -> None:
                 WRITE_SCORES=True, num_warps=w, num_stages=1,
             )
         try:
-            p50, p99 = events(fn, 100, stream, flush)
+            p50, p99 = time_events(fn, 100, stream, flush=flush)
         except Exception as e:  # noqa: BLE001
             emit(part="scan_tile", half=half, tile=[bn, bd, w], error=repr(e)[:200])
             continue
@@ -174,9 +157,9 @@ def host_pointer_check(stream) -> None:
         copy_kernel[(1,)](dst_dev, dst_host, n, BLOCK=1024)
         torch.cuda.synchronize()
         ok_out = bool(torch.equal(dst_host, src * 4))
-        p_in = events(lambda: copy_kernel[(1,)](src, dst_dev, n, BLOCK=1024), 200, stream)
-        p_out = events(lambda: copy_kernel[(1,)](dst_dev, dst_host, n, BLOCK=1024), 200, stream)
-        p_memcpy = events(lambda: dst_dev.copy_(src, non_blocking=True), 200, stream)
+        p_in = time_events(lambda: copy_kernel[(1,)](src, dst_dev, n, BLOCK=1024), 200, stream)
+        p_out = time_events(lambda: copy_kernel[(1,)](dst_dev, dst_host, n, BLOCK=1024), 200, stream)
+        p_memcpy = time_events(lambda: dst_dev.copy_(src, non_blocking=True), 200, stream)
         emit(part="host_pointer", read_ok=ok_in, write_ok=ok_out, kernel_read_p50_us=p_in[0],
              kernel_write_p50_us=p_out[0], memcpy_h2d_p50_us=p_memcpy[0])
     except Exception as e:  # noqa: BLE001
@@ -193,7 +176,7 @@ def main() -> int:
                     help="only time the fast Q=1 graph for several final-kernel tiles (final_tile, final_warps)")
     args = ap.parse_args()
     stream = torch.cuda.Stream(priority=-100)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    flush = Flusher(torch.device("cuda"))  # zeroes 256 MiB: L2 holds none of the matrix
     if args.final_tiles:
         from kalos.engine import Filter
 
@@ -204,7 +187,7 @@ def main() -> int:
             eng.retune({"final_tile": tile, "final_warps": warps})
             eng.search(q, 8)
             graph = eng._graphs[eng._key("f16", 1, 8, Filter(), True, True, False)]
-            p50, p99 = events(graph.replay, 300, eng.stream, flush)
+            p50, p99 = time_events(graph.replay, 300, eng.stream, flush=flush)
             emit(part="final_tile", tile=tile, warps=warps, p50_us=p50, p99_us=p99)
         return 0
     if args.batches:

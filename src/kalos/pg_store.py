@@ -71,11 +71,9 @@ from kalos.store import (
     Item,
     _check_dim,
     _check_ids,
-    check_created_at,
+    check_add,
     check_namespace,
-    check_texts,
     check_vectors,
-    encode_metadata,
 )
 
 try:  # the optional 'postgres' extra; only this module needs it
@@ -521,12 +519,8 @@ class PostgresStore:
     ) -> tuple[np.ndarray, int, np.ndarray]:
         """As :meth:`kalos.store.Store.add`: ``(ids int64[n], namespace_id, created_at float64[n])``,
         returned after COMMIT. Bad input raises before anything is sent to the server."""
-        vecs = check_vectors(vectors, self.dim)
+        vecs, ns, text_col, meta_col, times = check_add(vectors, self.dim, namespace, texts, metadata, created_at)
         n = len(vecs)
-        ns = check_namespace(namespace)
-        text_col = check_texts(texts, n)
-        meta_col = encode_metadata(metadata, n)
-        times = check_created_at(created_at, n)
         for col in (text_col, meta_col):  # PostgreSQL text cannot hold NUL; SQLite can
             for i, t in enumerate(col):
                 if t is not None and "\x00" in t:

@@ -72,6 +72,7 @@ __all__ = [
     "check_namespace",
     "check_texts",
     "encode_metadata",
+    "check_add",
     "check_created_at",
 ]
 
@@ -306,6 +307,19 @@ def check_created_at(created_at: Any, n: int) -> np.ndarray:
     if bad.any():
         raise InvalidArgument(f"created_at[{int(np.flatnonzero(bad)[0])}] is not finite")
     return c
+
+
+def check_add(
+    vectors: Any, dim: int, namespace: Any, texts: Any, metadata: Any, created_at: Any,
+) -> tuple[np.ndarray, str, list[str | None], list[str | None], np.ndarray]:
+    """Every column of one add, checked: ``(vectors, namespace, texts, metadata JSON, created_at)``.
+
+    What every store's ``add`` checks before it writes anything.
+    """
+    vecs = check_vectors(vectors, dim)
+    n = len(vecs)
+    return (vecs, check_namespace(namespace), check_texts(texts, n), encode_metadata(metadata, n),
+            check_created_at(created_at, n))
 
 
 def _check_ids(ids: Any, what: str) -> np.ndarray:
@@ -587,12 +601,8 @@ class Store:
         Returns only after the commit is on disk. Any bad input raises before anything is
         written (InvalidArgument / DimensionMismatch naming the offending index).
         """
-        vecs = check_vectors(vectors, self.dim)
+        vecs, ns, text_col, meta_col, times = check_add(vectors, self.dim, namespace, texts, metadata, created_at)
         n = len(vecs)
-        ns = check_namespace(namespace)
-        text_col = check_texts(texts, n)
-        meta_col = encode_metadata(metadata, n)
-        times = check_created_at(created_at, n)
 
         row_bytes = 4 * self.dim
         # One buffer, sliced per row: no per-row copy before SQLite copies the blob.

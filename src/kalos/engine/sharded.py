@@ -81,11 +81,13 @@ class ShardedEngine:
         ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
         if len(ids) == 0:
             return
+        target = min(self.shards, key=len)
         for shard in self.shards:
+            if shard is target:
+                continue  # its own add checks its ids
             clash = [i for i in ids.tolist() if i in shard]
             if clash:
                 raise InvalidArgument(f"{len(clash)} ids already present, e.g. {clash[:5]}")
-        target = min(self.shards, key=len)
         target.add(ids, vectors, namespaces, created_at)
 
     def delete(self, ids: np.ndarray) -> int:

@@ -91,9 +91,6 @@ _KP_MAX = 1024  # result row stride of the engine's own result area: _kp(MAX_K)
 _HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-SENTINEL_KEY = -(2**63)  # triton_kernels.SENTINEL: "no row"
-
-
 @contextlib.contextmanager
 def _tf32_matmul():
     """float32 matmuls on tensor cores (tf32) inside the block; the caller's setting after.
@@ -223,6 +220,17 @@ class _Plan:
 # -- host buffers ------------------------------------------------------------------------------
 
 
+@dataclass
+class _Attached:
+    """The host buffer that :meth:`TorchEngine.search_attached` reads and writes in place."""
+
+    host: HostBuffer
+    f32: torch.Tensor  # the buffer as float32 / int64 words: kernel arguments
+    i64: torch.Tensor
+    f32_np: np.ndarray  # the same memory for the host-side paths (fallbacks)
+    i64_np: np.ndarray
+
+
 class HostBuffer:
     """A host buffer (mmap, bytearray, writable memoryview, NumPy array) as a uint8 tensor,
     page-locked with ``cudaHostRegister`` when CUDA is available.
@@ -302,6 +310,8 @@ def _triton_kernels(require_interpreter: bool):
         from kalos.engine import triton_kernels as tk
     except ImportError:
         return None
+    if tk.HDR_WORDS.value != _HDR_WORDS:
+        raise AssertionError(f"header layouts disagree: kernels {tk.HDR_WORDS.value} words, engine {_HDR_WORDS}")
     if require_interpreter:
         from triton.runtime.interpreter import InterpretedFunction
 
@@ -470,7 +480,7 @@ class TorchEngine(Engine):
         self._own_tab[:, 1] = off_i // 8 + rows * _KP_MAX
         self._own_tab[:, 2] = off_s // 4 + rows * _KP_MAX
         self._own_tab.view(np.float64)[:, 3] = 1.0
-        self._attached = None  # (HostBuffer, float32 view, int64 view): see attach_host
+        self._attached: _Attached | None = None  # see attach_host
 
     def _settle(self) -> None:
         """Finishes a search that search_start queued (its waiter then returns the kept answer)."""
@@ -539,13 +549,7 @@ class TorchEngine(Engine):
 
     def search(self, queries: np.ndarray, k: int, flt: Filter = Filter()) -> tuple[np.ndarray, np.ndarray]:
         """Top-k by cosine: ``(ids[Q, k] int64, scores[Q, k] float32)``, best first, padded -1/-inf."""
-        if isinstance(queries, torch.Tensor):
-            queries = queries.detach().to("cpu", torch.float32).numpy()
-        queries = np.asarray(queries, dtype=np.float32)
-        if queries.ndim != 2 or queries.shape[1] != self.dim:
-            raise InvalidQuery(f"expected queries of shape (Q, {self.dim}), got {queries.shape}")
-        self._check_k(k)
-        self._settle()
+        queries = self._host_queries(queries, k)
         nq = len(queries)
         ids = np.full((nq, k), MISSING_ID, np.int64)
         scores = np.full((nq, k), -np.inf, np.float32)
@@ -564,19 +568,13 @@ class TorchEngine(Engine):
         this engine is asked to do before the function is called finishes the search first
         (the function then returns the kept answer), so answers can never be mixed up.
         """
-        queries = np.asarray(queries, dtype=np.float32)
-        if queries.ndim != 2 or queries.shape[1] != self.dim:
-            raise InvalidQuery(f"expected queries of shape (Q, {self.dim}), got {queries.shape}")
-        self._check_k(k)
-        self._settle()
+        queries = self._host_queries(queries, k)
         nq = len(queries)
         if self.backend != "triton" or nq == 0 or nq > self.max_batch or self.rows.size == 0:
             result = self.search(queries, k, flt)
             return lambda: result
         flt = self.rows.simplify(flt)
-        fast = self.precision == "fast" and k <= MAX_FAST_K
-        kind = "f16" if fast else ("tf32" if nq > 1 and self._tune["exact_batch_scan"] == "tf32" and k <= MAX_FAST_K
-                                   else "f32")
+        kind = self._scan_kind(nq, k, self.precision)
         self.stats["searches"] += nq
         self._triton_start(queries, k, flt, True, kind, None)
 
@@ -692,7 +690,7 @@ class TorchEngine(Engine):
         words = hb.nbytes // 8
         f32 = hb.tensor[: 8 * words].view(torch.float32)
         i64 = hb.tensor[: 8 * words].view(torch.int64)
-        self._attached = (hb, f32, i64, f32.numpy(), i64.numpy())
+        self._attached = _Attached(hb, f32, i64, f32.numpy(), i64.numpy())
         return hb
 
     def detach_host(self) -> None:
@@ -702,9 +700,9 @@ class TorchEngine(Engine):
         if self._is_cuda:
             self._stream.synchronize()
         self._graphs = {key: g for key, g in self._graphs.items() if not key[-1]}
-        hb = self._attached[0]
+        host = self._attached.host
         self._attached = None
-        hb.unregister()
+        host.unregister()
 
     def search_attached(
         self,
@@ -728,7 +726,7 @@ class TorchEngine(Engine):
         if self._attached is None:
             raise InvalidArgument("search_attached needs a buffer: call attach_host first")
         self._check_k(k)
-        _, _, _, f32, i64 = self._attached
+        f32, i64 = self._attached.f32_np, self._attached.i64_np
         query_at, ids_at, scores_at = (np.asarray(a, dtype=np.int64) for a in (query_at, ids_at, scores_at))
         scales = np.asarray(scales, dtype=np.float64)
         nq = len(query_at)
@@ -747,20 +745,18 @@ class TorchEngine(Engine):
         self._settle()
         n = self.rows.size
         if self.backend != "triton" or n == 0:
-            queries = (f32[query_at[:, None] + np.arange(self.dim)] * scales[:, None]).astype(np.float32)
-            ids, scores = self.search(queries, k, flt)
+            ids, scores = self.search(self._gather(query_at, scales), k, flt)
             self._scatter(ids, scores, ids_at, scores_at, k)
             return
+        flt = self.rows.simplify(flt)
         for s in range(0, nq, self.max_batch):
             e = min(nq, s + self.max_batch)
-            self._attached_batch(query_at[s:e], scales[s:e], ids_at[s:e], scores_at[s:e], k, self.rows.simplify(flt))
+            self._attached_batch(query_at[s:e], scales[s:e], ids_at[s:e], scores_at[s:e], k, flt)
 
     def _attached_batch(self, query_at, scales, ids_at, scores_at, k: int, flt: Filter) -> None:
         nq = len(query_at)
         n = self.rows.size
-        fast = self.precision == "fast" and k <= MAX_FAST_K
-        kind = "f16" if fast else ("tf32" if nq > 1 and self._tune["exact_batch_scan"] == "tf32" and k <= MAX_FAST_K
-                                   else "f32")
+        kind = self._scan_kind(nq, k, self.precision)
         self._fill_header(n, nq, k, flt)
         tab = self._h_tab
         tab[:nq, 0] = query_at
@@ -773,19 +769,21 @@ class TorchEngine(Engine):
             bad = np.flatnonzero(self._r_status[:nq])
             if len(bad):  # the certificate failed: redo those queries with the float32 scan
                 self.stats["fallbacks"] += len(bad)
-                f32 = self._attached[3]
-                rows = f32[query_at[bad, None] + np.arange(self.dim)]
-                queries = (rows * scales[bad, None]).astype(np.float32)
+                queries = self._gather(query_at[bad], scales[bad])
                 ids = np.empty((len(bad), k), np.int64)
                 scores = np.empty((len(bad), k), np.float32)
                 self._triton_batch(queries, k, flt, ids, scores, True, "f32", None)
                 self._scatter(ids, scores, ids_at[bad], scores_at[bad], k)
 
+    def _gather(self, query_at: np.ndarray, scales: np.ndarray) -> np.ndarray:
+        """Queries of the attached buffer, normalised on the host (the paths without kernels)."""
+        rows = self._attached.f32_np[query_at[:, None] + np.arange(self.dim)]
+        return (rows * scales[:, None]).astype(np.float32)
+
     def _scatter(self, ids: np.ndarray, scores: np.ndarray, ids_at: np.ndarray, scores_at: np.ndarray, k: int) -> None:
-        _, _, _, f32, i64 = self._attached
         cols = np.arange(k)
-        i64[ids_at[:, None] + cols] = ids[:, :k]
-        f32[scores_at[:, None] + cols] = scores[:, :k]
+        self._attached.i64_np[ids_at[:, None] + cols] = ids[:, :k]
+        self._attached.f32_np[scores_at[:, None] + cols] = scores[:, :k]
 
     def _search(self, queries: np.ndarray, k: int, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """The base-class hook (row numbers, host mask): an eager scan with the mask as the live column."""
@@ -800,6 +798,18 @@ class TorchEngine(Engine):
             live[:n].copy_(torch.from_numpy(mask.view(np.uint8)))
         self._search_rows(queries, k, Filter(), rows, scores, want_ids=False, live=live)
         return rows, scores
+
+    def _host_queries(self, queries, k: int) -> np.ndarray:
+        """``queries`` as a float32 ``[Q, dim]`` host array after checking them and ``k``; a
+        search that search_start left pending is finished first."""
+        if isinstance(queries, torch.Tensor):
+            queries = queries.detach().to("cpu", torch.float32).numpy()
+        queries = np.asarray(queries, dtype=np.float32)
+        if queries.ndim != 2 or queries.shape[1] != self.dim:
+            raise InvalidQuery(f"expected queries of shape (Q, {self.dim}), got {queries.shape}")
+        self._check_k(k)
+        self._settle()
+        return queries
 
     def _check_k(self, k: int) -> None:
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
@@ -820,9 +830,7 @@ class TorchEngine(Engine):
         for s in range(0, nq, self.max_batch):
             e = min(nq, s + self.max_batch)
             if self.backend == "triton":
-                kind = "f16" if fast else "f32"
-                if kind == "f32" and e - s > 1 and self._tune["exact_batch_scan"] == "tf32" and k <= MAX_FAST_K:
-                    kind = "tf32"
+                kind = self._scan_kind(e - s, k, precision)
                 self._triton_batch(queries[s:e], k, flt, out_i[s:e], out_s[s:e], want_ids, kind, live)
             else:
                 self._torch_batch(queries[s:e], k, flt, out_i[s:e], out_s[s:e], want_ids, fast, live)
@@ -1014,8 +1022,7 @@ class TorchEngine(Engine):
         x = self._x16 if half else self._x32
         live_t = self._live if live is None else live
         if attached:
-            _, src, res_i = self._attached[:3]
-            res_s = src
+            src, res_i, res_s = self._attached.f32, self._attached.i64, self._attached.f32
         else:
             src, res_i, res_s = self._h_q_t, self._res_i64, self._res_f32
         with self._on_stream():
@@ -1092,7 +1099,7 @@ class TorchEngine(Engine):
             )
         done = -(-min(cap, slices * g) // chunk) * plan.k1
         if done < stride:
-            ws_a[: qb * stride].view(qb, stride)[:, done:].fill_(SENTINEL_KEY)
+            ws_a[: qb * stride].view(qb, stride)[:, done:].fill_(tk.SENTINEL)
 
     def _gemm_ok(self, kind: str) -> bool:
         """Whether cuBLAS can score this kind here (fp16 needs mm with a float32 output)."""
@@ -1132,9 +1139,16 @@ class TorchEngine(Engine):
 
     def plan(self, q: int, k: int, precision: str | None = None) -> _Plan:
         """The launch plan (tiles, programs, merge levels) a batch of q queries would use."""
-        fast = (precision or self.precision) == "fast" and k <= MAX_FAST_K
-        kind = "f16" if fast else ("tf32" if q > 1 and self._tune["exact_batch_scan"] == "tf32" else "f32")
-        return self._plan(kind, _next_pow2(q), _kp(k))
+        return self._plan(self._scan_kind(q, k, precision or self.precision), _next_pow2(q), _kp(k))
+
+    def _scan_kind(self, nq: int, k: int, precision: str) -> str:
+        """What a batch of ``nq`` queries scans: "f16" (fast), "tf32" (exact batches, certified)
+        or "f32" (exact). The 16-bit and tf32 paths serve k <= MAX_FAST_K."""
+        if k > MAX_FAST_K:
+            return "f32"
+        if precision == "fast":
+            return "f16"
+        return "tf32" if nq > 1 and self._tune["exact_batch_scan"] == "tf32" else "f32"
 
     # -- the plain PyTorch path -----------------------------------------------------------------
 
