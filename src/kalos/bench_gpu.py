@@ -119,6 +119,10 @@ def run_gpu_bench(args: argparse.Namespace) -> int:
             for precision in args.gpu_precisions.split(","):
                 _end_to_end(torch, rows, store, name, device, precision, matrix, queries, reference, args, n,
                             floor32 if precision == "exact" else floor16, batches, under_load=(n == sizes[0]))
+            if args.gpu_polling:
+                for precision in args.gpu_precisions.split(","):
+                    _end_to_end(torch, rows, store, name, device, precision, matrix, queries, reference, args, n,
+                                floor32 if precision == "exact" else floor16, [1], under_load=False, polling=True)
             if args.gpu_host_copies:
                 _end_to_end(torch, rows, store, name, device, "exact", matrix, queries, reference, args, n,
                             floor32, [1], under_load=False, zero_copy=False)
@@ -210,16 +214,18 @@ def _in_process_engines(torch: Any, engine_cls: Any, rows: list, matrix: np.ndar
 
 def _end_to_end(torch: Any, rows: list, store: Path, name: str, device: Any, precision: str, matrix: np.ndarray,
                 queries: np.ndarray, reference: np.ndarray, args: argparse.Namespace, n: int, floor: float,
-                batches: list[int], *, under_load: bool, zero_copy: bool = True) -> None:
+                batches: list[int], *, under_load: bool, zero_copy: bool = True, polling: bool = False) -> None:
     max_batch = max(batches)
     extra = ["--precision", precision, "--max-batch", str(max_batch)] + ([] if zero_copy else ["--no-zero-copy"])
+    extra += ["--gpu-polling"] if polling else []
     with SidecarProcess(store, name=name, device=str(device), extra_args=extra, ready_timeout=600) as sidecar, \
             Client(name) as client:
         print(f"  {sidecar.ready_line}", flush=True)
         got = client.recall_many(queries, k=args.k).ids - 1  # store ids start at 1
         agree = float(np.mean([len(set(a) & set(b)) / args.k for a, b in zip(got, reference)]))
         print(f"  end to end ({precision}) vs in-process exact top-{args.k}: agreement {agree:.6f}", flush=True)
-        path = f"Kalos end to end {precision} (client process{'' if zero_copy else ', host copies'})"
+        how = ", host copies" if not zero_copy else (", resident kernel" if polling else "")
+        path = f"Kalos end to end {precision} (client process{how})"
         _row(rows, path, n, 1, time_calls(lambda i: client.recall(queries[i % 512], k=args.k), args.repeats, 100),
              floor, agreement=agree)
         for b in batches:
@@ -229,6 +235,8 @@ def _end_to_end(torch: Any, rows: list, store: Path, name: str, device: Any, pre
                                 max(20, args.repeats // b), 5), floor)
         stats = client.stats()
         rows[-1]["engine_bytes"] = stats["engine_bytes"]
+        print(f"  recalls answered by the resident GPU kernel: {stats.get('gpu_polled', 0):,}; "
+              f"by the sweep: {stats['queries']:,}", flush=True)
         print(f"  sidecar-side service time per batch (all rows above): p50 {stats['service_p50_us']} us, "
               f"p99 {stats['service_p99_us']} us", flush=True)
         if under_load:

@@ -243,6 +243,9 @@ class SidecarChannel:
         # What the sidecar last answered per slot: its own copy, never re-read from shared
         # memory, so a client scribbling on resp_seq cannot make the sidecar skip or repeat.
         self.answered = np.zeros(layout.n_slots, dtype=np.uint64)
+        # What was answered when sleepers were last checked (answers the GPU writes by itself,
+        # kalos.engine.slot_server, are seen here and their sleeping clients woken).
+        self._woken = np.zeros(layout.n_slots, dtype=np.uint64)
         self.active = np.zeros(layout.n_slots, dtype=bool)
         self.wake_fds: list[int] = [-1] * layout.n_slots
         self.doorbell_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -257,6 +260,7 @@ class SidecarChannel:
         os.set_blocking(wake_fd, False)
         self.slots[slot].reset()
         self.answered[slot] = 0
+        self._woken[slot] = 0
         self.wake_fds[slot] = wake_fd
         self.active[slot] = True
 
@@ -270,10 +274,22 @@ class SidecarChannel:
         free = np.flatnonzero(~self.active)
         return int(free[0]) if len(free) else None
 
-    def pending(self) -> tuple[np.ndarray, np.ndarray]:
-        """Slots with an unanswered request, and the req_seq seen for each."""
+    def adopt_answered(self, answered: np.ndarray) -> None:
+        """Keeps the record of answered sequence numbers in ``answered`` from now on (memory a
+        GPU kernel that answers requests by itself also writes); the current record is copied."""
+        if answered.shape != self.answered.shape or answered.dtype != self.answered.dtype:
+            raise InvalidArgument(f"answered must be {self.answered.dtype}[{len(self.answered)}]")
+        answered[:] = self.answered
+        self.answered = answered
+
+    def pending(self, handed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Slots with an unanswered request, and the req_seq seen for each; with ``handed``
+        (while a GPU kernel serves the slots), only requests it handed to the host."""
         req_seq = self._columns.req_seq
-        ready = np.flatnonzero((req_seq != self.answered) & self.active)
+        mine = (req_seq != self.answered) & self.active
+        if handed is not None:
+            mine &= req_seq == handed
+        ready = np.flatnonzero(mine)
         if not len(ready):
             return ready, _NO_SEQS
         # An honest client does not touch its slot while its request is pending, so reading
@@ -288,7 +304,20 @@ class SidecarChannel:
         for slot, seq in zip(slots.tolist(), seqs.tolist()):
             self.slots[slot].resp_seq[0] = seq
             self.answered[slot] = seq
+            self._woken[slot] = seq
         full_fence()  # store resp_seq, then load client_sleeping (Dekker, see kalos.sync)
+        self._wake(slots)
+
+    def wake_answered(self) -> None:
+        """Wakes the sleeping clients of answers written by someone else (a GPU kernel that
+        stores ``resp_seq`` itself, then ``answered``)."""
+        fresh = np.flatnonzero(self.answered != self._woken)
+        if len(fresh):
+            self._woken[fresh] = self.answered[fresh]
+            full_fence()  # load answered (after its resp_seq), then load client_sleeping
+            self._wake(fresh)
+
+    def _wake(self, slots: np.ndarray) -> None:
         sleeping = self._columns.client_sleeping[slots]
         for slot in slots[sleeping != 0].tolist():
             fd = self.wake_fds[slot]

@@ -57,6 +57,10 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-zero-copy", dest="zero_copy", action="store_false",
                        help="GPU engine: pass queries and answers through host copies instead of letting the "
                        "kernels read and write the page-locked shared segment directly (for comparisons)")
+    serve.add_argument("--gpu-polling", action="store_true",
+                       help="GPU engine, experimental: a resident kernel polls the slots and answers single "
+                       "recalls (k <= 16, all namespaces or one, no time window) by itself while traffic lasts; "
+                       "it exits after --spin-us without a request. Not yet faster end to end (BENCHMARKS.md)")
     serve.add_argument("--seed-compat", action="store_true",
                        help="also serve the seed article's recall_shm_t protocol (top-8 over all namespaces)")
     serve.add_argument("--seed-compat-shm", default="/kalos_recall_shm",
@@ -175,6 +179,9 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="GPU suite: comma-separated N values (default: %(default)s)")
     bench.add_argument("--gpu-precisions", default="exact,fast",
                        help="GPU suite: sidecar precisions measured end to end (default: %(default)s)")
+    bench.add_argument("--gpu-polling", action="store_true",
+                       help="GPU suite: also measure single recalls end to end with serve --gpu-polling (the "
+                       "resident kernel), side by side")
     bench.add_argument("--gpu-host-copies", action="store_true",
                        help="GPU suite: also measure the exact path end to end with --no-zero-copy, side by side")
     bench.add_argument("--batches", default="1,8,64,256",
@@ -239,6 +246,7 @@ def _serve(args: argparse.Namespace) -> int:
         precision=args.precision,
         slots=args.slots, max_k=args.max_k, max_batch=args.max_batch, spin_us=args.spin_us,
         seed_compat=args.seed_compat, seed_compat_shm=args.seed_compat_shm, zero_copy=args.zero_copy,
+        gpu_polling=args.gpu_polling,
     )
     sidecar = Sidecar(config)
     sidecar.stop_on_signals()  # before the ready line: whoever saw it may signal at once

@@ -53,6 +53,7 @@ __all__ = [
     "HeaderView",
     "SlotView",
     "SlotColumns",
+    "SlotWords",
 ]
 
 MAGIC = int.from_bytes(b"KALOSSHM", "little")
@@ -190,6 +191,54 @@ class Layout:
                 f"expected {(layout.header_size, layout.slot_size)}; {len(buf)} bytes mapped, {layout.size} needed)"
             )
         return layout
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotWords:
+    """Where a GPU kernel that serves slots by itself finds each field, in 8-byte words.
+
+    Word offsets are from the start of a slot; ``queries`` / ``scores`` are float32 element
+    offsets and ``ids`` an int64 element offset from the start of the slot. Two 32-bit fields
+    share each of the words ``op_k`` (op low, k high), ``nq_flags`` (n_queries low, flags high)
+    and ``status_n`` (status low, n_results high), little-endian.
+    """
+
+    req_seq: int
+    op_k: int
+    nq_flags: int
+    ns_len: int  # namespace_len in the high half of this word
+    ns_bytes: int  # the namespace's NAMESPACE_BYTES bytes start at this word
+    resp_seq: int
+    status_n: int
+    queries: int
+    ids: int
+    scores: int
+
+    @classmethod
+    def of(cls, layout: "Layout") -> "SlotWords":
+        def word(dtype: np.dtype, base: int, low: str, high: str | None = None) -> int:
+            off = base + dtype.fields[low][1]
+            if off % 8 or (high is not None and dtype.fields[high][1] != dtype.fields[low][1] + 4):
+                raise AssertionError(f"{low}/{high} do not share one aligned 8-byte word")
+            return off // 8
+
+        req, resp = layout.request_offset, layout.response_offset
+        ns_len_at = req + REQUEST_DTYPE.fields["namespace_len"][1]
+        ns_at = req + REQUEST_DTYPE.fields["namespace"][1]
+        if ns_len_at % 8 != 4 or ns_at % 8:
+            raise AssertionError("namespace_len must be the high half of a word, namespace word-aligned")
+        return cls(
+            req_seq=word(REQUEST_DTYPE, req, "req_seq"),
+            op_k=word(REQUEST_DTYPE, req, "op", "k"),
+            nq_flags=word(REQUEST_DTYPE, req, "n_queries", "flags"),
+            ns_len=ns_len_at // 8,
+            ns_bytes=ns_at // 8,
+            resp_seq=word(RESPONSE_DTYPE, resp, "resp_seq"),
+            status_n=word(RESPONSE_DTYPE, resp, "status", "n_results"),
+            queries=layout.queries_offset // 4,
+            ids=layout.ids_offset // 8,
+            scores=layout.scores_offset // 4,
+        )
 
 
 def _scalar_views(buf: memoryview, base: int, dtype: np.dtype) -> dict[str, np.ndarray]:

@@ -99,6 +99,10 @@ class SidecarConfig:
     # A GPU engine reads queries from the slots and writes answers into them in place (the
     # segment page-locked with cudaHostRegister); False: through host copies (benchmarks).
     zero_copy: bool = True
+    # Experimental, off by default: with zero copy, a resident GPU kernel polls the slots and
+    # answers single recalls by itself (kalos.engine.slot_server). Measured on an H200 it was
+    # not yet faster end to end than the sweep, and slowed batches (BENCHMARKS.md).
+    gpu_polling: bool = False
 
     def __post_init__(self) -> None:
         for field, low, high in (("slots", 1, 4096), ("max_k", 1, 65536), ("max_batch", 1, 65536)):
@@ -156,6 +160,7 @@ class Sidecar:
         self.store: Store | None = None  # or a PostgresStore
         self._follower: Any = None  # follows a shared (PostgreSQL) store's change log
         self.zero_copy = False
+        self._slot_server: Any = None  # kalos.engine.slot_server.SlotServer, when the GPU polls
         self._name_lock = _NameLock(self.endpoint.lock_path, config.name)
         try:
             self.store = open_store(config.store, dim=config.dim)
@@ -193,6 +198,8 @@ class Sidecar:
             self.channel = SidecarChannel(self._segment, self.layout, epoch=self.epoch)
             self.channel.stamp_heartbeat()
             self.zero_copy = self._attach_segment()
+            self._slot_server = self._make_slot_server()
+            self.channel.stamp_heartbeat()  # compiling the slot server's kernel may take seconds
             self._listener = self._listen(self.endpoint.socket_path)
             if config.seed_compat:
                 from kalos.seed_compat import SeedCompatServer
@@ -241,6 +248,35 @@ class Sidecar:
         self._scores_at = (base + layout.scores_offset) // 4
         return True
 
+    def _make_slot_server(self) -> Any:
+        """The resident kernel that answers single recalls from the slots (CUDA, Triton, zero copy)."""
+        if not (self.zero_copy and self.config.gpu_polling and str(self.engine.device).startswith("cuda")):
+            return None
+        if getattr(self.engine, "backend", None) != "triton":
+            return None
+        try:
+            from kalos.engine.slot_server import SlotServer
+
+            server = SlotServer(self.engine, self.layout, self.channel.answered, idle_s=self.config.spin_us / 1e6)
+            server.warm()
+        except Exception as exc:  # noqa: BLE001 - the sweep's own path still serves everything
+            log.warning("GPU polling off: the slot server could not be set up (%s)", exc)
+            return None
+        self.channel.adopt_answered(server.answered)
+        return server
+
+    def _pause_slot_server(self) -> None:
+        """Stops the resident kernel before the engine or the slots change (``_state_lock``
+        held); the sweep starts it again on the next request."""
+        server = self._slot_server
+        if server is None:
+            return
+        try:
+            server.stop()
+        except Exception:  # a kernel fault: keep serving through the sweep alone
+            log.exception("the GPU slot server failed; recalls go through the sweep from now on")
+            self._slot_server = None
+
     def ready_message(self) -> str:
         return (
             f"kalos sidecar {self.config.name!r} ready: {len(self.engine):,} memories (dim {self.store.dim}) "
@@ -256,6 +292,7 @@ class Sidecar:
 
     def serve_forever(self) -> None:
         """Runs the sweep in this thread until :meth:`stop`, then releases everything."""
+        self.channel.stamp_heartbeat()
         self._start_thread(self._heartbeat, "kalos-heartbeat")
         self._start_thread(self._accept, "kalos-accept")
         if self._follower is not None:
@@ -303,6 +340,8 @@ class Sidecar:
         self._threads.clear()
         if getattr(self, "channel", None) is not None:
             with self._state_lock:
+                self._pause_slot_server()  # it reads the segment: stop it before unpinning
+                self._slot_server = None
                 self.channel.close()
                 if self.zero_copy:
                     self.engine.detach_host()  # unpin before the segment is unmapped
@@ -347,10 +386,25 @@ class Sidecar:
         last_work = clock()
         while not self._stopping.is_set():
             with self._state_lock:
-                slots, seqs = channel.pending()
+                server = self._slot_server
+                # While the resident kernel runs it answers the slots itself; the sweep takes
+                # only what it hands over, and wakes the clients of its answers that slept.
+                serving = server is not None and self._slot_server_running(server)
+                slots, seqs = channel.pending(server.handed if serving else None)
                 if len(slots):
+                    if serving:
+                        # Handed-over work (batches, filters, large k) needs the whole GPU: the
+                        # resident kernel holds most of every SM (measured: a batch of 64 took
+                        # 2.4 ms beside it, 0.24 ms alone). Stop it, answer, start it again.
+                        self._pause_slot_server()
+                        channel.wake_answered()
+                        serving = False
                     self._answer(slots, seqs)
-            if len(slots):
+                if serving:
+                    channel.wake_answered()
+                elif self._slot_server is not None and len(slots):
+                    self._start_slot_server(self._slot_server)
+            if len(slots) or serving:
                 last_work = clock()
             elif clock() - last_work < spin_s:
                 # Hot: keep sweeping, but hand the GIL to a waiting control thread at once
@@ -360,6 +414,26 @@ class Sidecar:
             else:
                 channel.sleep(timeout_s=0.5)
                 last_work = clock() - spin_s  # spin again only once a request has arrived
+
+    def _slot_server_running(self, server: Any) -> bool:
+        try:
+            return server.running()
+        except Exception:  # a kernel fault, or programs that could not all be resident
+            log.exception("the GPU slot server failed; recalls go through the sweep from now on")
+            self._slot_server = None
+            return False
+
+    def _start_slot_server(self, server: Any) -> None:
+        """Launches the resident kernel once traffic has arrived (``_state_lock`` held); it
+        exits by itself after the sidecar's spin window without a request."""
+        channel = self.channel
+        try:
+            channel.wake_answered()  # answers of its previous run, seen before it exited
+            server.set_namespaces(self._namespaces)
+            server.start(channel.active)
+        except Exception:
+            log.exception("the GPU slot server failed to start; recalls go through the sweep from now on")
+            self._slot_server = None
 
     def _answer(self, slots: np.ndarray, seqs: np.ndarray) -> None:
         """Answers the requests in ``slots`` (all of them, errors included), then publishes."""
@@ -566,6 +640,7 @@ class Sidecar:
             if slot is not None:
                 with self._state_lock:
                     if self.channel is not None:
+                        self._pause_slot_server()
                         self.channel.deactivate(slot)
             self._connections.discard(conn)
             conn.close()
@@ -583,7 +658,10 @@ class Sidecar:
                 raise InvalidArgument(
                     f"all {self.layout.n_slots} slots are in use; restart the sidecar with more --slots"
                 )
+            self._pause_slot_server()  # it polls the slots that had a client at its launch
             self.channel.activate(slot, wake_fd)
+            if self._slot_server is not None:
+                self._slot_server.forget(slot)
         try:
             send_frame(conn, ok_reply(
                 slot=slot, segment=self.endpoint.segment_name, epoch=self.epoch, dim=self.layout.dim,
@@ -596,6 +674,7 @@ class Sidecar:
             # receives the slot number, so its cleanup cannot free it: free it here, or the slot
             # leaks for the sidecar's lifetime (found by tests/reliability/test_client_death.py).
             with self._state_lock:
+                self._pause_slot_server()
                 self.channel.deactivate(slot)
             raise
         return slot
@@ -613,6 +692,7 @@ class Sidecar:
                 created_at=message.get("created_at"),
             )
             with self._state_lock:
+                self._pause_slot_server()
                 self.engine.add(ids, unit, np.int32(namespace_id), created_at)
                 self._namespaces[namespace.encode()] = namespace_id
         spec, out = array_blob(ids, "int64")
@@ -624,6 +704,7 @@ class Sidecar:
         from kalos.follow import apply_to_engine
 
         with self._state_lock:
+            self._pause_slot_server()
             apply_to_engine(self.engine, self._namespaces, batch)
 
     def _op_delete(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
@@ -631,6 +712,7 @@ class Sidecar:
         with self._write_lock:
             deleted = self.store.delete(ids)
             with self._state_lock:
+                self._pause_slot_server()
                 self.engine.delete(deleted)
         return ok_reply(deleted=len(deleted)), b""
 
@@ -644,6 +726,8 @@ class Sidecar:
                 "count": len(self.engine), "capacity": self.engine.capacity, "tombstones": self.engine.tombstones,
                 "device": self.engine.device, "engine": self.engine.name, "engine_bytes": self.engine.memory_bytes(),
                 "clients": int(self.channel.active.sum()),
+                # Single recalls the resident GPU kernel answered by itself (not in "queries").
+                "gpu_polled": self._slot_server.served if self._slot_server is not None else 0,
             }
         return ok_reply(
             name=self.config.name, pid=os.getpid(), epoch=self.epoch, dim=self.store.dim,
@@ -655,6 +739,7 @@ class Sidecar:
 
     def _op_compact(self, _message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
         with self._write_lock, self._state_lock:
+            self._pause_slot_server()
             before = self.engine.tombstones
             self.engine.compact()
         return ok_reply(removed=before), b""

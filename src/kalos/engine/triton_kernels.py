@@ -34,7 +34,7 @@ import triton.language as tl
 
 __all__ = [
     "SENTINEL", "HDR_WORDS", "stage_in_kernel", "scan_topk_kernel", "scores_topk_kernel", "merge_topk_kernel",
-    "final_kernel",
+    "final_kernel", "serve_slots_kernel",
 ]
 
 SENTINEL = -(2**63)
@@ -75,6 +75,59 @@ def _merge_sorted(a, b):
     # halves holds the K largest and is itself bitonic, so one bitonic merge sorts it.
     c = tl.maximum(a, tl.flip(b, 1))
     return tl.bitonic_merge(c, descending=True)
+
+
+@triton.jit
+def _row_scores(X, q_ptr, rows, in_rng, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                HALF: tl.constexpr):
+    """float32 scores of ``BLOCK_N`` rows of X against the query at ``q_ptr`` (masked rows: 0)."""
+    EVEN_D: tl.constexpr = D % BLOCK_D == 0
+    acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        ds = d0 + tl.arange(0, BLOCK_D)
+        # (Loading the query chunk as [1, BLOCK_D] instead made Triton convert the whole row
+        # tile to the query's layout: worse. The [BLOCK_D] vector's own conversion costs one
+        # small shared-memory round trip per chunk.)
+        if EVEN_D:
+            x = tl.load(X + rows[:, None] * D + ds[None, :], mask=in_rng[:, None], other=0.0)
+            qv = tl.load(q_ptr + ds)
+        else:
+            x = tl.load(X + rows[:, None] * D + ds[None, :], mask=in_rng[:, None] & (ds < D)[None, :], other=0.0)
+            qv = tl.load(q_ptr + ds, mask=ds < D, other=0.0)
+        if HALF:
+            qv = qv.to(X.dtype.element_ty).to(tl.float32)
+        acc += x.to(tl.float32) * qv[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _certified_rescore(top, kq, X32, q_ptr, x_norm, err_a, err_b, err_c, D: tl.constexpr, KIN: tl.constexpr,
+                       KOUT: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The float32 top-KOUT of the KIN candidates ``top`` (keys of 16-bit or tf32 scores,
+    sorted), and whether the certificate holds (see ``torch_engine``): ``(keys [1, KOUT],
+    certified [1])``. ``kq`` is the k asked for, at most the rows in use."""
+    s16, rows2, valid2 = _unpack(top)
+    idx = tl.arange(0, KIN)[None, :]
+    t_k = tl.max(tl.where(idx == kq - 1, s16, float("-inf")), axis=1)
+    n_valid = tl.sum(valid2.to(tl.int32), axis=1)
+    t_last = tl.min(tl.where(valid2, s16, float("inf")), axis=1)
+    rows = tl.reshape(rows2, [KIN])
+    valid = tl.reshape(valid2, [KIN])
+    acc = tl.zeros([KIN, BLOCK_D], tl.float32)
+    qsq = tl.zeros([BLOCK_D], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        ds = d0 + tl.arange(0, BLOCK_D)
+        dm = ds < D
+        x = tl.load(X32 + rows[:, None] * D + ds[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
+        qv = tl.load(q_ptr + ds, mask=dm, other=0.0)
+        acc += x * qv[None, :]
+        qsq += qv * qv
+    s32 = tl.sum(acc, axis=1)
+    q_norm = tl.sqrt(tl.sum(qsq, axis=0)).to(tl.float64)
+    err = err_a * x_norm * q_norm + err_b * (x_norm + q_norm) + err_c
+    certified = (n_valid < KIN) | (t_last.to(tl.float64) < t_k.to(tl.float64) - 2.0 * err)
+    keys32 = tl.where(valid, _pack(s32, rows), -9223372036854775808)
+    return tl.topk(tl.reshape(keys32, [1, KIN]), KOUT), certified
 
 
 @triton.jit
@@ -158,26 +211,7 @@ def scan_topk_kernel(
             rows = blk.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
             in_rng = rows < n
             if BLOCK_Q == 1:
-                acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-                for d0 in range(0, D, BLOCK_D):
-                    ds = d0 + tl.arange(0, BLOCK_D)
-                    # (Loading the query chunk as [1, BLOCK_D] instead made Triton convert the
-                    # whole row tile to the query's layout: worse. The [BLOCK_D] vector's own
-                    # conversion costs one small shared-memory round trip per chunk.)
-                    if EVEN_D:
-                        x = tl.load(X + rows[:, None] * D + ds[None, :], mask=in_rng[:, None], other=0.0)
-                        qv = tl.load(Qs + pid_q * D + ds)
-                    else:
-                        x = tl.load(
-                            X + rows[:, None] * D + ds[None, :],
-                            mask=in_rng[:, None] & (ds < D)[None, :],
-                            other=0.0,
-                        )
-                        qv = tl.load(Qs + pid_q * D + ds, mask=ds < D, other=0.0)
-                    if HALF:
-                        qv = qv.to(X.dtype.element_ty).to(tl.float32)
-                    acc += x.to(tl.float32) * qv[None, :]
-                sc1 = tl.sum(acc, axis=1)
+                sc1 = _row_scores(X, Qs + pid_q * D, rows, in_rng, D, BLOCK_N, BLOCK_D, HALF)
                 sc = tl.reshape(sc1, [1, BLOCK_N])
             else:
                 acc = tl.zeros([BLOCK_Q, BLOCK_N], tl.float32)
@@ -322,30 +356,10 @@ def final_kernel(
         keys = tl.load(IN + q.to(tl.int64) * stride_in + offs, mask=offs < count_in, other=-9223372036854775808)
         top = tl.topk(tl.reshape(keys, [1, CHUNK]), KIN)
         if RESCORE:
-            s16, rows2, valid2 = _unpack(top)
-            kq = tl.load(HDR + 2)
-            idx = tl.arange(0, KIN)[None, :]
-            t_k = tl.max(tl.where(idx == kq - 1, s16, float("-inf")), axis=1)
-            n_valid = tl.sum(valid2.to(tl.int32), axis=1)
-            t_last = tl.min(tl.where(valid2, s16, float("inf")), axis=1)
-            rows = tl.reshape(rows2, [KIN])
-            valid = tl.reshape(valid2, [KIN])
-            acc = tl.zeros([KIN, BLOCK_D], tl.float32)
-            qsq = tl.zeros([BLOCK_D], tl.float32)
-            for d0 in range(0, D, BLOCK_D):
-                ds = d0 + tl.arange(0, BLOCK_D)
-                dm = ds < D
-                x = tl.load(X32 + rows[:, None] * D + ds[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
-                qv = tl.load(Qs + q.to(tl.int64) * D + ds, mask=dm, other=0.0)
-                acc += x * qv[None, :]
-                qsq += qv * qv
-            s32 = tl.sum(acc, axis=1)
-            q_norm = tl.sqrt(tl.sum(qsq, axis=0)).to(tl.float64)
-            x_norm = tl.load(HDRF + 7)
-            err = err_a * x_norm * q_norm + err_b * (x_norm + q_norm) + err_c
-            certified = (n_valid < KIN) | (t_last.to(tl.float64) < t_k.to(tl.float64) - 2.0 * err)
-            keys32 = tl.where(valid, _pack(s32, rows), -9223372036854775808)
-            final = tl.topk(tl.reshape(keys32, [1, KIN]), KOUT)
+            final, certified = _certified_rescore(
+                top, tl.load(HDR + 2), X32, Qs + q.to(tl.int64) * D, tl.load(HDRF + 7), err_a, err_b, err_c,
+                D, KIN, KOUT, BLOCK_D,
+            )
             tl.store(STATUS + q + tl.arange(0, 1), tl.where(certified, 0, 1).to(tl.int32))
         else:
             final = top
@@ -360,3 +374,347 @@ def final_kernel(
         want = cols < tl.load(HDR + 8)
         tl.store(RES_I + tl.load(HDR + TAB + 4 * q + 1) + cols, out_i, mask=want)
         tl.store(RES_S + tl.load(HDR + TAB + 4 * q + 2) + cols, score, mask=want)
+
+
+# -- the resident server: one kernel that polls the slots itself ------------------------------
+
+
+@triton.jit
+def _fence_system(ON_GPU: tl.constexpr):
+    """PTX ``fence.sc.sys``: this thread's earlier loads and stores are ordered before its
+    later ones for every observer, the host CPU included. (The interpreter runs one program
+    on the host: nothing to order.)"""
+    if ON_GPU:
+        tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _clock_ns(ON_GPU: tl.constexpr):
+    """The GPU's global nanosecond timer (0 under the interpreter, which counts polls instead)."""
+    if ON_GPU:
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    else:
+        return tl.zeros([], tl.int64)
+
+
+@triton.jit
+def _pause(ON_GPU: tl.constexpr):
+    """A short back-off in a spin loop (fewer loads hammering one L2 line while waiting)."""
+    if ON_GPU:
+        tl.inline_asm_elementwise("nanosleep.u32 64;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def serve_slots_kernel(
+    SEG,  # the shared segment as int64 words (page-locked and mapped: read over the bus)
+    SEGF,  # the same memory as float32
+    X,  # [cap, D] rows the scan reads (float32, or the 16-bit copy with RESCORE)
+    X32,  # [cap, D] float32 rows (the certified re-score)
+    LIVE,  # [cap] uint8
+    NSC,  # [cap] int32 namespace of each row
+    IDS,  # [cap] int64 store ids
+    NS_TAB,  # [NSMAX, 9] int64: known namespaces' names (8 words, zero-padded) and lengths
+    NS_IDS,  # [NSMAX] int64: their ids
+    SLOT_AT,  # [NS] int64: word offset of each slot in SEG (-1: no client at launch)
+    DSEEN,  # [2, NS] int64 device: per slot, the seq last answered here / last handed to the host
+    HANS,  # [NS] int64 page-locked host: seq answered, per slot (the sidecar's own record)
+    HHOF,  # [NS] int64 page-locked host: seq handed to the host (the kernel will not answer it)
+    HCTL,  # int64 page-locked host words: [0] stop (host writes), [1] answered here, [2] rounds,
+    #        [3] 1 if not every program was resident at launch (the kernel then exits)
+    CTL,  # int64 device words: [0] round (-1: exit), [1] round done, [2] groups arrived,
+    #       [3] round-robin start, [4] slot, [5] seq, [6] k, [7] answers (all launches),
+    #       [8] programs started, [9] namespace id (-1: all),
+    #       [CTL_GROUPS, CTL_GROUPS + groups) programs arrived per group
+    DQ,  # [D] float32 device: the round's query, normalised
+    S,  # [cap] float32 device: masked scores, each program's rows (read back by the same program)
+    KEYS,  # [programs * K] int64 device: each program's top-K keys
+    GKEYS,  # [groups * K] int64 device: each group's top-K keys
+    n,  # rows in use
+    n_slots,
+    n_names,  # rows of NS_TAB in use
+    rows_per_prog,  # a multiple of BLOCK_N
+    x_norm,  # largest row norm (f64), for the certificate
+    err_a,
+    err_b,
+    err_c,
+    idle,  # ns without a request before the kernel exits (interpreter: polls)
+    resident_ns,  # how long program 0 waits for every program to start
+    op_recall,  # the request words a single recall carries (kalos.protocol)
+    flags_all,
+    W_REQ: tl.constexpr,  # word offsets in a slot (kalos.protocol.SlotWords)
+    W_OPK: tl.constexpr,
+    W_NQF: tl.constexpr,
+    W_NSLEN: tl.constexpr,
+    W_NSB: tl.constexpr,
+    W_RESP: tl.constexpr,
+    W_STATN: tl.constexpr,
+    E_Q: tl.constexpr,
+    E_IDS: tl.constexpr,
+    E_SC: tl.constexpr,
+    D: tl.constexpr,
+    NS: tl.constexpr,  # slots, rounded up to a power of two
+    NSMAX: tl.constexpr,  # rows of NS_TAB (a power of two)
+    K: tl.constexpr,  # keys kept per program (k bucket; the candidate count with RESCORE)
+    KOUT: tl.constexpr,  # largest k served (a power of two); larger go to the host
+    G: tl.constexpr,  # programs per group (the first level of the merge tree)
+    GCHUNK: tl.constexpr,  # next_pow2(G * K)
+    FCHUNK: tl.constexpr,  # next_pow2(groups * K)
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    RCHUNK: tl.constexpr,  # rows per top-K selection (a multiple of BLOCK_N, >= K)
+    BLOCK_DQ: tl.constexpr,  # the query copy's chunk
+    FINAL_BLOCK_D: tl.constexpr,
+    HALF: tl.constexpr,
+    RESCORE: tl.constexpr,
+    ON_GPU: tl.constexpr,
+    CTL_GROUPS: tl.constexpr = 10,
+):
+    """Serves single-query recalls straight from the slots until told to stop or idle.
+
+    Program 0 polls every slot's ``req_seq`` over the bus. A pending request it can serve
+    (one query, k <= KOUT, all namespaces or one named in NS_TAB, no time window, a finite
+    non-zero query) is staged: the query is
+    normalised in float64 into DQ and the round counter CTL[0] is released. Requests it
+    cannot serve, and every pending request but the one it took, are handed to the host
+    (HHOF): the sidecar's Python path answers them, batched, meanwhile.
+
+    Every program scans its own ``rows_per_prog`` rows and keeps their top-K keys; the last
+    program of each group of G merges the group's keys; the last group merges those, writes
+    ids and scores into the slot, then ``n_results`` / status, then ``resp_seq`` (a system
+    fence between each), and records the answer in HANS. With RESCORE the candidates are
+    re-scored in float32 and, if the certificate fails, the request is handed to the host
+    instead, which runs the exact scan. All programs must be resident at once: the launcher
+    sizes the grid from the kernel's occupancy, and program 0 checks that every program started
+    within ``resident_ns`` (else it sets HCTL[3] and all exit: a kernel that waits for programs
+    that cannot run would hang the GPU).
+    """
+    pid = tl.program_id(0)
+    n_progs = tl.num_programs(0)
+    n_groups = tl.cdiv(n_progs, G)
+    sl = tl.arange(0, NS)
+    slot_ok = sl < n_slots
+    cols = tl.arange(0, KOUT)
+    my_round = tl.zeros([], tl.int64)
+    running = 1
+    tl.atomic_add(CTL + 8, 1, sem="release", scope="gpu")
+    if pid == 0:
+        t0 = _clock_ns(ON_GPU)
+        started = tl.atomic_add(CTL + 8, 0, sem="acquire", scope="gpu")
+        while (started < n_progs) & (_clock_ns(ON_GPU) - t0 <= resident_ns):
+            _pause(ON_GPU)
+            started = tl.atomic_add(CTL + 8, 0, sem="acquire", scope="gpu")
+        if started < n_progs:
+            tl.store(HCTL + 3, 1)
+            tl.atomic_xchg(CTL, -1, sem="release", scope="gpu")
+            running = 0
+    else:
+        if tl.load(CTL, volatile=True) < 0:  # started after program 0 gave up on the launch
+            running = 0
+    while running != 0:
+        if pid == 0:
+            # -- poll the slots until a request to serve, a stop, or the idle limit ---------
+            quiet_since = _clock_ns(ON_GPU)
+            polls = tl.zeros([], tl.int64)
+            state = 0  # 0 polling, 1 serve `chosen`, 2 exit
+            while state == 0:
+                at = tl.load(SLOT_AT + sl, mask=slot_ok, other=-1)
+                here = slot_ok & (at >= 0)
+                req = tl.load(SEG + at + W_REQ, mask=here, other=0, volatile=True)
+                seen_a = tl.load(DSEEN + sl, mask=here, other=0)
+                seen_h = tl.load(DSEEN + NS + sl, mask=here, other=0)
+                pend = here & (req != seen_a) & (req != seen_h)
+                if tl.sum(pend.to(tl.int32)) > 0:
+                    _fence_system(ON_GPU)  # req_seq, then the request it publishes
+                    w1 = tl.load(SEG + at + W_OPK, mask=pend, other=0, volatile=True)
+                    w2 = tl.load(SEG + at + W_NQF, mask=pend, other=0, volatile=True)
+                    kk = (w1 >> 32) & 0xFFFFFFFF
+                    ok = pend & ((w1 & 0xFFFFFFFF) == op_recall) & ((w2 & 0xFFFFFFFF) == 1)
+                    fl = (w2 >> 32) & 0xFFFFFFFF
+                    ok = ok & (kk >= 1) & (kk <= KOUT) & ((fl == flags_all) | (fl == 0))
+                    start = tl.load(CTL + 3)
+                    turn = (sl - start + NS) % NS  # round robin: no slot starves the others
+                    best = tl.min(tl.where(ok, turn, NS))
+                    pick = tl.where(best < NS, (best + start) % NS, -1)
+                    give = pend & (sl != pick)
+                    tl.store(DSEEN + NS + sl, req, mask=give)
+                    tl.store(HHOF + sl, req, mask=give)
+                    if pick >= 0:
+                        # The query: finite and non-zero, normalised in float64 like the host's
+                        # row_scales; otherwise the host answers with the error message.
+                        slot_w = tl.sum(tl.where(sl == pick, at, 0))
+                        q_at = slot_w * 2 + E_Q
+                        seq = tl.sum(tl.where(sl == pick, req, 0))
+                        # The namespace: -1 for all; an unknown name goes to the host (its error).
+                        want_ns = tl.full([], -1, tl.int64)
+                        named = tl.sum(tl.where(sl == pick, fl, 0)) == 0
+                        if named:
+                            w8 = tl.arange(0, 8)
+                            name = tl.load(SEG + slot_w + W_NSB + w8, volatile=True)
+                            name_len = (tl.load(SEG + slot_w + W_NSLEN, volatile=True) >> 32) & 0xFFFFFFFF
+                            ti = tl.arange(0, NSMAX)
+                            t_ok = ti < n_names
+                            tab = tl.load(NS_TAB + ti[:, None] * 9 + w8[None, :], mask=t_ok[:, None], other=0)
+                            t_len = tl.load(NS_TAB + ti * 9 + 8, mask=t_ok, other=-1)
+                            same = (tl.sum((tab == name[None, :]).to(tl.int32), axis=1) == 8) & (t_len == name_len)
+                            want_ns = tl.max(tl.where(same & t_ok, tl.load(NS_IDS + ti, mask=t_ok, other=-1), -2))
+                        if D <= BLOCK_DQ:  # one read of the query over the bus
+                            ds = tl.arange(0, BLOCK_DQ)
+                            x = tl.load(SEGF + q_at + ds, mask=ds < D, other=0.0, volatile=True).to(tl.float64)
+                            ssq = tl.sum(x * x, axis=0)
+                            scale = 1.0 / tl.sqrt(ssq)
+                            tl.store(DQ + ds, (x * scale).to(tl.float32), mask=ds < D)
+                        else:
+                            sq = tl.zeros([BLOCK_DQ], tl.float64)
+                            for d0 in range(0, D, BLOCK_DQ):
+                                ds = d0 + tl.arange(0, BLOCK_DQ)
+                                x = tl.load(SEGF + q_at + ds, mask=ds < D, other=0.0, volatile=True).to(tl.float64)
+                                sq += x * x
+                            ssq = tl.sum(sq, axis=0)
+                            scale = 1.0 / tl.sqrt(ssq)
+                            for d0 in range(0, D, BLOCK_DQ):
+                                ds = d0 + tl.arange(0, BLOCK_DQ)
+                                x = tl.load(SEGF + q_at + ds, mask=ds < D, other=0.0, volatile=True)
+                                tl.store(DQ + ds, (x.to(tl.float64) * scale).to(tl.float32), mask=ds < D)
+                        # (Stored whatever the norm; read only if it is finite and non-zero.)
+                        if (ssq > 0.0) & (ssq < float("inf")) & (want_ns != -2):
+                            tl.store(CTL + 9, want_ns)
+                            tl.store(CTL + 4, pick)
+                            tl.store(CTL + 5, seq)
+                            tl.store(CTL + 6, tl.sum(tl.where(sl == pick, kk, 0)))
+                            tl.store(CTL + 3, (pick + 1) % NS)
+                            state = 1
+                        else:
+                            tl.store(DSEEN + NS + pick, seq)
+                            tl.store(HHOF + pick, seq)
+                    quiet_since = _clock_ns(ON_GPU)
+                    polls = polls * 0
+                else:
+                    polls += 1
+                if state == 0:
+                    if tl.load(HCTL, volatile=True) != 0:
+                        state = 2
+                    elif ON_GPU:
+                        if _clock_ns(ON_GPU) - quiet_since > idle:
+                            state = 2
+                    elif polls > idle:
+                        state = 2
+            tl.debug_barrier()  # every thread's DQ stores before the release below
+            if state == 1:
+                tl.atomic_xchg(CTL, my_round + 1, sem="release", scope="gpu")
+            else:
+                tl.atomic_xchg(CTL, -1, sem="release", scope="gpu")
+        else:
+            r = tl.load(CTL, volatile=True)
+            while r == my_round:
+                _pause(ON_GPU)
+                r = tl.load(CTL, volatile=True)
+        r = tl.atomic_add(CTL, 0, sem="acquire", scope="gpu")
+        if r < 0:
+            running = 0
+        else:
+            my_round = r
+            # -- scan this program's rows: their top-K keys -------------------------------
+            # Wide row tiles (BLOCK_N x BLOCK_D, often all of D): one tile's loads are all in
+            # flight at once, since Triton does not software-pipeline a while loop. The masked
+            # scores go to S (L2: 4 bytes a row) and every RCHUNK rows one top-K selects.
+            top = tl.full([1, K], -9223372036854775808, tl.int64)
+            r0 = pid.to(tl.int64) * rows_per_prog
+            r1 = tl.minimum(n, r0 + rows_per_prog)
+            want = tl.load(CTL + 9)
+            c0 = r0
+            while c0 < r1:
+                c1 = tl.minimum(r1, c0 + RCHUNK)
+                if BLOCK_D >= D:
+                    # One tile spans whole rows: load the next tile before reducing this one,
+                    # so two tiles' loads are in flight per program.
+                    ds = tl.arange(0, BLOCK_D)
+                    qv = tl.load(DQ + ds, mask=ds < D, other=0.0)
+                    if HALF:
+                        qv = qv.to(X.dtype.element_ty).to(tl.float32)
+                    rows = c0 + tl.arange(0, BLOCK_N)
+                    x = tl.load(X + rows[:, None] * D + ds[None, :], mask=(rows < c1)[:, None] & (ds < D)[None, :],
+                                other=0.0)
+                    b0 = c0
+                    while b0 < c1:
+                        nxt = rows + BLOCK_N
+                        x_nxt = tl.load(X + nxt[:, None] * D + ds[None, :],
+                                        mask=(nxt < c1)[:, None] & (ds < D)[None, :], other=0.0)
+                        sc = tl.sum(x.to(tl.float32) * qv[None, :], axis=1)
+                        in_rng = rows < c1
+                        ok = (tl.load(LIVE + rows, mask=in_rng, other=0) != 0) & (
+                            (want < 0) | (tl.load(NSC + rows, mask=in_rng, other=0).to(tl.int64) == want))
+                        tl.store(S + rows, tl.where(ok, sc, float("-inf")), mask=in_rng)
+                        x = x_nxt
+                        rows = nxt
+                        b0 += BLOCK_N
+                else:
+                    b0 = c0
+                    while b0 < c1:
+                        rows = b0 + tl.arange(0, BLOCK_N)
+                        in_rng = rows < c1
+                        sc = _row_scores(X, DQ, rows, in_rng, D, BLOCK_N, BLOCK_D, HALF)
+                        ok = (tl.load(LIVE + rows, mask=in_rng, other=0) != 0) & (
+                            (want < 0) | (tl.load(NSC + rows, mask=in_rng, other=0).to(tl.int64) == want))
+                        tl.store(S + rows, tl.where(ok, sc, float("-inf")), mask=in_rng)
+                        b0 += BLOCK_N
+                tl.debug_barrier()  # this program's score stores, then its loads of them
+                rr = c0 + tl.arange(0, RCHUNK)
+                ok = rr < c1
+                s = tl.load(S + rr, mask=ok, other=float("-inf"))
+                keys = tl.where(ok & (s > float("-inf")), _pack(s, rr), -9223372036854775808)
+                top = _merge_sorted(top, tl.topk(tl.reshape(keys, [1, RCHUNK]), K))
+                c0 = c1
+            tl.store(KEYS + pid * K + tl.arange(0, K)[None, :], top)
+            tl.debug_barrier()
+            grp = pid // G
+            g_size = tl.minimum(G, n_progs - grp * G)
+            if tl.atomic_add(CTL + CTL_GROUPS + grp, 1, sem="acq_rel", scope="gpu") == g_size - 1:
+                # -- the group's last program merges the group --------------------------
+                tl.store(CTL + CTL_GROUPS + grp, 0)
+                g_offs = tl.arange(0, GCHUNK)
+                gk = tl.load(KEYS + grp * G * K + g_offs, mask=g_offs < g_size * K, other=-9223372036854775808)
+                tl.store(GKEYS + grp * K + tl.arange(0, K)[None, :], tl.topk(tl.reshape(gk, [1, GCHUNK]), K))
+                tl.debug_barrier()
+                if tl.atomic_add(CTL + 2, 1, sem="acq_rel", scope="gpu") == n_groups - 1:
+                    # -- the last group answers the request --------------------------------
+                    tl.store(CTL + 2, 0)
+                    f_offs = tl.arange(0, FCHUNK)
+                    fk = tl.load(GKEYS + f_offs, mask=f_offs < n_groups * K, other=-9223372036854775808)
+                    f_best = tl.topk(tl.reshape(fk, [1, FCHUNK]), K)
+                    f_pick = tl.load(CTL + 4)
+                    f_seq = tl.load(CTL + 5)
+                    f_k = tl.load(CTL + 6)
+                    f_slot = tl.load(SLOT_AT + f_pick)
+                    if RESCORE:
+                        final, certified = _certified_rescore(
+                            f_best, tl.minimum(f_k, n), X32, DQ, x_norm, err_a, err_b, err_c, D, K, KOUT, FINAL_BLOCK_D
+                        )
+                        good = tl.sum(certified.to(tl.int32)) > 0
+                    else:
+                        final = f_best
+                        good = True
+                    if good:
+                        score, row, valid = _unpack(tl.reshape(final, [KOUT]))
+                        out_i = tl.load(IDS + row, mask=valid, other=-1)
+                        tl.store(SEG + f_slot + E_IDS + cols, out_i, mask=cols < f_k)
+                        tl.store(SEGF + f_slot * 2 + E_SC + cols, score, mask=cols < f_k)
+                        tl.debug_barrier()
+                        _fence_system(ON_GPU)  # the rows, then status and n_results
+                        tl.store(SEG + f_slot + W_STATN, f_k << 32)  # status 0 (ok), n_results k
+                        _fence_system(ON_GPU)  # then resp_seq: the client reads nothing earlier
+                        tl.store(SEG + f_slot + W_RESP, f_seq)
+                        _fence_system(ON_GPU)
+                        tl.store(DSEEN + f_pick, f_seq)
+                        tl.store(HANS + f_pick, f_seq)
+                        tl.store(HCTL + 1, tl.atomic_add(CTL + 7, 1) + 1)
+                    else:  # the certificate failed: the host runs the exact scan
+                        tl.store(DSEEN + NS + f_pick, f_seq)
+                        tl.store(HHOF + f_pick, f_seq)
+                    tl.store(HCTL + 2, my_round)
+                    tl.debug_barrier()
+                    tl.atomic_xchg(CTL + 1, my_round, sem="release", scope="gpu")
+            if pid == 0:  # the next round's query may only be staged once this one is answered
+                d = tl.load(CTL + 1, volatile=True)
+                while d != my_round:
+                    _pause(ON_GPU)
+                    d = tl.load(CTL + 1, volatile=True)

@@ -1,0 +1,152 @@
+"""The resident slot server (kalos.engine.slot_server) on a GPU, in one process: correctness
+against the engine's own search, hand-over of what it does not serve, and the round trip of
+one recall through a slot for several grid / tile variants.
+
+The "client" here is this process writing a request into a slot of an mmap'd segment and
+spinning on resp_seq, as kalos.client does from another process (minus its Python call).
+
+    PYTHONPATH=src python3 benchmarks/slot_server_diag.py --n 65536 --dim 1024 --repeats 2000
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import time
+
+import numpy as np
+import torch
+
+from kalos.engine.slot_server import SlotServer
+from kalos.engine.torch_engine import TorchEngine
+from kalos.protocol import Layout, Op, RequestFlag, SlotView
+
+RECALL, ALL = int(Op.RECALL), int(RequestFlag.ALL_NAMESPACES)
+
+
+def submit(view: SlotView, q: np.ndarray, k: int, seq: int, *, n_queries: int = 1, flags: int = ALL) -> None:
+    view.op[0] = RECALL
+    view.k[0] = k
+    view.n_queries[0] = n_queries
+    view.flags[0] = flags
+    view.queries[0] = q
+    view.req_seq[0] = seq
+
+
+def wait(view: SlotView, seq: int, server: SlotServer, slot: int, timeout: float = 2.0) -> str:
+    end = time.perf_counter() + timeout
+    while True:
+        if view.resp_seq[0] == seq:
+            return "answered"
+        if server.handed[slot] == seq:
+            return "handed"
+        if time.perf_counter() > end:
+            return "timeout"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=65536)
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2000)
+    ap.add_argument("--checks", type=int, default=300)
+    ap.add_argument("--variants", default="3:4x1024:4,4:4x1024:4,3:8x1024:4,2:8x1024:8,3:2x1024:4",
+                    help="exact mode: programs_per_sm:rowsxdims:warps, comma-separated")
+    ap.add_argument("--fast-variants", default="3:8x1024:4,2:16x1024:8,3:4x1024:4")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rng = np.random.default_rng(1)
+    n, dim = args.n, args.dim
+    x = rng.standard_normal((n, dim), dtype=np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    queries = rng.standard_normal((512, dim), dtype=np.float32)
+    layout = Layout(8, dim, 64, 4)
+    buf = mmap.mmap(-1, layout.size)
+    views = [SlotView(memoryview(buf), layout, s) for s in range(layout.n_slots)]
+    active = np.ones(layout.n_slots, bool)
+    table = []
+    for precision in ("exact", "fast"):
+        eng = TorchEngine(dim, capacity=n, device="cuda", precision=precision)
+        eng.add(np.arange(1, n + 1), x, np.zeros(n, np.int32), np.zeros(n))
+        eng.attach_host(buf)
+        unit = queries / np.linalg.norm(queries.astype(np.float64), axis=1, keepdims=True).astype(np.float32)
+        ref_i, ref_s = eng.search(unit.astype(np.float32), 16)
+        for variant in (args.variants if precision == "exact" else args.fast_variants).split(","):
+            per_sm, tile, warps = variant.split(":")
+            rows, dims = (int(v) for v in tile.split("x"))
+            seqs = np.zeros(layout.n_slots, np.int64)
+            server = SlotServer(eng, layout, np.zeros(layout.n_slots, np.uint64), idle_s=0.5,
+                                programs_per_sm=int(per_sm), tile=(rows, dims), warps=int(warps))
+            t0 = time.perf_counter()
+            server.warm()
+            compile_s = time.perf_counter() - t0
+            server.start(active)
+            # correctness: random slots and k, one request at a time
+            bad = 0
+            outcomes = {"answered": 0, "handed": 0, "timeout": 0}
+            for i in range(args.checks):
+                s = int(rng.integers(layout.n_slots))
+                k = int(rng.integers(1, 17))
+                seqs[s] += 1
+                qi = i % 512
+                submit(views[s], queries[qi] * float(rng.uniform(0.5, 3)), k, int(seqs[s]))
+                got = wait(views[s], int(seqs[s]), server, s)
+                outcomes[got] += 1
+                if got == "answered":
+                    if views[s].status[0] != 0 or views[s].n_results[0] != k:
+                        bad += 1
+                    elif not np.array_equal(views[s].ids[0, :k], ref_i[qi, :k]):
+                        # exact float32 ties aside, the ids match; report score gaps
+                        gap = np.abs(views[s].scores[0, :k] - ref_s[qi, :k]).max()
+                        if gap > 1e-6:
+                            bad += 1
+                if not server.running():
+                    server.start(active)
+            # what it must hand over: k > max_k, batches, a filter, a zero query
+            handed_ok = 0
+            for j, (q, k, nq, flags) in enumerate([
+                (queries[0], 17, 1, ALL), (queries[1], 8, 2, ALL), (queries[2], 8, 1, ALL | 2), (queries[3] * 0, 8, 1, ALL),
+                (queries[4] * np.nan, 8, 1, ALL), (queries[5], 8, 1, 0),
+            ]):
+                s = j % layout.n_slots
+                seqs[s] += 1
+                submit(views[s], q, k, int(seqs[s]), n_queries=nq, flags=flags)
+                handed_ok += wait(views[s], int(seqs[s]), server, s) == "handed"
+            # latency: one slot, back to back
+            lat = []
+            s = 0
+            for i in range(args.repeats + 200):
+                seqs[s] += 1
+                t = time.perf_counter()
+                submit(views[s], queries[i % 512], args.k, int(seqs[s]))
+                while views[s].resp_seq[0] != seqs[s]:
+                    if server.handed[s] == seqs[s] or not server.running():
+                        raise SystemExit(f"variant {variant}: request {i} not answered by the kernel "
+                                         f"(handed {server.handed[s] == seqs[s]}, running {server.running()})")
+                lat.append(time.perf_counter() - t)
+            served = server.served
+            server.stop()
+            lat_us = np.array(lat[200:]) * 1e6
+            row = dict(precision=precision, variant=variant, programs=server.programs, resident=server.resident_per_sm,
+                       not_resident=server.not_resident,
+                       compile_s=round(compile_s, 1),
+                       checks=outcomes, bad=bad, handed_ok=f"{handed_ok}/6", served=served,
+                       p50_us=round(float(np.percentile(lat_us, 50)), 1), p99_us=round(float(np.percentile(lat_us, 99)), 1))
+            print(json.dumps(row), flush=True)
+            table.append(row)
+        eng.detach_host()
+        del eng
+        torch.cuda.empty_cache()
+    print(f"\nslot server, in-process slot round trip, N={n:,} dim={dim} k={args.k} ({torch.cuda.get_device_name()})")
+    print(f"{'precision':<6} {'variant':<14} {'progs':>5} {'fits':>4} {'bad':>4} {'handed':>6} {'answered':>8} {'p50 us':>8} {'p99 us':>8}")
+    for r in table:
+        print(f"{r['precision']:<6} {r['variant']:<14} {r['programs']:>5} {r['resident']:>4} {r['bad']:>4} {r['handed_ok']:>6} "
+              f"{r['checks']['answered']:>8} {r['p50_us']:>8} {r['p99_us']:>8}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(table, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

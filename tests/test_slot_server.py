@@ -1,0 +1,325 @@
+"""The resident slot server (kalos.engine.slot_server): a GPU kernel that answers recalls from
+the shared segment by itself.
+
+Without a GPU the kernel runs under Triton's interpreter as one program, synchronously:
+``start`` serves what is pending, polls a few more times and returns. Those tests check its
+answers against a float64 brute force and the engine's own search, and that it hands over
+to the host everything it must not answer. Tests marked ``cuda`` run the real resident
+kernel, alone and inside a sidecar with several clients, adds and deletes.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+HAVE_CUDA = torch.cuda.is_available()
+if not HAVE_CUDA and "triton" not in sys.modules:
+    _saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import kalos.engine.triton_kernels  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        if _saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = _saved
+
+from kalos.engine import torch_engine as te  # noqa: E402
+from kalos.engine.slot_server import SlotServer  # noqa: E402
+from kalos.engine.torch_engine import TorchEngine  # noqa: E402
+from kalos.errors import InvalidArgument  # noqa: E402
+from kalos.protocol import Layout, Op, RequestFlag, SlotView  # noqa: E402
+from reference import assert_topk_matches  # noqa: E402
+
+HAVE_INTERPRETER = not HAVE_CUDA and te._triton_kernels(require_interpreter=True) is not None
+needs_interpreter = pytest.mark.skipif(not HAVE_INTERPRETER, reason="needs triton's interpreter (no GPU)")
+cuda = pytest.mark.cuda
+needs_cuda = pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU")
+RECALL, PING, ALL = int(Op.RECALL), int(Op.PING), int(RequestFlag.ALL_NAMESPACES)
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_env(monkeypatch):
+    if HAVE_INTERPRETER:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def rng(request):
+    seed = int(os.environ.get("KALOS_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
+    print(f"{request.node.name}: seed {seed}")
+    return np.random.default_rng(seed)
+
+
+class Rig:
+    """An engine with rows, a segment with slots, the engine attached to it, and a server."""
+
+    def __init__(self, rng, *, precision="exact", dim=32, n=200, slots=4, device="cpu", **server_args) -> None:
+        self.rng = rng
+        self.engine = TorchEngine(dim, device=device, backend="triton", precision=precision)
+        self.vectors = rng.standard_normal((n, dim)).astype(np.float32)
+        if precision == "fast":  # near-duplicates: some certificates fail, and those go to the host
+            self.vectors[n // 2 :] = self.vectors[: n - n // 2] + 1e-4 * rng.standard_normal((n - n // 2, dim))
+        self.ids = np.arange(5000, 5000 + n, dtype=np.int64)
+        unit = (self.vectors / np.linalg.norm(self.vectors.astype(np.float64), axis=1, keepdims=True)).astype(np.float32)
+        self.namespaces = rng.integers(0, 2, n).astype(np.int32)  # ids 0 ("a") and 1 ("b")
+        self.engine.add(self.ids, unit, self.namespaces, np.zeros(n))
+        self.dead = self.ids[rng.choice(n, n // 10, replace=False)]
+        self.engine.delete(self.dead)
+        self.live = ~np.isin(self.ids, self.dead)
+        self.layout = Layout(slots, dim, 32, 2)
+        self.buf = mmap.mmap(-1, self.layout.size)
+        self.engine.attach_host(self.buf)
+        self.views = [SlotView(memoryview(self.buf), self.layout, s) for s in range(slots)]
+        self.seqs = np.zeros(slots, np.int64)
+        self.server = SlotServer(self.engine, self.layout, np.zeros(slots, np.uint64), **server_args)
+        self.server.set_namespaces({b"a": 0, b"b": 1})
+        self.active = np.ones(slots, bool)
+
+    def submit(self, slot, query, k, *, op=RECALL, n_queries=1, flags=ALL, namespace=b"") -> int:
+        view = self.views[slot]
+        view.namespace[0] = namespace
+        view.namespace_len[0] = len(namespace)
+        view.op[0], view.k[0], view.n_queries[0], view.flags[0] = op, k, n_queries, flags
+        view.queries[: len(np.atleast_2d(query))] = np.atleast_2d(query)
+        self.seqs[slot] += 1
+        view.req_seq[0] = self.seqs[slot]
+        return int(self.seqs[slot])
+
+    def close(self) -> None:
+        self.server.stop()
+        self.engine.detach_host()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("precision,tile", [("exact", None), ("fast", None), ("exact", (4, 16))],
+                         ids=["exact", "fast", "exact-narrow-tile"])
+def test_answers_single_recalls_like_the_float64_reference(rng, precision, tile):
+    # The default tile spans whole rows (the prefetching loop); a narrower one takes the
+    # loop over dimension chunks.
+    rig = Rig(rng, precision=precision, tile=tile)
+    try:
+        answered = handed = 0
+        for round_ in range(6):
+            slot = round_ % 4
+            k = int(rng.choice([1, 3, 8, 16]))
+            query = (rng.standard_normal(rig.engine.dim) * rng.uniform(0.1, 10)).astype(np.float32)
+            ns = [None, b"a", b"b"][round_ % 3]
+            seq = rig.submit(slot, query, k, flags=ALL if ns is None else 0, namespace=ns or b"")
+            eligible = rig.live & (True if ns is None else rig.namespaces == (0 if ns == b"a" else 1))
+            rig.server.start(rig.active)
+            view = rig.views[slot]
+            if int(view.resp_seq[0]) == seq:
+                answered += 1
+                assert (int(view.status[0]), int(view.n_results[0])) == (0, k)
+                assert int(rig.server.answered[slot]) == seq
+                assert_topk_matches(view.ids[:1, :k], view.scores[:1, :k], rig.ids, rig.vectors, query[None], k,
+                                    eligible, context=f"{precision} k={k} namespace={ns}")
+            else:  # fast mode: a failed certificate hands the request to the host
+                assert precision == "fast" and int(rig.server.handed[slot]) == seq
+                handed += 1
+        assert rig.server.served == answered
+        assert answered >= (6 if precision == "exact" else 1)
+    finally:
+        rig.close()
+
+
+@needs_interpreter
+def test_hands_over_what_it_must_not_answer(rng):
+    rig = Rig(rng)
+    dim = rig.engine.dim
+    q = rng.standard_normal(dim).astype(np.float32)
+    cases = {
+        "k above max_k": dict(query=q, k=17),
+        "k = 0": dict(query=q, k=0),
+        "a batch": dict(query=np.stack([q, q]), k=4, n_queries=2),
+        "an unknown namespace": dict(query=q, k=4, flags=0, namespace=b"c"),
+        "a namespace that only starts like a known one": dict(query=q, k=4, flags=0, namespace=b"ab"),
+        "a time window": dict(query=q, k=4, flags=ALL | int(RequestFlag.HAS_SINCE)),
+        "a zero query": dict(query=q * 0, k=4),
+        "a NaN query": dict(query=np.full(dim, np.nan, np.float32), k=4),
+        "an infinite query": dict(query=np.full(dim, np.inf, np.float32), k=4),
+        "a ping": dict(query=q, k=4, op=PING),
+        "an unknown op": dict(query=q, k=4, op=99),
+    }
+    try:
+        for label, case in cases.items():
+            before = bytes(rig.views[0].ids[0].tobytes())
+            seq = rig.submit(0, **case)
+            rig.server.start(rig.active)
+            view = rig.views[0]
+            assert int(rig.server.handed[0]) == seq, label
+            assert int(view.resp_seq[0]) != seq and int(rig.server.answered[0]) != seq, label
+            assert view.ids[0].tobytes() == before, f"{label}: the slot's answer area was written"
+        assert rig.server.served == 0
+    finally:
+        rig.close()
+
+
+@needs_interpreter
+def test_takes_one_request_per_round_and_hands_the_rest_round_robin(rng):
+    rig = Rig(rng)
+    q = rng.standard_normal(rig.engine.dim).astype(np.float32)
+    try:
+        seqs = [rig.submit(s, q, 4) for s in (1, 2, 3)]
+        rig.server.start(rig.active)
+        got = [int(rig.views[s].resp_seq[0]) == seq for s, seq in zip((1, 2, 3), seqs)]
+        gave = [int(rig.server.handed[s]) == seq for s, seq in zip((1, 2, 3), seqs)]
+        assert sum(got) == 1 and sum(gave) == 2 and all(a != b for a, b in zip(got, gave))
+        first = got.index(True) + 1
+        # The next round starts after the slot it served: another slot wins the next tie.
+        seqs = [rig.submit(s, q, 4) for s in (1, 2, 3)]
+        rig.server.start(rig.active)
+        winner = [s for s, seq in zip((1, 2, 3), seqs) if int(rig.views[s].resp_seq[0]) == seq]
+        assert winner and winner[0] != first
+    finally:
+        rig.close()
+
+
+@needs_interpreter
+def test_ignores_slots_without_a_client_and_answered_requests(rng):
+    rig = Rig(rng)
+    q = rng.standard_normal(rig.engine.dim).astype(np.float32)
+    try:
+        seq = rig.submit(2, q, 4)
+        rig.active[2] = False
+        rig.server.start(rig.active)
+        assert int(rig.views[2].resp_seq[0]) != seq and int(rig.server.handed[2]) != seq
+        rig.active[2] = True
+        rig.server.answered[2] = seq  # the host answered it already
+        rig.server.start(rig.active)
+        assert int(rig.views[2].resp_seq[0]) != seq and int(rig.server.handed[2]) != seq
+        rig.server.warm()  # exits at once: serves nothing
+        assert rig.server.served == 0
+    finally:
+        rig.close()
+
+
+@needs_interpreter
+def test_needs_the_triton_engine_with_the_segment_attached(rng):
+    engine = TorchEngine(16, device="cpu", backend="triton")
+    layout = Layout(2, 16, 8, 1)
+    with pytest.raises(InvalidArgument, match="attach_host"):
+        SlotServer(engine, layout, np.zeros(2, np.uint64))
+    buf = mmap.mmap(-1, layout.size)
+    engine.attach_host(buf)
+    try:
+        with pytest.raises(InvalidArgument, match="max_k"):
+            SlotServer(engine, layout, np.zeros(2, np.uint64), max_k=0)
+        with pytest.raises(InvalidArgument, match="entries"):
+            SlotServer(engine, layout, np.zeros(3, np.uint64))
+        server = SlotServer(engine, layout, np.zeros(2, np.uint64))
+        assert server.start(np.ones(2, bool)) is False  # no rows: nothing to serve
+    finally:
+        engine.detach_host()
+
+
+# -- a real GPU ------------------------------------------------------------------------------
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_cuda_resident_kernel_answers_while_running(rng, precision):
+    rig = Rig(rng, precision=precision, dim=384, n=20000, slots=8, device="cuda", idle_s=5.0)
+    try:
+        rig.server.start(rig.active)
+        assert rig.server.running()
+        answered = 0
+        for i in range(200):
+            slot = i % 8
+            k = int(rng.integers(1, 17))
+            query = rng.standard_normal(rig.engine.dim).astype(np.float32)
+            seq = rig.submit(slot, query, k)
+            view = rig.views[slot]
+            while int(view.resp_seq[0]) != seq and int(rig.server.handed[slot]) != seq:
+                assert rig.server.running(), "the kernel exited while a request was pending"
+            if int(view.resp_seq[0]) == seq:
+                answered += 1
+                assert_topk_matches(view.ids[:1, :k], view.scores[:1, :k], rig.ids, rig.vectors, query[None], k,
+                                    rig.live, context=f"request {i}")
+        assert answered >= (200 if precision == "exact" else 150)
+        rig.server.stop()
+        assert not rig.server.running() and rig.server.served == answered
+    finally:
+        rig.close()
+
+
+@cuda
+@needs_cuda
+def test_cuda_sidecar_with_gpu_polling_under_clients_adds_and_deletes(rng, runtime_dir, tmp_path):
+    from kalos import Client
+    from kalos.sidecar import Sidecar, SidecarConfig
+
+    d = 256
+    config = SidecarConfig(store=tmp_path / "m.db", name="gp", dim=d, slots=8, max_k=32, max_batch=8, gpu_polling=True)
+    sidecar = Sidecar(config, engine_factory=lambda _dev, dim, cap: TorchEngine(dim, device="cuda", capacity=cap))
+    assert sidecar._slot_server is not None
+    thread = threading.Thread(target=sidecar.serve_forever, daemon=True)
+    thread.start()
+    failures: list[str] = []
+    try:
+        with Client("gp", timeout=60) as admin:
+            vectors = rng.standard_normal((3000, d)).astype(np.float32)
+            ids = admin.add(vectors, namespace="a")
+            model = {int(i): v for i, v in zip(ids, vectors)}
+            lock = threading.Lock()
+            version = [0]  # bumped by every write: a recall that overlapped one is not checked
+
+            def snapshot() -> tuple[int, np.ndarray, np.ndarray]:
+                with lock:
+                    keys = np.array(sorted(model))
+                    return version[0], keys, np.stack([model[i] for i in keys])
+
+            def worker(seed: int) -> None:
+                r = np.random.default_rng(seed)
+                try:
+                    with Client("gp", timeout=60) as client:
+                        for _ in range(300):
+                            q = r.standard_normal(d).astype(np.float32)
+                            k = int(r.choice([1, 5, 8, 16, 32]))
+                            ns = "a" if r.random() < 0.2 else None
+                            before, keys, vecs = snapshot()
+                            got = client.recall(q, k=k, namespace=ns)
+                            if version[0] == before:
+                                assert_topk_matches(got.ids[None], got.scores[None], keys, vecs, q[None], k,
+                                                    padded=False, context=f"k={k} ns={ns}")
+                                checked.append(1)
+                except Exception as exc:  # noqa: BLE001 - reported below
+                    failures.append(repr(exc))
+
+            checked: list[int] = []
+            threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+            for t in threads:
+                t.start()
+            for step in range(20):  # writes while the clients recall
+                time.sleep(0.05)
+                new = rng.standard_normal((50, d)).astype(np.float32)
+                with lock:
+                    version[0] += 1
+                    for i, v in zip(admin.add(new, namespace="a"), new):
+                        model[int(i)] = v
+                    gone = rng.choice(sorted(model), 20, replace=False)
+                    admin.delete([int(i) for i in gone])
+                    for i in gone:
+                        del model[int(i)]
+                    version[0] += 1
+            for t in threads:
+                t.join(timeout=600)
+            stats = admin.stats()
+        assert not failures, failures[:3]
+        assert len(checked) > 300
+        assert stats["gpu_polled"] > 0 and stats["errors"] == 0
+    finally:
+        sidecar.stop()
+        thread.join(timeout=30)
