@@ -51,9 +51,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2000)
     ap.add_argument("--checks", type=int, default=300)
-    ap.add_argument("--variants", default="3:4x1024:4,4:4x1024:4,3:8x1024:4,2:8x1024:8,3:2x1024:4",
+    ap.add_argument("--variants", default="4:2x1024:4,3:4x1024:4,6:2x1024:4",
                     help="exact mode: programs_per_sm:rowsxdims:warps, comma-separated")
-    ap.add_argument("--fast-variants", default="3:8x1024:4,2:16x1024:8,3:4x1024:4")
+    ap.add_argument("--fast-variants", default="2:16x1024:8")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rng = np.random.default_rng(1)

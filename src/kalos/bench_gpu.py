@@ -122,7 +122,8 @@ def run_gpu_bench(args: argparse.Namespace) -> int:
             if args.gpu_polling:
                 for precision in args.gpu_precisions.split(","):
                     _end_to_end(torch, rows, store, name, device, precision, matrix, queries, reference, args, n,
-                                floor32 if precision == "exact" else floor16, [1], under_load=False, polling=True)
+                                floor32 if precision == "exact" else floor16, [1], under_load=(n == sizes[0]),
+                                polling=True)
             if args.gpu_host_copies:
                 _end_to_end(torch, rows, store, name, device, "exact", matrix, queries, reference, args, n,
                             floor32, [1], under_load=False, zero_copy=False)

@@ -264,7 +264,7 @@ class Client:
         datetime) keep memories created in ``[since, until)``. Fewer than k hits come back
         when fewer memories match.
         """
-        return self._recall(vector, k, namespace, since, until, single=True)[0]
+        return self._recall(vector, k, namespace, since, until, single=True)
 
     def recall_many(
         self, matrix: Any, k: int = 8, namespace: str | None = "default",
@@ -273,7 +273,8 @@ class Client:
         """One recall per row of ``matrix`` ``[Q, dim]``, answered in batches of the sidecar's max_batch."""
         return self._recall(matrix, k, namespace, since, until, single=False)
 
-    def _recall(self, queries: Any, k: int, namespace: str | None, since: Any, until: Any, *, single: bool) -> RecallBatch:
+    def _recall(self, queries: Any, k: int, namespace: str | None, since: Any, until: Any, *, single: bool) -> Any:
+        """A :class:`Recall` (``single``) or a :class:`RecallBatch`."""
         with self._lock:
             conn = self._connection()
             layout = conn.layout
@@ -281,10 +282,11 @@ class Client:
             if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= layout.max_k:
                 raise InvalidQuery(f"k={k!r} is out of range: 1 <= k <= {layout.max_k}")
             k = int(k)
-            request = (k, *_filter_words(namespace, since, until))
+            request = _request_words(k, namespace, since, until)
             q = len(rows)
-            ids = np.empty((q, k), np.int64)
-            scores = np.empty((q, k), np.float32)
+            if not single:
+                ids = np.empty((q, k), np.int64)
+                scores = np.empty((q, k), np.float32)
             step = layout.max_batch
             start = 0
             retried = False
@@ -306,6 +308,10 @@ class Client:
                     step = conn.layout.max_batch
                     continue
                 slot = conn.channel.slot
+                if single:  # straight from the slot: the hits, without the -1 / -inf padding
+                    hits = slot.ids[0, :k]
+                    n = k - int(np.count_nonzero(hits == MISSING_ID))
+                    return Recall(hits[:n].copy(), slot.scores[0, :n].copy())
                 ids[start:stop] = slot.ids[: stop - start, :k]
                 scores[start:stop] = slot.scores[: stop - start, :k]
                 start = stop
@@ -554,6 +560,26 @@ def _as_matrix(
     if len(array) > MAX_RECALL_MANY_ROWS:
         raise error(f"batch of {len(array)} rows exceeds {MAX_RECALL_MANY_ROWS}; split it")
     return array
+
+
+_REQUESTS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+
+def _request_words(k: int, namespace: str | None, since: Any, until: Any) -> tuple[Any, ...]:
+    """``(k, flags, since, until, namespace bytes)`` of a recall, remembered for the common
+    arguments (validating and encoding them costs microseconds on every call otherwise)."""
+    key = (k, namespace, since, until)
+    try:
+        words = _REQUESTS.get(key)
+    except TypeError:  # an unhashable argument: no memo, the checks below still apply
+        return (k, *_filter_words(namespace, since, until))
+    if words is None:
+        words = (k, *_filter_words(namespace, since, until))
+        if len(_REQUESTS) >= 4096:  # callers sweeping time windows: keep it bounded
+            _REQUESTS.clear()
+        if type(since) in (int, float, type(None)) and type(until) in (int, float, type(None)):
+            _REQUESTS[key] = words  # (datetimes are converted afresh: their timezone may change)
+    return words
 
 
 def _filter_words(namespace: str | None, since: Any, until: Any) -> tuple[int, float, float, bytes]:

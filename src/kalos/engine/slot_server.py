@@ -71,10 +71,10 @@ class SlotServer:
         *,
         idle_s: float = 0.002,
         max_k: int = DEFAULT_MAX_K,
-        programs_per_sm: int = 3,
+        programs_per_sm: int = 4,
         group: int = 16,
         tile: tuple[int, int] | None = None,
-        warps: int = 4,
+        warps: int | None = None,
         rchunk: int = 256,
         idle_polls: int = 2,
     ) -> None:
@@ -82,7 +82,7 @@ class SlotServer:
             raise InvalidArgument("the slot server needs the Triton engine with the segment attached (attach_host)")
         if not 1 <= max_k <= 256:
             raise InvalidArgument(f"max_k must be in [1, 256], got {max_k}")
-        if idle_s < 0 or programs_per_sm < 1 or group < 1 or warps < 1:
+        if idle_s < 0 or programs_per_sm < 1 or group < 1 or (warps is not None and warps < 1):
             raise InvalidArgument("idle_s must be >= 0; programs_per_sm, group and warps >= 1")
         if len(answered) != layout.n_slots:
             raise InvalidArgument(f"answered has {len(answered)} entries for {layout.n_slots} slots")
@@ -97,12 +97,14 @@ class SlotServer:
         self.rescore = engine.precision == "fast" and self.kout <= 256
         self.keys = _kf(self.kout) if self.rescore else self.kout
         dev = engine._dev
-        # 16 KiB row tiles, two in flight per program (measured on an H200: benchmarks/NOTES-gpu.md, "resident kernel").
-        block_n, block_d = tile if tile is not None else ((8, 1024) if self.rescore else (4, 1024))
+        # Whole-row tiles, two in flight per program; fast mode 16 rows, 8 warps (measured on an
+        # H200, benchmarks/NOTES-gpu.md, "resident kernel"). Exact: 2 rows (~96 registers, so
+        # 4 programs fit per SM with room for the sweep's kernels; 4 rows take ~128).
+        block_n, block_d = tile if tile is not None else ((16, 1024) if self.rescore else (2, 1024))
         self.block_d = max(16, min(_next_pow2(block_d), _next_pow2(engine.dim)))
         self.block_n = max(1, _next_pow2(block_n * _next_pow2(block_d) // self.block_d))
         self.rchunk = max(_next_pow2(rchunk), self.keys, self.block_n)
-        self.warps = int(warps)
+        self.warps = int(warps) if warps is not None else (8 if self.rescore else 4)
         self.group = int(group)
         self.idle_s = float(idle_s)
         self.idle_polls = int(idle_polls)
@@ -140,6 +142,7 @@ class SlotServer:
         self.not_resident = 0  # launches that found too few programs resident (grid halved)
         self._grid_for: tuple | None = None
         self.programs = 1
+        self.mchunk = max(256, self.keys)
         self.launches = 0
 
     # -- sizing ------------------------------------------------------------------------------
@@ -150,8 +153,8 @@ class SlotServer:
         return dict(
             W_REQ=w.req_seq, W_OPK=w.op_k, W_NQF=w.nq_flags, W_NSLEN=w.ns_len, W_NSB=w.ns_bytes, W_RESP=w.resp_seq, W_STATN=w.status_n,
             E_Q=w.queries, E_IDS=w.ids, E_SC=w.scores, D=eng.dim, NS=self.ns, NSMAX=self._ns_tab.shape[0], K=self.keys, KOUT=self.kout,
-            BLOCK_N=self.block_n, BLOCK_D=self.block_d, RCHUNK=self.rchunk, BLOCK_DQ=min(1024, _next_pow2(eng.dim)),
-            FINAL_BLOCK_D=max(16, min(_next_pow2(eng.dim), int(eng._tune["final_tile"]) // self.keys)),
+            BLOCK_N=self.block_n, BLOCK_D=self.block_d, RCHUNK=self.rchunk, BLOCK_DQ=min(256, _next_pow2(eng.dim)),
+            MCHUNK=self.mchunk, FINAL_BLOCK_D=max(16, min(_next_pow2(eng.dim), 2048 // self.keys)),
             HALF=self.rescore, RESCORE=self.rescore, ON_GPU=self.on_gpu, CTL_GROUPS=_CTL_WORDS,
         )
 
@@ -161,8 +164,10 @@ class SlotServer:
         if not self.on_gpu:
             programs = 1
         else:
+            self.mchunk = max(256, self.keys)
             ker = eng._tk.serve_slots_kernel.warmup(*self._args(1, 1), grid=(1,), num_warps=self.warps, num_stages=1,
-                                                    **self._constexprs(), G=self.group, GCHUNK=16, FCHUNK=16)
+                                                    **self._constexprs(), G=self.group, GCHUNK=self.mchunk,
+                                                    FCHUNK=self.mchunk)
             ker._init_handles()
             threads = self.warps * 32
             by_regs = eng._regs_per_sm // max(1, ker.n_regs * threads)
@@ -176,8 +181,9 @@ class SlotServer:
             programs = eng._sms * per_sm
         self.programs = programs
         self.groups = -(-programs // self.group)
-        self.gchunk = _next_pow2(min(self.group, programs) * self.keys)
-        self.fchunk = _next_pow2(self.groups * self.keys)
+        self.mchunk = max(256, self.keys)
+        self.gchunk = -(-min(self.group, programs) * self.keys // self.mchunk) * self.mchunk
+        self.fchunk = -(-self.groups * self.keys // self.mchunk) * self.mchunk
         self._ctl = torch.zeros(_CTL_WORDS + self.groups, dtype=torch.int64, device=eng._dev)
         self._keys = torch.empty(programs * self.keys, dtype=torch.int64, device=eng._dev)
         self._gkeys = torch.empty(self.groups * self.keys, dtype=torch.int64, device=eng._dev)

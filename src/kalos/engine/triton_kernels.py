@@ -457,8 +457,9 @@ def serve_slots_kernel(
     K: tl.constexpr,  # keys kept per program (k bucket; the candidate count with RESCORE)
     KOUT: tl.constexpr,  # largest k served (a power of two); larger go to the host
     G: tl.constexpr,  # programs per group (the first level of the merge tree)
-    GCHUNK: tl.constexpr,  # next_pow2(G * K)
-    FCHUNK: tl.constexpr,  # next_pow2(groups * K)
+    GCHUNK: tl.constexpr,  # G * K rounded up to MCHUNK
+    FCHUNK: tl.constexpr,  # groups * K rounded up to MCHUNK
+    MCHUNK: tl.constexpr,  # keys per selection step of the merges (a power of two >= K)
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     RCHUNK: tl.constexpr,  # rows per top-K selection (a multiple of BLOCK_N, >= K)
@@ -547,34 +548,34 @@ def serve_slots_kernel(
                         # The namespace: -1 for all; an unknown name goes to the host (its error).
                         want_ns = tl.full([], -1, tl.int64)
                         named = tl.sum(tl.where(sl == pick, fl, 0)) == 0
-                        if named:
+                        if named:  # compared 16 names at a time: a wide tile would cost registers everywhere
                             w8 = tl.arange(0, 8)
                             name = tl.load(SEG + slot_w + W_NSB + w8, volatile=True)
                             name_len = (tl.load(SEG + slot_w + W_NSLEN, volatile=True) >> 32) & 0xFFFFFFFF
-                            ti = tl.arange(0, NSMAX)
-                            t_ok = ti < n_names
-                            tab = tl.load(NS_TAB + ti[:, None] * 9 + w8[None, :], mask=t_ok[:, None], other=0)
-                            t_len = tl.load(NS_TAB + ti * 9 + 8, mask=t_ok, other=-1)
-                            same = (tl.sum((tab == name[None, :]).to(tl.int32), axis=1) == 8) & (t_len == name_len)
-                            want_ns = tl.max(tl.where(same & t_ok, tl.load(NS_IDS + ti, mask=t_ok, other=-1), -2))
-                        if D <= BLOCK_DQ:  # one read of the query over the bus
-                            ds = tl.arange(0, BLOCK_DQ)
-                            x = tl.load(SEGF + q_at + ds, mask=ds < D, other=0.0, volatile=True).to(tl.float64)
-                            ssq = tl.sum(x * x, axis=0)
-                            scale = 1.0 / tl.sqrt(ssq)
-                            tl.store(DQ + ds, (x * scale).to(tl.float32), mask=ds < D)
-                        else:
-                            sq = tl.zeros([BLOCK_DQ], tl.float64)
-                            for d0 in range(0, D, BLOCK_DQ):
-                                ds = d0 + tl.arange(0, BLOCK_DQ)
-                                x = tl.load(SEGF + q_at + ds, mask=ds < D, other=0.0, volatile=True).to(tl.float64)
-                                sq += x * x
-                            ssq = tl.sum(sq, axis=0)
-                            scale = 1.0 / tl.sqrt(ssq)
-                            for d0 in range(0, D, BLOCK_DQ):
-                                ds = d0 + tl.arange(0, BLOCK_DQ)
-                                x = tl.load(SEGF + q_at + ds, mask=ds < D, other=0.0, volatile=True)
-                                tl.store(DQ + ds, (x.to(tl.float64) * scale).to(tl.float32), mask=ds < D)
+                            want_ns = tl.full([], -2, tl.int64)
+                            for t0 in range(0, NSMAX, 16):
+                                ti = t0 + tl.arange(0, 16)
+                                t_ok = ti < n_names
+                                tab = tl.load(NS_TAB + ti[:, None] * 9 + w8[None, :], mask=t_ok[:, None], other=0)
+                                t_len = tl.load(NS_TAB + ti * 9 + 8, mask=t_ok, other=-1)
+                                same = (tl.sum((tab == name[None, :]).to(tl.int32), axis=1) == 8) & (t_len == name_len)
+                                hit = tl.max(tl.where(same & t_ok, tl.load(NS_IDS + ti, mask=t_ok, other=-1), -2))
+                                want_ns = tl.maximum(want_ns, hit)
+                        # The query: copied raw while its float64 sum of squares accumulates (the
+                        # chunks unrolled, so their reads over the bus overlap), then scaled in place.
+                        sq = tl.zeros([BLOCK_DQ], tl.float64)
+                        for d0 in tl.static_range(0, D, BLOCK_DQ):
+                            ds = d0 + tl.arange(0, BLOCK_DQ)
+                            x = tl.load(SEGF + q_at + ds, mask=ds < D, other=0.0, volatile=True)
+                            tl.store(DQ + ds, x, mask=ds < D)
+                            sq += x.to(tl.float64) * x.to(tl.float64)
+                        ssq = tl.sum(sq, axis=0)
+                        scale = 1.0 / tl.sqrt(ssq)
+                        tl.debug_barrier()
+                        for d0 in tl.static_range(0, D, BLOCK_DQ):
+                            ds = d0 + tl.arange(0, BLOCK_DQ)
+                            x = tl.load(DQ + ds, mask=ds < D, other=0.0)
+                            tl.store(DQ + ds, (x.to(tl.float64) * scale).to(tl.float32), mask=ds < D)
                         # (Stored whatever the norm; read only if it is finite and non-zero.)
                         if (ssq > 0.0) & (ssq < float("inf")) & (want_ns != -2):
                             tl.store(CTL + 9, want_ns)
@@ -671,16 +672,21 @@ def serve_slots_kernel(
             if tl.atomic_add(CTL + CTL_GROUPS + grp, 1, sem="acq_rel", scope="gpu") == g_size - 1:
                 # -- the group's last program merges the group --------------------------
                 tl.store(CTL + CTL_GROUPS + grp, 0)
-                g_offs = tl.arange(0, GCHUNK)
-                gk = tl.load(KEYS + grp * G * K + g_offs, mask=g_offs < g_size * K, other=-9223372036854775808)
-                tl.store(GKEYS + grp * K + tl.arange(0, K)[None, :], tl.topk(tl.reshape(gk, [1, GCHUNK]), K))
+                gtop = tl.full([1, K], -9223372036854775808, tl.int64)
+                for m0 in range(0, GCHUNK, MCHUNK):  # MCHUNK keys at a time (registers)
+                    g_offs = m0 + tl.arange(0, MCHUNK)
+                    gk = tl.load(KEYS + grp * G * K + g_offs, mask=g_offs < g_size * K, other=-9223372036854775808)
+                    gtop = _merge_sorted(gtop, tl.topk(tl.reshape(gk, [1, MCHUNK]), K))
+                tl.store(GKEYS + grp * K + tl.arange(0, K)[None, :], gtop)
                 tl.debug_barrier()
                 if tl.atomic_add(CTL + 2, 1, sem="acq_rel", scope="gpu") == n_groups - 1:
                     # -- the last group answers the request --------------------------------
                     tl.store(CTL + 2, 0)
-                    f_offs = tl.arange(0, FCHUNK)
-                    fk = tl.load(GKEYS + f_offs, mask=f_offs < n_groups * K, other=-9223372036854775808)
-                    f_best = tl.topk(tl.reshape(fk, [1, FCHUNK]), K)
+                    f_best = tl.full([1, K], -9223372036854775808, tl.int64)
+                    for m0 in range(0, FCHUNK, MCHUNK):
+                        f_offs = m0 + tl.arange(0, MCHUNK)
+                        fk = tl.load(GKEYS + f_offs, mask=f_offs < n_groups * K, other=-9223372036854775808)
+                        f_best = _merge_sorted(f_best, tl.topk(tl.reshape(fk, [1, MCHUNK]), K))
                     f_pick = tl.load(CTL + 4)
                     f_seq = tl.load(CTL + 5)
                     f_k = tl.load(CTL + 6)
