@@ -97,14 +97,14 @@ class SlotServer:
         self.rescore = engine.precision == "fast" and self.kout <= 256
         self.keys = _kf(self.kout) if self.rescore else self.kout
         dev = engine._dev
-        # Whole-row tiles, two in flight per program; fast mode 16 rows, 8 warps (measured on an
-        # H200, benchmarks/NOTES-gpu.md, "resident kernel"). Exact: 2 rows (~96 registers, so
-        # 4 programs fit per SM with room for the sweep's kernels; 4 rows take ~128).
-        block_n, block_d = tile if tile is not None else ((16, 1024) if self.rescore else (2, 1024))
+        # Whole-row tiles, two in flight per program (benchmarks/NOTES-gpu.md, "resident
+        # kernel"). Exact: 2 rows, 4 warps. Fast: 8 rows, 4 warps, 2 programs per SM (16 rows
+        # at 8 warps measured faster in process, 107.6 us, but one program then fills an SM).
+        block_n, block_d = tile if tile is not None else ((8, 1024) if self.rescore else (2, 1024))
         self.block_d = max(16, min(_next_pow2(block_d), _next_pow2(engine.dim)))
         self.block_n = max(1, _next_pow2(block_n * _next_pow2(block_d) // self.block_d))
         self.rchunk = max(_next_pow2(rchunk), self.keys, self.block_n)
-        self.warps = int(warps) if warps is not None else (8 if self.rescore else 4)
+        self.warps = int(warps) if warps is not None else 4
         self.group = int(group)
         self.idle_s = float(idle_s)
         self.idle_polls = int(idle_polls)
@@ -174,10 +174,19 @@ class SlotServer:
             by_smem = eng._smem_per_sm // max(1, ker.metadata.shared) if ker.metadata.shared else 32
             by_threads = 2048 // threads
             resident = min(by_regs, by_smem, by_threads)
+            self.resident_per_sm = resident
+            if resident < 2:
+                # One program would fill an SM: the sweep's kernels (handed-over requests) could
+                # not run beside it. Measured (H200, fast mode, 8 warps, ~252 registers): the
+                # sweep's service time rose to 12.6 ms, and a run under GPU load ended in an
+                # illegal memory access that is not yet explained (benchmarks/NOTES-gpu.md).
+                raise InvalidArgument(
+                    f"the resident kernel needs {ker.n_regs} registers per thread at {self.warps} warps: only "
+                    f"{resident} program fits per SM, leaving no room for the sweep's kernels"
+                )
             # One program fewer than fits, so the sweep's own kernels (handed-over requests)
             # find room on every SM instead of waiting for this kernel to exit.
             per_sm = max(1, min(self._requested_per_sm, resident - 1, self._cap_per_sm))
-            self.resident_per_sm = resident
             programs = eng._sms * per_sm
         self.programs = programs
         self.groups = -(-programs // self.group)
