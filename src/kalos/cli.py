@@ -60,7 +60,8 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--gpu-polling", action="store_true",
                        help="GPU engine, experimental: a resident kernel polls the slots and answers single "
                        "recalls (k <= 16, all namespaces or one, no time window) by itself while traffic lasts; "
-                       "it exits after --spin-us without a request. Not yet faster end to end (BENCHMARKS.md)")
+                       "it exits after --spin-us without a request. Faster for exact single recalls, above all on a busy GPU; "
+                       "slower for batches (BENCHMARKS.md)")
     serve.add_argument("--seed-compat", action="store_true",
                        help="also serve the seed article's recall_shm_t protocol (top-8 over all namespaces)")
     serve.add_argument("--seed-compat-shm", default="/kalos_recall_shm",

@@ -100,8 +100,9 @@ class SidecarConfig:
     # segment page-locked with cudaHostRegister); False: through host copies (benchmarks).
     zero_copy: bool = True
     # Experimental, off by default: with zero copy, a resident GPU kernel polls the slots and
-    # answers single recalls by itself (kalos.engine.slot_server). Measured on an H200 it was
-    # not yet faster end to end than the sweep, and slowed batches (BENCHMARKS.md).
+    # answers single recalls by itself (kalos.engine.slot_server). Measured on an H200 (side by
+    # side): exact single recalls 134.7 vs 154.7 us p50, 141 us vs 2.5 ms beside another
+    # process's GEMMs; batches beside it are slower, fast mode gains nothing (BENCHMARKS.md).
     gpu_polling: bool = False
 
     def __post_init__(self) -> None:
