@@ -64,7 +64,7 @@ def rng(request):
 class Rig:
     """An engine with rows, a segment with slots, the engine attached to it, and a server."""
 
-    def __init__(self, rng, *, precision="exact", dim=32, n=200, slots=4, device="cpu", **server_args) -> None:
+    def __init__(self, rng, *, precision="exact", dim=32, n=200, slots=4, device="cpu", max_k=32, **server_args) -> None:
         self.rng = rng
         self.engine = TorchEngine(dim, device=device, backend="triton", precision=precision)
         self.vectors = rng.standard_normal((n, dim)).astype(np.float32)
@@ -77,7 +77,7 @@ class Rig:
         self.dead = self.ids[rng.choice(n, n // 10, replace=False)]
         self.engine.delete(self.dead)
         self.live = ~np.isin(self.ids, self.dead)
-        self.layout = Layout(slots, dim, 32, 2)
+        self.layout = Layout(slots, dim, max_k, 2)
         self.buf = mmap.mmap(-1, self.layout.size)
         self.engine.attach_host(self.buf)
         self.views = [SlotView(memoryview(self.buf), self.layout, s) for s in range(slots)]
@@ -162,6 +162,25 @@ def test_hands_over_what_it_must_not_answer(rng):
             assert int(view.resp_seq[0]) != seq and int(rig.server.answered[0]) != seq, label
             assert view.ids[0].tobytes() == before, f"{label}: the slot's answer area was written"
         assert rig.server.served == 0
+    finally:
+        rig.close()
+
+
+@needs_interpreter
+def test_never_writes_past_a_slots_max_k(rng):
+    # A segment made for k <= 4: the kernel (built for k <= 16) must hand k = 8 to the host,
+    # whose error names the limit, instead of writing 8 ids into a row of 4.
+    rig = Rig(rng, max_k=4)
+    q = rng.standard_normal(rig.engine.dim).astype(np.float32)
+    try:
+        scores_before = rig.views[0].scores[0].tobytes()
+        seq = rig.submit(0, q, 8)
+        rig.server.start(rig.active)
+        assert int(rig.server.handed[0]) == seq and int(rig.views[0].resp_seq[0]) != seq
+        assert rig.views[0].scores[0].tobytes() == scores_before
+        seq = rig.submit(0, q, 4)
+        rig.server.start(rig.active)
+        assert int(rig.views[0].resp_seq[0]) == seq and int(rig.views[0].n_results[0]) == 4
     finally:
         rig.close()
 

@@ -131,6 +131,7 @@ class SlotServer:
         self._slot_at = torch.full((self.ns,), -1, dtype=torch.int64, device=dev)
         self._seen = torch.zeros((2, self.ns), dtype=torch.int64, device=dev)
         self._dq = torch.zeros(engine.dim, dtype=torch.float32, device=dev)
+        self._agree = torch.zeros(4 * self.ns + 16, dtype=torch.int64, device=dev)
         self._ns_tab = torch.zeros((_MAX_NAMES, 9), dtype=torch.int64, device=dev)
         self._ns_ids = torch.zeros(_MAX_NAMES, dtype=torch.int64, device=dev)
         self._n_names = 0
@@ -193,10 +194,11 @@ class SlotServer:
         self.mchunk = max(256, self.keys)
         self.gchunk = -(-min(self.group, programs) * self.keys // self.mchunk) * self.mchunk
         self.fchunk = -(-self.groups * self.keys // self.mchunk) * self.mchunk
-        self._ctl = torch.zeros(_CTL_WORDS + self.groups, dtype=torch.int64, device=eng._dev)
-        self._keys = torch.empty(programs * self.keys, dtype=torch.int64, device=eng._dev)
-        self._gkeys = torch.empty(self.groups * self.keys, dtype=torch.int64, device=eng._dev)
-        self._scores = torch.empty(eng.rows.capacity, dtype=torch.float32, device=eng._dev)
+        with torch.cuda.stream(self._stream) if self.on_gpu else _Null():  # the stream that uses them
+            self._ctl = torch.zeros(_CTL_WORDS + self.groups, dtype=torch.int64, device=eng._dev)
+            self._keys = torch.empty(programs * self.keys, dtype=torch.int64, device=eng._dev)
+            self._gkeys = torch.empty(self.groups * self.keys, dtype=torch.int64, device=eng._dev)
+            self._scores = torch.empty(eng.rows.capacity, dtype=torch.float32, device=eng._dev)
 
     def _args(self, n: int, rows_per_prog: int) -> tuple:
         eng = self.engine
@@ -211,8 +213,8 @@ class SlotServer:
         return (
             att.i64, att.f32, x, eng._x32, eng._live, eng._ns, eng._ids, self._ns_tab, self._ns_ids, self._slot_at,
             self._seen,
-            self._t_answered, self._t_handed, self._t_hctl, ctl, self._dq, scores, keys, gkeys,
-            n, self.layout.n_slots, self._n_names, rows_per_prog, eng._max_norm, ea, eb, ec, idle, int(_RESIDENT_WAIT_S * 1e9),
+            self._t_answered, self._t_handed, self._t_hctl, ctl, self._dq, self._agree, scores, keys, gkeys,
+            n, self.layout.n_slots, self._n_names, min(self.kout, self.layout.max_k), rows_per_prog, eng._max_norm, ea, eb, ec, idle, int(_RESIDENT_WAIT_S * 1e9),
             int(Op.RECALL), int(RequestFlag.ALL_NAMESPACES),
         )
 

@@ -698,7 +698,9 @@ class TorchEngine(Engine):
         if self._attached is None:
             return
         if self._is_cuda:
-            self._stream.synchronize()
+            # The whole device, not only the engine's stream: a kernel on another stream (the
+            # resident slot server's) may read the buffer too.
+            torch.cuda.synchronize(self._dev)
         self._graphs = {key: g for key, g in self._graphs.items() if not key[-1]}
         host = self._attached.host
         self._attached = None

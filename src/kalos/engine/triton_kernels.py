@@ -405,6 +405,22 @@ def _pause(ON_GPU: tl.constexpr):
 
 
 @triton.jit
+def _agree(vals, AGREE, offs, mask):
+    """The values of ``vals`` as one writer left them, the same in every warp of the program.
+
+    A small tensor (fewer elements than threads) is replicated in every warp, and each warp
+    loads it on its own; a scalar is read by every thread. Values read from memory that
+    changes under us (the slots, the host's stop word, the clock) may then differ between
+    warps, and warps that decide differently desynchronise the program's barriers (a review
+    found this; it can turn into wrong answers and wild addresses). So: store, barrier, reload.
+    """
+    tl.debug_barrier()  # no warp still reads what an earlier call left in the scratch
+    tl.store(AGREE + offs, vals, mask=mask)
+    tl.debug_barrier()
+    return tl.load(AGREE + offs, mask=mask, other=0, volatile=True)
+
+
+@triton.jit
 def serve_slots_kernel(
     SEG,  # the shared segment as int64 words (page-locked and mapped: read over the bus)
     SEGF,  # the same memory as float32
@@ -426,12 +442,14 @@ def serve_slots_kernel(
     #       [8] programs started, [9] namespace id (-1: all),
     #       [CTL_GROUPS, CTL_GROUPS + groups) programs arrived per group
     DQ,  # [D] float32 device: the round's query, normalised
+    AGREE,  # [4 * NS + 16] int64 device: program 0's scratch for values all its warps must share
     S,  # [cap] float32 device: masked scores, each program's rows (read back by the same program)
     KEYS,  # [programs * K] int64 device: each program's top-K keys
     GKEYS,  # [groups * K] int64 device: each group's top-K keys
     n,  # rows in use
     n_slots,
     n_names,  # rows of NS_TAB in use
+    k_limit,  # largest k served: min(KOUT, the segment's max_k)
     rows_per_prog,  # a multiple of BLOCK_N
     x_norm,  # largest row norm (f64), for the certificate
     err_a,
@@ -498,12 +516,15 @@ def serve_slots_kernel(
     my_round = tl.zeros([], tl.int64)
     running = 1
     tl.atomic_add(CTL + 8, 1, sem="release", scope="gpu")
+    clock_at = 4 * NS  # AGREE words: [0, NS) req_seq, [NS, 3 NS) request words, then scalars
     if pid == 0:
-        t0 = _clock_ns(ON_GPU)
+        t0 = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
         started = tl.atomic_add(CTL + 8, 0, sem="acquire", scope="gpu")
-        while (started < n_progs) & (_clock_ns(ON_GPU) - t0 <= resident_ns):
+        waited = tl.zeros([], tl.int64)
+        while (started < n_progs) & (waited <= resident_ns):
             _pause(ON_GPU)
             started = tl.atomic_add(CTL + 8, 0, sem="acquire", scope="gpu")
+            waited = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True) - t0
         if started < n_progs:
             tl.store(HCTL + 3, 1)
             tl.atomic_xchg(CTL, -1, sem="release", scope="gpu")
@@ -514,24 +535,25 @@ def serve_slots_kernel(
     while running != 0:
         if pid == 0:
             # -- poll the slots until a request to serve, a stop, or the idle limit ---------
-            quiet_since = _clock_ns(ON_GPU)
+            quiet_since = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
             polls = tl.zeros([], tl.int64)
             state = 0  # 0 polling, 1 serve `chosen`, 2 exit
             while state == 0:
                 at = tl.load(SLOT_AT + sl, mask=slot_ok, other=-1)
                 here = slot_ok & (at >= 0)
-                req = tl.load(SEG + at + W_REQ, mask=here, other=0, volatile=True)
+                req = _agree(tl.load(SEG + at + W_REQ, mask=here, other=0, volatile=True), AGREE, sl, slot_ok)
                 seen_a = tl.load(DSEEN + sl, mask=here, other=0)
                 seen_h = tl.load(DSEEN + NS + sl, mask=here, other=0)
                 pend = here & (req != seen_a) & (req != seen_h)
                 if tl.sum(pend.to(tl.int32)) > 0:
                     _fence_system(ON_GPU)  # req_seq, then the request it publishes
-                    w1 = tl.load(SEG + at + W_OPK, mask=pend, other=0, volatile=True)
-                    w2 = tl.load(SEG + at + W_NQF, mask=pend, other=0, volatile=True)
+                    w1 = _agree(tl.load(SEG + at + W_OPK, mask=pend, other=0, volatile=True), AGREE, NS + sl, slot_ok)
+                    w2 = _agree(tl.load(SEG + at + W_NQF, mask=pend, other=0, volatile=True), AGREE, 2 * NS + sl,
+                                slot_ok)
                     kk = (w1 >> 32) & 0xFFFFFFFF
                     ok = pend & ((w1 & 0xFFFFFFFF) == op_recall) & ((w2 & 0xFFFFFFFF) == 1)
                     fl = (w2 >> 32) & 0xFFFFFFFF
-                    ok = ok & (kk >= 1) & (kk <= KOUT) & ((fl == flags_all) | (fl == 0))
+                    ok = ok & (kk >= 1) & (kk <= k_limit) & ((fl == flags_all) | (fl == 0))
                     start = tl.load(CTL + 3)
                     turn = (sl - start + NS) % NS  # round robin: no slot starves the others
                     best = tl.min(tl.where(ok, turn, NS))
@@ -550,8 +572,9 @@ def serve_slots_kernel(
                         named = tl.sum(tl.where(sl == pick, fl, 0)) == 0
                         if named:  # compared 16 names at a time: a wide tile would cost registers everywhere
                             w8 = tl.arange(0, 8)
-                            name = tl.load(SEG + slot_w + W_NSB + w8, volatile=True)
-                            name_len = (tl.load(SEG + slot_w + W_NSLEN, volatile=True) >> 32) & 0xFFFFFFFF
+                            name = _agree(tl.load(SEG + slot_w + W_NSB + w8, volatile=True), AGREE, 3 * NS + w8, True)
+                            name_len = (_agree(tl.load(SEG + slot_w + W_NSLEN, volatile=True), AGREE, clock_at + 1,
+                                               True) >> 32) & 0xFFFFFFFF
                             want_ns = tl.full([], -2, tl.int64)
                             for t0 in range(0, NSMAX, 16):
                                 ti = t0 + tl.arange(0, 16)
@@ -587,15 +610,17 @@ def serve_slots_kernel(
                         else:
                             tl.store(DSEEN + NS + pick, seq)
                             tl.store(HHOF + pick, seq)
-                    quiet_since = _clock_ns(ON_GPU)
+                    quiet_since = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
                     polls = polls * 0
                 else:
                     polls += 1
                 if state == 0:
-                    if tl.load(HCTL, volatile=True) != 0:
+                    if _agree(tl.load(HCTL, volatile=True), AGREE, clock_at + 2, True) != 0:
                         state = 2
                     elif ON_GPU:
-                        if _clock_ns(ON_GPU) - quiet_since > idle:
+                        # Time alone would count other processes' time slices as idle (the
+                        # kernel would exit and relaunch under load): also 64 polls in a row.
+                        if (_agree(_clock_ns(ON_GPU), AGREE, clock_at, True) - quiet_since > idle) & (polls > 64):
                             state = 2
                     elif polls > idle:
                         state = 2
@@ -724,3 +749,4 @@ def serve_slots_kernel(
                 while d != my_round:
                     _pause(ON_GPU)
                     d = tl.load(CTL + 1, volatile=True)
+                tl.atomic_add(CTL + 1, 0, sem="acquire", scope="gpu")  # then DSEEN as the round left it
