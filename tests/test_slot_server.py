@@ -10,55 +10,27 @@ kernel, alone and inside a sidecar with several clients, adds and deletes.
 from __future__ import annotations
 
 import mmap
-import os
-import sys
 import threading
 import time
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 
-HAVE_CUDA = torch.cuda.is_available()
-if not HAVE_CUDA and "triton" not in sys.modules:
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import kalos.engine.triton_kernels  # noqa: F401
-    except ImportError:
-        pass
-    finally:
-        if _saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = _saved
+# The interpreter setup (TRITON_INTERPRET for the first import of triton, per-test env), the
+# seeded rng and the markers are test_torch_engine's, as in test_sharded.
+from test_torch_engine import HAVE_CUDA, _interpreter_env, needs_interpreter, rng  # noqa: E402,F401
 
-from kalos.engine import torch_engine as te  # noqa: E402
 from kalos.engine.slot_server import SlotServer  # noqa: E402
 from kalos.engine.torch_engine import TorchEngine  # noqa: E402
 from kalos.errors import InvalidArgument  # noqa: E402
 from kalos.protocol import Layout, Op, RequestFlag, SlotView  # noqa: E402
 from reference import assert_topk_matches  # noqa: E402
 
-HAVE_INTERPRETER = not HAVE_CUDA and te._triton_kernels(require_interpreter=True) is not None
-needs_interpreter = pytest.mark.skipif(not HAVE_INTERPRETER, reason="needs triton's interpreter (no GPU)")
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU")
 RECALL, PING, ALL = int(Op.RECALL), int(Op.PING), int(RequestFlag.ALL_NAMESPACES)
-
-
-@pytest.fixture(autouse=True)
-def _interpreter_env(monkeypatch):
-    if HAVE_INTERPRETER:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-@pytest.fixture
-def rng(request):
-    seed = int(os.environ.get("KALOS_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
-    print(f"{request.node.name}: seed {seed}")
-    return np.random.default_rng(seed)
 
 
 class Rig:
@@ -101,42 +73,53 @@ class Rig:
         self.engine.detach_host()
 
 
-@needs_interpreter
-@pytest.mark.parametrize("precision,tile", [("exact", None), ("fast", None), ("exact", (4, 16))],
-                         ids=["exact", "fast", "exact-narrow-tile"])
-def test_answers_single_recalls_like_the_float64_reference(rng, precision, tile):
-    # The default tile spans whole rows (the prefetching loop); a narrower one takes the
-    # loop over dimension chunks.
-    rig = Rig(rng, precision=precision, tile=tile)
-    try:
-        answered = handed = 0
-        for round_ in range(6):
-            slot = round_ % 4
-            k = int(rng.choice([1, 3, 8, 16]))
-            query = (rng.standard_normal(rig.engine.dim) * rng.uniform(0.1, 10)).astype(np.float32)
-            ns = [None, b"a", b"b"][round_ % 3]
-            seq = rig.submit(slot, query, k, flags=ALL if ns is None else 0, namespace=ns or b"")
-            eligible = rig.live & (True if ns is None else rig.namespaces == (0 if ns == b"a" else 1))
-            rig.server.start(rig.active)
-            view = rig.views[slot]
-            if int(view.resp_seq[0]) == seq:
-                answered += 1
-                assert (int(view.status[0]), int(view.n_results[0])) == (0, k)
-                assert int(rig.server.answered[slot]) == seq
-                assert_topk_matches(view.ids[:1, :k], view.scores[:1, :k], rig.ids, rig.vectors, query[None], k,
-                                    eligible, context=f"{precision} k={k} namespace={ns}")
-            else:  # fast mode: a failed certificate hands the request to the host
-                assert precision == "fast" and int(rig.server.handed[slot]) == seq
-                handed += 1
-        assert rig.server.served == answered
-        assert answered >= (6 if precision == "exact" else 1)
-    finally:
+@pytest.fixture
+def make_rig(rng):
+    """Builds rigs on this test's rng; closes them (server stopped, segment detached) after it."""
+    rigs: list[Rig] = []
+
+    def make(**kwargs) -> Rig:
+        rigs.append(Rig(rng, **kwargs))
+        return rigs[-1]
+
+    yield make
+    for rig in rigs:
         rig.close()
 
 
 @needs_interpreter
-def test_hands_over_what_it_must_not_answer(rng):
-    rig = Rig(rng)
+@pytest.mark.parametrize("precision,tile", [("exact", None), ("fast", None), ("exact", (4, 16))],
+                         ids=["exact", "fast", "exact-narrow-tile"])
+def test_answers_single_recalls_like_the_float64_reference(make_rig, rng, precision, tile):
+    # The default tile spans whole rows (the prefetching loop); a narrower one takes the
+    # loop over dimension chunks.
+    rig = make_rig(precision=precision, tile=tile)
+    answered = handed = 0
+    for round_ in range(6):
+        slot = round_ % 4
+        k = int(rng.choice([1, 3, 8, 16]))
+        query = (rng.standard_normal(rig.engine.dim) * rng.uniform(0.1, 10)).astype(np.float32)
+        ns = [None, b"a", b"b"][round_ % 3]
+        seq = rig.submit(slot, query, k, flags=ALL if ns is None else 0, namespace=ns or b"")
+        eligible = rig.live & (True if ns is None else rig.namespaces == (0 if ns == b"a" else 1))
+        rig.server.start(rig.active)
+        view = rig.views[slot]
+        if int(view.resp_seq[0]) == seq:
+            answered += 1
+            assert (int(view.status[0]), int(view.n_results[0])) == (0, k)
+            assert int(rig.server.answered[slot]) == seq
+            assert_topk_matches(view.ids[:1, :k], view.scores[:1, :k], rig.ids, rig.vectors, query[None], k,
+                                eligible, context=f"{precision} k={k} namespace={ns}")
+        else:  # fast mode: a failed certificate hands the request to the host
+            assert precision == "fast" and int(rig.server.handed[slot]) == seq
+            handed += 1
+    assert rig.server.served == answered
+    assert answered >= (6 if precision == "exact" else 1)
+
+
+@needs_interpreter
+def test_hands_over_what_it_must_not_answer(make_rig, rng):
+    rig = make_rig()
     dim = rig.engine.dim
     q = rng.standard_normal(dim).astype(np.float32)
     cases = {
@@ -152,76 +135,64 @@ def test_hands_over_what_it_must_not_answer(rng):
         "a ping": dict(query=q, k=4, op=PING),
         "an unknown op": dict(query=q, k=4, op=99),
     }
-    try:
-        for label, case in cases.items():
-            before = bytes(rig.views[0].ids[0].tobytes())
-            seq = rig.submit(0, **case)
-            rig.server.start(rig.active)
-            view = rig.views[0]
-            assert int(rig.server.handed[0]) == seq, label
-            assert int(view.resp_seq[0]) != seq and int(rig.server.answered[0]) != seq, label
-            assert view.ids[0].tobytes() == before, f"{label}: the slot's answer area was written"
-        assert rig.server.served == 0
-    finally:
-        rig.close()
+    for label, case in cases.items():
+        before = bytes(rig.views[0].ids[0].tobytes())
+        seq = rig.submit(0, **case)
+        rig.server.start(rig.active)
+        view = rig.views[0]
+        assert int(rig.server.handed[0]) == seq, label
+        assert int(view.resp_seq[0]) != seq and int(rig.server.answered[0]) != seq, label
+        assert view.ids[0].tobytes() == before, f"{label}: the slot's answer area was written"
+    assert rig.server.served == 0
 
 
 @needs_interpreter
-def test_never_writes_past_a_slots_max_k(rng):
+def test_never_writes_past_a_slots_max_k(make_rig, rng):
     # A segment made for k <= 4: the kernel (built for k <= 16) must hand k = 8 to the host,
     # whose error names the limit, instead of writing 8 ids into a row of 4.
-    rig = Rig(rng, max_k=4)
+    rig = make_rig(max_k=4)
     q = rng.standard_normal(rig.engine.dim).astype(np.float32)
-    try:
-        scores_before = rig.views[0].scores[0].tobytes()
-        seq = rig.submit(0, q, 8)
-        rig.server.start(rig.active)
-        assert int(rig.server.handed[0]) == seq and int(rig.views[0].resp_seq[0]) != seq
-        assert rig.views[0].scores[0].tobytes() == scores_before
-        seq = rig.submit(0, q, 4)
-        rig.server.start(rig.active)
-        assert int(rig.views[0].resp_seq[0]) == seq and int(rig.views[0].n_results[0]) == 4
-    finally:
-        rig.close()
+    scores_before = rig.views[0].scores[0].tobytes()
+    seq = rig.submit(0, q, 8)
+    rig.server.start(rig.active)
+    assert int(rig.server.handed[0]) == seq and int(rig.views[0].resp_seq[0]) != seq
+    assert rig.views[0].scores[0].tobytes() == scores_before
+    seq = rig.submit(0, q, 4)
+    rig.server.start(rig.active)
+    assert int(rig.views[0].resp_seq[0]) == seq and int(rig.views[0].n_results[0]) == 4
 
 
 @needs_interpreter
-def test_takes_one_request_per_round_and_hands_the_rest_round_robin(rng):
-    rig = Rig(rng)
+def test_takes_one_request_per_round_and_hands_the_rest_round_robin(make_rig, rng):
+    rig = make_rig()
     q = rng.standard_normal(rig.engine.dim).astype(np.float32)
-    try:
-        seqs = [rig.submit(s, q, 4) for s in (1, 2, 3)]
-        rig.server.start(rig.active)
-        got = [int(rig.views[s].resp_seq[0]) == seq for s, seq in zip((1, 2, 3), seqs)]
-        gave = [int(rig.server.handed[s]) == seq for s, seq in zip((1, 2, 3), seqs)]
-        assert sum(got) == 1 and sum(gave) == 2 and all(a != b for a, b in zip(got, gave))
-        first = got.index(True) + 1
-        # The next round starts after the slot it served: another slot wins the next tie.
-        seqs = [rig.submit(s, q, 4) for s in (1, 2, 3)]
-        rig.server.start(rig.active)
-        winner = [s for s, seq in zip((1, 2, 3), seqs) if int(rig.views[s].resp_seq[0]) == seq]
-        assert winner and winner[0] != first
-    finally:
-        rig.close()
+    seqs = [rig.submit(s, q, 4) for s in (1, 2, 3)]
+    rig.server.start(rig.active)
+    got = [int(rig.views[s].resp_seq[0]) == seq for s, seq in zip((1, 2, 3), seqs)]
+    gave = [int(rig.server.handed[s]) == seq for s, seq in zip((1, 2, 3), seqs)]
+    assert sum(got) == 1 and sum(gave) == 2 and all(a != b for a, b in zip(got, gave))
+    first = got.index(True) + 1
+    # The next round starts after the slot it served: another slot wins the next tie.
+    seqs = [rig.submit(s, q, 4) for s in (1, 2, 3)]
+    rig.server.start(rig.active)
+    winner = [s for s, seq in zip((1, 2, 3), seqs) if int(rig.views[s].resp_seq[0]) == seq]
+    assert winner and winner[0] != first
 
 
 @needs_interpreter
-def test_ignores_slots_without_a_client_and_answered_requests(rng):
-    rig = Rig(rng)
+def test_ignores_slots_without_a_client_and_answered_requests(make_rig, rng):
+    rig = make_rig()
     q = rng.standard_normal(rig.engine.dim).astype(np.float32)
-    try:
-        seq = rig.submit(2, q, 4)
-        rig.active[2] = False
-        rig.server.start(rig.active)
-        assert int(rig.views[2].resp_seq[0]) != seq and int(rig.server.handed[2]) != seq
-        rig.active[2] = True
-        rig.server.answered[2] = seq  # the host answered it already
-        rig.server.start(rig.active)
-        assert int(rig.views[2].resp_seq[0]) != seq and int(rig.server.handed[2]) != seq
-        rig.server.warm()  # exits at once: serves nothing
-        assert rig.server.served == 0
-    finally:
-        rig.close()
+    seq = rig.submit(2, q, 4)
+    rig.active[2] = False
+    rig.server.start(rig.active)
+    assert int(rig.views[2].resp_seq[0]) != seq and int(rig.server.handed[2]) != seq
+    rig.active[2] = True
+    rig.server.answered[2] = seq  # the host answered it already
+    rig.server.start(rig.active)
+    assert int(rig.views[2].resp_seq[0]) != seq and int(rig.server.handed[2]) != seq
+    rig.server.warm()  # exits at once: serves nothing
+    assert rig.server.served == 0
 
 
 @needs_interpreter
@@ -249,29 +220,26 @@ def test_needs_the_triton_engine_with_the_segment_attached(rng):
 @cuda
 @needs_cuda
 @pytest.mark.parametrize("precision", ["exact", "fast"])
-def test_cuda_resident_kernel_answers_while_running(rng, precision):
-    rig = Rig(rng, precision=precision, dim=384, n=20000, slots=8, device="cuda", idle_s=5.0)
-    try:
-        rig.server.start(rig.active)
-        assert rig.server.running()
-        answered = 0
-        for i in range(200):
-            slot = i % 8
-            k = int(rng.integers(1, 17))
-            query = rng.standard_normal(rig.engine.dim).astype(np.float32)
-            seq = rig.submit(slot, query, k)
-            view = rig.views[slot]
-            while int(view.resp_seq[0]) != seq and int(rig.server.handed[slot]) != seq:
-                assert rig.server.running(), "the kernel exited while a request was pending"
-            if int(view.resp_seq[0]) == seq:
-                answered += 1
-                assert_topk_matches(view.ids[:1, :k], view.scores[:1, :k], rig.ids, rig.vectors, query[None], k,
-                                    rig.live, context=f"request {i}")
-        assert answered >= (200 if precision == "exact" else 150)
-        rig.server.stop()
-        assert not rig.server.running() and rig.server.served == answered
-    finally:
-        rig.close()
+def test_cuda_resident_kernel_answers_while_running(make_rig, rng, precision):
+    rig = make_rig(precision=precision, dim=384, n=20000, slots=8, device="cuda", idle_s=5.0)
+    rig.server.start(rig.active)
+    assert rig.server.running()
+    answered = 0
+    for i in range(200):
+        slot = i % 8
+        k = int(rng.integers(1, 17))
+        query = rng.standard_normal(rig.engine.dim).astype(np.float32)
+        seq = rig.submit(slot, query, k)
+        view = rig.views[slot]
+        while int(view.resp_seq[0]) != seq and int(rig.server.handed[slot]) != seq:
+            assert rig.server.running(), "the kernel exited while a request was pending"
+        if int(view.resp_seq[0]) == seq:
+            answered += 1
+            assert_topk_matches(view.ids[:1, :k], view.scores[:1, :k], rig.ids, rig.vectors, query[None], k,
+                                rig.live, context=f"request {i}")
+    assert answered >= (200 if precision == "exact" else 150)
+    rig.server.stop()
+    assert not rig.server.running() and rig.server.served == answered
 
 
 @cuda

@@ -273,7 +273,9 @@ class Client:
         """One recall per row of ``matrix`` ``[Q, dim]``, answered in batches of the sidecar's max_batch."""
         return self._recall(matrix, k, namespace, since, until, single=False)
 
-    def _recall(self, queries: Any, k: int, namespace: str | None, since: Any, until: Any, *, single: bool) -> Any:
+    def _recall(
+        self, queries: Any, k: int, namespace: str | None, since: Any, until: Any, *, single: bool
+    ) -> Recall | RecallBatch:
         """A :class:`Recall` (``single``) or a :class:`RecallBatch`."""
         with self._lock:
             conn = self._connection()

@@ -275,8 +275,12 @@ class Sidecar:
         try:
             server.stop()
         except Exception:  # a kernel fault: keep serving through the sweep alone
-            log.exception("the GPU slot server failed; recalls go through the sweep from now on")
-            self._slot_server = None
+            self._slot_server_failed("failed")
+
+    def _slot_server_failed(self, what: str) -> None:
+        """Turns GPU polling off for good after a fault; the sweep serves every request."""
+        log.exception("the GPU slot server %s; recalls go through the sweep from now on", what)
+        self._slot_server = None
 
     def ready_message(self) -> str:
         return (
@@ -420,8 +424,7 @@ class Sidecar:
         try:
             return server.running()
         except Exception:  # a kernel fault, or programs that could not all be resident
-            log.exception("the GPU slot server failed; recalls go through the sweep from now on")
-            self._slot_server = None
+            self._slot_server_failed("failed")
             return False
 
     def _start_slot_server(self, server: Any) -> None:
@@ -433,8 +436,7 @@ class Sidecar:
             server.set_namespaces(self._namespaces)
             server.start(channel.active)
         except Exception:
-            log.exception("the GPU slot server failed to start; recalls go through the sweep from now on")
-            self._slot_server = None
+            self._slot_server_failed("failed to start")
 
     def _answer(self, slots: np.ndarray, seqs: np.ndarray) -> None:
         """Answers the requests in ``slots`` (all of them, errors included), then publishes."""

@@ -33,6 +33,8 @@ polled ``idle_polls`` more times.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -93,9 +95,9 @@ class SlotServer:
             raise AssertionError("serve_slots_kernel compares namespaces as 8 int64 words")
         self.on_gpu = engine._is_cuda
         self.kout = _kp(max_k)
-        self.max_k = self.kout
-        self.rescore = engine.precision == "fast" and self.kout <= 256
+        self.rescore = engine.precision == "fast"
         self.keys = _kf(self.kout) if self.rescore else self.kout
+        self.mchunk = max(256, self.keys)  # keys per selection step of the merges
         dev = engine._dev
         # Whole-row tiles, two in flight per program (benchmarks/NOTES-gpu.md, "resident
         # kernel"). Exact: 2 rows, 4 warps. Fast: 8 rows, 4 warps, 2 programs per SM (16 rows
@@ -134,17 +136,21 @@ class SlotServer:
         self._agree = torch.zeros(4 * self.ns + 16, dtype=torch.int64, device=dev)
         self._ns_tab = torch.zeros((_MAX_NAMES, 9), dtype=torch.int64, device=dev)
         self._ns_ids = torch.zeros(_MAX_NAMES, dtype=torch.int64, device=dev)
-        self._n_names = 0
         self._names: dict[bytes, int] = {}
         self._stream = torch.cuda.Stream(device=dev, priority=-100) if self.on_gpu else None
         self._done: torch.cuda.Event | None = None
-        self._ctl = self._keys = self._gkeys = self._scores = None
+        # The grid's buffers, sized by _size_grid; these minimal ones serve its compile.
+        self._ctl = torch.zeros(_CTL_WORDS + 1, dtype=torch.int64, device=dev)
+        self._keys = self._gkeys = torch.empty(self.keys, dtype=torch.int64, device=dev)
+        self._scores = torch.empty(1, dtype=torch.float32, device=dev)
         self.resident_per_sm = 0
         self.not_resident = 0  # launches that found too few programs resident (grid halved)
         self._grid_for: tuple | None = None
         self.programs = 1
-        self.mchunk = max(256, self.keys)
         self.launches = 0
+
+    def _on_stream(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self._stream) if self.on_gpu else contextlib.nullcontext()
 
     # -- sizing ------------------------------------------------------------------------------
 
@@ -152,9 +158,9 @@ class SlotServer:
         w = self.words
         eng = self.engine
         return dict(
-            W_REQ=w.req_seq, W_OPK=w.op_k, W_NQF=w.nq_flags, W_NSLEN=w.ns_len, W_NSB=w.ns_bytes, W_RESP=w.resp_seq, W_STATN=w.status_n,
-            E_Q=w.queries, E_IDS=w.ids, E_SC=w.scores, D=eng.dim, NS=self.ns, NSMAX=self._ns_tab.shape[0], K=self.keys, KOUT=self.kout,
-            BLOCK_N=self.block_n, BLOCK_D=self.block_d, RCHUNK=self.rchunk, BLOCK_DQ=min(256, _next_pow2(eng.dim)),
+            W_REQ=w.req_seq, W_OPK=w.op_k, W_NQF=w.nq_flags, W_NSLEN=w.ns_len, W_NSB=w.ns_bytes, W_RESP=w.resp_seq,
+            W_STATN=w.status_n, E_Q=w.queries, E_IDS=w.ids, E_SC=w.scores, D=eng.dim, NS=self.ns, NSMAX=_MAX_NAMES,
+            K=self.keys, KOUT=self.kout, BLOCK_N=self.block_n, BLOCK_D=self.block_d, RCHUNK=self.rchunk, BLOCK_DQ=min(256, _next_pow2(eng.dim)),
             MCHUNK=self.mchunk, FINAL_BLOCK_D=max(16, min(_next_pow2(eng.dim), 2048 // self.keys)),
             HALF=self.rescore, RESCORE=self.rescore, ON_GPU=self.on_gpu, CTL_GROUPS=_CTL_WORDS,
         )
@@ -165,7 +171,6 @@ class SlotServer:
         if not self.on_gpu:
             programs = 1
         else:
-            self.mchunk = max(256, self.keys)
             ker = eng._tk.serve_slots_kernel.warmup(*self._args(1, 1), grid=(1,), num_warps=self.warps, num_stages=1,
                                                     **self._constexprs(), G=self.group, GCHUNK=self.mchunk,
                                                     FCHUNK=self.mchunk)
@@ -191,10 +196,9 @@ class SlotServer:
             programs = eng._sms * per_sm
         self.programs = programs
         self.groups = -(-programs // self.group)
-        self.mchunk = max(256, self.keys)
         self.gchunk = -(-min(self.group, programs) * self.keys // self.mchunk) * self.mchunk
         self.fchunk = -(-self.groups * self.keys // self.mchunk) * self.mchunk
-        with torch.cuda.stream(self._stream) if self.on_gpu else _Null():  # the stream that uses them
+        with self._on_stream():  # the stream that uses them
             self._ctl = torch.zeros(_CTL_WORDS + self.groups, dtype=torch.int64, device=eng._dev)
             self._keys = torch.empty(programs * self.keys, dtype=torch.int64, device=eng._dev)
             self._gkeys = torch.empty(self.groups * self.keys, dtype=torch.int64, device=eng._dev)
@@ -204,18 +208,14 @@ class SlotServer:
         eng = self.engine
         x = eng._x16 if self.rescore else eng._x32
         ea, eb, ec = eng._err["f16" if self.rescore else "f32"]
-        ctl = self._ctl if self._ctl is not None else torch.zeros(_CTL_WORDS + 1, dtype=torch.int64, device=eng._dev)
-        keys = self._keys if self._keys is not None else torch.empty(self.keys, dtype=torch.int64, device=eng._dev)
-        gkeys = self._gkeys if self._gkeys is not None else keys
-        scores = self._scores if self._scores is not None else torch.empty(1, dtype=torch.float32, device=eng._dev)
         idle = int(self.idle_s * 1e9) if self.on_gpu else self.idle_polls
         att = eng._attached
         return (
             att.i64, att.f32, x, eng._x32, eng._live, eng._ns, eng._ids, self._ns_tab, self._ns_ids, self._slot_at,
-            self._seen,
-            self._t_answered, self._t_handed, self._t_hctl, ctl, self._dq, self._agree, scores, keys, gkeys,
-            n, self.layout.n_slots, self._n_names, min(self.kout, self.layout.max_k), rows_per_prog, eng._max_norm, ea, eb, ec, idle, int(_RESIDENT_WAIT_S * 1e9),
-            int(Op.RECALL), int(RequestFlag.ALL_NAMESPACES),
+            self._seen, self._t_answered, self._t_handed, self._t_hctl, self._ctl, self._dq, self._agree,
+            self._scores, self._keys, self._gkeys,
+            n, self.layout.n_slots, len(self._names), min(self.kout, self.layout.max_k), rows_per_prog,
+            eng._max_norm, ea, eb, ec, idle, int(_RESIDENT_WAIT_S * 1e9), int(Op.RECALL), int(RequestFlag.ALL_NAMESPACES),
         )
 
     # -- running -----------------------------------------------------------------------------
@@ -236,8 +236,21 @@ class SlotServer:
             self.stop()
 
     def set_namespaces(self, names: dict[bytes, int]) -> None:
-        """The namespaces (UTF-8 name -> id) a request may name; from the next launch on."""
-        self._names = dict(list(names.items())[:_MAX_NAMES])
+        """The namespaces (UTF-8 name -> id) a request may name (call while stopped); the
+        first ``_MAX_NAMES`` go to the device, requests naming others go to the host."""
+        names = dict(list(names.items())[:_MAX_NAMES])
+        if names == self._names:
+            return
+        tab = np.zeros((_MAX_NAMES, 9), np.int64)
+        ids = np.full(_MAX_NAMES, -1, np.int64)
+        for row, (name, ns_id) in enumerate(names.items()):
+            tab[row, :8] = np.frombuffer(name.ljust(NAMESPACE_BYTES, b"\0")[:NAMESPACE_BYTES], np.int64)
+            tab[row, 8] = len(name)
+            ids[row] = ns_id
+        with self._on_stream():
+            self._ns_tab.copy_(torch.from_numpy(tab))
+            self._ns_ids.copy_(torch.from_numpy(ids))
+        self._names = names
 
     def start(self, active: np.ndarray, *, exit_at_once: bool = False) -> bool:
         """Launches the kernel for the slots marked in ``active`` (those with a client now);
@@ -256,24 +269,13 @@ class SlotServer:
         rows_per_prog = -(-rows_per_prog // self.block_n) * self.block_n
         slot_at = np.full(self.ns, -1, np.int64)
         slot_at[: self.layout.n_slots] = np.where(active, self._slot_words, -1)
-        tab = np.zeros((_MAX_NAMES, 9), np.int64)
-        ids = np.full(_MAX_NAMES, -1, np.int64)
-        for row, (name, ns_id) in enumerate(self._names.items()):
-            tab[row, :8] = np.frombuffer(name.ljust(64, b"\0")[:64], np.int64)
-            tab[row, 8] = len(name)
-            ids[row] = ns_id
         seen = np.zeros((2, self.ns), np.int64)
         seen[0, : self.layout.n_slots] = self.answered.view(np.int64)
         seen[1, : self.layout.n_slots] = self.handed.view(np.int64)
         self._hctl[0] = 1 if exit_at_once else 0
-        stream_ctx = torch.cuda.stream(self._stream) if self.on_gpu else _Null()
-        with stream_ctx:
-            self._slot_at.copy_(torch.from_numpy(slot_at), non_blocking=False)
-            self._seen.copy_(torch.from_numpy(seen), non_blocking=False)
-            if self._n_names != len(self._names) or self._names:
-                self._ns_tab.copy_(torch.from_numpy(tab))
-                self._ns_ids.copy_(torch.from_numpy(ids))
-                self._n_names = len(self._names)
+        with self._on_stream():
+            self._slot_at.copy_(torch.from_numpy(slot_at))
+            self._seen.copy_(torch.from_numpy(seen))
             self._ctl[:3].zero_()  # round, round done, groups arrived (the round-robin turn and
             self._ctl[8:].zero_()  # the count of answers carry over from the last launch)
             eng._tk.serve_slots_kernel[(self.programs,)](
@@ -319,10 +321,3 @@ class SlotServer:
         """Requests the kernel has answered, over all its launches."""
         return int(self._hctl[1])
 
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -421,6 +421,15 @@ def _agree(vals, AGREE, offs, mask):
 
 
 @triton.jit
+def _park_scores(S, LIVE, NSC, rows, in_rng, sc, want):
+    """Stores the scores of ``rows`` in S, -inf where a row is deleted or, with ``want`` >= 0,
+    in another namespace."""
+    ok = (tl.load(LIVE + rows, mask=in_rng, other=0) != 0) & (
+        (want < 0) | (tl.load(NSC + rows, mask=in_rng, other=0).to(tl.int64) == want))
+    tl.store(S + rows, tl.where(ok, sc, float("-inf")), mask=in_rng)
+
+
+@triton.jit
 def serve_slots_kernel(
     SEG,  # the shared segment as int64 words (page-locked and mapped: read over the bus)
     SEGF,  # the same memory as float32
@@ -667,9 +676,7 @@ def serve_slots_kernel(
                                         mask=(nxt < c1)[:, None] & (ds < D)[None, :], other=0.0)
                         sc = tl.sum(x.to(tl.float32) * qv[None, :], axis=1)
                         in_rng = rows < c1
-                        ok = (tl.load(LIVE + rows, mask=in_rng, other=0) != 0) & (
-                            (want < 0) | (tl.load(NSC + rows, mask=in_rng, other=0).to(tl.int64) == want))
-                        tl.store(S + rows, tl.where(ok, sc, float("-inf")), mask=in_rng)
+                        _park_scores(S, LIVE, NSC, rows, in_rng, sc, want)
                         x = x_nxt
                         rows = nxt
                         b0 += BLOCK_N
@@ -679,9 +686,7 @@ def serve_slots_kernel(
                         rows = b0 + tl.arange(0, BLOCK_N)
                         in_rng = rows < c1
                         sc = _row_scores(X, DQ, rows, in_rng, D, BLOCK_N, BLOCK_D, HALF)
-                        ok = (tl.load(LIVE + rows, mask=in_rng, other=0) != 0) & (
-                            (want < 0) | (tl.load(NSC + rows, mask=in_rng, other=0).to(tl.int64) == want))
-                        tl.store(S + rows, tl.where(ok, sc, float("-inf")), mask=in_rng)
+                        _park_scores(S, LIVE, NSC, rows, in_rng, sc, want)
                         b0 += BLOCK_N
                 tl.debug_barrier()  # this program's score stores, then its loads of them
                 rr = c0 + tl.arange(0, RCHUNK)
