@@ -8,6 +8,7 @@ random data prints its seed (set KALOS_TEST_SEED to replay one).
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import sys
@@ -486,6 +487,38 @@ def test_search_attached_reads_and_writes_the_buffer(rng, backend, precision):
         assert same[~touched].all()
 
 
+@pytest.mark.parametrize("backend", [
+    "torch", pytest.param("triton", marks=needs_interpreter),
+])
+def test_search_attached_normalises_on_the_device(rng, backend):
+    """scales=None: the engine computes 1/|q| in float64 itself (the sidecar's batches). The
+    scales it returns equal the host's row_scales, the answers equal those of host-scaled
+    queries bit for bit, and a query with no direction (zeros, a NaN) comes back with a
+    scale that says so while the others in its batch are answered."""
+    d = 40
+    eng = TorchEngine(d, device="cpu", backend=backend, precision="exact", capacity=8)
+    eng.retune({"gemm_min_q": 2})  # the batch goes through the GEMM path's kernels too
+    m = Mirror(eng, rng)
+    m.add(230)
+    buf, query_at, scales, ids_at, scores_at, unit = attached_case(m, rng, 5, 6, d)
+    f32 = np.frombuffer(buf, np.float32)
+    f32[query_at[1] : query_at[1] + d] = 0.0
+    f32[query_at[3] + 7] = np.nan
+    eng.attach_host(buf)
+    try:
+        got_scales = eng.search_attached(query_at, None, ids_at, scores_at, 6)
+    finally:
+        eng.detach_host()
+    good = np.array([0, 2, 4])
+    np.testing.assert_allclose(got_scales[good], scales[good], rtol=1e-14)
+    assert not (np.isfinite(got_scales[1]) and got_scales[1] > 0)
+    assert not (np.isfinite(got_scales[3]) and got_scales[3] > 0)
+    got_ids, got_sc = read_attached(buf, ids_at, scores_at, 6)
+    want_ids, want_sc = eng.search(unit[good], 6)
+    np.testing.assert_array_equal(got_ids[good], want_ids)
+    np.testing.assert_array_equal(got_sc[good], want_sc)
+
+
 @needs_interpreter
 def test_search_attached_fast_fallback(rng):
     d = 32
@@ -563,6 +596,10 @@ def sidecar_in_place(rng, tmp_path, *, device: str, precision: str) -> None:
             unit = as_unit_rows(vectors.astype(np.float64))
             queries = (rng.standard_normal((3, d)) * 7).astype(np.float32)
             qunit = as_unit_rows(queries.astype(np.float64))
+            bad = queries.copy()
+            bad[1, 3] = np.nan  # a batch is normalised on the device: the host still names the row
+            with pytest.raises(InvalidQuery, match="query 1 contains NaN"):
+                client.recall_many(bad, k=5)
             for namespace, members in (("a", slice(0, 80)), (None, slice(0, 120))):
                 ref = qunit @ unit[members].T
                 one = client.recall(queries[0], k=16, namespace=namespace)
@@ -651,6 +688,37 @@ def test_triton_gemm_batches(rng, precision):
     m.add(200)  # more slices now hold rows
     m.check(q, 5, Filter(until=60.0))
     m.check(q[:1], 5)  # one query: the scan path, unchanged
+
+
+@needs_interpreter
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_triton_gemm_threshold_selection(rng, precision):
+    """Whole GEMM slices select by threshold (group maxima, tau, every row >= tau): the same
+    answers as the float64 reference, with filters (tau at -inf when few rows pass) and a
+    narrower last slice (per-chunk top-K). Then 300 exact ties inside one slice fill the
+    candidate scratch (32 groups x 4 rows) before rows that beat them are collected: the
+    overflow word must send the query to the float32 scan (without it the certificate
+    passes on the wrong rows)."""
+    d = 24
+    eng = triton_engine(d, precision=precision, capacity=700)
+    eng.retune({"gemm_min_q": 2, "gemm_rows": 512, "score_chunk": 64})
+    assert eng.plan(3, 8).threshold and eng.plan(3, 5).threshold and not eng.plan(3, 200).threshold
+    m = Mirror(eng, rng)
+    q = unit_queries(rng, 2, d)
+    other = rng.standard_normal((1, d))
+    other = as_unit_rows(other - (other @ q[0]) * q[:1])  # orthogonal to q[0]
+    m.add(10, q[0] + 0.05 * rng.standard_normal((10, d)))  # rows 0-9: scores ~0.99 for q[0]
+    m.add(300, np.repeat(0.9 * q[:1] + math.sqrt(1 - 0.81) * other, 300, axis=0))  # all 0.9 for q[0]
+    m.add(10, q[0] + 0.05 * rng.standard_normal((10, d)))  # rows 310-319: collected after the scratch is full
+    ids = m.add(800)  # capacity 1400: slices of 512, 512 and 376 rows, all in use
+    m.delete(ids[::11])
+    assert eng.rows.capacity == 1400
+    before = eng.stats["fallbacks"]
+    m.check(q, 8, same_as_numpy=False)  # ties: NumPy may order the tied rows otherwise
+    assert eng.stats["fallbacks"] > before, "the overflowed query must be re-run by the float32 scan"
+    fresh = unit_queries(rng, 2, d)
+    m.check(fresh, 8, Filter(namespace=2, since=50.0))  # ~1/6 of the rows pass
+    m.check(fresh, 6, Filter(since=0.0, until=1.0))  # ~1% pass: fewer groups than keys, tau = -inf
 
 
 @cuda

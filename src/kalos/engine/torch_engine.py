@@ -87,6 +87,11 @@ MAX_FAST_K = 256
 _HDR_WORDS = 16
 _HDR_BYTES = 8 * _HDR_WORDS
 _TAB_WORDS = 4
+# Groups of score_chunk / 16 scores give the group maxima of the threshold selection: at 1,024
+# scores per chunk, 1,024 maxima per 65,536-row slice (_gemm_scores).
+_GROUPS_PER_CHUNK = 16
+_COLLECT_STEP = 8  # groups collect_kernel reads per step (a random query picks ~K of them)
+_THRESHOLD_MAX_K = 64  # larger candidate sets (k > 16) keep the per-chunk top-K
 _KP_MAX = 1024  # result row stride of the engine's own result area: _kp(MAX_K)
 _HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -178,6 +183,9 @@ DEFAULT_TUNE: dict = {
     # slice of gemm_rows rows at a time, then the same chunked top-k and certified re-score.
     "gemm_min_q": 16,
     "gemm_rows": 65536,
+    # Whole slices select by threshold (group maxima, then every row above the K-th largest);
+    # False: a bitonic top-K of every chunk. Measured (H200): see benchmarks/NOTES-gpu.md.
+    "threshold_select": True,
     # v2 (scan writes scores, parallel top-K per chunk) for batches of at most this many
     # queries; 0 keeps the v1 fused scan everywhere. Measured (H200, NOTES-gpu.md, run 6):
     # Q=1 at 1M rows 977 vs 1074 us exact, 551 vs 650 fast; Q=8 fast 109 vs 148 us at 65,536.
@@ -215,6 +223,7 @@ class _Plan:
     ws_keys: int  # int64 keys per query the workspace must hold
     score_chunk: int = 0  # v2: the scan writes scores, top-K per chunk of this many (0: fused)
     gemm_rows: int = 0  # batches: cuBLAS scores this many rows at a time instead of the scan (0: scan)
+    threshold: bool = False  # whole GEMM slices select by threshold (_gemm_scores), not per chunk
 
 
 # -- host buffers ------------------------------------------------------------------------------
@@ -330,7 +339,8 @@ class TorchEngine(Engine):
     in float32 (same answer, see the module docstring). ``backend``: "triton" (the fused
     kernels; on the CPU device only under ``TRITON_INTERPRET=1``), "torch" (``matmul`` +
     ``topk``), or "auto". ``max_batch``: most queries per kernel launch (larger batches are
-    split). ``graphs``: capture CUDA graphs (CUDA only). ``tune``: overrides of
+    split; a GEMM batch holds ``max_batch x 65,536`` float32 scores while it runs: 256 MiB at
+    the default 1,024). ``graphs``: capture CUDA graphs (CUDA only). ``tune``: overrides of
     :data:`DEFAULT_TUNE` (benchmarks).
     """
 
@@ -347,7 +357,7 @@ class TorchEngine(Engine):
         precision: str = "exact",
         half: str = "float16",
         backend: str = "auto",
-        max_batch: int = 256,
+        max_batch: int = 1024,
         graphs: bool = True,
         tune: dict | None = None,
     ) -> None:
@@ -419,6 +429,8 @@ class TorchEngine(Engine):
         self._mm_fp32_out: bool | None = None
         self._occupancy: dict = {}
         self._ws = (None, None, None)
+        self._sel_ws = None
+        self._graph_pool = None
         self._alloc_columns(self.rows.capacity)
         self._alloc_staging()
 
@@ -709,12 +721,12 @@ class TorchEngine(Engine):
     def search_attached(
         self,
         query_at: np.ndarray,
-        scales: np.ndarray,
+        scales: np.ndarray | None,
         ids_at: np.ndarray,
         scores_at: np.ndarray,
         k: int,
         flt: Filter = Filter(),
-    ) -> None:
+    ) -> np.ndarray:
         """Top-k of queries that live in the attached buffer, written back into it.
 
         Query ``j`` is the ``dim`` float32 values at float32 element ``query_at[j]`` of the
@@ -724,38 +736,51 @@ class TorchEngine(Engine):
         With the Triton backend on CUDA the query travels from the buffer to the GPU and the
         results back into the buffer with no host copy; otherwise the same answer is computed
         through :meth:`search`. Nothing is written when an argument is rejected.
+
+        ``scales=None`` computes ``1 / |query|`` in float64 on the device instead (a batch
+        spares the host a float64 pass over every query). Returns the scales applied; the
+        caller checks them when it passed None: a query whose scale is zero, infinite or NaN
+        (all zeros, or NaN / inf values) has no direction, and its answer is unspecified.
         """
         if self._attached is None:
             raise InvalidArgument("search_attached needs a buffer: call attach_host first")
         self._check_k(k)
         f32, i64 = self._attached.f32_np, self._attached.i64_np
         query_at, ids_at, scores_at = (np.asarray(a, dtype=np.int64) for a in (query_at, ids_at, scores_at))
-        scales = np.asarray(scales, dtype=np.float64)
         nq = len(query_at)
+        device_norms = scales is None
+        scales = np.full(nq, np.nan) if device_norms else np.asarray(scales, dtype=np.float64)
         if not (len(scales) == len(ids_at) == len(scores_at) == nq):
             raise InvalidArgument("query_at, scales, ids_at and scores_at must have one entry per query")
         if nq == 0:
-            return
+            return scales
         for name, at, width, size in (("query_at", query_at, self.dim, len(f32)), ("ids_at", ids_at, k, len(i64)),
                                       ("scores_at", scores_at, k, len(f32))):
             # (Python ints for the common single query: NumPy reductions cost ~1 us each.)
             lo, hi = (int(at[0]),) * 2 if nq == 1 else (int(at.min()), int(at.max()))
             if lo < 0 or hi + width > size:
                 raise InvalidArgument(f"{name} points outside the attached buffer")
-        if not (math.isfinite(float(scales[0])) if nq == 1 else np.isfinite(scales).all()):
+        if not device_norms and not (math.isfinite(float(scales[0])) if nq == 1 else np.isfinite(scales).all()):
             raise InvalidQuery("query scales must be finite")
         self._settle()
         n = self.rows.size
         if self.backend != "triton" or n == 0:
-            ids, scores = self.search(self._gather(query_at, scales), k, flt)
-            self._scatter(ids, scores, ids_at, scores_at, k)
-            return
+            if device_norms:  # no kernel here: the same float64 scales on the host
+                rows = f32[query_at[:, None] + np.arange(self.dim)]
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    scales = 1.0 / np.sqrt(np.einsum("ij,ij->i", rows, rows, dtype=np.float64))
+            good = np.flatnonzero(np.isfinite(scales) & (scales > 0))
+            ids, scores = self.search(self._gather(query_at[good], scales[good]), k, flt)
+            self._scatter(ids, scores, ids_at[good], scores_at[good], k)
+            return scales
         flt = self.rows.simplify(flt)
         for s in range(0, nq, self.max_batch):
             e = min(nq, s + self.max_batch)
-            self._attached_batch(query_at[s:e], scales[s:e], ids_at[s:e], scores_at[s:e], k, flt)
+            scales[s:e] = self._attached_batch(query_at[s:e], scales[s:e], ids_at[s:e], scores_at[s:e], k, flt,
+                                               device_norms)
+        return scales
 
-    def _attached_batch(self, query_at, scales, ids_at, scores_at, k: int, flt: Filter) -> None:
+    def _attached_batch(self, query_at, scales, ids_at, scores_at, k: int, flt: Filter, device_norms: bool) -> np.ndarray:
         nq = len(query_at)
         n = self.rows.size
         kind = self._scan_kind(nq, k, self.precision)
@@ -766,9 +791,11 @@ class TorchEngine(Engine):
         tab[:nq, 2] = scores_at
         self._h_tabf[:nq, 3] = scales
         self.stats["searches"] += nq
-        self._run(self._key(kind, nq, k, flt, True, True, True), None)
+        self._run(self._key(kind, nq, k, flt, True, True, True, device_norms), None)
+        if device_norms:
+            scales = self._h_tabf[:nq, 3].copy()  # stage_in_kernel wrote them
         if kind != "f32" and n > _kf(k):
-            bad = np.flatnonzero(self._r_status[:nq])
+            bad = np.flatnonzero((self._r_status[:nq] != 0) & np.isfinite(scales) & (scales > 0))
             if len(bad):  # the certificate failed: redo those queries with the float32 scan
                 self.stats["fallbacks"] += len(bad)
                 queries = self._gather(query_at[bad], scales[bad])
@@ -776,6 +803,7 @@ class TorchEngine(Engine):
                 scores = np.empty((len(bad), k), np.float32)
                 self._triton_batch(queries, k, flt, ids, scores, True, "f32", None)
                 self._scatter(ids, scores, ids_at[bad], scores_at[bad], k)
+        return scales
 
     def _gather(self, query_at: np.ndarray, scales: np.ndarray) -> np.ndarray:
         """Queries of the attached buffer, normalised on the host (the paths without kernels)."""
@@ -890,12 +918,13 @@ class TorchEngine(Engine):
             redo = queries[bad] if isinstance(queries, np.ndarray) else queries[torch.from_numpy(bad).to(queries.device)]
             self._triton_batch(redo, k, flt, _RowSink(out_i, bad), _RowSink(out_s, bad), want_ids, "f32", live)
 
-    def _key(self, kind: str, nq: int, k: int, flt: Filter, want_ids: bool, host_q: bool, attached: bool) -> tuple:
+    def _key(self, kind: str, nq: int, k: int, flt: Filter, want_ids: bool, host_q: bool, attached: bool,
+             device_norms: bool = False) -> tuple:
         """The graph key of a batch: what its launches depend on (attached last: detach_host)."""
         qb, kp = _next_pow2(nq), _kp(k)
         plan = self._plan(kind, qb, kp)
         slices = -(-self.rows.size // plan.gemm_rows) if plan.gemm_rows else 0
-        return (kind, qb, kp, not flt.is_trivial, want_ids, host_q, slices, attached)
+        return (kind, qb, kp, not flt.is_trivial, want_ids, host_q, slices, device_norms, attached)
 
     def _run(self, key, live, *, wait: bool = True) -> None:
         """Replays the graph of ``key`` (capturing it on first use), or launches eagerly; waits
@@ -953,7 +982,12 @@ class TorchEngine(Engine):
         else:
             progs = tune["cpu_progs"]
         score_chunk = max(_next_pow2(int(tune["score_chunk"])), 2 * k1)
-        if scores:
+        gemm_rows = max(score_chunk, int(tune["gemm_rows"]) // score_chunk * score_chunk) if gemm else 0
+        threshold = gemm and bool(tune["threshold_select"]) and self._threshold_fits(gemm_rows, score_chunk, k1)
+        if threshold:  # K keys per whole slice, then K per chunk of a narrower last one
+            whole, rest = divmod(self.rows.capacity, gemm_rows)
+            count = whole * k1 + -(-rest // score_chunk) * k1
+        elif scores:
             count = -(-self.rows.capacity // score_chunk) * k1
         else:
             count = progs * k1
@@ -966,11 +1000,19 @@ class TorchEngine(Engine):
             count = p2 * k1
         final_chunk = _next_pow2(max(count, k1))
         final_block_d = max(16, min(_next_pow2(self.dim), int(tune["final_tile"]) // k1))
-        gemm_rows = max(score_chunk, int(tune["gemm_rows"]) // score_chunk * score_chunk) if gemm else 0
         plan = _Plan(k1, kp, cfg, n_qblocks, progs, levels, count, final_chunk, final_block_d, ws,
-                     score_chunk if scores else 0, gemm_rows)
+                     score_chunk if scores else 0, gemm_rows, threshold)
         self._plans[key] = plan
         return plan
+
+    @staticmethod
+    def _threshold_fits(slice_rows: int, chunk: int, k1: int) -> bool:
+        """Whether whole slices may select by threshold: chunks per slice a power of two (the
+        kernels' tile shapes), tau the k1-th of at least 2 * k1 group maxima, and k1 small
+        enough that collect_kernel's scratch (k1 groups' rows per query) stays small."""
+        chunks = slice_rows // chunk
+        return (chunks & (chunks - 1) == 0 and chunk % _GROUPS_PER_CHUNK == 0
+                and 2 * k1 <= chunks * _GROUPS_PER_CHUNK and k1 <= _THRESHOLD_MAX_K)
 
     def _programs_per_sm(self, kind: str, cfg: ScanConfig, k1: int) -> int:
         """Resident programs per SM for the scan kernel, from its compiled registers/shared memory."""
@@ -1012,7 +1054,7 @@ class TorchEngine(Engine):
         """Runs one batch: stage-in (header, table, queries from host memory), scan, merges,
         final (results straight into host memory: the engine's result area or the attached
         buffer)."""
-        kind, qb, kp, filtered, want_ids, host_q, slices, attached = key
+        kind, qb, kp, filtered, want_ids, host_q, slices, device_norms, attached = key
         tk = self._tk
         plan = self._plan(kind, qb, kp)
         cfg = plan.cfg
@@ -1030,16 +1072,17 @@ class TorchEngine(Engine):
         with self._on_stream():
             tk.stage_in_kernel[(qb,)](
                 self._h_meta, self._h_metaf, src, self._d_hdr, self._d_q,
-                D=self.dim, BLOCK_D=min(1024, _next_pow2(self.dim)), COPY_Q=host_q, num_warps=4,
+                D=self.dim, BLOCK_D=min(1024, _next_pow2(self.dim)), COPY_Q=host_q, NORM=device_norms, num_warps=4,
             )
             common = dict(
                 D=self.dim, K=plan.k1, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, BLOCK_Q=cfg.block_q,
                 HALF=half, FILTER=filtered, PREC="tf32" if kind == "tf32" else "ieee",
                 num_warps=cfg.warps, num_stages=cfg.stages,
             )
+            over = None
             if plan.gemm_rows:
-                stride = -(-cap // plan.score_chunk) * plan.k1
-                self._gemm_scores(kind, qb, plan, slices, ws_a, stride, live_t, filtered)
+                stride = plan.ws_keys
+                over = self._gemm_scores(kind, qb, plan, slices, ws_a, stride, live_t, filtered)
             elif plan.score_chunk:
                 tk.scan_topk_kernel[(plan.progs, plan.n_qblocks)](
                     x, self._d_q, self._d_hdr, self._d_hdrf, live_t, self._ns, self._ts, ws_s, cap,
@@ -1068,14 +1111,19 @@ class TorchEngine(Engine):
                 stride, count, ea, eb, ec, D=self.dim, KIN=plan.k1, KOUT=kp, CHUNK=plan.final_chunk,
                 BLOCK_D=plan.final_block_d, RESCORE=kind != "f32", OUT_IDS=want_ids,
                 num_warps=int(self._tune["final_warps"]) if kind != "f32" else 4,
+                OVER=over, CHECK_OVER=over is not None,
             )
 
-    def _gemm_scores(self, kind, qb, plan, slices, ws_a, stride, live_t, filtered) -> None:
+    def _gemm_scores(self, kind, qb, plan, slices, ws_a, stride, live_t, filtered) -> torch.Tensor:
         """Batched scores by cuBLAS (tensor cores: fp16 rows, or fp32 rows read as tf32), a
-        slice of rows at a time, each slice's chunks reduced to their top-K keys at once.
+        slice of rows at a time, each slice reduced to a superset of its top-K keys at once.
 
-        Only the ``slices`` that hold rows are scored (the graph key carries the count); the
-        keys of the chunks after them are set to SENTINEL so the merge sees no stale keys.
+        A whole slice goes through the threshold selection (``group_max_kernel``, then
+        ``collect_kernel``), which leaves the slice's top-K keys; a narrower last slice (or a
+        plan without ``threshold``) the top-K of every chunk (``scores_topk_kernel``). Only
+        the ``slices`` that hold rows are scored (the graph key carries the count); the keys
+        after theirs are set to SENTINEL so the merge sees no stale keys. Returns the
+        per-query overflow words the final kernel checks.
         """
         tk, g, chunk = self._tk, plan.gemm_rows, plan.score_chunk
         cap = self.rows.capacity
@@ -1085,6 +1133,10 @@ class TorchEngine(Engine):
                 self._d_q16 = torch.empty((self.max_batch, self.dim), dtype=self._half_dtype, device=self._dev)
             q16 = self._d_q16[:qb]
             q16.copy_(q)
+        group = chunk // _GROUPS_PER_CHUNK
+        gm, picked, cand, over = self._selection_workspace(qb, g // group, plan.k1 * group)
+        over.zero_()
+        out_base = 0  # keys written so far per query
         for c0 in range(0, slices * g, g):
             c1 = min(cap, c0 + g)
             if kind == "f16":
@@ -1095,13 +1147,44 @@ class TorchEngine(Engine):
             else:
                 with _tf32_matmul():
                     sc = torch.mm(q, self._x32[c0:c1].T)
-            tk.scores_topk_kernel[(-(-(c1 - c0) // chunk), qb)](
-                sc, ws_a, self._d_hdr, c1 - c0, stride, c0, c1 - c0, live_t, self._ns, self._ts, self._d_hdrf,
-                K=plan.k1, CHUNK=chunk, MASK=True, FILTER=filtered, num_warps=4,
-            )
-        done = -(-min(cap, slices * g) // chunk) * plan.k1
-        if done < stride:
-            ws_a[: qb * stride].view(qb, stride)[:, done:].fill_(tk.SENTINEL)
+            chunks = -(-(c1 - c0) // chunk)
+            masks = (c0, c1 - c0, live_t, self._ns, self._ts, self._d_hdrf)
+            if c1 - c0 == g and plan.threshold:
+                tk.group_max_kernel[(chunks, qb)](
+                    sc, gm, self._d_hdr, c1 - c0, gm.stride(0), *masks,
+                    CHUNK=chunk, GROUPS=_GROUPS_PER_CHUNK, FILTER=filtered, num_warps=4,
+                )
+                tk.collect_kernel[(qb,)](
+                    sc, gm, picked, cand, over, ws_a, self._d_hdr, c1 - c0, gm.stride(0), cand.stride(0), stride,
+                    out_base, *masks, K=plan.k1, NG=g // group, GROUP=group, STEP=_COLLECT_STEP,
+                    MERGE=max(128, 2 * plan.k1), FILTER=filtered, num_warps=4,
+                )
+                out_base += plan.k1
+            else:
+                tk.scores_topk_kernel[(chunks, qb)](
+                    sc, ws_a, self._d_hdr, c1 - c0, stride, *masks,
+                    K=plan.k1, CHUNK=chunk, MASK=True, FILTER=filtered, out_first=out_base, num_warps=4,
+                )
+                out_base += chunks * plan.k1
+        if out_base < stride:  # the slices past the rows in use
+            ws_a[: qb * stride].view(qb, stride)[:, out_base:].fill_(tk.SENTINEL)
+        return over
+
+    def _selection_workspace(self, qb: int, groups: int, scratch: int) -> tuple[torch.Tensor, ...]:
+        """The threshold selection's buffers: group maxima [qb, groups] (float32), the picked
+        groups (int32, same shape), candidate keys [qb, scratch] (int64), overflow words."""
+        held = self._sel_ws
+        if held is None or held[0].shape[0] < qb or held[0].shape[1] != groups or held[2].shape[1] < scratch:
+            self._drop_graphs()  # captured launches point at the buffers they replace
+            rows = max(qb, held[0].shape[0] if held is not None else 0)
+            scratch = max(scratch, held[2].shape[1] if held is not None else 0)
+            with self._on_stream():
+                held = (torch.empty((rows, groups), dtype=torch.float32, device=self._dev),
+                        torch.empty((rows, groups), dtype=torch.int32, device=self._dev),
+                        torch.empty((rows, scratch), dtype=torch.int64, device=self._dev),
+                        torch.empty(rows, dtype=torch.int32, device=self._dev))
+            self._sel_ws = held
+        return held
 
     def _gemm_ok(self, kind: str) -> bool:
         """Whether cuBLAS can score this kind here (fp16 needs mm with a float32 output)."""
@@ -1118,7 +1201,12 @@ class TorchEngine(Engine):
     def _capture(self, key) -> None:
         graph = torch.cuda.CUDAGraph()
         self._stream.synchronize()
-        with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        # One memory pool for every graph: they replay one at a time on this stream, and what
+        # they allocate (a GEMM batch's scores: up to max_batch x 65,536 floats) dies inside
+        # each replay, so one graph's scratch may be another's.
+        with torch.cuda.graph(graph, pool=self._graph_pool, stream=self._stream, capture_error_mode="thread_local"):
             self._launch(key, None)
         self._graphs[key] = graph
         self.stats["graph_captures"] += 1

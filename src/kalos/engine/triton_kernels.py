@@ -13,6 +13,8 @@ score, ties by lower row first; a key is one register, so top-k is a plain biton
 
 Pipeline (per query, all on the device; nothing round-trips through host memory)
 ----------------------------------------------------------------------------------
+0. :func:`stage_in_kernel` -- the header, gather table and queries from page-locked host
+   memory to the device; normalises each query (``NORM``) or applies the host's scale.
 1. :func:`scan_topk_kernel` -- a persistent grid of ``P`` programs per query block. Program
    ``p`` streams row blocks ``p, p + P, p + 2P, ...`` (``BLOCK_N`` rows each, ``N`` read from
    the device header so adds need no new launch parameters), scores them against the query
@@ -21,6 +23,9 @@ Pipeline (per query, all on the device; nothing round-trips through host memory)
    v2 (``WRITE_SCORES``): the same loop stores masked float32 scores instead (4 B per row,
    0.1% of the bytes read) and :func:`scores_topk_kernel` takes the top-K of each chunk of
    them, many programs in parallel; the streaming loop then has no barriers at all.
+   Batches of 16 or more queries are scored by cuBLAS a slice of 65,536 rows at a time
+   instead; :func:`group_max_kernel` and :func:`collect_kernel` then keep each slice's top-K
+   by a threshold (see the comment above them), without sorting every chunk.
 2. :func:`merge_topk_kernel` -- ``(Q, P2)`` programs, each reduces one ``CHUNK`` of keys to
    its top-K: many programs share the merge instead of one program merging thousands.
 3. :func:`final_kernel` -- one program per query: top-K of the last level, then either the
@@ -33,8 +38,8 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "SENTINEL", "HDR_WORDS", "stage_in_kernel", "scan_topk_kernel", "scores_topk_kernel", "merge_topk_kernel",
-    "final_kernel", "serve_slots_kernel",
+    "SENTINEL", "HDR_WORDS", "stage_in_kernel", "scan_topk_kernel", "scores_topk_kernel", "group_max_kernel",
+    "collect_kernel", "merge_topk_kernel", "final_kernel", "serve_slots_kernel",
 ]
 
 SENTINEL = -(2**63)
@@ -131,6 +136,28 @@ def _certified_rescore(top, kq, X32, q_ptr, x_norm, err_a, err_b, err_c, D: tl.c
 
 
 @triton.jit
+def _copy_normalised(src, dst, D: tl.constexpr, BLOCK: tl.constexpr, VOLATILE: tl.constexpr):
+    """Copies D float32 values from ``src`` to ``dst`` scaled by ``1 / |x|`` (float64, then
+    rounded: what the host's ``row_scales`` gives); returns the float64 sum of squares. The
+    chunks are unrolled so their reads (over the bus from host memory) overlap; the values go
+    out raw first, then are scaled in place, so each is read from ``src`` once."""
+    sq = tl.zeros([BLOCK], tl.float64)
+    for d0 in tl.static_range(0, D, BLOCK):
+        ds = d0 + tl.arange(0, BLOCK)
+        x = tl.load(src + ds, mask=ds < D, other=0.0, volatile=VOLATILE)
+        tl.store(dst + ds, x, mask=ds < D)
+        sq += x.to(tl.float64) * x.to(tl.float64)
+    ssq = tl.sum(sq, axis=0)
+    scale = 1.0 / tl.sqrt(ssq)
+    tl.debug_barrier()
+    for d0 in tl.static_range(0, D, BLOCK):
+        ds = d0 + tl.arange(0, BLOCK)
+        x = tl.load(dst + ds, mask=ds < D, other=0.0)
+        tl.store(dst + ds, (x.to(tl.float64) * scale).to(tl.float32), mask=ds < D)
+    return ssq
+
+
+@triton.jit
 def stage_in_kernel(
     HH,  # host header + gather table (int64 words, page-locked: read over the bus)
     HHF,  # the same words as float64
@@ -140,6 +167,7 @@ def stage_in_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     COPY_Q: tl.constexpr = True,  # False: the queries are already on the device (DQ)
+    NORM: tl.constexpr = False,  # scale by 1/|q| computed here (float64), written back to the table
 ):
     """Grid (Qb,): program j copies query j (scaled, in float64 then rounded, exactly as the
     host's normalisation) and its table row to the device; program 0 also copies the header.
@@ -158,11 +186,15 @@ def stage_in_kernel(
         tl.store(DH + TAB + 4 * j + w4, row)
         if COPY_Q:
             q_off = tl.load(HH + TAB + 4 * j)
-            scale = tl.load(HHF + TAB + 4 * j + 3)
-            for d0 in range(0, D, BLOCK_D):
-                ds = d0 + tl.arange(0, BLOCK_D)
-                x = tl.load(SRC + q_off + ds, mask=ds < D, other=0.0)
-                tl.store(DQ + j.to(tl.int64) * D + ds, (x.to(tl.float64) * scale).to(tl.float32), mask=ds < D)
+            if NORM:
+                ssq = _copy_normalised(SRC + q_off, DQ + j.to(tl.int64) * D, D, BLOCK_D, False)
+                tl.store(HHF + TAB + 4 * j + 3, 1.0 / tl.sqrt(ssq))  # the host checks it: 0, inf, NaN
+            else:
+                scale = tl.load(HHF + TAB + 4 * j + 3)
+                for d0 in range(0, D, BLOCK_D):
+                    ds = d0 + tl.arange(0, BLOCK_D)
+                    x = tl.load(SRC + q_off + ds, mask=ds < D, other=0.0)
+                    tl.store(DQ + j.to(tl.int64) * D + ds, (x.to(tl.float64) * scale).to(tl.float32), mask=ds < D)
 
 
 @triton.jit
@@ -260,6 +292,38 @@ def scan_topk_kernel(
 
 
 @triton.jit
+def _masked_rows(S, q, local, inside, HDR, stride_s, row_base, width, LIVE, NS, TS, HDRF,
+                 MASK: tl.constexpr, FILTER: tl.constexpr):
+    """(scores, rows, ok) of query ``q``'s scores at slice offsets ``local`` (where ``inside``):
+    ok = a live row that passes the filter (MASK: S came unmasked from a GEMM) and has a
+    finite score."""
+    n = tl.load(HDR)
+    rows = row_base + local
+    limit = stride_s if width == 0 else width
+    ok = inside & (rows < n) & (local < limit)
+    sc = tl.load(S + q.to(tl.int64) * stride_s + local, mask=ok, other=float("-inf"))
+    if MASK:
+        ok = ok & (tl.load(LIVE + rows, mask=ok, other=0) != 0)
+        if FILTER:
+            has_ns = tl.load(HDR + 3)
+            want_ns = tl.load(HDR + 4)
+            since = tl.load(HDRF + 5)
+            until = tl.load(HDRF + 6)
+            nsv = tl.load(NS + rows, mask=ok, other=0)
+            ts = tl.load(TS + rows, mask=ok, other=0.0)
+            ok = ok & ((has_ns == 0) | (nsv.to(tl.int64) == want_ns)) & (ts >= since) & (ts < until)
+    return sc, rows, ok & (sc > float("-inf"))
+
+
+@triton.jit
+def _masked_chunk(S, q, j, HDR, stride_s, row_base, width, LIVE, NS, TS, HDRF,
+                  CHUNK: tl.constexpr, MASK: tl.constexpr, FILTER: tl.constexpr):
+    """:func:`_masked_rows` of chunk ``j``."""
+    local = j.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    return _masked_rows(S, q, local, local >= 0, HDR, stride_s, row_base, width, LIVE, NS, TS, HDRF, MASK, FILTER)
+
+
+@triton.jit
 def scores_topk_kernel(
     S,  # [Qb, stride_s] float32 scores of rows [row_base, row_base + width); -inf = masked out
     OUT,  # [Qb, stride_out] int64 keys
@@ -276,32 +340,94 @@ def scores_topk_kernel(
     CHUNK: tl.constexpr = 1024,
     MASK: tl.constexpr = False,  # S is unmasked (a GEMM wrote it): apply live (and FILTER) here
     FILTER: tl.constexpr = False,
+    out_first=0,  # where in a query's keys chunk 0's go
 ):
     """Top-K keys of each CHUNK of scores (rows past n give SENTINEL): grid (chunks, Qb)."""
     j = tl.program_id(0)
     q = tl.program_id(1)
-    n = tl.load(HDR)
     nq = tl.load(HDR + 1)
     if q < nq:
-        local = j.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
-        rows = row_base + local
-        limit = stride_s if width == 0 else width
-        ok = (rows < n) & (local < limit)
-        sc = tl.load(S + q.to(tl.int64) * stride_s + local, mask=ok, other=float("-inf"))
-        if MASK:
-            ok = ok & (tl.load(LIVE + rows, mask=ok, other=0) != 0)
-            if FILTER:
-                has_ns = tl.load(HDR + 3)
-                want_ns = tl.load(HDR + 4)
-                since = tl.load(HDRF + 5)
-                until = tl.load(HDRF + 6)
-                nsv = tl.load(NS + rows, mask=ok, other=0)
-                ts = tl.load(TS + rows, mask=ok, other=0.0)
-                ok = ok & ((has_ns == 0) | (nsv.to(tl.int64) == want_ns)) & (ts >= since) & (ts < until)
-        keys = tl.where(ok & (sc > float("-inf")), _pack(sc, rows), -9223372036854775808)
+        sc, rows, ok = _masked_chunk(S, q, j, HDR, stride_s, row_base, width, LIVE, NS, TS, HDRF, CHUNK, MASK, FILTER)
+        keys = tl.where(ok, _pack(sc, rows), -9223372036854775808)
         top = tl.topk(tl.reshape(keys, [1, CHUNK]), K)
-        out_chunk = row_base // CHUNK + j
-        tl.store(OUT + q.to(tl.int64) * stride_out + out_chunk * K + tl.arange(0, K)[None, :], top)
+        tl.store(OUT + q.to(tl.int64) * stride_out + out_first + j * K + tl.arange(0, K)[None, :], top)
+
+
+# -- batches: selection by threshold instead of a top-K per chunk -------------------------------
+#
+# A bitonic top-K of every chunk of a GEMM's scores costs far more than reading them (measured:
+# 259 us of a 443 us batch of 256). Per slice of rows instead: (a) the maximum of every group
+# of scores (group_max_kernel, many programs), (b) per query tau = the K-th largest group
+# maximum: K groups hold a row scoring at least tau, so the K-th best score is >= tau, and
+# (c) every row scoring >= tau, found in the few groups whose maximum reaches tau, is a
+# candidate, and the candidates' top-K are the slice's (collect_kernel, one program per
+# query): the merge then sees K keys per slice instead of K per chunk. Unless rows tie
+# exactly at tau, at most K groups' rows qualify, which the scratch holds; when it cannot
+# hold them all the query's overflow word is set: the final kernel fails its certificate
+# and the host re-runs the query with the float32 scan.
+
+
+@triton.jit
+def group_max_kernel(
+    S, GM, HDR, stride_s, gm_stride, row_base, width, LIVE, NS, TS, HDRF,
+    CHUNK: tl.constexpr, GROUPS: tl.constexpr, FILTER: tl.constexpr,
+):
+    """GM[q, j * GROUPS + g] = max of the eligible scores of group g of chunk j: grid (chunks, Qb)."""
+    j = tl.program_id(0)
+    q = tl.program_id(1)
+    if q < tl.load(HDR + 1):
+        sc, rows, ok = _masked_chunk(S, q, j, HDR, stride_s, row_base, width, LIVE, NS, TS, HDRF, CHUNK, True, FILTER)
+        best = tl.max(tl.reshape(tl.where(ok, sc, float("-inf")), [GROUPS, CHUNK // GROUPS]), axis=1)
+        tl.store(GM + q.to(tl.int64) * gm_stride + j * GROUPS + tl.arange(0, GROUPS), best)
+
+
+@triton.jit
+def collect_kernel(
+    S, GM, PICKED, CAND, OVER, OUT, HDR, stride_s, gm_stride, cand_stride, stride_out, out_base, row_base, width,
+    LIVE, NS, TS, HDRF,
+    K: tl.constexpr, NG: tl.constexpr, GROUP: tl.constexpr, STEP: tl.constexpr, MERGE: tl.constexpr,
+    FILTER: tl.constexpr,
+):
+    """One program per query (grid (Qb,)): tau = the K-th largest of its NG group maxima; the
+    keys of every eligible row scoring >= tau, from the groups whose maximum reaches tau
+    (listed in PICKED[q], STEP groups at a time), into CAND[q] (K groups' rows fit unless
+    rows tie at tau: OVER[q] = 1 then); their top-K, sorted, to OUT[q, out_base:+K]."""
+    q = tl.program_id(0)
+    if q < tl.load(HDR + 1):
+        best = tl.load(GM + q.to(tl.int64) * gm_stride + tl.arange(0, NG))
+        tau = tl.min(tl.topk(tl.reshape(best, [1, NG]), K))
+        pick = best >= tau
+        n_picked = tl.sum(pick.to(tl.int32), axis=0)
+        picked = PICKED + q.to(tl.int64) * gm_stride
+        tl.store(picked + tl.cumsum(pick.to(tl.int32), axis=0) - 1, tl.arange(0, NG), mask=pick)
+        tl.debug_barrier()  # the list written before any thread reads it back
+        cand = CAND + q.to(tl.int64) * cand_stride
+        room = K * GROUP
+        count = 0
+        i = 0
+        while i < n_picked:  # (a while: the interpreter cannot take a tensor as a range bound)
+            at = i + tl.arange(0, STEP)
+            group = tl.load(picked + at, mask=at < n_picked, other=0)
+            local = (group.to(tl.int64) * GROUP)[:, None] + tl.arange(0, GROUP)[None, :]
+            sc, rows, ok = _masked_rows(S, q, local, (at < n_picked)[:, None], HDR, stride_s, row_base, width, LIVE,
+                                        NS, TS, HDRF, True, FILTER)
+            take = tl.reshape((ok & (sc >= tau)).to(tl.int32), [STEP * GROUP])
+            slot = count + tl.cumsum(take, axis=0) - 1
+            tl.store(cand + slot, tl.reshape(_pack(sc, rows), [STEP * GROUP]), mask=(take != 0) & (slot < room))
+            count += tl.sum(take, axis=0)
+            i += STEP
+        if count > room:
+            tl.store(OVER + q, 1)
+        tl.debug_barrier()  # the candidates written before any thread reads them back
+        n_cand = tl.minimum(count, room)
+        top = tl.full([1, K], -9223372036854775808, tl.int64)
+        b = 0
+        while b < n_cand:
+            offs = b + tl.arange(0, MERGE)
+            keys = tl.load(cand + offs, mask=offs < n_cand, other=-9223372036854775808)
+            top = _merge_sorted(top, tl.topk(tl.reshape(keys, [1, MERGE]), K))
+            b += MERGE
+        tl.store(OUT + q.to(tl.int64) * stride_out + out_base + tl.arange(0, K)[None, :], top)
 
 
 @triton.jit
@@ -348,6 +474,8 @@ def final_kernel(
     BLOCK_D: tl.constexpr,
     RESCORE: tl.constexpr,
     OUT_IDS: tl.constexpr,
+    OVER=None,  # [Qb] int32 with CHECK_OVER: a threshold region overflowed (see collect_kernel)
+    CHECK_OVER: tl.constexpr = False,
 ):
     q = tl.program_id(0)
     nq = tl.load(HDR + 1)
@@ -360,6 +488,8 @@ def final_kernel(
                 top, tl.load(HDR + 2), X32, Qs + q.to(tl.int64) * D, tl.load(HDRF + 7), err_a, err_b, err_c,
                 D, KIN, KOUT, BLOCK_D,
             )
+            if CHECK_OVER:
+                certified = certified & (tl.load(OVER + q) == 0)
             tl.store(STATUS + q + tl.arange(0, 1), tl.where(certified, 0, 1).to(tl.int32))
         else:
             final = top
@@ -593,21 +723,7 @@ def serve_slots_kernel(
                                 same = (tl.sum((tab == name[None, :]).to(tl.int32), axis=1) == 8) & (t_len == name_len)
                                 hit = tl.max(tl.where(same & t_ok, tl.load(NS_IDS + ti, mask=t_ok, other=-1), -2))
                                 want_ns = tl.maximum(want_ns, hit)
-                        # The query: copied raw while its float64 sum of squares accumulates (the
-                        # chunks unrolled, so their reads over the bus overlap), then scaled in place.
-                        sq = tl.zeros([BLOCK_DQ], tl.float64)
-                        for d0 in tl.static_range(0, D, BLOCK_DQ):
-                            ds = d0 + tl.arange(0, BLOCK_DQ)
-                            x = tl.load(SEGF + q_at + ds, mask=ds < D, other=0.0, volatile=True)
-                            tl.store(DQ + ds, x, mask=ds < D)
-                            sq += x.to(tl.float64) * x.to(tl.float64)
-                        ssq = tl.sum(sq, axis=0)
-                        scale = 1.0 / tl.sqrt(ssq)
-                        tl.debug_barrier()
-                        for d0 in tl.static_range(0, D, BLOCK_DQ):
-                            ds = d0 + tl.arange(0, BLOCK_DQ)
-                            x = tl.load(DQ + ds, mask=ds < D, other=0.0)
-                            tl.store(DQ + ds, (x.to(tl.float64) * scale).to(tl.float32), mask=ds < D)
+                        ssq = _copy_normalised(SEGF + q_at, DQ, D, BLOCK_DQ, True)
                         # (Stored whatever the norm; read only if it is finite and non-zero.)
                         if (ssq > 0.0) & (ssq < float("inf")) & (want_ns != -2):
                             tl.store(CTL + 9, want_ns)
