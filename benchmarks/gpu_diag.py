@@ -34,11 +34,11 @@ def emit(**kw) -> None:
     print(json.dumps(kw), flush=True)
 
 
-def build(n: int, dim: int, precision: str) -> TorchEngine:
+def build(n: int, dim: int, precision: str, max_batch: int = 256) -> TorchEngine:
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(n, dim, device="cuda", generator=g)
     x /= torch.linalg.vector_norm(x, dim=1, keepdim=True)
-    eng = TorchEngine(dim, capacity=n, device="cuda", precision=precision)
+    eng = TorchEngine(dim, capacity=n, device="cuda", precision=precision, max_batch=max_batch)
     xh = x.cpu().numpy()
     ids = np.arange(n, dtype=np.int64)
     eng.add(ids, xh, np.zeros(n, np.int32), np.zeros(n))
@@ -54,6 +54,20 @@ def ceilings(n: int, dim: int, stream, flush) -> None:
         p50, p99 = time_events(fn, 100, stream, flush=flush)
         moved = nbytes * (2 if name == "copy" else 1)
         emit(part="ceiling", what=name, n=n, p50_us=p50, p99_us=p99, tb_s=moved / (p50 * 1e-6) / 1e12)
+
+
+def check_batch(eng: TorchEngine, nq: int) -> dict:
+    """The batch's top-8 against a float64 reference on the device: rows that differ beyond ties."""
+    q = np.random.default_rng(nq).standard_normal((nq, eng.dim)).astype(np.float32)
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    ids, scores = eng.search(q, 8)
+    n = eng.rows.size
+    ref = torch.from_numpy(q).to("cuda", torch.float64) @ eng._x32[:n].to(torch.float64).T
+    top = torch.topk(ref, 8, dim=1).values[:, -1].cpu().numpy()
+    got = ref.gather(1, torch.from_numpy(ids).cuda()).cpu().numpy()
+    wrong = int(((got < top[:, None] - 1e-6)).any(axis=1).sum())
+    return {"wrong_queries": wrong, "max_score_err": float(np.abs(got - scores).max()),
+            "fallbacks": int(eng.stats["fallbacks"])}
 
 
 def profile_graph(eng: TorchEngine, precision: str, stream, flush, nq: int = 1) -> None:
@@ -191,11 +205,21 @@ def main() -> int:
             emit(part="final_tile", tile=tile, warps=warps, p50_us=p50, p99_us=p99)
         return 0
     if args.batches:
+        batches = [int(b) for b in args.batches.split(",")]
         for precision in ("exact", "fast"):
-            eng = build(args.n, args.dim, precision)
-            for nq in (int(b) for b in args.batches.split(",")):
-                profile_graph(eng, precision, eng.stream, flush, nq)
+            eng = build(args.n, args.dim, precision, max_batch=max(batches))
+            for threshold in (True, False):
+                eng.retune({"threshold_select": threshold})
+                for nq in batches:
+                    emit(part="select", precision=precision, q=nq, threshold=threshold,
+                         **check_batch(eng, nq))
+                    profile_graph(eng, precision, eng.stream, flush, nq)
             del eng
+            torch.cuda.empty_cache()
+        print("\n== summary ==")
+        for r in OUT_ROWS:
+            if r["part"] in ("select", "graph") or (r["part"] == "graph_kernel" and r["per_search_us"] > 2):
+                print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items() if k != "key"})
         return 0
     ceilings(args.n, args.dim, stream, flush)
     ceilings(1 << 20, args.dim, stream, flush)

@@ -3,7 +3,7 @@
     PYTHONPATH=src python3 benchmarks/profile_e2e.py --device cuda --out $OUT
 
 Builds a store of N random unit rows, starts ``kalos serve`` on it, and runs a recall loop
-(k=8, one query per call) from this process for ``--seconds`` while two py-spy processes
+(k=8, ``--batch`` queries per call) from this process for ``--seconds`` while two py-spy processes
 sample the sidecar and this client (non-blocking, so the loop keeps its pace). Writes the
 collapsed stacks to $OUT/{sidecar,client}.txt and prints the top self-time lines of each and
 the loop's own p50/p99.
@@ -57,6 +57,7 @@ def main() -> int:
     ap.add_argument("--rate", type=int, default=2000)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--extra", default="", help="extra arguments for kalos serve")
+    ap.add_argument("--batch", type=int, default=1, help="queries per call (recall_many above 1)")
     args = ap.parse_args()
     out = Path(args.out)
     rng = np.random.default_rng(1)
@@ -70,8 +71,16 @@ def main() -> int:
         with SidecarProcess(store, name="prof", device=args.device, extra_args=args.extra.split(),
                             ready_timeout=600) as sidecar, Client("prof") as client:
             print(sidecar.ready_line, flush=True)
+            b = args.batch
+
+            def call(i: int) -> None:
+                if b == 1:
+                    client.recall(queries[i % 256], k=8)
+                else:
+                    client.recall_many(queries[(i * b) % 256 : (i * b) % 256 + b], k=8)
+
             for i in range(300):
-                client.recall(queries[i % 256], k=8)
+                call(i)
             spies = [
                 subprocess.Popen(["py-spy", "record", "--nonblocking", "-r", str(args.rate), "-d", str(int(args.seconds)),
                                   "-f", "raw", "-o", str(out / f"{who}.txt"), "--pid", str(pid)],
@@ -84,7 +93,7 @@ def main() -> int:
             i = 0
             while time.monotonic() < end:
                 a = time.perf_counter()
-                client.recall(queries[i % 256], k=8)
+                call(i)
                 lat.append((time.perf_counter() - a) * 1e6)
                 i += 1
             for spy in spies:

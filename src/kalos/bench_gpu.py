@@ -7,6 +7,8 @@ For each N (at ``--dim``, ``-k``) one run measures, in this order and on the sam
   ``--batches`` sizes, with the GPU memory it holds against the bytes of the matrix;
 * Kalos end to end: a sidecar process on a store holding the same rows, and this process as
   its client through shared memory: batch 1 p50/p99 and ``recall_many`` throughput per batch;
+* aggregate throughput: ``--clients CxB`` client processes, each sending batches of B queries
+  back to back for a few seconds (the sidecar gathers what is pending into one pass);
 * batch-1 end to end again while another process keeps the GPU busy with bf16 matrix products.
 
 Every latency is wall-clock per call on the host (what a caller waits for), p50/p99 over all
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -101,7 +104,8 @@ def run_gpu_bench(args: argparse.Namespace) -> int:
             gen = torch.Generator(device=device).manual_seed(n)
             matrix_d = torch.randn(n, dim, device=device, generator=gen)
             matrix_d /= matrix_d.norm(dim=1, keepdim=True)
-            queries_d = torch.randn(512, dim, device=device, generator=gen)
+            # Enough queries that every batch (taken at offsets 0-255) is whole.
+            queries_d = torch.randn(max(512, 256 + max(batches)), dim, device=device, generator=gen)
             queries_d /= queries_d.norm(dim=1, keepdim=True)
             matrix, queries = matrix_d.cpu().numpy(), queries_d.cpu().numpy()
             print(f"N = {n:,}: matrix {matrix.nbytes / 2**20:,.0f} MiB float32", flush=True)
@@ -136,6 +140,9 @@ def run_gpu_bench(args: argparse.Namespace) -> int:
         print(f"{r['path']:<46} {r['N']:>9,} {r['batch']:>5} {r['p50_us']:>9.1f} {r['p99_us']:>9.1f} "
               f"{r['recalls_per_s']:>11,.0f} {floor:>8}")
     for r in rows:
+        if "reserved_bytes" in r:
+            print(f"GPU memory reserved after {r['path']} up to batch {r['batch']}, N={r['N']:,}: "
+                  f"{r['reserved_bytes'] / 2**20:,.0f} MiB (the rows and every batch's scratch)")
         if "gpu_bytes" in r:
             print(f"GPU memory, {r['path']}, N={r['N']:,}: {r['gpu_bytes'] / 2**20:,.0f} MiB "
                   f"for a {r['matrix_bytes'] / 2**20:,.0f} MiB float32 matrix ({r['gpu_bytes'] / r['matrix_bytes']:.3f}x)")
@@ -185,6 +192,7 @@ def _in_process_engines(torch: Any, engine_cls: Any, rows: list, matrix: np.ndar
     for precision in ("exact", "fast"):
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
+        reserved_before = torch.cuda.memory_reserved(device)
         engine = engine_cls(args.dim, capacity=n, device=str(device), precision=precision)
         engine.add(np.arange(n, dtype=np.int64), matrix, np.int32(1), 0.0)
         torch.cuda.synchronize(device)
@@ -208,6 +216,10 @@ def _in_process_engines(torch: Any, engine_cls: Any, rows: list, matrix: np.ndar
                 _row(rows, f"Kalos engine {precision}, in-process", n, b,
                      time_calls(lambda i: engine.search(queries[(i * b) % 256 : (i * b) % 256 + b], args.k),
                                 max(20, args.repeats // b), 5), floor)
+        torch.cuda.synchronize(device)
+        # What the batches left reserved (graphs' scratch included), beside what the rows hold.
+        rows[-1]["reserved_bytes"] = torch.cuda.memory_reserved(device) - reserved_before
+        rows[-1]["matrix_bytes"] = matrix.nbytes
         del engine
         torch.cuda.empty_cache()
     return reference
@@ -216,8 +228,10 @@ def _in_process_engines(torch: Any, engine_cls: Any, rows: list, matrix: np.ndar
 def _end_to_end(torch: Any, rows: list, store: Path, name: str, device: Any, precision: str, matrix: np.ndarray,
                 queries: np.ndarray, reference: np.ndarray, args: argparse.Namespace, n: int, floor: float,
                 batches: list[int], *, under_load: bool, zero_copy: bool = True, polling: bool = False) -> None:
-    max_batch = max(batches)
+    crowds = _crowds(args) if not polling and zero_copy else []
+    max_batch = max(batches + [b for _c, b in crowds])
     extra = ["--precision", precision, "--max-batch", str(max_batch)] + ([] if zero_copy else ["--no-zero-copy"])
+    extra += ["--slots", str(max([32] + [c + 2 for c, _b in crowds]))]
     extra += ["--gpu-polling"] if polling else []
     with SidecarProcess(store, name=name, device=str(device), extra_args=extra, ready_timeout=600) as sidecar, \
             Client(name) as client:
@@ -234,6 +248,8 @@ def _end_to_end(torch: Any, rows: list, store: Path, name: str, device: Any, pre
                 _row(rows, path, n, b,
                      time_calls(lambda i: client.recall_many(queries[(i * b) % 256 : (i * b) % 256 + b], k=args.k),
                                 max(20, args.repeats // b), 5), floor)
+        for clients, b in crowds:
+            _aggregate(rows, path, name, queries, args.k, n, floor, clients, b)
         stats = client.stats()
         rows[-1]["engine_bytes"] = stats["engine_bytes"]
         print(f"  recalls answered by the resident GPU kernel: {stats.get('gpu_polled', 0):,}; "
@@ -251,3 +267,52 @@ def _end_to_end(torch: Any, rows: list, store: Path, name: str, device: Any, pre
             finally:
                 hog.kill()
                 hog.wait()
+
+
+def _crowds(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """``--clients`` as (clients, batch) pairs."""
+    crowds = []
+    for spec in filter(None, (part.strip() for part in args.clients.split(","))):
+        clients, _, batch = spec.partition("x")
+        if not (clients.isdigit() and batch.isdigit() and int(clients) > 0 and int(batch) > 0):
+            raise SystemExit(f"--clients: {spec!r} is not CxB (e.g. 8x64)")
+        crowds.append((int(clients), int(batch)))
+    return crowds
+
+
+def _aggregate(rows: list, path: str, name: str, queries: np.ndarray, k: int, n: int, floor: float, clients: int,
+               batch: int, seconds: float = 3.0) -> None:
+    """Recalls per second answered to ``clients`` processes that each send ``batch`` queries
+    per call, back to back, for ``seconds``; latency percentiles are per call."""
+    start = time.time() + 2.0 + 0.2 * clients  # every process connected and warm before it
+    spawn = multiprocessing.get_context("spawn")
+    with spawn.Pool(clients) as pool:
+        results = pool.starmap(_client_loop, [(name, queries, batch, k, start, seconds, c) for c in range(clients)])
+    total = sum(r[0] for r in results)
+    elapsed = max(r[2] for r in results) - start
+    samples = [s for r in results for s in r[1]]
+    p = percentiles(samples)
+    rate = total / elapsed
+    rows.append({"path": f"{path}, {clients} clients", "N": n, "batch": batch, **p, "recalls_per_s": rate,
+                 "floor_us": floor, "clients": clients, "seconds": elapsed})
+    print(f"  {clients} clients x batch {batch}: {rate:,.0f} recalls/s aggregate over {elapsed:.2f} s; per call "
+          f"p50 {p['p50_us']:.1f} us, p99 {p['p99_us']:.1f} us", flush=True)
+
+
+def _client_loop(name: str, queries: np.ndarray, batch: int, k: int, start: float, seconds: float,
+                 index: int) -> tuple[int, list[float], float]:
+    """One client process of :func:`_aggregate`: (recalls, per-call seconds, end time)."""
+    with Client(name) as client:
+        offset = (index * 37) % len(queries)
+        client.recall_many(queries[:batch], k=k)  # connected and warm
+        while time.time() < start:
+            time.sleep(0.0005)
+        end = start + seconds
+        samples, done, clock = [], 0, time.perf_counter
+        while time.time() < end:
+            lo = (offset + done) % (len(queries) - batch + 1)
+            began = clock()
+            client.recall_many(queries[lo : lo + batch], k=k)
+            samples.append(clock() - began)
+            done += batch
+        return done, samples, time.time()

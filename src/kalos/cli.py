@@ -187,6 +187,9 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="GPU suite: also measure the exact path end to end with --no-zero-copy, side by side")
     bench.add_argument("--batches", default="1,8,64,256",
                        help="GPU suite: batch sizes for throughput rows (default: %(default)s)")
+    bench.add_argument("--clients", default="8x64",
+                       help="GPU suite: aggregate throughput of CxB = C client processes each sending batches of B "
+                       "at once, comma-separated; empty for none (default: %(default)s)")
     bench.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this file")
     bench.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
                        help="also draw the latency CDF of each path beside its baseline (needs kalos[plot])")
