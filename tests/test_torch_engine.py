@@ -717,8 +717,10 @@ def test_triton_gemm_threshold_selection(rng, precision):
     m.check(q, 8, same_as_numpy=False)  # ties: NumPy may order the tied rows otherwise
     assert eng.stats["fallbacks"] > before, "the overflowed query must be re-run by the float32 scan"
     fresh = unit_queries(rng, 2, d)
+    before = eng.stats["fallbacks"]
     m.check(fresh, 8, Filter(namespace=2, since=50.0))  # ~1/6 of the rows pass
     m.check(fresh, 6, Filter(since=0.0, until=1.0))  # ~1% pass: fewer groups than keys, tau = -inf
+    assert eng.stats["fallbacks"] == before, "random queries are answered by the threshold path itself"
 
 
 @cuda

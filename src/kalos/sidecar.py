@@ -788,7 +788,9 @@ def row_scales(rows: np.ndarray, *, what: str, error: type[KalosError]) -> np.nd
     """``1 / |row|`` per row, in float64; ``error`` names the first NaN/inf or zero row.
 
     ``rows * scales[:, None]`` rounded to float32 is the unit row, whether NumPy computes it
-    on the host or a GPU kernel does it while copying the query (``search_attached``).
+    on the host or a GPU kernel does it while copying the query (``search_attached``). A batch
+    normalised on the GPU sums the squares in another order: its scale may differ in the last
+    bit of the float64, so the unit row, rarely, in the last bit of a float32.
     """
     if len(rows) == 1:  # the common single query: one float64 dot product, Python floats
         row = rows[0].astype(np.float64)  # float64 as the batch's einsum: the same scale alone or batched

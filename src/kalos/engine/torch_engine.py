@@ -769,7 +769,7 @@ class TorchEngine(Engine):
                 rows = f32[query_at[:, None] + np.arange(self.dim)]
                 with np.errstate(divide="ignore", invalid="ignore"):
                     scales = 1.0 / np.sqrt(np.einsum("ij,ij->i", rows, rows, dtype=np.float64))
-            good = np.flatnonzero(np.isfinite(scales) & (scales > 0))
+            good = np.flatnonzero(np.isfinite(scales) & (scales > 0)) if device_norms else np.arange(nq)
             ids, scores = self.search(self._gather(query_at[good], scales[good]), k, flt)
             self._scatter(ids, scores, ids_at[good], scores_at[good], k)
             return scales
@@ -795,7 +795,10 @@ class TorchEngine(Engine):
         if device_norms:
             scales = self._h_tabf[:nq, 3].copy()  # stage_in_kernel wrote them
         if kind != "f32" and n > _kf(k):
-            bad = np.flatnonzero((self._r_status[:nq] != 0) & np.isfinite(scales) & (scales > 0))
+            failed = self._r_status[:nq] != 0
+            if device_norms:  # a query with no direction has no answer to certify
+                failed &= np.isfinite(scales) & (scales > 0)
+            bad = np.flatnonzero(failed)
             if len(bad):  # the certificate failed: redo those queries with the float32 scan
                 self.stats["fallbacks"] += len(bad)
                 queries = self._gather(query_at[bad], scales[bad])
@@ -1213,6 +1216,7 @@ class TorchEngine(Engine):
 
     def _drop_graphs(self) -> None:
         self._graphs.clear()
+        self._graph_pool = None  # a pool id with no live graph may not be captured into again
 
     def retune(self, tune: dict | None = None) -> None:
         """Replaces entries of the tuning table (benchmarks); drops plans and graphs."""
