@@ -519,14 +519,14 @@ class Sidecar:
         scales = self.engine.search_attached(
             np.concatenate(query_at), None, np.concatenate(ids_at), np.concatenate(scores_at), k_max, flt
         )
-        if np.isfinite(scales).all() and (scales > 0).all():
+        usable = np.isfinite(scales) & (scales > 0)
+        if usable.all():
             return members
         answered, row = [], 0
         for member in members:
             view, _k, rows, _scales = member
-            part = scales[row : row + len(rows)]
             row += len(rows)
-            if np.isfinite(part).all() and (part > 0).all():
+            if usable[row - len(rows) : row].all():
                 answered.append(member)
                 continue
             try:
