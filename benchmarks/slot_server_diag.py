@@ -1,6 +1,7 @@
-"""The resident slot server (kalos.engine.slot_server) on a GPU, in one process: correctness
-against the engine's own search, hand-over of what it does not serve, and the round trip of
-one recall through a slot for several grid / tile variants.
+"""The slot servers (kalos.engine.slot_server) on a GPU, in one process: correctness against
+the engine's own search, hand-over of what they do not serve, and the round trip of one recall
+through a slot, for the CUDA-graph server (variant ``graph:DEPTH``) and several grid / tile
+variants of the resident kernel (``programs_per_sm:ROWSxDIMS:warps``).
 
 The "client" here is this process writing a request into a slot of an mmap'd segment and
 spinning on resp_seq, as kalos.client does from another process (minus its Python call).
@@ -17,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from kalos.engine.slot_server import SlotServer
+from kalos.engine.slot_server import SlotGraphServer, SlotServer
 from kalos.engine.torch_engine import TorchEngine
 from kalos.protocol import Layout, Op, RequestFlag, SlotView
 
@@ -33,7 +34,7 @@ def submit(view: SlotView, q: np.ndarray, k: int, seq: int, *, n_queries: int = 
     view.req_seq[0] = seq
 
 
-def wait(view: SlotView, seq: int, server: SlotServer, slot: int, timeout: float = 2.0) -> str:
+def wait(view: SlotView, seq: int, server, slot: int, timeout: float = 2.0) -> str:
     end = time.perf_counter() + timeout
     while True:
         if view.resp_seq[0] == seq:
@@ -42,6 +43,7 @@ def wait(view: SlotView, seq: int, server: SlotServer, slot: int, timeout: float
             return "handed"
         if time.perf_counter() > end:
             return "timeout"
+        server.running()  # the graph server's queue of rounds is topped up by this call
 
 
 def main() -> None:
@@ -51,9 +53,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2000)
     ap.add_argument("--checks", type=int, default=300)
-    ap.add_argument("--variants", default="4:2x1024:4,3:4x1024:4,6:2x1024:4",
-                    help="exact mode: programs_per_sm:rowsxdims:warps, comma-separated")
-    ap.add_argument("--fast-variants", default="2:16x1024:8")
+    ap.add_argument("--variants", default="graph:3,4:2x1024:4",
+                    help="exact mode: graph:DEPTH or programs_per_sm:rowsxdims:warps, comma-separated")
+    ap.add_argument("--fast-variants", default="graph:3,3:8x1024:4")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rng = np.random.default_rng(1)
@@ -73,11 +75,15 @@ def main() -> None:
         unit = queries / np.linalg.norm(queries.astype(np.float64), axis=1, keepdims=True).astype(np.float32)
         ref_i, ref_s = eng.search(unit.astype(np.float32), 16)
         for variant in (args.variants if precision == "exact" else args.fast_variants).split(","):
-            per_sm, tile, warps = variant.split(":")
-            rows, dims = (int(v) for v in tile.split("x"))
             seqs = np.zeros(layout.n_slots, np.int64)
-            server = SlotServer(eng, layout, np.zeros(layout.n_slots, np.uint64), idle_s=0.5,
-                                programs_per_sm=int(per_sm), tile=(rows, dims), warps=int(warps))
+            if variant.startswith("graph"):
+                server = SlotGraphServer(eng, layout, np.zeros(layout.n_slots, np.uint64), idle_s=0.5,
+                                         depth=int(variant.partition(":")[2] or 3))
+            else:
+                per_sm, tile, warps = variant.split(":")
+                rows, dims = (int(v) for v in tile.split("x"))
+                server = SlotServer(eng, layout, np.zeros(layout.n_slots, np.uint64), idle_s=0.5,
+                                    programs_per_sm=int(per_sm), tile=(rows, dims), warps=int(warps))
             t0 = time.perf_counter()
             server.warm()
             compile_s = time.perf_counter() - t0
@@ -115,24 +121,42 @@ def main() -> None:
                 handed_ok += wait(views[s], int(seqs[s]), server, s) == "handed"
             # latency: one slot, back to back
             lat = []
+            phases = []  # graph server: host and GPU clocks (ns) of each request's phases
             s = 0
+            stamps = getattr(server, "stamps", None)
             for i in range(args.repeats + 200):
                 seqs[s] += 1
                 t = time.perf_counter()
+                t_ns = time.time_ns()
                 submit(views[s], queries[i % 512], args.k, int(seqs[s]))
                 while views[s].resp_seq[0] != seqs[s]:
                     if server.handed[s] == seqs[s] or not server.running():
                         raise SystemExit(f"variant {variant}: request {i} not answered by the kernel "
                                          f"(handed {server.handed[s] == seqs[s]}, running {server.running()})")
                 lat.append(time.perf_counter() - t)
+                if stamps is not None:
+                    phases.append((t_ns, time.time_ns(), *stamps()))
+            phase_us = {}
+            if phases:
+                ph = np.array(phases[200:], np.float64)
+                # (The round's "waiting since" stamp, when read, is still this round's: the next
+                # round starts a few microseconds after the answer lands.)
+                submit_t, seen_t, wait_t, seen_gpu_t, staged_t, pub_t = ph.T
+                for label, v in (("round_trip", seen_t - submit_t), ("waiting_before_seen", seen_gpu_t - wait_t),
+                                 ("seen_to_staged", staged_t - seen_gpu_t), ("staged_to_published", pub_t - staged_t),
+                                 ("outside_the_gpu", (seen_t - submit_t) - (pub_t - seen_gpu_t))):
+                    phase_us[label] = round(float(np.median(v)) / 1e3, 1)
+                print("   phases (median us; GPU clock except round_trip / outside_the_gpu):", json.dumps(phase_us),
+                      flush=True)
             served = server.served
             server.stop()
             lat_us = np.array(lat[200:]) * 1e6
-            row = dict(precision=precision, variant=variant, programs=server.programs, resident=server.resident_per_sm,
-                       not_resident=server.not_resident,
+            row = dict(precision=precision, variant=variant, programs=getattr(server, "programs", 1),
+                       resident=getattr(server, "resident_per_sm", 0), not_resident=getattr(server, "not_resident", 0),
                        compile_s=round(compile_s, 1),
                        checks=outcomes, bad=bad, handed_ok=f"{handed_ok}/6", served=served,
-                       p50_us=round(float(np.percentile(lat_us, 50)), 1), p99_us=round(float(np.percentile(lat_us, 99)), 1))
+                       p50_us=round(float(np.percentile(lat_us, 50)), 1), p99_us=round(float(np.percentile(lat_us, 99)), 1),
+                       phases_us=phase_us)
             print(json.dumps(row), flush=True)
             table.append(row)
         eng.detach_host()

@@ -22,7 +22,7 @@ pytest.importorskip("torch")
 # seeded rng and the markers are test_torch_engine's, as in test_sharded.
 from test_torch_engine import HAVE_CUDA, _interpreter_env, needs_interpreter, rng  # noqa: E402,F401
 
-from kalos.engine.slot_server import SlotServer  # noqa: E402
+from kalos.engine.slot_server import SlotGraphServer, SlotServer  # noqa: E402
 from kalos.engine.torch_engine import TorchEngine  # noqa: E402
 from kalos.errors import InvalidArgument  # noqa: E402
 from kalos.protocol import Layout, Op, RequestFlag, SlotView  # noqa: E402
@@ -36,7 +36,8 @@ RECALL, PING, ALL = int(Op.RECALL), int(Op.PING), int(RequestFlag.ALL_NAMESPACES
 class Rig:
     """An engine with rows, a segment with slots, the engine attached to it, and a server."""
 
-    def __init__(self, rng, *, precision="exact", dim=32, n=200, slots=4, device="cpu", max_k=32, **server_args) -> None:
+    def __init__(self, rng, *, precision="exact", dim=32, n=200, slots=4, device="cpu", max_k=32, server=SlotServer,
+                 **server_args) -> None:
         self.rng = rng
         self.engine = TorchEngine(dim, device=device, backend="triton", precision=precision)
         self.vectors = rng.standard_normal((n, dim)).astype(np.float32)
@@ -54,7 +55,7 @@ class Rig:
         self.engine.attach_host(self.buf)
         self.views = [SlotView(memoryview(self.buf), self.layout, s) for s in range(slots)]
         self.seqs = np.zeros(slots, np.int64)
-        self.server = SlotServer(self.engine, self.layout, np.zeros(slots, np.uint64), **server_args)
+        self.server = server(self.engine, self.layout, np.zeros(slots, np.uint64), **server_args)
         self.server.set_namespaces({b"a": 0, b"b": 1})
         self.active = np.ones(slots, bool)
 
@@ -87,13 +88,18 @@ def make_rig(rng):
         rig.close()
 
 
+SERVERS = pytest.mark.parametrize("server", [SlotServer, SlotGraphServer], ids=["resident", "graph"])
+
+
 @needs_interpreter
-@pytest.mark.parametrize("precision,tile", [("exact", None), ("fast", None), ("exact", (4, 16))],
-                         ids=["exact", "fast", "exact-narrow-tile"])
-def test_answers_single_recalls_like_the_float64_reference(make_rig, rng, precision, tile):
-    # The default tile spans whole rows (the prefetching loop); a narrower one takes the
-    # loop over dimension chunks.
-    rig = make_rig(precision=precision, tile=tile)
+@pytest.mark.parametrize("precision,server,tile", [
+    ("exact", SlotServer, None), ("fast", SlotServer, None), ("exact", SlotServer, (4, 16)),
+    ("exact", SlotGraphServer, None), ("fast", SlotGraphServer, None),
+], ids=["resident-exact", "resident-fast", "resident-exact-narrow-tile", "graph-exact", "graph-fast"])
+def test_answers_single_recalls_like_the_float64_reference(make_rig, rng, precision, server, tile):
+    # The resident kernel's default tile spans whole rows (the prefetching loop); a narrower
+    # one takes the loop over dimension chunks.
+    rig = make_rig(precision=precision, server=server, **({} if tile is None else {"tile": tile}))
     answered = handed = 0
     for round_ in range(6):
         slot = round_ % 4
@@ -118,8 +124,9 @@ def test_answers_single_recalls_like_the_float64_reference(make_rig, rng, precis
 
 
 @needs_interpreter
-def test_hands_over_what_it_must_not_answer(make_rig, rng):
-    rig = make_rig()
+@SERVERS
+def test_hands_over_what_it_must_not_answer(make_rig, rng, server):
+    rig = make_rig(server=server)
     dim = rig.engine.dim
     q = rng.standard_normal(dim).astype(np.float32)
     cases = {
@@ -147,10 +154,11 @@ def test_hands_over_what_it_must_not_answer(make_rig, rng):
 
 
 @needs_interpreter
-def test_never_writes_past_a_slots_max_k(make_rig, rng):
+@SERVERS
+def test_never_writes_past_a_slots_max_k(make_rig, rng, server):
     # A segment made for k <= 4: the kernel (built for k <= 16) must hand k = 8 to the host,
     # whose error names the limit, instead of writing 8 ids into a row of 4.
-    rig = make_rig(max_k=4)
+    rig = make_rig(max_k=4, server=server)
     q = rng.standard_normal(rig.engine.dim).astype(np.float32)
     scores_before = rig.views[0].scores[0].tobytes()
     seq = rig.submit(0, q, 8)
@@ -163,8 +171,9 @@ def test_never_writes_past_a_slots_max_k(make_rig, rng):
 
 
 @needs_interpreter
-def test_takes_one_request_per_round_and_hands_the_rest_round_robin(make_rig, rng):
-    rig = make_rig()
+@SERVERS
+def test_takes_one_request_per_round_and_hands_the_rest_round_robin(make_rig, rng, server):
+    rig = make_rig(server=server)
     q = rng.standard_normal(rig.engine.dim).astype(np.float32)
     seqs = [rig.submit(s, q, 4) for s in (1, 2, 3)]
     rig.server.start(rig.active)
@@ -180,8 +189,9 @@ def test_takes_one_request_per_round_and_hands_the_rest_round_robin(make_rig, rn
 
 
 @needs_interpreter
-def test_ignores_slots_without_a_client_and_answered_requests(make_rig, rng):
-    rig = make_rig()
+@SERVERS
+def test_ignores_slots_without_a_client_and_answered_requests(make_rig, rng, server):
+    rig = make_rig(server=server)
     q = rng.standard_normal(rig.engine.dim).astype(np.float32)
     seq = rig.submit(2, q, 4)
     rig.active[2] = False
@@ -214,14 +224,34 @@ def test_needs_the_triton_engine_with_the_segment_attached(rng):
         engine.detach_host()
 
 
+def test_gpu_polling_modes_are_checked(tmp_path):
+    from kalos.cli import _build_parser as build_parser
+    from kalos.sidecar import SidecarConfig
+
+    with pytest.raises(InvalidArgument, match="gpu_polling must be one of off, graph, resident"):
+        SidecarConfig(store=tmp_path / "m.db", name="x", gpu_polling="on")
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).gpu_polling == "off"
+    assert parser.parse_args(["serve", "--gpu-polling"]).gpu_polling == "graph"
+    assert parser.parse_args(["serve", "--gpu-polling", "resident"]).gpu_polling == "resident"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--gpu-polling", "yes"])
+
+
 # -- a real GPU ------------------------------------------------------------------------------
 
 
 @cuda
 @needs_cuda
+@SERVERS
 @pytest.mark.parametrize("precision", ["exact", "fast"])
-def test_cuda_resident_kernel_answers_while_running(make_rig, rng, precision):
-    rig = make_rig(precision=precision, dim=384, n=20000, slots=8, device="cuda", idle_s=5.0)
+def test_cuda_server_answers_while_running(make_rig, rng, precision, server):
+    rig = make_rig(precision=precision, dim=384, n=20000, slots=8, device="cuda", idle_s=5.0, server=server)
+    # Compiled (the graph captured) before the namespaces are known, as in a sidecar: what a
+    # launch argument held then must not decide how named requests are served later.
+    rig.server.set_namespaces({})
+    rig.server.warm()
+    rig.server.set_namespaces({b"a": 0, b"b": 1})
     rig.server.start(rig.active)
     assert rig.server.running()
     answered = 0
@@ -229,14 +259,16 @@ def test_cuda_resident_kernel_answers_while_running(make_rig, rng, precision):
         slot = i % 8
         k = int(rng.integers(1, 17))
         query = rng.standard_normal(rig.engine.dim).astype(np.float32)
-        seq = rig.submit(slot, query, k)
+        ns = [None, b"a", b"b"][i % 3]
+        seq = rig.submit(slot, query, k, flags=ALL if ns is None else 0, namespace=ns or b"")
+        eligible = rig.live & (True if ns is None else rig.namespaces == (0 if ns == b"a" else 1))
         view = rig.views[slot]
         while int(view.resp_seq[0]) != seq and int(rig.server.handed[slot]) != seq:
             assert rig.server.running(), "the kernel exited while a request was pending"
         if int(view.resp_seq[0]) == seq:
             answered += 1
             assert_topk_matches(view.ids[:1, :k], view.scores[:1, :k], rig.ids, rig.vectors, query[None], k,
-                                rig.live, context=f"request {i}")
+                                eligible, context=f"request {i} namespace {ns}")
     assert answered >= (200 if precision == "exact" else 150)
     rig.server.stop()
     assert not rig.server.running() and rig.server.served == answered
@@ -244,12 +276,13 @@ def test_cuda_resident_kernel_answers_while_running(make_rig, rng, precision):
 
 @cuda
 @needs_cuda
-def test_cuda_sidecar_with_gpu_polling_under_clients_adds_and_deletes(rng, runtime_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["graph", "resident"])
+def test_cuda_sidecar_with_gpu_polling_under_clients_adds_and_deletes(rng, runtime_dir, tmp_path, mode):
     from kalos import Client
     from kalos.sidecar import Sidecar, SidecarConfig
 
     d = 256
-    config = SidecarConfig(store=tmp_path / "m.db", name="gp", dim=d, slots=8, max_k=32, max_batch=8, gpu_polling=True)
+    config = SidecarConfig(store=tmp_path / "m.db", name="gp", dim=d, slots=8, max_k=32, max_batch=8, gpu_polling=mode)
     sidecar = Sidecar(config, engine_factory=lambda _dev, dim, cap: TorchEngine(dim, device="cuda", capacity=cap))
     assert sidecar._slot_server is not None
     thread = threading.Thread(target=sidecar.serve_forever, daemon=True)

@@ -21,6 +21,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -32,22 +33,46 @@ import numpy as np
 
 from kalos.bench import percentiles, time_calls
 from kalos.client import Client
+from kalos.config import GPU_POLLING
 from kalos.engine import Filter
+from kalos.errors import InvalidArgument
 from kalos.launcher import SidecarProcess
 from kalos.store import Store
 
 __all__ = ["run_gpu_bench"]
 
+# A stand-in for the LLM: bf16 GEMMs back to back. It prints its rate alone (TFLOP/s over one
+# second), then "busy"; SIGUSR1 marks the start of the recalls, SIGTERM prints its rate since.
 _LOAD_SCRIPT = """
-import sys, time, torch
+import signal, sys, time, torch
 a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
 b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-print("busy", flush=True)
-end = time.monotonic() + float(sys.argv[1])
-while time.monotonic() < end:
+flop = 2 * 8192 ** 3 * 8
+done, mark = 0, None
+def batch():
+    global done
     for _ in range(8):
         c = a @ b
     torch.cuda.synchronize()
+    done += 1
+batch()
+t0, n0 = time.monotonic(), done
+while time.monotonic() < t0 + 1.0:
+    batch()
+print("alone", (done - n0) * flop / (time.monotonic() - t0) / 1e12, flush=True)
+def on_mark(*_):
+    global mark
+    mark = (time.monotonic(), done)
+def on_term(*_):
+    t, n = mark or (t0, n0)
+    print("shared", (done - n) * flop / (time.monotonic() - t) / 1e12, flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGUSR1, on_mark)
+signal.signal(signal.SIGTERM, on_term)
+print("busy", flush=True)
+end = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    batch()
 """
 
 
@@ -88,6 +113,9 @@ def run_gpu_bench(args: argparse.Namespace) -> int:
     dim, k = args.dim, args.k
     batches = [int(b) for b in args.batches.split(",")]
     sizes = [int(n) for n in args.gpu_sizes.split(",")]
+    modes = [m for m in args.gpu_polling.split(",") if m]
+    if any(m not in GPU_POLLING or m == "off" for m in modes):
+        raise InvalidArgument(f"--gpu-polling takes {', '.join(GPU_POLLING[1:])} (comma-separated), got {args.gpu_polling!r}")
     bandwidth = _copy_bandwidth(torch, device)
     info = {
         "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
@@ -123,11 +151,11 @@ def run_gpu_bench(args: argparse.Namespace) -> int:
             for precision in args.gpu_precisions.split(","):
                 _end_to_end(torch, rows, store, name, device, precision, matrix, queries, reference, args, n,
                             floor32 if precision == "exact" else floor16, batches, under_load=(n == sizes[0]))
-            if args.gpu_polling:
+            for mode in modes:
                 for precision in args.gpu_precisions.split(","):
                     _end_to_end(torch, rows, store, name, device, precision, matrix, queries, reference, args, n,
-                                floor32 if precision == "exact" else floor16, [1], under_load=(n == sizes[0]),
-                                polling=True)
+                                floor32 if precision == "exact" else floor16, [1, 64], under_load=(n == sizes[0]),
+                                polling=mode)
             if args.gpu_host_copies:
                 _end_to_end(torch, rows, store, name, device, "exact", matrix, queries, reference, args, n,
                             floor32, [1], under_load=False, zero_copy=False)
@@ -227,19 +255,19 @@ def _in_process_engines(torch: Any, engine_cls: Any, rows: list, matrix: np.ndar
 
 def _end_to_end(torch: Any, rows: list, store: Path, name: str, device: Any, precision: str, matrix: np.ndarray,
                 queries: np.ndarray, reference: np.ndarray, args: argparse.Namespace, n: int, floor: float,
-                batches: list[int], *, under_load: bool, zero_copy: bool = True, polling: bool = False) -> None:
+                batches: list[int], *, under_load: bool, zero_copy: bool = True, polling: str = "") -> None:
     crowds = _crowds(args) if not polling and zero_copy else []
     max_batch = max(batches + [b for _c, b in crowds])
     extra = ["--precision", precision, "--max-batch", str(max_batch)] + ([] if zero_copy else ["--no-zero-copy"])
     extra += ["--slots", str(max([32] + [c + 2 for c, _b in crowds]))]
-    extra += ["--gpu-polling"] if polling else []
+    extra += ["--gpu-polling", polling] if polling else []
     with SidecarProcess(store, name=name, device=str(device), extra_args=extra, ready_timeout=600) as sidecar, \
             Client(name) as client:
         print(f"  {sidecar.ready_line}", flush=True)
         got = client.recall_many(queries, k=args.k).ids - 1  # store ids start at 1
         agree = float(np.mean([len(set(a) & set(b)) / args.k for a, b in zip(got, reference)]))
         print(f"  end to end ({precision}) vs in-process exact top-{args.k}: agreement {agree:.6f}", flush=True)
-        how = ", host copies" if not zero_copy else (", resident kernel" if polling else "")
+        how = ", host copies" if not zero_copy else (f", --gpu-polling {polling}" if polling else "")
         path = f"Kalos end to end {precision} (client process{how})"
         _row(rows, path, n, 1, time_calls(lambda i: client.recall(queries[i % 512], k=args.k), args.repeats, 100),
              floor, agreement=agree)
@@ -252,7 +280,7 @@ def _end_to_end(torch: Any, rows: list, store: Path, name: str, device: Any, pre
             _aggregate(rows, path, name, queries, args.k, n, floor, clients, b)
         stats = client.stats()
         rows[-1]["engine_bytes"] = stats["engine_bytes"]
-        print(f"  recalls answered by the resident GPU kernel: {stats.get('gpu_polled', 0):,}; "
+        print(f"  recalls answered by the GPU's polling kernel: {stats.get('gpu_polled', 0):,}; "
               f"by the sweep: {stats['queries']:,}", flush=True)
         print(f"  sidecar-side service time per batch (all rows above): p50 {stats['service_p50_us']} us, "
               f"p99 {stats['service_p99_us']} us", flush=True)
@@ -260,10 +288,18 @@ def _end_to_end(torch: Any, rows: list, store: Path, name: str, device: Any, pre
             hog = subprocess.Popen([sys.executable, "-c", _LOAD_SCRIPT, "60"], stdout=subprocess.PIPE, text=True,
                                    env=dict(os.environ, CUDA_VISIBLE_DEVICES=str(device.index or 0)))
             try:
+                alone = hog.stdout.readline().split()
                 if hog.stdout.readline().strip() == "busy":
-                    time.sleep(1.0)
-                    _row(rows, f"{path}, GPU busy with bf16 GEMMs", n, 1,
-                         time_calls(lambda i: client.recall(queries[i % 512], k=args.k), args.repeats, 100), floor)
+                    time.sleep(0.5)
+                    hog.send_signal(signal.SIGUSR1)
+                    samples = time_calls(lambda i: client.recall(queries[i % 512], k=args.k), args.repeats, 100)
+                    hog.terminate()
+                    shared = hog.stdout.readline().split()
+                    tflops = (float(alone[1]), float(shared[1])) if alone and shared else (None, None)
+                    _row(rows, f"{path}, GPU busy with bf16 GEMMs", n, 1, samples, floor,
+                         gemm_tflops_alone=tflops[0], gemm_tflops_during=tflops[1])
+                    print(f"  the GEMM process: {tflops[0]:.0f} TFLOP/s alone, {tflops[1]:.0f} during these recalls"
+                          if tflops[0] else "  (the GEMM process's rate was not read)", flush=True)
             finally:
                 hog.kill()
                 hog.wait()

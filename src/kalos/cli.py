@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kalos.config import default_store_path, settings
+from kalos.config import GPU_POLLING, default_store_path, settings
 from kalos.errors import InvalidArgument, KalosError
 
 __all__ = ["main"]
@@ -57,11 +57,13 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-zero-copy", dest="zero_copy", action="store_false",
                        help="GPU engine: pass queries and answers through host copies instead of letting the "
                        "kernels read and write the page-locked shared segment directly (for comparisons)")
-    serve.add_argument("--gpu-polling", action="store_true",
-                       help="GPU engine, experimental: a resident kernel polls the slots and answers single "
-                       "recalls (k <= 16, all namespaces or one, no time window) by itself while traffic lasts; "
-                       "it exits after --spin-us without a request. Faster for exact single recalls, above all on a busy GPU; "
-                       "slower for batches (BENCHMARKS.md)")
+    serve.add_argument("--gpu-polling", nargs="?", const="graph", default="off", choices=GPU_POLLING,
+                       help="GPU engine: a kernel polls the slots and answers single recalls (k <= 16, all "
+                       "namespaces or one, no time window) by itself while traffic lasts, with no Python on the "
+                       "way; it stops after --spin-us without a request. 'graph' (the value when none is given): "
+                       "a CUDA graph that waits for a request, then scans with the whole GPU; 'resident': one "
+                       "kernel resident on every SM (faster on a GPU busy with other work, slower for batches). "
+                       "Default: %(default)s (BENCHMARKS.md compares them)")
     serve.add_argument("--seed-compat", action="store_true",
                        help="also serve the seed article's recall_shm_t protocol (top-8 over all namespaces)")
     serve.add_argument("--seed-compat-shm", default="/kalos_recall_shm",
@@ -180,9 +182,9 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="GPU suite: comma-separated N values (default: %(default)s)")
     bench.add_argument("--gpu-precisions", default="exact,fast",
                        help="GPU suite: sidecar precisions measured end to end (default: %(default)s)")
-    bench.add_argument("--gpu-polling", action="store_true",
-                       help="GPU suite: also measure single recalls end to end with serve --gpu-polling (the "
-                       "resident kernel), side by side")
+    bench.add_argument("--gpu-polling", nargs="?", const="graph", default="",
+                       help="GPU suite: also measure single recalls end to end with serve --gpu-polling MODE, "
+                       "for each comma-separated MODE (graph, resident; 'graph' when none is given), side by side")
     bench.add_argument("--gpu-host-copies", action="store_true",
                        help="GPU suite: also measure the exact path end to end with --no-zero-copy, side by side")
     bench.add_argument("--batches", default="1,8,64,256",

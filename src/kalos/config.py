@@ -12,7 +12,10 @@ from pathlib import Path
 
 from kalos.errors import InvalidArgument
 
-__all__ = ["Settings", "settings", "default_store_path", "runtime_dir"]
+__all__ = ["Settings", "settings", "default_store_path", "runtime_dir", "GPU_POLLING"]
+
+#: How a GPU sidecar may answer single recalls without Python (SidecarConfig.gpu_polling).
+GPU_POLLING = ("off", "graph", "resident")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kalos.channel import Endpoint, Segment, SidecarChannel
-from kalos.config import settings
+from kalos.config import GPU_POLLING, settings
 from kalos.control import (
     PROTOCOL_VERSION,
     ConnectionClosed,
@@ -99,11 +99,11 @@ class SidecarConfig:
     # A GPU engine reads queries from the slots and writes answers into them in place (the
     # segment page-locked with cudaHostRegister); False: through host copies (benchmarks).
     zero_copy: bool = True
-    # Experimental, off by default: with zero copy, a resident GPU kernel polls the slots and
-    # answers single recalls by itself (kalos.engine.slot_server). Measured on an H200 (side by
-    # side): exact single recalls 134.7 vs 154.7 us p50, 141 us vs 2.5 ms beside another
-    # process's GEMMs; batches beside it are slower, fast mode gains nothing (BENCHMARKS.md).
-    gpu_polling: bool = False
+    # With zero copy, a GPU kernel polls the slots and answers single recalls by itself
+    # (kalos.engine.slot_server): "graph" (a CUDA graph that waits for a request, then scans
+    # with the whole GPU), "resident" (one kernel resident on every SM), or "off" (the sweep
+    # answers everything). BENCHMARKS.md has both measured beside the sweep.
+    gpu_polling: str = "off"
 
     def __post_init__(self) -> None:
         for field, low, high in (("slots", 1, 4096), ("max_k", 1, 65536), ("max_batch", 1, 65536)):
@@ -112,6 +112,8 @@ class SidecarConfig:
                 raise InvalidArgument(f"{field} must be an integer in [{low}, {high}], got {value!r}")
         if self.spin_us < 0:
             raise InvalidArgument(f"spin_us must be >= 0, got {self.spin_us}")
+        if self.gpu_polling not in GPU_POLLING:
+            raise InvalidArgument(f"gpu_polling must be one of {', '.join(GPU_POLLING)}, got {self.gpu_polling!r}")
         if not 0 < self.heartbeat_interval_s <= 1:
             raise InvalidArgument(f"heartbeat interval must be in (0, 1] s, got {self.heartbeat_interval_s}")
 
@@ -251,14 +253,16 @@ class Sidecar:
 
     def _make_slot_server(self) -> Any:
         """The resident kernel that answers single recalls from the slots (CUDA, Triton, zero copy)."""
-        if not (self.zero_copy and self.config.gpu_polling and str(self.engine.device).startswith("cuda")):
+        mode = self.config.gpu_polling
+        if not (self.zero_copy and mode != "off" and str(self.engine.device).startswith("cuda")):
             return None
         if getattr(self.engine, "backend", None) != "triton":
             return None
         try:
-            from kalos.engine.slot_server import SlotServer
+            from kalos.engine.slot_server import SlotGraphServer, SlotServer
 
-            server = SlotServer(self.engine, self.layout, self.channel.answered, idle_s=self.config.spin_us / 1e6)
+            kind = SlotGraphServer if mode == "graph" else SlotServer
+            server = kind(self.engine, self.layout, self.channel.answered, idle_s=self.config.spin_us / 1e6)
             server.warm()
         except Exception as exc:  # noqa: BLE001 - the sweep's own path still serves everything
             log.warning("GPU polling off: the slot server could not be set up (%s)", exc)
@@ -397,7 +401,7 @@ class Sidecar:
                 serving = server is not None and self._slot_server_running(server)
                 slots, seqs = channel.pending(server.handed if serving else None)
                 if len(slots):
-                    if serving:
+                    if serving and server.holds_sms:
                         # Handed-over work (batches, filters, large k) needs the whole GPU: the
                         # resident kernel holds most of every SM (measured: a batch of 64 took
                         # 2.4 ms beside it, 0.24 ms alone). Stop it, answer, start it again.

@@ -1,58 +1,195 @@
-"""A resident GPU kernel that serves the sidecar's slots by itself: no Python on the recall path.
+"""GPU kernels that serve the sidecar's slots by themselves: no Python on the recall path.
 
 Why. On the H200 one exact recall of 65,536 x 1024 rows costs ~79 us of GPU work, but ~140 us
-end to end through the sidecar: the rest is Python (finding the request, validating it, the
-launch, the wait, publishing; ``benchmarks/NOTES-gpu.md``). :func:`~kalos.engine.triton_kernels.serve_slots_kernel`
-takes all of that off the path: program 0 polls the slots' ``req_seq`` words in the
-page-locked segment, every program scans its share of the rows, and the last one writes the
-answer and ``resp_seq`` into the slot, which the client is spinning on.
+end to end through the sidecar's sweep: the rest is Python (finding the request, validating it,
+the launch, the wait, publishing; ``benchmarks/NOTES-gpu.md``), and beside another process that
+keeps the GPU busy the launch also waits for a time slice (~2.5 ms measured). Here a kernel
+polls the slots' ``req_seq`` words in the page-locked segment, and the answer and ``resp_seq``
+are written into the slot, which the client is spinning on. Two servers do it:
 
-What it serves. A single query (``n_queries == 1``) with ``k <= max_k``, all namespaces, no time
-window, and a query that is finite and non-zero. Anything else (batches, filters, larger k,
-bad input), and every request that arrives while the kernel is busy with another, is *handed*
-to the host: the kernel records its ``req_seq`` in :attr:`SlotServer.handed`, and the sidecar's
-sweep answers it through the engine's ordinary (batched) path, concurrently. Fast mode
-re-scores its candidates in float32 and hands the request over when the certificate fails.
+* :class:`SlotGraphServer` (``serve --gpu-polling``, the default mode): a CUDA graph whose first
+  kernel (one program) waits for a request and stages it; the engine's own single-query kernels
+  follow (the scan over the whole GPU, the selection, the final kernel, which publishes). The
+  sweep keeps a few replays queued. Only one program spins while waiting, so the sweep's own
+  work (handed-over requests) runs beside it at full speed.
+* :class:`SlotServer` (``--gpu-polling resident``): one kernel resident on every SM: program 0
+  polls, every program scans its share, the last one answers. No launch at all, but it holds
+  most of every SM: the sweep stops it to run handed-over work.
+
+What they serve. A single query (``n_queries == 1``) with ``k <= max_k``, all namespaces or one
+named, no time window, and a query that is finite and non-zero. Anything else (batches, time
+windows, larger k, bad input), and every request that arrives while the kernel is busy with
+another, is *handed* to the host: the kernel records its ``req_seq`` in ``handed``, and the
+sidecar's sweep answers it through the engine's ordinary (batched) path. Fast mode re-scores
+its candidates in float32 and hands the request over when the certificate fails.
 
 Ownership of a slot's answer. A request is the kernel's when the kernel took it, the host's
-when it is in ``handed``: the two never answer the same one. :attr:`SlotServer.answered` is the
-sidecar's own record of answered sequence numbers (the channel adopts it), written by the
-kernel for its answers and by the sweep for the host's.
+when it is in ``handed``: the two never answer the same one. ``answered`` is the sidecar's own
+record of answered sequence numbers (the channel adopts it), written by the kernel for its
+answers and by the sweep for the host's.
 
-Lifetime. :meth:`SlotServer.start` launches the kernel on its own high-priority stream; it
-exits by itself after ``idle_s`` without a request (a resident kernel spinning forever would
-take GPU time from the LLM next to it), or when :meth:`SlotServer.stop` asks. The sidecar
-stops it before anything changes the engine (adds, deletes, compaction) or the slots
-(clients coming and going) and starts it again on the next request. All its programs must be
-resident at once (they wait for each other): the grid is sized from the compiled kernel's
-registers and shared memory, and leaves room on every SM for the host path's kernels.
+Lifetime. ``start`` launches on the server's own high-priority stream; the server stops by
+itself after ``idle_s`` without a request (a kernel spinning forever would take GPU time from
+the LLM next to it), or when ``stop`` asks. The sidecar stops it before anything changes the
+engine (adds, deletes, compaction) or the slots (clients coming and going) and starts it again
+on the next request. The resident kernel's programs must all be resident at once (they wait
+for each other): its grid is sized from the compiled kernel's registers and shared memory,
+and leaves room on every SM for the host path's kernels.
 
-On PyTorch's CPU device (tests, under ``TRITON_INTERPRET=1``) the kernel runs as one program,
-synchronously: :meth:`SlotServer.start` returns after it has served what was pending and
-polled ``idle_polls`` more times.
+On PyTorch's CPU device (tests, under ``TRITON_INTERPRET=1``) the kernels run synchronously:
+``start`` returns after the server has served what was pending and polled ``idle_polls`` more
+times.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import numpy as np
 import torch
 
-from kalos.engine.torch_engine import TorchEngine, _kf, _kp, _next_pow2
+from kalos.engine.torch_engine import _HDR_WORDS, TorchEngine, _kf, _kp, _next_pow2
 from kalos.errors import InvalidArgument
 from kalos.protocol import NAMESPACE_BYTES, Layout, Op, RequestFlag, SlotWords
 
-__all__ = ["SlotServer", "DEFAULT_MAX_K"]
+__all__ = ["SlotServer", "SlotGraphServer", "DEFAULT_MAX_K"]
 
 #: Largest k the kernel serves itself (larger ones go to the host path).
 DEFAULT_MAX_K = 16
 
 _CTL_WORDS = 10  # CTL[0..9] (see serve_slots_kernel), then one arrival counter per group
+_HCTL_WORDS = 12  # page-locked control words (see _SlotPolling)
 _MAX_NAMES = 256  # namespaces the kernel resolves itself (requests naming others go to the host)
 _RESIDENT_WAIT_S = 0.05  # how long program 0 waits for every program to be resident
 
 
-class SlotServer:
+class _SlotPolling:
+    """What both servers share: the page-locked words the kernels and the sweep exchange
+    (answered, handed, control), the slots' offsets, the namespace table, the stream."""
+
+    #: Whether the server's kernel holds most of every SM while it runs (the sweep then stops
+    #: it before running handed-over work; see the sidecar).
+    holds_sms = True
+
+    def __init__(self, engine: TorchEngine, layout: Layout, answered: np.ndarray, *, idle_s: float, max_k: int,
+                 idle_polls: int) -> None:
+        if engine.backend != "triton" or engine._attached is None:
+            raise InvalidArgument("the slot server needs the Triton engine with the segment attached (attach_host)")
+        if not 1 <= max_k <= 256:
+            raise InvalidArgument(f"max_k must be in [1, 256], got {max_k}")
+        if idle_s < 0 or idle_polls < 0:
+            raise InvalidArgument("idle_s and idle_polls must be >= 0")
+        if len(answered) != layout.n_slots:
+            raise InvalidArgument(f"answered has {len(answered)} entries for {layout.n_slots} slots")
+        self.engine = engine
+        self.layout = layout
+        self.words = SlotWords.of(layout)
+        if NAMESPACE_BYTES != 64:
+            raise AssertionError("the kernels compare namespaces as 8 int64 words")
+        self.on_gpu = engine._is_cuda
+        self.kout = _kp(max_k)
+        self.rescore = engine.precision == "fast"
+        self.idle_s = float(idle_s)
+        self.idle_polls = int(idle_polls)
+        self.ns = _next_pow2(layout.n_slots)
+        dev = engine._dev
+
+        # Page-locked host words the kernels write and the sweep reads (and the reverse).
+        self._host = torch.zeros(2 * self.ns + _HCTL_WORDS, dtype=torch.int64, pin_memory=self.on_gpu)
+        host = self._host.numpy()
+        #: Sequence number answered, per slot: the channel's record (the kernels write it too).
+        self.answered = host[: layout.n_slots].view(np.uint64)
+        #: Sequence number the kernels handed to the host, per slot.
+        self.handed = host[self.ns : self.ns + layout.n_slots].view(np.uint64)
+        # [0] stop (host), [1] answered by the kernels, [2] rounds, [3] not resident, [4] stopped,
+        # [5..8] the graph server's phase stamps, GPU clock in ns (waiting since, staged,
+        # published, a request first seen; the resident kernel writes [8] too)
+        self._hctl = host[2 * self.ns :]
+        self.answered[:] = answered
+        self._t_answered = self._host[: self.ns]
+        self._t_handed = self._host[self.ns : 2 * self.ns]
+        self._t_hctl = self._host[2 * self.ns :]
+
+        base = np.array([layout.slot_offset(s) for s in range(layout.n_slots)], np.int64)
+        self._slot_words = base // 8
+        self._slot_at = torch.full((self.ns,), -1, dtype=torch.int64, device=dev)
+        self._seen = torch.zeros((2, self.ns), dtype=torch.int64, device=dev)
+        self._dq = torch.zeros(engine.dim, dtype=torch.float32, device=dev)
+        self._agree = torch.zeros(4 * self.ns + 16, dtype=torch.int64, device=dev)
+        self._ns_tab = torch.zeros((_MAX_NAMES, 9), dtype=torch.int64, device=dev)
+        self._ns_ids = torch.zeros(_MAX_NAMES, dtype=torch.int64, device=dev)
+        self._names: dict[bytes, int] = {}
+        self._stream = torch.cuda.Stream(device=dev, priority=-100) if self.on_gpu else None
+        self.launches = 0
+
+    def _on_stream(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self._stream) if self.on_gpu else contextlib.nullcontext()
+
+    def _request_constexprs(self) -> dict:
+        """Where the kernels find a slot's fields (kalos.protocol.SlotWords)."""
+        w = self.words
+        return dict(W_REQ=w.req_seq, W_OPK=w.op_k, W_NQF=w.nq_flags, W_NSLEN=w.ns_len, W_NSB=w.ns_bytes,
+                    E_Q=w.queries, D=self.engine.dim, NS=self.ns, NSMAX=_MAX_NAMES,
+                    BLOCK_DQ=min(2048, _next_pow2(self.engine.dim)), ON_GPU=self.on_gpu)
+
+    def _rows_to_serve(self) -> int:
+        """Rows in use (0: nothing to serve), the engine's pending search finished; refuses a
+        start while running."""
+        if self.running():
+            raise InvalidArgument("the slot server is already running")
+        n = self.engine.rows.size
+        if n:
+            self.engine._settle()
+        return n
+
+    def _load_slots(self, active: np.ndarray) -> None:
+        """The slots to poll (those with a client now) and what was answered or handed already."""
+        slot_at = np.full(self.ns, -1, np.int64)
+        slot_at[: self.layout.n_slots] = np.where(active, self._slot_words, -1)
+        seen = np.zeros((2, self.ns), np.int64)
+        seen[0, : self.layout.n_slots] = self.answered.view(np.int64)
+        seen[1, : self.layout.n_slots] = self.handed.view(np.int64)
+        with self._on_stream():
+            self._slot_at.copy_(torch.from_numpy(slot_at))
+            self._seen.copy_(torch.from_numpy(seen))
+
+    def warm(self) -> None:
+        """Compiles the kernels now (a launch that exits at once), not on the first request."""
+        if self.start(np.zeros(self.layout.n_slots, bool), exit_at_once=True):
+            self.stop()
+
+    def set_namespaces(self, names: dict[bytes, int]) -> None:
+        """The namespaces (UTF-8 name -> id) a request may name (call while stopped); the
+        first ``_MAX_NAMES`` go to the device, requests naming others go to the host."""
+        names = dict(list(names.items())[:_MAX_NAMES])
+        if names == self._names:
+            return
+        tab = np.zeros((_MAX_NAMES, 9), np.int64)
+        ids = np.full(_MAX_NAMES, -1, np.int64)
+        for row, (name, ns_id) in enumerate(names.items()):
+            tab[row, :8] = np.frombuffer(name.ljust(NAMESPACE_BYTES, b"\0")[:NAMESPACE_BYTES], np.int64)
+            tab[row, 8] = len(name)
+            ids[row] = ns_id
+        with self._on_stream():
+            self._ns_tab.copy_(torch.from_numpy(tab))
+            self._ns_ids.copy_(torch.from_numpy(ids))
+        self._names = names
+        self._names_changed()
+
+    def _names_changed(self) -> None:
+        """Hook: the namespace table holds ``len(self._names)`` rows now."""
+
+    def forget(self, slot: int) -> None:
+        """A new client took ``slot``: its sequence numbers start again (call while stopped)."""
+        self.handed[slot] = 0
+
+    @property
+    def served(self) -> int:
+        """Requests the kernels have answered, over all launches."""
+        return int(self._hctl[1])
+
+
+class SlotServer(_SlotPolling):
     """The resident kernel of one engine and one shared segment (see the module docstring).
 
     ``engine``: a Triton-backend :class:`TorchEngine` with the segment attached
@@ -80,22 +217,9 @@ class SlotServer:
         rchunk: int = 256,
         idle_polls: int = 2,
     ) -> None:
-        if engine.backend != "triton" or engine._attached is None:
-            raise InvalidArgument("the slot server needs the Triton engine with the segment attached (attach_host)")
-        if not 1 <= max_k <= 256:
-            raise InvalidArgument(f"max_k must be in [1, 256], got {max_k}")
-        if idle_s < 0 or programs_per_sm < 1 or group < 1 or (warps is not None and warps < 1):
-            raise InvalidArgument("idle_s must be >= 0; programs_per_sm, group and warps >= 1")
-        if len(answered) != layout.n_slots:
-            raise InvalidArgument(f"answered has {len(answered)} entries for {layout.n_slots} slots")
-        self.engine = engine
-        self.layout = layout
-        self.words = SlotWords.of(layout)
-        if NAMESPACE_BYTES != 64:
-            raise AssertionError("serve_slots_kernel compares namespaces as 8 int64 words")
-        self.on_gpu = engine._is_cuda
-        self.kout = _kp(max_k)
-        self.rescore = engine.precision == "fast"
+        if programs_per_sm < 1 or group < 1 or (warps is not None and warps < 1):
+            raise InvalidArgument("programs_per_sm, group and warps must be >= 1")
+        super().__init__(engine, layout, answered, idle_s=idle_s, max_k=max_k, idle_polls=idle_polls)
         self.keys = _kf(self.kout) if self.rescore else self.kout
         self.mchunk = max(256, self.keys)  # keys per selection step of the merges
         dev = engine._dev
@@ -108,36 +232,8 @@ class SlotServer:
         self.rchunk = max(_next_pow2(rchunk), self.keys, self.block_n)
         self.warps = int(warps) if warps is not None else 4
         self.group = int(group)
-        self.idle_s = float(idle_s)
-        self.idle_polls = int(idle_polls)
-        self.ns = _next_pow2(layout.n_slots)
         self._requested_per_sm = int(programs_per_sm)
         self._cap_per_sm = self._requested_per_sm  # lowered when a launch found too few resident
-
-        pin = self.on_gpu
-        # Page-locked host words the kernel writes and the sweep reads (and the reverse).
-        self._host = torch.zeros(2 * self.ns + 4, dtype=torch.int64, pin_memory=pin)
-        host = self._host.numpy()
-        #: Sequence number answered, per slot: the channel's record (the kernel writes it too).
-        self.answered = host[: layout.n_slots].view(np.uint64)
-        #: Sequence number the kernel handed to the host, per slot.
-        self.handed = host[self.ns : self.ns + layout.n_slots].view(np.uint64)
-        self._hctl = host[2 * self.ns :]  # [0] stop, [1] answered by the kernel, [2] rounds, [3] not resident
-        self.answered[:] = answered
-        self._t_answered = self._host[: self.ns]
-        self._t_handed = self._host[self.ns : 2 * self.ns]
-        self._t_hctl = self._host[2 * self.ns :]
-
-        base = np.array([layout.slot_offset(s) for s in range(layout.n_slots)], np.int64)
-        self._slot_words = base // 8
-        self._slot_at = torch.full((self.ns,), -1, dtype=torch.int64, device=dev)
-        self._seen = torch.zeros((2, self.ns), dtype=torch.int64, device=dev)
-        self._dq = torch.zeros(engine.dim, dtype=torch.float32, device=dev)
-        self._agree = torch.zeros(4 * self.ns + 16, dtype=torch.int64, device=dev)
-        self._ns_tab = torch.zeros((_MAX_NAMES, 9), dtype=torch.int64, device=dev)
-        self._ns_ids = torch.zeros(_MAX_NAMES, dtype=torch.int64, device=dev)
-        self._names: dict[bytes, int] = {}
-        self._stream = torch.cuda.Stream(device=dev, priority=-100) if self.on_gpu else None
         self._done: torch.cuda.Event | None = None
         # The grid's buffers, sized by _size_grid; these minimal ones serve its compile.
         self._ctl = torch.zeros(_CTL_WORDS + 1, dtype=torch.int64, device=dev)
@@ -147,10 +243,6 @@ class SlotServer:
         self.not_resident = 0  # launches that found too few programs resident (grid halved)
         self._grid_for: tuple | None = None
         self.programs = 1
-        self.launches = 0
-
-    def _on_stream(self) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(self._stream) if self.on_gpu else contextlib.nullcontext()
 
     # -- sizing ------------------------------------------------------------------------------
 
@@ -158,11 +250,10 @@ class SlotServer:
         w = self.words
         eng = self.engine
         return dict(
-            W_REQ=w.req_seq, W_OPK=w.op_k, W_NQF=w.nq_flags, W_NSLEN=w.ns_len, W_NSB=w.ns_bytes, W_RESP=w.resp_seq,
-            W_STATN=w.status_n, E_Q=w.queries, E_IDS=w.ids, E_SC=w.scores, D=eng.dim, NS=self.ns, NSMAX=_MAX_NAMES,
-            K=self.keys, KOUT=self.kout, BLOCK_N=self.block_n, BLOCK_D=self.block_d, RCHUNK=self.rchunk, BLOCK_DQ=min(256, _next_pow2(eng.dim)),
+            **self._request_constexprs(), W_RESP=w.resp_seq, W_STATN=w.status_n, E_IDS=w.ids, E_SC=w.scores,
+            K=self.keys, KOUT=self.kout, BLOCK_N=self.block_n, BLOCK_D=self.block_d, RCHUNK=self.rchunk,
             MCHUNK=self.mchunk, FINAL_BLOCK_D=max(16, min(_next_pow2(eng.dim), 2048 // self.keys)),
-            HALF=self.rescore, RESCORE=self.rescore, ON_GPU=self.on_gpu, CTL_GROUPS=_CTL_WORDS,
+            HALF=self.rescore, RESCORE=self.rescore, CTL_GROUPS=_CTL_WORDS,
         )
 
     def _size_grid(self) -> None:
@@ -230,52 +321,21 @@ class SlotServer:
             return False
         return True
 
-    def warm(self) -> None:
-        """Compiles the kernel now (a launch that exits at once), not on the first request."""
-        if self.start(np.zeros(self.layout.n_slots, bool), exit_at_once=True):
-            self.stop()
-
-    def set_namespaces(self, names: dict[bytes, int]) -> None:
-        """The namespaces (UTF-8 name -> id) a request may name (call while stopped); the
-        first ``_MAX_NAMES`` go to the device, requests naming others go to the host."""
-        names = dict(list(names.items())[:_MAX_NAMES])
-        if names == self._names:
-            return
-        tab = np.zeros((_MAX_NAMES, 9), np.int64)
-        ids = np.full(_MAX_NAMES, -1, np.int64)
-        for row, (name, ns_id) in enumerate(names.items()):
-            tab[row, :8] = np.frombuffer(name.ljust(NAMESPACE_BYTES, b"\0")[:NAMESPACE_BYTES], np.int64)
-            tab[row, 8] = len(name)
-            ids[row] = ns_id
-        with self._on_stream():
-            self._ns_tab.copy_(torch.from_numpy(tab))
-            self._ns_ids.copy_(torch.from_numpy(ids))
-        self._names = names
-
     def start(self, active: np.ndarray, *, exit_at_once: bool = False) -> bool:
         """Launches the kernel for the slots marked in ``active`` (those with a client now);
         False when there is nothing to serve (no rows). Call only while it is not running."""
-        if self.running():
-            raise InvalidArgument("the slot server is already running")
-        eng = self.engine
-        n = eng.rows.size
+        n = self._rows_to_serve()
         if n == 0:
             return False
-        eng._settle()
+        eng = self.engine
         if self._grid_for != (eng.rows.capacity, id(eng._x32)):
             self._size_grid()
             self._grid_for = (eng.rows.capacity, id(eng._x32))
         rows_per_prog = -(-n // self.programs)
         rows_per_prog = -(-rows_per_prog // self.block_n) * self.block_n
-        slot_at = np.full(self.ns, -1, np.int64)
-        slot_at[: self.layout.n_slots] = np.where(active, self._slot_words, -1)
-        seen = np.zeros((2, self.ns), np.int64)
-        seen[0, : self.layout.n_slots] = self.answered.view(np.int64)
-        seen[1, : self.layout.n_slots] = self.handed.view(np.int64)
+        self._load_slots(active)
         self._hctl[0] = 1 if exit_at_once else 0
         with self._on_stream():
-            self._slot_at.copy_(torch.from_numpy(slot_at))
-            self._seen.copy_(torch.from_numpy(seen))
             self._ctl[:3].zero_()  # round, round done, groups arrived (the round-robin turn and
             self._ctl[8:].zero_()  # the count of answers carry over from the last launch)
             eng._tk.serve_slots_kernel[(self.programs,)](
@@ -312,12 +372,164 @@ class SlotServer:
         self._cap_per_sm = max(1, self.programs // self.engine._sms // 2)
         self._grid_for = None
 
-    def forget(self, slot: int) -> None:
-        """A new client took ``slot``: its sequence numbers start again (call while stopped)."""
-        self.handed[slot] = 0
 
-    @property
-    def served(self) -> int:
-        """Requests the kernel has answered, over all its launches."""
-        return int(self._hctl[1])
+class SlotGraphServer(_SlotPolling):
+    """Serves single recalls from the slots with a CUDA graph that starts by waiting for one.
 
+    The graph: :func:`~kalos.engine.triton_kernels.await_request_kernel` (one program polls
+    the slots, stages the request it takes), then the engine's own single-query kernels (the
+    score-writing scan over the whole GPU, the chunk top-k, the final kernel, which publishes
+    the answer in the slot). :meth:`running`, which the sidecar's sweep calls on every pass,
+    keeps ``depth`` replays queued on the server's stream, so the next round's waiting kernel
+    is already on the GPU when a request lands and no Python runs between the client's
+    ``req_seq`` and its answer. (Not a thread of its own: it would wait for the GIL behind
+    the spinning sweep, up to the interpreter's 5 ms switch interval.) Unlike the resident
+    kernel (:class:`SlotServer`) only one program spins while it waits: the sweep's kernels
+    (handed-over work) run beside it at full speed, and nothing needs to be co-resident.
+
+    Same hand-over contract and arguments as :class:`SlotServer`; ``depth``: replays queued
+    ahead. On PyTorch's CPU device (tests) :meth:`start` runs rounds synchronously, without a
+    graph, until the waiting kernel stops (``idle_polls`` polls without a request).
+    """
+
+    holds_sms = False
+
+    def __init__(self, engine: TorchEngine, layout: Layout, answered: np.ndarray, *, idle_s: float = 0.002,
+                 max_k: int = DEFAULT_MAX_K, depth: int = 3, idle_polls: int = 2) -> None:
+        if depth < 1:
+            raise InvalidArgument(f"depth must be >= 1, got {depth}")
+        super().__init__(engine, layout, answered, idle_s=idle_s, max_k=max_k, idle_polls=idle_polls)
+        self.kind = "f16" if self.rescore else "f32"
+        self.depth = int(depth)
+        dev = engine._dev
+        self._dh = torch.zeros(_HDR_WORDS + 4, dtype=torch.int64, device=dev)  # header + one table row
+        self._ctl = torch.zeros(4, dtype=torch.int64, device=dev)  # [0] stopped, [1] turn, [2] answers, [3] names
+        self._status = torch.zeros(1, dtype=torch.int32, device=dev)
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._built_for: tuple | None = None
+        self._queued: collections.deque = collections.deque()  # an event per replay not yet done
+        self._hctl[4] = 1  # stopped until start()
+
+    def _names_changed(self) -> None:
+        with self._on_stream():
+            self._ctl[3] = len(self._names)
+
+    def stamps(self) -> tuple[int, int, int, int]:
+        """The GPU's clock (ns) when the latest round began to wait, first saw a request, staged
+        it, and published its answer (diagnostics: ``benchmarks/slot_server_diag.py``)."""
+        return int(self._hctl[5]), int(self._hctl[8]), int(self._hctl[6]), int(self._hctl[7])
+
+    def _columns(self) -> tuple:
+        eng = self.engine
+        return (eng.rows.capacity, eng._x32.data_ptr(), eng._live.data_ptr(), eng._ids.data_ptr(),
+                None if eng._x16 is None else eng._x16.data_ptr(), eng._attached.host.tensor.data_ptr())
+
+    def _build(self) -> None:
+        """Plan and scratch for the engine's columns as they are (capacity, addresses)."""
+        eng = self.engine
+        self._plan = eng._plan(self.kind, 1, self.kout)
+        keys = self._plan.ws_keys
+        scores = eng.rows.capacity if self._plan.score_chunk else 0
+        with self._on_stream():
+            self._ws_a = torch.empty(keys, dtype=torch.int64, device=eng._dev)
+            self._ws_b = torch.empty(keys, dtype=torch.int64, device=eng._dev)
+            self._ws_s = torch.empty(max(1, scores), dtype=torch.float32, device=eng._dev)
+        self._graph = None
+        self._built_for = self._columns()
+
+    def _round(self) -> None:
+        """One round's kernels on the current stream: wait for a request, scan, select, answer."""
+        eng = self.engine
+        att = eng._attached
+        w = self.words
+        idle = int(self.idle_s * 1e9) if self.on_gpu else self.idle_polls
+        dh, dhf, dq = self._dh, self._dh.view(torch.float64), self._dq.view(1, eng.dim)
+        eng._tk.await_request_kernel[(1,)](
+            att.i64, att.f32, self._slot_at, self._seen, self._t_handed, self._t_hctl, self._ctl, dh, self._dq,
+            self._agree, self._ns_tab, self._ns_ids, self.layout.n_slots,
+            min(self.kout, self.layout.max_k), idle, int(Op.RECALL), int(RequestFlag.ALL_NAMESPACES),
+            **self._request_constexprs(), E_IDS=w.ids, E_SC=w.scores, num_warps=4,
+        )
+        stride = eng._scan_keys(self.kind, self._plan, 1, dh, dhf, dq, eng._live, True, self._ws_a, self._ws_s)
+        eng._select_final(
+            self.kind, self._plan, 1, self._ws_a, self._ws_b, stride, dh, dhf, dq, att.i64, att.f32, self._status,
+            True, publish=dict(PUBLISH=True, SEG=att.i64, DSEEN=self._seen, HANS=self._t_answered,
+                               HHOF=self._t_handed, HCTL=self._t_hctl, CTL=self._ctl, W_STATN=w.status_n,
+                               W_RESP=w.resp_seq, NS=self.ns, ON_GPU=self.on_gpu),
+        )
+
+    def running(self) -> bool:
+        """Whether rounds are queued or running; tops the queue up to ``depth`` rounds unless
+        a round reported the server stopped (a stop, or ``idle_s`` without a request)."""
+        queued = self._queued
+        while queued and queued[0].query():
+            queued.popleft()
+        if self._hctl[4] == 0 and self._graph is not None and len(queued) < self.depth:
+            with self._on_stream():  # replay() launches on the current stream
+                while len(queued) < self.depth:
+                    self._graph.replay()
+                    done = torch.cuda.Event()
+                    done.record(self._stream)
+                    queued.append(done)
+        return bool(queued)
+
+    def start(self, active: np.ndarray, *, exit_at_once: bool = False) -> bool:
+        """Starts serving the slots marked in ``active`` (those with a client now); False when
+        there is nothing to serve (no rows). Call only while it is not running."""
+        n = self._rows_to_serve()
+        if n == 0:
+            return False
+        eng = self.engine
+        if self._built_for != self._columns():
+            self._build()
+        self._load_slots(active)
+        header = np.zeros(_HDR_WORDS + 4, np.int64)
+        header[0] = n
+        head_f = header.view(np.float64)
+        head_f[5], head_f[6], head_f[7] = -np.inf, np.inf, eng._max_norm  # no time window; the certificate's norm
+        self._hctl[0] = 1 if exit_at_once else 0
+        self._hctl[4] = 0
+        with self._on_stream():
+            self._dh.copy_(torch.from_numpy(header))
+            self._ctl[0] = 0
+        self.launches += 1
+        if not self.on_gpu:  # the interpreter: rounds one after another until the server stops
+            while self._hctl[4] == 0:
+                self._round()
+            return True
+        if self._graph is None:
+            self._capture()
+        self.running()
+        return True
+
+    def _capture(self) -> None:
+        """Compiles the kernels with one eager round (HCTL[0] set: it serves at most a request
+        already pending, then stops), then captures a round into the graph."""
+        stop = self._hctl[0]
+        self._hctl[0] = 1
+        try:
+            with self._on_stream():
+                self._round()
+            self._stream.synchronize()
+            with self._on_stream():
+                self._ctl[0] = 0
+            self._hctl[4] = 0
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+                self._round()
+            self._stream.synchronize()
+        finally:
+            self._hctl[0] = stop
+        self._graph = graph
+
+    def stop(self) -> None:
+        """Asks the waiting round to stop and waits for every queued round (a round with a
+        request in hand finishes it)."""
+        if not self._queued:
+            return
+        self._hctl[0] = 1
+        try:
+            while self._queued:
+                self._queued.popleft().synchronize()
+        finally:
+            self._hctl[0] = 0

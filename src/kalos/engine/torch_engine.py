@@ -82,7 +82,7 @@ __all__ = ["TorchEngine", "HostBuffer", "register_host_buffer", "fast_error_term
 MAX_K = 1024
 MAX_FAST_K = 256
 # The staging header (int64[16]: n, nq, k, has_ns, ns, since (f64), until (f64), max row norm
-# (f64), k_out, spare) and the gather table after it (int64[4] per query: query offset, ids
+# (f64), k_out, the slot server's words, spare) and the gather table after it (int64[4] per query: query offset, ids
 # offset, scores offset, scale (f64)); triton_kernels.HDR_WORDS declares the same layout.
 _HDR_WORDS = 16
 _HDR_BYTES = 8 * _HDR_WORDS
@@ -1058,64 +1058,76 @@ class TorchEngine(Engine):
         final (results straight into host memory: the engine's result area or the attached
         buffer)."""
         kind, qb, kp, filtered, want_ids, host_q, slices, device_norms, attached = key
-        tk = self._tk
         plan = self._plan(kind, qb, kp)
-        cfg = plan.cfg
-        half = kind == "f16"
         cap = self.rows.capacity
         with self._on_stream():  # the workspace belongs to the stream that uses it
             # (The GEMM path's scores come from cuBLAS's own output buffers, one slice at a time.)
             ws_a, ws_b, ws_s = self._workspace(qb, plan.ws_keys, cap if plan.score_chunk and not plan.gemm_rows else 0)
-        x = self._x16 if half else self._x32
         live_t = self._live if live is None else live
         if attached:
             src, res_i, res_s = self._attached.f32, self._attached.i64, self._attached.f32
         else:
             src, res_i, res_s = self._h_q_t, self._res_i64, self._res_f32
         with self._on_stream():
-            tk.stage_in_kernel[(qb,)](
+            self._tk.stage_in_kernel[(qb,)](
                 self._h_meta, self._h_metaf, src, self._d_hdr, self._d_q,
                 D=self.dim, BLOCK_D=min(1024, _next_pow2(self.dim)), COPY_Q=host_q, NORM=device_norms, num_warps=4,
-            )
-            common = dict(
-                D=self.dim, K=plan.k1, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, BLOCK_Q=cfg.block_q,
-                HALF=half, FILTER=filtered, PREC="tf32" if kind == "tf32" else "ieee",
-                num_warps=cfg.warps, num_stages=cfg.stages,
             )
             over = None
             if plan.gemm_rows:
                 stride = plan.ws_keys
                 over = self._gemm_scores(kind, qb, plan, slices, ws_a, stride, live_t, filtered)
-            elif plan.score_chunk:
-                tk.scan_topk_kernel[(plan.progs, plan.n_qblocks)](
-                    x, self._d_q, self._d_hdr, self._d_hdrf, live_t, self._ns, self._ts, ws_s, cap,
-                    WRITE_SCORES=True, **common,
-                )
-                chunks = -(-cap // plan.score_chunk)
-                stride = chunks * plan.k1
-                tk.scores_topk_kernel[(chunks, qb)](
-                    ws_s, ws_a, self._d_hdr, cap, stride, K=plan.k1, CHUNK=plan.score_chunk, num_warps=4
-                )
             else:
-                stride = plan.progs * plan.k1
-                tk.scan_topk_kernel[(plan.progs, plan.n_qblocks)](
-                    x, self._d_q, self._d_hdr, self._d_hdrf, live_t, self._ns, self._ts, ws_a, stride, **common
-                )
-            cur, nxt, count = ws_a, ws_b, stride
-            for chunk, p2 in plan.levels:
-                out_stride = p2 * plan.k1
-                tk.merge_topk_kernel[(p2, qb)](
-                    cur, nxt, self._d_hdr, stride, out_stride, count, K=plan.k1, CHUNK=chunk, num_warps=4
-                )
-                cur, nxt, stride, count = nxt, cur, out_stride, out_stride
-            ea, eb, ec = self._err[kind]
-            tk.final_kernel[(qb,)](
-                cur, self._d_hdr, self._d_hdrf, self._x32, self._d_q, self._ids, res_i, res_s, self._res_status_t,
-                stride, count, ea, eb, ec, D=self.dim, KIN=plan.k1, KOUT=kp, CHUNK=plan.final_chunk,
-                BLOCK_D=plan.final_block_d, RESCORE=kind != "f32", OUT_IDS=want_ids,
-                num_warps=int(self._tune["final_warps"]) if kind != "f32" else 4,
-                OVER=over, CHECK_OVER=over is not None,
+                stride = self._scan_keys(kind, plan, qb, self._d_hdr, self._d_hdrf, self._d_q, live_t, filtered,
+                                         ws_a, ws_s)
+            self._select_final(kind, plan, qb, ws_a, ws_b, stride, self._d_hdr, self._d_hdrf, self._d_q, res_i,
+                               res_s, self._res_status_t, want_ids, over=over)
+
+    def _scan_keys(self, kind, plan, qb, hdr, hdrf, dq, live_t, filtered, ws_a, ws_s) -> int:
+        """The scan of a plan without GEMM: each query's candidate keys into ``ws_a``
+        (``ws_s``: the score-writing scan's scores); returns the keys per query."""
+        tk, cfg, cap = self._tk, plan.cfg, self.rows.capacity
+        x = self._x16 if kind == "f16" else self._x32
+        common = dict(
+            D=self.dim, K=plan.k1, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, BLOCK_Q=cfg.block_q,
+            HALF=kind == "f16", FILTER=filtered, PREC="tf32" if kind == "tf32" else "ieee",
+            num_warps=cfg.warps, num_stages=cfg.stages,
+        )
+        if plan.score_chunk:
+            tk.scan_topk_kernel[(plan.progs, plan.n_qblocks)](
+                x, dq, hdr, hdrf, live_t, self._ns, self._ts, ws_s, cap, WRITE_SCORES=True, **common,
             )
+            chunks = -(-cap // plan.score_chunk)
+            stride = chunks * plan.k1
+            tk.scores_topk_kernel[(chunks, qb)](ws_s, ws_a, hdr, cap, stride, K=plan.k1, CHUNK=plan.score_chunk,
+                                                num_warps=4)
+            return stride
+        stride = plan.progs * plan.k1
+        tk.scan_topk_kernel[(plan.progs, plan.n_qblocks)](
+            x, dq, hdr, hdrf, live_t, self._ns, self._ts, ws_a, stride, **common
+        )
+        return stride
+
+    def _select_final(self, kind, plan, qb, ws_a, ws_b, stride, hdr, hdrf, dq, res_i, res_s, status, want_ids, *,
+                      over=None, publish: dict | None = None) -> None:
+        """The merge levels over the keys in ``ws_a`` (``ws_b``: the other buffer of the ping-pong),
+        then the final kernel: answers into host memory at the table's offsets (``publish``:
+        the slot server's extra arguments, see final_kernel)."""
+        tk = self._tk
+        cur, nxt, count = ws_a, ws_b, stride
+        for chunk, p2 in plan.levels:
+            out_stride = p2 * plan.k1
+            tk.merge_topk_kernel[(p2, qb)](cur, nxt, hdr, stride, out_stride, count, K=plan.k1, CHUNK=chunk,
+                                           num_warps=4)
+            cur, nxt, stride, count = nxt, cur, out_stride, out_stride
+        ea, eb, ec = self._err[kind]
+        tk.final_kernel[(qb,)](
+            cur, hdr, hdrf, self._x32, dq, self._ids, res_i, res_s, status,
+            stride, count, ea, eb, ec, D=self.dim, KIN=plan.k1, KOUT=plan.kout, CHUNK=plan.final_chunk,
+            BLOCK_D=plan.final_block_d, RESCORE=kind != "f32", OUT_IDS=want_ids,
+            num_warps=int(self._tune["final_warps"]) if kind != "f32" else 4,
+            OVER=over, CHECK_OVER=over is not None, **(publish or {}),
+        )
 
     def _gemm_scores(self, kind, qb, plan, slices, ws_a, stride, live_t, filtered) -> torch.Tensor:
         """Batched scores by cuBLAS (tensor cores: fp16 rows, or fp32 rows read as tf32), a

@@ -39,13 +39,14 @@ import triton.language as tl
 
 __all__ = [
     "SENTINEL", "HDR_WORDS", "stage_in_kernel", "scan_topk_kernel", "scores_topk_kernel", "group_max_kernel",
-    "collect_kernel", "merge_topk_kernel", "final_kernel", "serve_slots_kernel",
+    "collect_kernel", "merge_topk_kernel", "final_kernel", "await_request_kernel", "serve_slots_kernel",
 ]
 
 SENTINEL = -(2**63)
 
 #: The header is 16 int64 words: n, nq, k, has_ns, ns, since (f64), until (f64), max row norm
-#: (f64), k_out (result columns to write), 7 spare. The gather table follows it: 4 words per
+#: (f64), k_out (result columns to write), then for the slot server's graph the slot's word
+#: offset, the request's seq and the slot (see await_request_kernel), 4 spare. The gather table follows it: 4 words per
 #: query (query offset in float32 elements of SRC, ids offset in int64 elements of RES_I,
 #: scores offset in float32 elements of RES_S, scale (f64) applied to the query).
 HDR_WORDS = tl.constexpr(16)
@@ -476,6 +477,20 @@ def final_kernel(
     OUT_IDS: tl.constexpr,
     OVER=None,  # [Qb] int32 with CHECK_OVER: a threshold region overflowed (see collect_kernel)
     CHECK_OVER: tl.constexpr = False,
+    # PUBLISH: the slot server's graph (await_request_kernel wrote HDR[9..11]: the slot's word
+    # offset, the request's seq, the slot). The answer is published in the slot, or, when the
+    # certificate fails, nothing is written and the request is handed to the host.
+    PUBLISH: tl.constexpr = False,
+    SEG=None,  # the shared segment as int64 words (page-locked, mapped)
+    DSEEN=None,  # [2, NS] int64 device: seq last answered here / handed, per slot
+    HANS=None,  # [NS] int64 host: seq answered, per slot (the sidecar's record)
+    HHOF=None,  # [NS] int64 host: seq handed to the host
+    HCTL=None,  # int64 host words: [1] answers so far, [7] the GPU's clock (ns) at the last answer
+    CTL=None,  # int64 device words: [2] answers so far
+    W_STATN: tl.constexpr = 0,
+    W_RESP: tl.constexpr = 0,
+    NS: tl.constexpr = 1,
+    ON_GPU: tl.constexpr = False,
 ):
     q = tl.program_id(0)
     nq = tl.load(HDR + 1)
@@ -502,8 +517,16 @@ def final_kernel(
         # client's slot. Only the k_out columns asked for: a slot row may be narrower than KOUT.
         cols = tl.arange(0, KOUT)[None, :]
         want = cols < tl.load(HDR + 8)
+        good = True
+        if PUBLISH:
+            if RESCORE:
+                good = tl.sum(certified.to(tl.int32)) > 0
+            want = want & good
         tl.store(RES_I + tl.load(HDR + TAB + 4 * q + 1) + cols, out_i, mask=want)
         tl.store(RES_S + tl.load(HDR + TAB + 4 * q + 2) + cols, score, mask=want)
+        if PUBLISH:
+            _publish(SEG, DSEEN, HANS, HHOF, HCTL, CTL + 2, tl.load(HDR + 9), tl.load(HDR + 10), tl.load(HDR + 11),
+                     tl.load(HDR + 8), good, W_STATN, W_RESP, NS, ON_GPU)
 
 
 # -- the resident server: one kernel that polls the slots itself ------------------------------
@@ -516,6 +539,29 @@ def _fence_system(ON_GPU: tl.constexpr):
     on the host: nothing to order.)"""
     if ON_GPU:
         tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _publish(SEG, DSEEN, HANS, HHOF, HCTL, ANSWERS, slot_w, seq, slot, k, good, W_STATN: tl.constexpr,
+             W_RESP: tl.constexpr, NS: tl.constexpr, ON_GPU: tl.constexpr):
+    """With the answer's rows already in the slot (``good``): status 0 and ``n_results`` = k,
+    then ``resp_seq`` (the client reads nothing before it), a system fence before each; then
+    the answered records (HANS, DSEEN) and the count of answers (ANSWERS, copied to HCTL[1]).
+    Otherwise (a failed certificate: nothing was written) the request is handed to the host."""
+    if good:
+        tl.debug_barrier()  # every thread's stores of the rows
+        _fence_system(ON_GPU)
+        tl.store(SEG + slot_w + W_STATN, k << 32)
+        _fence_system(ON_GPU)
+        tl.store(SEG + slot_w + W_RESP, seq)
+        _fence_system(ON_GPU)
+        tl.store(HCTL + 7, _clock_ns(ON_GPU))  # diagnostics: the answer published
+        tl.store(DSEEN + slot, seq)
+        tl.store(HANS + slot, seq)
+        tl.store(HCTL + 1, tl.atomic_add(ANSWERS, 1) + 1)
+    else:
+        tl.store(DSEEN + NS + slot, seq)
+        tl.store(HHOF + slot, seq)
 
 
 @triton.jit
@@ -557,6 +603,191 @@ def _park_scores(S, LIVE, NSC, rows, in_rng, sc, want):
     ok = (tl.load(LIVE + rows, mask=in_rng, other=0) != 0) & (
         (want < 0) | (tl.load(NSC + rows, mask=in_rng, other=0).to(tl.int64) == want))
     tl.store(S + rows, tl.where(ok, sc, float("-inf")), mask=in_rng)
+
+
+@triton.jit
+def _take_request(
+    SEG, SEGF, SLOT_AT, DSEEN, HHOF, HCTL, RR, DQ, AGREE, NS_TAB, NS_IDS, n_slots, n_names, k_limit, idle,
+    op_recall, flags_all, W_REQ: tl.constexpr, W_OPK: tl.constexpr, W_NQF: tl.constexpr, W_NSLEN: tl.constexpr,
+    W_NSB: tl.constexpr, E_Q: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, NSMAX: tl.constexpr,
+    BLOCK_DQ: tl.constexpr, ON_GPU: tl.constexpr,
+):
+    """Polls the slots' ``req_seq`` words until a request this kernel may answer, a stop
+    (HCTL[0] != 0) or the idle limit; returns ``(state, slot, seq, k, namespace id)``, state 1
+    (serve that request, its query normalised in float64 into DQ) or 2 (exit).
+
+    Served: one query, k <= k_limit, all namespaces or one named in NS_TAB (-1: all), no time
+    window, a finite non-zero query. Every other pending request, and every pending one but
+    the one taken, is handed to the host (HHOF, and DSEEN[NS + slot] here): the sidecar's
+    Python path answers those, batched. RR is the round-robin turn (no slot starves the
+    others). Every value the warps decide on goes through :func:`_agree`.
+    """
+    sl = tl.arange(0, NS)
+    slot_ok = sl < n_slots
+    clock_at = 4 * NS  # AGREE words: [0, NS) req_seq, [NS, 3 NS) request words, [3 NS, 4 NS) name
+    quiet_since = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
+    polls = tl.zeros([], tl.int64)
+    state = 0  # 0 polling, 1 serve, 2 exit
+    out_pick = tl.full([], -1, tl.int64)
+    out_seq = tl.zeros([], tl.int64)
+    out_k = tl.zeros([], tl.int64)
+    out_ns = tl.full([], -1, tl.int64)
+    # Reads over the bus take ~1-2 us each: the words needed together are loaded together
+    # (the request words, the name and its length, the slots and the stop word), and the
+    # query in one load (BLOCK_DQ spans it), so that each step waits for one round trip.
+    while state == 0:
+        at = tl.load(SLOT_AT + sl, mask=slot_ok, other=-1)
+        here = slot_ok & (at >= 0)
+        req_now = tl.load(SEG + at + W_REQ, mask=here, other=0, volatile=True)
+        stop_now = tl.load(HCTL, volatile=True)
+        req = _agree(req_now, AGREE, sl, slot_ok)
+        seen_a = tl.load(DSEEN + sl, mask=here, other=0)
+        seen_h = tl.load(DSEEN + NS + sl, mask=here, other=0)
+        pend = here & (req != seen_a) & (req != seen_h)
+        if tl.sum(pend.to(tl.int32)) > 0:
+            tl.store(HCTL + 8, _clock_ns(ON_GPU))  # diagnostics: when a request was first seen
+            _fence_system(ON_GPU)  # req_seq, then the request it publishes
+            w1_now = tl.load(SEG + at + W_OPK, mask=pend, other=0, volatile=True)
+            w2_now = tl.load(SEG + at + W_NQF, mask=pend, other=0, volatile=True)
+            w1 = _agree(w1_now, AGREE, NS + sl, slot_ok)
+            w2 = _agree(w2_now, AGREE, 2 * NS + sl, slot_ok)
+            kk = (w1 >> 32) & 0xFFFFFFFF
+            ok = pend & ((w1 & 0xFFFFFFFF) == op_recall) & ((w2 & 0xFFFFFFFF) == 1)
+            fl = (w2 >> 32) & 0xFFFFFFFF
+            ok = ok & (kk >= 1) & (kk <= k_limit) & ((fl == flags_all) | (fl == 0))
+            start = tl.load(RR)
+            turn = (sl - start + NS) % NS
+            best = tl.min(tl.where(ok, turn, NS))
+            pick = tl.where(best < NS, (best + start) % NS, -1)
+            give = pend & (sl != pick)
+            tl.store(DSEEN + NS + sl, req, mask=give)
+            tl.store(HHOF + sl, req, mask=give)
+            if pick >= 0:
+                # The query: finite and non-zero, normalised in float64 like the host's
+                # row_scales; otherwise the host answers with the error message.
+                slot_w = tl.sum(tl.where(sl == pick, at, 0))
+                q_at = slot_w * 2 + E_Q
+                seq = tl.sum(tl.where(sl == pick, req, 0))
+                # The namespace: -1 for all; an unknown name goes to the host (its error).
+                want_ns = tl.full([], -1, tl.int64)
+                named = tl.sum(tl.where(sl == pick, fl, 0)) == 0
+                if named:  # compared 16 names at a time: a wide tile would cost registers everywhere
+                    w8 = tl.arange(0, 8)
+                    name_now = tl.load(SEG + slot_w + W_NSB + w8, volatile=True)
+                    len_now = tl.load(SEG + slot_w + W_NSLEN, volatile=True)
+                    name = _agree(name_now, AGREE, 3 * NS + w8, True)
+                    name_len = (_agree(len_now, AGREE, clock_at + 1, True) >> 32) & 0xFFFFFFFF
+                    want_ns = tl.full([], -2, tl.int64)
+                    for t0 in range(0, NSMAX, 16):
+                        ti = t0 + tl.arange(0, 16)
+                        t_ok = ti < n_names
+                        tab = tl.load(NS_TAB + ti[:, None] * 9 + w8[None, :], mask=t_ok[:, None], other=0)
+                        t_len = tl.load(NS_TAB + ti * 9 + 8, mask=t_ok, other=-1)
+                        same = (tl.sum((tab == name[None, :]).to(tl.int32), axis=1) == 8) & (t_len == name_len)
+                        hit = tl.max(tl.where(same & t_ok, tl.load(NS_IDS + ti, mask=t_ok, other=-1), -2))
+                        want_ns = tl.maximum(want_ns, hit)
+                ssq = _copy_normalised(SEGF + q_at, DQ, D, BLOCK_DQ, True)
+                # (Stored whatever the norm; read only if it is finite and non-zero.)
+                if (ssq > 0.0) & (ssq < float("inf")) & (want_ns != -2):
+                    out_pick = pick
+                    out_seq = seq
+                    out_k = tl.sum(tl.where(sl == pick, kk, 0))
+                    out_ns = want_ns
+                    tl.store(RR, (pick + 1) % NS)
+                    state = 1
+                else:
+                    tl.store(DSEEN + NS + pick, seq)
+                    tl.store(HHOF + pick, seq)
+            quiet_since = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
+            polls = polls * 0
+        else:
+            polls += 1
+        if state == 0:
+            if _agree(stop_now, AGREE, clock_at + 2, True) != 0:
+                state = 2
+            elif ON_GPU:
+                # Time alone would count other processes' time slices as idle (the kernel
+                # would exit and relaunch under load): also 64 polls in a row.
+                if (_agree(_clock_ns(ON_GPU), AGREE, clock_at, True) - quiet_since > idle) & (polls > 64):
+                    state = 2
+            elif polls > idle:
+                state = 2
+    return state, out_pick, out_seq, out_k, out_ns
+
+
+@triton.jit
+def await_request_kernel(
+    SEG,  # the shared segment as int64 words (page-locked and mapped: read over the bus)
+    SEGF,  # the same memory as float32
+    SLOT_AT,  # [NS] int64: word offset of each slot in SEG (-1: no client at start)
+    DSEEN,  # [2, NS] int64 device: per slot, the seq last answered here / last handed to the host
+    HHOF,  # [NS] int64 page-locked host: seq handed to the host
+    HCTL,  # int64 page-locked host words: [0] stop (host writes), [4] 1 once stopped (kernel writes),
+    #        [5] the GPU's clock (ns) when this round began to wait, [6] when it staged a request,
+    #        [8] when it first saw one
+    CTL,  # int64 device words: [0] stopped (every later round does nothing), [1] round-robin turn,
+    #       [2] answers, [3] rows of NS_TAB in use (a word, not an argument: a graph keeps arguments)
+    DH,  # the header + one gather-table row the kernels after this one read (HDR_WORDS + 4 int64)
+    DQ,  # [D] float32 device: the request's query, normalised
+    AGREE,  # [4 * NS + 16] int64 device scratch (_agree)
+    NS_TAB,  # [NSMAX, 9] int64: known namespaces' names (8 words, zero-padded) and lengths
+    NS_IDS,  # [NSMAX] int64: their ids
+    n_slots,
+    k_limit,  # largest k served
+    idle,  # ns without a request before the server stops (interpreter: polls)
+    op_recall,
+    flags_all,
+    W_REQ: tl.constexpr,
+    W_OPK: tl.constexpr,
+    W_NQF: tl.constexpr,
+    W_NSLEN: tl.constexpr,
+    W_NSB: tl.constexpr,
+    E_Q: tl.constexpr,
+    E_IDS: tl.constexpr,
+    E_SC: tl.constexpr,
+    D: tl.constexpr,
+    NS: tl.constexpr,
+    NSMAX: tl.constexpr,
+    BLOCK_DQ: tl.constexpr,
+    ON_GPU: tl.constexpr,
+):
+    """The first node of the slot server's CUDA graph (one program): waits for one request.
+
+    Polls the slots (:func:`_take_request`), stages the request it takes (query in DQ; k,
+    namespace, the slot's answer offsets, seq and slot in DH, nq = 1) and exits, so the
+    engine's own single-query kernels that follow in the graph scan with the whole GPU, and
+    the final kernel publishes the answer in the slot (PUBLISH). On a stop or the idle limit
+    it writes nq = 0 (the kernels after it do nothing), marks the server stopped in CTL[0]
+    (the rounds already queued behind it do nothing either) and tells the host (HCTL[4]).
+    """
+    state = 2
+    pick = tl.full([], -1, tl.int64)
+    seq = tl.zeros([], tl.int64)
+    kk = tl.zeros([], tl.int64)
+    want_ns = tl.full([], -1, tl.int64)
+    if tl.load(CTL, volatile=True) == 0:
+        tl.store(HCTL + 5, _clock_ns(ON_GPU))  # phase stamps for diagnostics: waiting since
+        state, pick, seq, kk, want_ns = _take_request(
+            SEG, SEGF, SLOT_AT, DSEEN, HHOF, HCTL, CTL + 1, DQ, AGREE, NS_TAB, NS_IDS, n_slots, tl.load(CTL + 3), k_limit,
+            idle, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, E_Q, D, NS, NSMAX, BLOCK_DQ, ON_GPU,
+        )
+    if state == 1:
+        tl.store(HCTL + 6, _clock_ns(ON_GPU))  # request staged
+        slot_w = tl.load(SLOT_AT + pick)
+        tl.store(DH + 1, 1)
+        tl.store(DH + 2, tl.minimum(kk, tl.load(DH)))
+        tl.store(DH + 3, (want_ns >= 0).to(tl.int64))
+        tl.store(DH + 4, tl.maximum(want_ns, 0))
+        tl.store(DH + 8, kk)
+        tl.store(DH + 9, slot_w)
+        tl.store(DH + 10, seq)
+        tl.store(DH + 11, pick)
+        tl.store(DH + TAB + 1, slot_w + E_IDS)
+        tl.store(DH + TAB + 2, slot_w * 2 + E_SC)
+    else:
+        tl.store(DH + 1, 0)
+        tl.store(CTL, 1)
+        tl.store(HCTL + 4, 1)
 
 
 @triton.jit
@@ -649,13 +880,11 @@ def serve_slots_kernel(
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
     n_groups = tl.cdiv(n_progs, G)
-    sl = tl.arange(0, NS)
-    slot_ok = sl < n_slots
     cols = tl.arange(0, KOUT)
     my_round = tl.zeros([], tl.int64)
     running = 1
     tl.atomic_add(CTL + 8, 1, sem="release", scope="gpu")
-    clock_at = 4 * NS  # AGREE words: [0, NS) req_seq, [NS, 3 NS) request words, then scalars
+    clock_at = 4 * NS  # the AGREE word _take_request keeps the clock in
     if pid == 0:
         t0 = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
         started = tl.atomic_add(CTL + 8, 0, sem="acquire", scope="gpu")
@@ -674,81 +903,16 @@ def serve_slots_kernel(
     while running != 0:
         if pid == 0:
             # -- poll the slots until a request to serve, a stop, or the idle limit ---------
-            quiet_since = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
-            polls = tl.zeros([], tl.int64)
-            state = 0  # 0 polling, 1 serve `chosen`, 2 exit
-            while state == 0:
-                at = tl.load(SLOT_AT + sl, mask=slot_ok, other=-1)
-                here = slot_ok & (at >= 0)
-                req = _agree(tl.load(SEG + at + W_REQ, mask=here, other=0, volatile=True), AGREE, sl, slot_ok)
-                seen_a = tl.load(DSEEN + sl, mask=here, other=0)
-                seen_h = tl.load(DSEEN + NS + sl, mask=here, other=0)
-                pend = here & (req != seen_a) & (req != seen_h)
-                if tl.sum(pend.to(tl.int32)) > 0:
-                    _fence_system(ON_GPU)  # req_seq, then the request it publishes
-                    w1 = _agree(tl.load(SEG + at + W_OPK, mask=pend, other=0, volatile=True), AGREE, NS + sl, slot_ok)
-                    w2 = _agree(tl.load(SEG + at + W_NQF, mask=pend, other=0, volatile=True), AGREE, 2 * NS + sl,
-                                slot_ok)
-                    kk = (w1 >> 32) & 0xFFFFFFFF
-                    ok = pend & ((w1 & 0xFFFFFFFF) == op_recall) & ((w2 & 0xFFFFFFFF) == 1)
-                    fl = (w2 >> 32) & 0xFFFFFFFF
-                    ok = ok & (kk >= 1) & (kk <= k_limit) & ((fl == flags_all) | (fl == 0))
-                    start = tl.load(CTL + 3)
-                    turn = (sl - start + NS) % NS  # round robin: no slot starves the others
-                    best = tl.min(tl.where(ok, turn, NS))
-                    pick = tl.where(best < NS, (best + start) % NS, -1)
-                    give = pend & (sl != pick)
-                    tl.store(DSEEN + NS + sl, req, mask=give)
-                    tl.store(HHOF + sl, req, mask=give)
-                    if pick >= 0:
-                        # The query: finite and non-zero, normalised in float64 like the host's
-                        # row_scales; otherwise the host answers with the error message.
-                        slot_w = tl.sum(tl.where(sl == pick, at, 0))
-                        q_at = slot_w * 2 + E_Q
-                        seq = tl.sum(tl.where(sl == pick, req, 0))
-                        # The namespace: -1 for all; an unknown name goes to the host (its error).
-                        want_ns = tl.full([], -1, tl.int64)
-                        named = tl.sum(tl.where(sl == pick, fl, 0)) == 0
-                        if named:  # compared 16 names at a time: a wide tile would cost registers everywhere
-                            w8 = tl.arange(0, 8)
-                            name = _agree(tl.load(SEG + slot_w + W_NSB + w8, volatile=True), AGREE, 3 * NS + w8, True)
-                            name_len = (_agree(tl.load(SEG + slot_w + W_NSLEN, volatile=True), AGREE, clock_at + 1,
-                                               True) >> 32) & 0xFFFFFFFF
-                            want_ns = tl.full([], -2, tl.int64)
-                            for t0 in range(0, NSMAX, 16):
-                                ti = t0 + tl.arange(0, 16)
-                                t_ok = ti < n_names
-                                tab = tl.load(NS_TAB + ti[:, None] * 9 + w8[None, :], mask=t_ok[:, None], other=0)
-                                t_len = tl.load(NS_TAB + ti * 9 + 8, mask=t_ok, other=-1)
-                                same = (tl.sum((tab == name[None, :]).to(tl.int32), axis=1) == 8) & (t_len == name_len)
-                                hit = tl.max(tl.where(same & t_ok, tl.load(NS_IDS + ti, mask=t_ok, other=-1), -2))
-                                want_ns = tl.maximum(want_ns, hit)
-                        ssq = _copy_normalised(SEGF + q_at, DQ, D, BLOCK_DQ, True)
-                        # (Stored whatever the norm; read only if it is finite and non-zero.)
-                        if (ssq > 0.0) & (ssq < float("inf")) & (want_ns != -2):
-                            tl.store(CTL + 9, want_ns)
-                            tl.store(CTL + 4, pick)
-                            tl.store(CTL + 5, seq)
-                            tl.store(CTL + 6, tl.sum(tl.where(sl == pick, kk, 0)))
-                            tl.store(CTL + 3, (pick + 1) % NS)
-                            state = 1
-                        else:
-                            tl.store(DSEEN + NS + pick, seq)
-                            tl.store(HHOF + pick, seq)
-                    quiet_since = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
-                    polls = polls * 0
-                else:
-                    polls += 1
-                if state == 0:
-                    if _agree(tl.load(HCTL, volatile=True), AGREE, clock_at + 2, True) != 0:
-                        state = 2
-                    elif ON_GPU:
-                        # Time alone would count other processes' time slices as idle (the
-                        # kernel would exit and relaunch under load): also 64 polls in a row.
-                        if (_agree(_clock_ns(ON_GPU), AGREE, clock_at, True) - quiet_since > idle) & (polls > 64):
-                            state = 2
-                    elif polls > idle:
-                        state = 2
+            state, pick, seq, kk, want_ns = _take_request(
+                SEG, SEGF, SLOT_AT, DSEEN, HHOF, HCTL, CTL + 3, DQ, AGREE, NS_TAB, NS_IDS, n_slots, n_names,
+                k_limit, idle, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, E_Q, D, NS, NSMAX,
+                BLOCK_DQ, ON_GPU,
+            )
+            if state == 1:
+                tl.store(CTL + 9, want_ns)
+                tl.store(CTL + 4, pick)
+                tl.store(CTL + 5, seq)
+                tl.store(CTL + 6, kk)
             tl.debug_barrier()  # every thread's DQ stores before the release below
             if state == 1:
                 tl.atomic_xchg(CTL, my_round + 1, sem="release", scope="gpu")
@@ -850,18 +1014,8 @@ def serve_slots_kernel(
                         out_i = tl.load(IDS + row, mask=valid, other=-1)
                         tl.store(SEG + f_slot + E_IDS + cols, out_i, mask=cols < f_k)
                         tl.store(SEGF + f_slot * 2 + E_SC + cols, score, mask=cols < f_k)
-                        tl.debug_barrier()
-                        _fence_system(ON_GPU)  # the rows, then status and n_results
-                        tl.store(SEG + f_slot + W_STATN, f_k << 32)  # status 0 (ok), n_results k
-                        _fence_system(ON_GPU)  # then resp_seq: the client reads nothing earlier
-                        tl.store(SEG + f_slot + W_RESP, f_seq)
-                        _fence_system(ON_GPU)
-                        tl.store(DSEEN + f_pick, f_seq)
-                        tl.store(HANS + f_pick, f_seq)
-                        tl.store(HCTL + 1, tl.atomic_add(CTL + 7, 1) + 1)
-                    else:  # the certificate failed: the host runs the exact scan
-                        tl.store(DSEEN + NS + f_pick, f_seq)
-                        tl.store(HHOF + f_pick, f_seq)
+                    _publish(SEG, DSEEN, HANS, HHOF, HCTL, CTL + 7, f_slot, f_seq, f_pick, f_k, good, W_STATN, W_RESP,
+                             NS, ON_GPU)
                     tl.store(HCTL + 2, my_round)
                     tl.debug_barrier()
                     tl.atomic_xchg(CTL + 1, my_round, sem="release", scope="gpu")
