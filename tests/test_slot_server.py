@@ -9,6 +9,8 @@ kernel, alone and inside a sidecar with several clients, adds and deletes.
 """
 from __future__ import annotations
 
+import collections
+import math
 import mmap
 import threading
 import time
@@ -222,6 +224,104 @@ def test_needs_the_triton_engine_with_the_segment_attached(rng):
         assert server.start(np.ones(2, bool)) is False  # no rows: nothing to serve
     finally:
         engine.detach_host()
+
+
+class _DeferredRound:
+    """A replay queued on the fake GPU of :class:`QueuedGraphServer`: it runs when its turn comes."""
+
+    def __init__(self, server: "QueuedGraphServer") -> None:
+        self.server = server
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        while not self.done:
+            self.server.step()
+
+
+class QueuedGraphServer(SlotGraphServer):
+    """The graph server's host side (start, running, stop) as on a GPU, on the CPU: a replay
+    queues a round that the test runs later (``step``, like the GPU reaching it)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gpu: collections.deque = collections.deque()
+
+    def _serve_now(self) -> None:  # queue rounds, as start() does on a GPU
+        self._serving = True
+        self.running()
+
+    def _enqueue_rounds(self, count: int) -> list:
+        rounds = [_DeferredRound(self) for _ in range(count)]
+        self.gpu.extend(rounds)
+        return rounds
+
+    def step(self) -> None:
+        """The oldest queued round runs (it waits for a request up to idle_polls polls)."""
+        job = self.gpu.popleft()
+        self._round()
+        job.done = True
+
+
+@needs_interpreter
+def test_graph_server_queues_rounds_until_stopped_and_reloads_on_start(make_rig, rng):
+    rig = make_rig(server=QueuedGraphServer, depth=3)
+    server = rig.server
+    rig.active[3] = False  # no client in slot 3 yet
+    assert server.start(rig.active) and server.running() and len(server.gpu) == 3
+    q = rng.standard_normal(rig.engine.dim).astype(np.float32)
+    for _ in range(3):  # the sweep is busy elsewhere: each queued round takes one request
+        seq = rig.submit(0, q, 4)
+        server.step()
+        assert int(rig.views[0].resp_seq[0]) == seq
+    server.running()  # tops the queue up again
+    for _ in range(3):
+        seq = rig.submit(0, q, 4)
+        server.step()
+    # Stopped after rounds that all served (none saw the stop word): nothing may be queued
+    # again before start(), which loads what changed meanwhile.
+    server.stop()
+    assert not server.running() and not server.gpu
+    rig.active[3] = True  # a new client
+    server.forget(3)
+    unit = (q / np.linalg.norm(q.astype(np.float64))).astype(np.float32)
+    rig.engine.add(np.array([9999]), unit[None], np.zeros(1, np.int32), np.zeros(1))  # a row added meanwhile
+    assert server.start(rig.active)
+    seq = rig.submit(3, q, 4)
+    server.step()
+    assert int(rig.views[3].resp_seq[0]) == seq and int(rig.views[3].ids[0, 0]) == 9999
+    # With no requests the waiting round stops by itself (idle_polls); the queue drains.
+    while server.running():
+        server.step()
+    assert int(server._hctl[4]) == 1 and server.served == 7
+
+
+@needs_interpreter
+@SERVERS
+def test_fast_hands_over_what_its_certificate_cannot_prove(make_rig, rng, server):
+    # 80 rows whose scores differ by 1e-6, far below float16's resolution: the 16-bit scan
+    # ties them all and keeps the lowest rows, while the best ones are the highest. The k-th
+    # kept score is not 2E above the last kept one, so the certificate must fail and the
+    # request go to the host (certifying against the top-1 score instead would pass, with
+    # the wrong rows).
+    rig = make_rig(precision="fast", server=server)
+    d = rig.engine.dim
+    q = np.zeros(d, np.float32)
+    q[0] = 1.0
+    rows = np.zeros((81, d))
+    rows[0, :2] = 0.95, math.sqrt(1 - 0.95**2)  # one clear best row
+    for i in range(1, 81):
+        other = rng.standard_normal(d - 1)
+        s = 0.7 + i * 1e-6
+        rows[i, 0] = s
+        rows[i, 1:] = math.sqrt(1 - s * s) * other / np.linalg.norm(other)
+    ids = np.arange(20000, 20081)
+    rig.engine.add(ids, rows.astype(np.float32), np.zeros(81, np.int32), np.zeros(81))
+    seq = rig.submit(1, q, 8)
+    rig.server.start(rig.active)
+    assert int(rig.server.handed[1]) == seq and int(rig.views[1].resp_seq[0]) != seq
 
 
 def test_gpu_polling_modes_are_checked(tmp_path):

@@ -408,7 +408,9 @@ class SlotGraphServer(_SlotPolling):
         self._graph: torch.cuda.CUDAGraph | None = None
         self._built_for: tuple | None = None
         self._queued: collections.deque = collections.deque()  # an event per replay not yet done
-        self._hctl[4] = 1  # stopped until start()
+        # Between start() and stop() (or a round's report that it stopped, HCTL[4]): only then
+        # does running() queue rounds. A stop() that finds every round done must end it too.
+        self._serving = False
 
     def _names_changed(self) -> None:
         with self._on_stream():
@@ -438,7 +440,11 @@ class SlotGraphServer(_SlotPolling):
         self._built_for = self._columns()
 
     def _round(self) -> None:
-        """One round's kernels on the current stream: wait for a request, scan, select, answer."""
+        """One round's kernels on the current stream: wait for a request, scan, select, answer.
+
+        A graph keeps the launch arguments it was captured with: what may change between
+        starts (the rows in use, the largest row norm, the namespace count) is read from device
+        words instead; ``idle_s`` and the engine's tuning are those of the capture."""
         eng = self.engine
         att = eng._attached
         w = self.words
@@ -464,14 +470,23 @@ class SlotGraphServer(_SlotPolling):
         queued = self._queued
         while queued and queued[0].query():
             queued.popleft()
-        if self._hctl[4] == 0 and self._graph is not None and len(queued) < self.depth:
-            with self._on_stream():  # replay() launches on the current stream
-                while len(queued) < self.depth:
-                    self._graph.replay()
-                    done = torch.cuda.Event()
-                    done.record(self._stream)
-                    queued.append(done)
+        if self._serving and self._hctl[4] == 0:
+            if len(queued) < self.depth:
+                queued.extend(self._enqueue_rounds(self.depth - len(queued)))
+        elif not queued:
+            self._serving = False
         return bool(queued)
+
+    def _enqueue_rounds(self, count: int) -> list:
+        """Replays the graph ``count`` times on the server's stream; an event per replay."""
+        events = []
+        with self._on_stream():  # replay() launches on the current stream
+            for _ in range(count):
+                self._graph.replay()
+                done = torch.cuda.Event()
+                done.record(self._stream)
+                events.append(done)
+        return events
 
     def start(self, active: np.ndarray, *, exit_at_once: bool = False) -> bool:
         """Starts serving the slots marked in ``active`` (those with a client now); False when
@@ -494,13 +509,18 @@ class SlotGraphServer(_SlotPolling):
             self._ctl[0] = 0
         self.launches += 1
         if not self.on_gpu:  # the interpreter: rounds one after another until the server stops
-            while self._hctl[4] == 0:
-                self._round()
+            self._serve_now()
             return True
         if self._graph is None:
             self._capture()
+        self._serving = True
         self.running()
         return True
+
+    def _serve_now(self) -> None:
+        """Rounds one after another, synchronously, until one stops (the CPU device)."""
+        while self._hctl[4] == 0:
+            self._round()
 
     def _capture(self) -> None:
         """Compiles the kernels with one eager round (HCTL[0] set: it serves at most a request
@@ -524,7 +544,9 @@ class SlotGraphServer(_SlotPolling):
 
     def stop(self) -> None:
         """Asks the waiting round to stop and waits for every queued round (a round with a
-        request in hand finishes it)."""
+        request in hand finishes it). Nothing is queued again until :meth:`start`, which
+        reloads what may have changed meanwhile (the slots' clients, the rows)."""
+        self._serving = False
         if not self._queued:
             return
         self._hctl[0] = 1
