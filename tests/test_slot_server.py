@@ -222,6 +222,8 @@ def test_needs_the_triton_engine_with_the_segment_attached(rng):
             SlotServer(engine, layout, np.zeros(3, np.uint64))
         server = SlotServer(engine, layout, np.zeros(2, np.uint64))
         assert server.start(np.ones(2, bool)) is False  # no rows: nothing to serve
+        with pytest.raises(InvalidArgument, match="namespace ids"):
+            server.set_namespaces({b"x": -1})
     finally:
         engine.detach_host()
 

@@ -252,7 +252,8 @@ class Sidecar:
         return True
 
     def _make_slot_server(self) -> Any:
-        """The resident kernel that answers single recalls from the slots (CUDA, Triton, zero copy)."""
+        """The GPU slot server (--gpu-polling) that answers single recalls from the slots (CUDA, Triton,
+        zero copy), warmed up; None when off or not possible here."""
         mode = self.config.gpu_polling
         if not (self.zero_copy and mode != "off" and str(self.engine.device).startswith("cuda")):
             return None

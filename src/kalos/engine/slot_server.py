@@ -48,6 +48,7 @@ import contextlib
 import numpy as np
 import torch
 
+from kalos.engine.base import Filter
 from kalos.engine.torch_engine import _HDR_WORDS, TorchEngine, _kf, _kp, _next_pow2
 from kalos.errors import InvalidArgument
 from kalos.protocol import NAMESPACE_BYTES, Layout, Op, RequestFlag, SlotWords
@@ -164,6 +165,8 @@ class _SlotPolling:
         names = dict(list(names.items())[:_MAX_NAMES])
         if names == self._names:
             return
+        if any(ns_id < 0 for ns_id in names.values()):
+            raise InvalidArgument("namespace ids must be >= 0 (-1 marks an unused row of the table)")
         tab = np.zeros((_MAX_NAMES, 9), np.int64)
         ids = np.full(_MAX_NAMES, -1, np.int64)
         for row, (name, ns_id) in enumerate(names.items()):
@@ -174,10 +177,6 @@ class _SlotPolling:
             self._ns_tab.copy_(torch.from_numpy(tab))
             self._ns_ids.copy_(torch.from_numpy(ids))
         self._names = names
-        self._names_changed()
-
-    def _names_changed(self) -> None:
-        """Hook: the namespace table holds ``len(self._names)`` rows now."""
 
     def forget(self, slot: int) -> None:
         """A new client took ``slot``: its sequence numbers start again (call while stopped)."""
@@ -305,7 +304,7 @@ class SlotServer(_SlotPolling):
             att.i64, att.f32, x, eng._x32, eng._live, eng._ns, eng._ids, self._ns_tab, self._ns_ids, self._slot_at,
             self._seen, self._t_answered, self._t_handed, self._t_hctl, self._ctl, self._dq, self._agree,
             self._scores, self._keys, self._gkeys,
-            n, self.layout.n_slots, len(self._names), min(self.kout, self.layout.max_k), rows_per_prog,
+            n, self.layout.n_slots, min(self.kout, self.layout.max_k), rows_per_prog,
             eng._max_norm, ea, eb, ec, idle, int(_RESIDENT_WAIT_S * 1e9), int(Op.RECALL), int(RequestFlag.ALL_NAMESPACES),
         )
 
@@ -403,7 +402,7 @@ class SlotGraphServer(_SlotPolling):
         self.depth = int(depth)
         dev = engine._dev
         self._dh = torch.zeros(_HDR_WORDS + 4, dtype=torch.int64, device=dev)  # header + one table row
-        self._ctl = torch.zeros(4, dtype=torch.int64, device=dev)  # [0] stopped, [1] turn, [2] answers, [3] names
+        self._ctl = torch.zeros(3, dtype=torch.int64, device=dev)  # [0] stopped, [1] turn, [2] answers
         self._status = torch.zeros(1, dtype=torch.int32, device=dev)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._built_for: tuple | None = None
@@ -411,10 +410,6 @@ class SlotGraphServer(_SlotPolling):
         # Between start() and stop() (or a round's report that it stopped, HCTL[4]): only then
         # does running() queue rounds. A stop() that finds every round done must end it too.
         self._serving = False
-
-    def _names_changed(self) -> None:
-        with self._on_stream():
-            self._ctl[3] = len(self._names)
 
     def stamps(self) -> tuple[int, int, int, int]:
         """The GPU's clock (ns) when the latest round began to wait, first saw a request, staged
@@ -443,8 +438,8 @@ class SlotGraphServer(_SlotPolling):
         """One round's kernels on the current stream: wait for a request, scan, select, answer.
 
         A graph keeps the launch arguments it was captured with: what may change between
-        starts (the rows in use, the largest row norm, the namespace count) is read from device
-        words instead; ``idle_s`` and the engine's tuning are those of the capture."""
+        starts (the rows in use, the largest row norm, the namespace table) is read from device
+        memory instead; ``idle_s`` and the engine's tuning are those of the capture."""
         eng = self.engine
         att = eng._attached
         w = self.words
@@ -499,9 +494,8 @@ class SlotGraphServer(_SlotPolling):
             self._build()
         self._load_slots(active)
         header = np.zeros(_HDR_WORDS + 4, np.int64)
-        header[0] = n
-        head_f = header.view(np.float64)
-        head_f[5], head_f[6], head_f[7] = -np.inf, np.inf, eng._max_norm  # no time window; the certificate's norm
+        eng._fill_header(n, 0, 0, Filter(), header)  # rows, no time window, the certificate's norm: the
+        # waiting kernel fills in the request's words
         self._hctl[0] = 1 if exit_at_once else 0
         self._hctl[4] = 0
         with self._on_stream():

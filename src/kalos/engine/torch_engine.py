@@ -874,8 +874,12 @@ class TorchEngine(Engine):
     # 16-bit copy and "tf32" the float32 rows through tensor cores in tf32 (batches, opt-in):
     # both keep the top-KF candidates and end in the certified float32 re-score.
 
-    def _fill_header(self, n: int, nq: int, k: int, flt: Filter) -> None:
-        hdr, hdrf = self._h_hdr, self._h_hdrf
+    def _fill_header(self, n: int, nq: int, k: int, flt: Filter, hdr: np.ndarray | None = None) -> None:
+        """The staging header's words (``hdr``: another int64 header than the engine's own)."""
+        if hdr is None:  # (the search path: the views made once, not a NumPy call per search)
+            hdr, hdrf = self._h_hdr, self._h_hdrf
+        else:
+            hdrf = hdr.view(np.float64)
         hdr[0] = n
         hdr[1] = nq
         hdr[2] = min(k, n)

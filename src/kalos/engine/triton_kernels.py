@@ -607,7 +607,7 @@ def _park_scores(S, LIVE, NSC, rows, in_rng, sc, want):
 
 @triton.jit
 def _take_request(
-    SEG, SEGF, SLOT_AT, DSEEN, HHOF, HCTL, RR, DQ, AGREE, NS_TAB, NS_IDS, n_slots, n_names, k_limit, idle,
+    SEG, SEGF, SLOT_AT, DSEEN, HHOF, HCTL, RR, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle,
     op_recall, flags_all, W_REQ: tl.constexpr, W_OPK: tl.constexpr, W_NQF: tl.constexpr, W_NSLEN: tl.constexpr,
     W_NSB: tl.constexpr, E_Q: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, NSMAX: tl.constexpr,
     BLOCK_DQ: tl.constexpr, ON_GPU: tl.constexpr,
@@ -680,11 +680,12 @@ def _take_request(
                     want_ns = tl.full([], -2, tl.int64)
                     for t0 in range(0, NSMAX, 16):
                         ti = t0 + tl.arange(0, 16)
-                        t_ok = ti < n_names
+                        t_id = tl.load(NS_IDS + ti)
+                        t_ok = t_id >= 0  # rows not in use hold id -1
                         tab = tl.load(NS_TAB + ti[:, None] * 9 + w8[None, :], mask=t_ok[:, None], other=0)
                         t_len = tl.load(NS_TAB + ti * 9 + 8, mask=t_ok, other=-1)
                         same = (tl.sum((tab == name[None, :]).to(tl.int32), axis=1) == 8) & (t_len == name_len)
-                        hit = tl.max(tl.where(same & t_ok, tl.load(NS_IDS + ti, mask=t_ok, other=-1), -2))
+                        hit = tl.max(tl.where(same & t_ok, t_id, -2))
                         want_ns = tl.maximum(want_ns, hit)
                 ssq = _copy_normalised(SEGF + q_at, DQ, D, BLOCK_DQ, True)
                 # (Stored whatever the norm; read only if it is finite and non-zero.)
@@ -726,12 +727,12 @@ def await_request_kernel(
     #        [5] the GPU's clock (ns) when this round began to wait, [6] when it staged a request,
     #        [8] when it first saw one
     CTL,  # int64 device words: [0] stopped (every later round does nothing), [1] round-robin turn,
-    #       [2] answers, [3] rows of NS_TAB in use (a word, not an argument: a graph keeps arguments)
+    #       [2] answers
     DH,  # the header + one gather-table row the kernels after this one read (HDR_WORDS + 4 int64)
     DQ,  # [D] float32 device: the request's query, normalised
     AGREE,  # [4 * NS + 16] int64 device scratch (_agree)
     NS_TAB,  # [NSMAX, 9] int64: known namespaces' names (8 words, zero-padded) and lengths
-    NS_IDS,  # [NSMAX] int64: their ids
+    NS_IDS,  # [NSMAX] int64: their ids (>= 0; -1 marks a row not in use)
     n_slots,
     k_limit,  # largest k served
     idle,  # ns without a request before the server stops (interpreter: polls)
@@ -768,7 +769,7 @@ def await_request_kernel(
     if tl.load(CTL, volatile=True) == 0:
         tl.store(HCTL + 5, _clock_ns(ON_GPU))  # phase stamps for diagnostics: waiting since
         state, pick, seq, kk, want_ns = _take_request(
-            SEG, SEGF, SLOT_AT, DSEEN, HHOF, HCTL, CTL + 1, DQ, AGREE, NS_TAB, NS_IDS, n_slots, tl.load(CTL + 3), k_limit,
+            SEG, SEGF, SLOT_AT, DSEEN, HHOF, HCTL, CTL + 1, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit,
             idle, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, E_Q, D, NS, NSMAX, BLOCK_DQ, ON_GPU,
         )
     if state == 1:
@@ -800,7 +801,7 @@ def serve_slots_kernel(
     NSC,  # [cap] int32 namespace of each row
     IDS,  # [cap] int64 store ids
     NS_TAB,  # [NSMAX, 9] int64: known namespaces' names (8 words, zero-padded) and lengths
-    NS_IDS,  # [NSMAX] int64: their ids
+    NS_IDS,  # [NSMAX] int64: their ids (>= 0; -1 marks a row not in use)
     SLOT_AT,  # [NS] int64: word offset of each slot in SEG (-1: no client at launch)
     DSEEN,  # [2, NS] int64 device: per slot, the seq last answered here / last handed to the host
     HANS,  # [NS] int64 page-locked host: seq answered, per slot (the sidecar's own record)
@@ -818,7 +819,6 @@ def serve_slots_kernel(
     GKEYS,  # [groups * K] int64 device: each group's top-K keys
     n,  # rows in use
     n_slots,
-    n_names,  # rows of NS_TAB in use
     k_limit,  # largest k served: min(KOUT, the segment's max_k)
     rows_per_prog,  # a multiple of BLOCK_N
     x_norm,  # largest row norm (f64), for the certificate
@@ -904,7 +904,7 @@ def serve_slots_kernel(
         if pid == 0:
             # -- poll the slots until a request to serve, a stop, or the idle limit ---------
             state, pick, seq, kk, want_ns = _take_request(
-                SEG, SEGF, SLOT_AT, DSEEN, HHOF, HCTL, CTL + 3, DQ, AGREE, NS_TAB, NS_IDS, n_slots, n_names,
+                SEG, SEGF, SLOT_AT, DSEEN, HHOF, HCTL, CTL + 3, DQ, AGREE, NS_TAB, NS_IDS, n_slots,
                 k_limit, idle, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, E_Q, D, NS, NSMAX,
                 BLOCK_DQ, ON_GPU,
             )
