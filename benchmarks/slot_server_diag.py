@@ -25,7 +25,10 @@ from kalos.protocol import Layout, Op, RequestFlag, SlotView
 RECALL, ALL = int(Op.RECALL), int(RequestFlag.ALL_NAMESPACES)
 
 
-def submit(view: SlotView, q: np.ndarray, k: int, seq: int, *, n_queries: int = 1, flags: int = ALL) -> None:
+def submit(view: SlotView, q: np.ndarray, k: int, seq: int, *, n_queries: int = 1, flags: int = ALL,
+           namespace: bytes = b"") -> None:
+    view.namespace[0] = namespace
+    view.namespace_len[0] = len(namespace)
     view.op[0] = RECALL
     view.k[0] = k
     view.n_queries[0] = n_queries
@@ -46,6 +49,41 @@ def wait(view: SlotView, seq: int, server, slot: int, timeout: float = 2.0) -> s
         server.running()  # the graph server's queue of rounds is topped up by this call
 
 
+def round_trips(server, view: SlotView, queries: np.ndarray, k: int, repeats: int, named: bool):
+    """Round trips (us, after 200 warm-up ones) of back-to-back requests through one slot, and
+    the graph server's median phases (GPU clock stamps)."""
+    lat = []
+    phases = []  # graph server: host and GPU clocks (ns) of each request's phases
+    stamps = getattr(server, "stamps", None)
+    seq = int(view.req_seq[0])
+    extra = dict(flags=0, namespace=b"default") if named else {}
+    for i in range(repeats + 200):
+        seq += 1
+        t = time.perf_counter()
+        t_ns = time.time_ns()
+        submit(view, queries[i % 512], k, seq, **extra)
+        while view.resp_seq[0] != seq:
+            if server.handed[0] == seq or not server.running():
+                raise SystemExit(f"request {i} not answered by the kernel "
+                                 f"(handed {server.handed[0] == seq}, running {server.running()})")
+        lat.append(time.perf_counter() - t)
+        if stamps is not None:
+            phases.append((t_ns, time.time_ns(), *stamps()))
+    phase_us = {}
+    if phases:
+        ph = np.array(phases[200:], np.float64)
+        # (The round's "waiting since" stamp, when read, is still this round's: the next
+        # round starts a few microseconds after the answer lands.)
+        submit_t, seen_t, wait_t, seen_gpu_t, words_t, copied_t, resolved_t, staged_t, pub_t = ph.T
+        for label, v in (("round_trip", seen_t - submit_t), ("waiting_before_seen", seen_gpu_t - wait_t),
+                         ("seen_to_staged", staged_t - seen_gpu_t), ("seen_to_words", words_t - seen_gpu_t),
+                         ("words_to_copied", copied_t - words_t), ("copied_to_resolved", resolved_t - copied_t),
+                         ("resolved_to_staged", staged_t - resolved_t), ("staged_to_published", pub_t - staged_t),
+                         ("outside_the_gpu", (seen_t - submit_t) - (pub_t - seen_gpu_t))):
+            phase_us[label] = round(float(np.median(v)) / 1e3, 1)
+    return np.array(lat[200:]) * 1e6, phase_us
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=65536)
@@ -54,7 +92,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2000)
     ap.add_argument("--checks", type=int, default=300)
     ap.add_argument("--variants", default="graph:3,4:2x1024:4",
-                    help="exact mode: graph:DEPTH or programs_per_sm:rowsxdims:warps, comma-separated")
+                    help="exact mode: graph:DEPTH[:KEY=VALUE+...] (engine tuning) or programs_per_sm:rowsxdims:warps, "
+                         "comma-separated")
     ap.add_argument("--fast-variants", default="graph:3,3:8x1024:4")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -74,16 +113,22 @@ def main() -> None:
         eng.attach_host(buf)
         unit = queries / np.linalg.norm(queries.astype(np.float64), axis=1, keepdims=True).astype(np.float32)
         ref_i, ref_s = eng.search(unit.astype(np.float32), 16)
+        base_tune = dict(eng._tune)
         for variant in (args.variants if precision == "exact" else args.fast_variants).split(","):
             seqs = np.zeros(layout.n_slots, np.int64)
             if variant.startswith("graph"):
+                # graph:DEPTH[:KEY=VALUE+KEY=VALUE] (engine tuning for this server's plan, e.g. final_warps=16)
+                _, depth, tune = (variant.split(":", 2) + ["", ""])[:3]
+                eng._tune = dict(base_tune, **{k: int(v) for k, v in (kv.split("=") for kv in tune.split("+") if kv)})
+                eng._plans.clear()
                 server = SlotGraphServer(eng, layout, np.zeros(layout.n_slots, np.uint64), idle_s=0.5,
-                                         depth=int(variant.partition(":")[2] or 3))
+                                         depth=int(depth or 3))
             else:
                 per_sm, tile, warps = variant.split(":")
                 rows, dims = (int(v) for v in tile.split("x"))
                 server = SlotServer(eng, layout, np.zeros(layout.n_slots, np.uint64), idle_s=0.5,
                                     programs_per_sm=int(per_sm), tile=(rows, dims), warps=int(warps))
+            server.set_namespaces({b"default": 0})  # every row's namespace
             t0 = time.perf_counter()
             server.warm()
             compile_s = time.perf_counter() - t0
@@ -119,54 +164,35 @@ def main() -> None:
                 seqs[s] += 1
                 submit(views[s], q, k, int(seqs[s]), n_queries=nq, flags=flags)
                 handed_ok += wait(views[s], int(seqs[s]), server, s) == "handed"
-            # latency: one slot, back to back
-            lat = []
-            phases = []  # graph server: host and GPU clocks (ns) of each request's phases
-            s = 0
-            stamps = getattr(server, "stamps", None)
-            for i in range(args.repeats + 200):
-                seqs[s] += 1
-                t = time.perf_counter()
-                t_ns = time.time_ns()
-                submit(views[s], queries[i % 512], args.k, int(seqs[s]))
-                while views[s].resp_seq[0] != seqs[s]:
-                    if server.handed[s] == seqs[s] or not server.running():
-                        raise SystemExit(f"variant {variant}: request {i} not answered by the kernel "
-                                         f"(handed {server.handed[s] == seqs[s]}, running {server.running()})")
-                lat.append(time.perf_counter() - t)
-                if stamps is not None:
-                    phases.append((t_ns, time.time_ns(), *stamps()))
-            phase_us = {}
-            if phases:
-                ph = np.array(phases[200:], np.float64)
-                # (The round's "waiting since" stamp, when read, is still this round's: the next
-                # round starts a few microseconds after the answer lands.)
-                submit_t, seen_t, wait_t, seen_gpu_t, staged_t, pub_t = ph.T
-                for label, v in (("round_trip", seen_t - submit_t), ("waiting_before_seen", seen_gpu_t - wait_t),
-                                 ("seen_to_staged", staged_t - seen_gpu_t), ("staged_to_published", pub_t - staged_t),
-                                 ("outside_the_gpu", (seen_t - submit_t) - (pub_t - seen_gpu_t))):
-                    phase_us[label] = round(float(np.median(v)) / 1e3, 1)
-                print("   phases (median us; GPU clock except round_trip / outside_the_gpu):", json.dumps(phase_us),
+            # latency: one slot, back to back; requests for all namespaces, then naming "default"
+            # (as kalos.client sends by default: the kernel looks the name up)
+            latency = {}
+            for named in (False, True):
+                lat, phase_us = round_trips(server, views[0], queries, args.k, args.repeats, named)
+                latency["named" if named else "all"] = dict(
+                    p50_us=round(float(np.percentile(lat, 50)), 1), p99_us=round(float(np.percentile(lat, 99)), 1),
+                    phases_us=phase_us)
+                print(f"   {'named' if named else 'all namespaces'}: {json.dumps(latency['named' if named else 'all'])}",
                       flush=True)
             served = server.served
             server.stop()
-            lat_us = np.array(lat[200:]) * 1e6
             row = dict(precision=precision, variant=variant, programs=getattr(server, "programs", 1),
                        resident=getattr(server, "resident_per_sm", 0), not_resident=getattr(server, "not_resident", 0),
                        compile_s=round(compile_s, 1),
                        checks=outcomes, bad=bad, handed_ok=f"{handed_ok}/6", served=served,
-                       p50_us=round(float(np.percentile(lat_us, 50)), 1), p99_us=round(float(np.percentile(lat_us, 99)), 1),
-                       phases_us=phase_us)
+                       p50_us=latency["all"]["p50_us"], p99_us=latency["all"]["p99_us"],
+                       named_p50_us=latency["named"]["p50_us"], named_p99_us=latency["named"]["p99_us"],
+                       latency=latency)
             print(json.dumps(row), flush=True)
             table.append(row)
         eng.detach_host()
         del eng
         torch.cuda.empty_cache()
     print(f"\nslot server, in-process slot round trip, N={n:,} dim={dim} k={args.k} ({torch.cuda.get_device_name()})")
-    print(f"{'precision':<6} {'variant':<14} {'progs':>5} {'fits':>4} {'bad':>4} {'handed':>6} {'answered':>8} {'p50 us':>8} {'p99 us':>8}")
+    print(f"{'precision':<6} {'variant':<14} {'progs':>5} {'fits':>4} {'bad':>4} {'handed':>6} {'answered':>8} {'p50 us':>8} {'p99 us':>8} {'named p50':>9} {'named p99':>9}")
     for r in table:
         print(f"{r['precision']:<6} {r['variant']:<14} {r['programs']:>5} {r['resident']:>4} {r['bad']:>4} {r['handed_ok']:>6} "
-              f"{r['checks']['answered']:>8} {r['p50_us']:>8} {r['p99_us']:>8}")
+              f"{r['checks']['answered']:>8} {r['p50_us']:>8} {r['p99_us']:>8} {r['named_p50_us']:>9} {r['named_p99_us']:>9}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(table, f, indent=1)

@@ -24,7 +24,7 @@ pytest.importorskip("torch")
 # seeded rng and the markers are test_torch_engine's, as in test_sharded.
 from test_torch_engine import HAVE_CUDA, _interpreter_env, needs_interpreter, rng  # noqa: E402,F401
 
-from kalos.engine.slot_server import SlotGraphServer, SlotServer  # noqa: E402
+from kalos.engine.slot_server import _NAME_PROBE, SlotGraphServer, SlotServer, name_home  # noqa: E402
 from kalos.engine.torch_engine import TorchEngine  # noqa: E402
 from kalos.errors import InvalidArgument  # noqa: E402
 from kalos.protocol import Layout, Op, RequestFlag, SlotView  # noqa: E402
@@ -153,6 +153,35 @@ def test_hands_over_what_it_must_not_answer(make_rig, rng, server):
         assert int(view.resp_seq[0]) != seq and int(rig.server.answered[0]) != seq, label
         assert view.ids[0].tobytes() == before, f"{label}: the slot's answer area was written"
     assert rig.server.served == 0
+
+
+@needs_interpreter
+def test_namespace_table_resolves_names_that_share_a_home_row_and_hands_over_those_without_one(make_rig, rng):
+    # The kernel looks a name up in the _NAME_PROBE rows from its home row on (one load): names
+    # sharing a home sit in the rows after it, and one that finds its window full stays with
+    # the host. Names here are chosen to collide; the rows' namespace ids are 0 ("a") and 1.
+    rig = make_rig(server=SlotGraphServer)
+    homes = collections.defaultdict(list)
+    i = 0
+    while not any(len(v) > _NAME_PROBE for v in homes.values()):
+        name = f"tenant-{i}".encode()
+        homes[name_home(np.frombuffer(name.ljust(64, b"\0"), np.int64), len(name))].append(name)
+        i += 1
+    crowd = next(v for v in homes.values() if len(v) > _NAME_PROBE)[: _NAME_PROBE + 1]
+    # Ids alternate 0/1, so a name resolved to a neighbour's row gives the wrong rows back.
+    table = {b"a": 0, b"b": 1, **{name: j % 2 for j, name in enumerate(crowd)}}
+    rig.server.set_namespaces(table)
+    q = rng.standard_normal(rig.engine.dim).astype(np.float32)
+    for j, name in enumerate(crowd):
+        seq = rig.submit(0, q, 4, flags=0, namespace=name)
+        rig.server.start(rig.active)
+        view = rig.views[0]
+        if j < _NAME_PROBE:
+            assert int(view.resp_seq[0]) == seq, f"{name!r} (row {j} of its window) was not answered"
+            assert_topk_matches(view.ids[:1, :4], view.scores[:1, :4], rig.ids, rig.vectors, q[None], 4,
+                                rig.live & (rig.namespaces == j % 2), context=name.decode())
+        else:
+            assert int(rig.server.handed[0]) == seq, f"{name!r} found no row but was not handed over"
 
 
 @needs_interpreter

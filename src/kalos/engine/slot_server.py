@@ -60,8 +60,18 @@ DEFAULT_MAX_K = 16
 
 _CTL_WORDS = 10  # CTL[0..9] (see serve_slots_kernel), then one arrival counter per group
 _HCTL_WORDS = 12  # page-locked control words (see _SlotPolling)
-_MAX_NAMES = 256  # namespaces the kernel resolves itself (requests naming others go to the host)
+_NAME_ROWS = 1024  # rows of the device's namespace table (a power of two)
+_NAME_PROBE = 8  # rows a name may sit in, from its home row on (triton_kernels.NS_PROBE)
 _RESIDENT_WAIT_S = 0.05  # how long program 0 waits for every program to be resident
+
+
+def name_home(words: np.ndarray, length: int, rows: int = _NAME_ROWS) -> int:
+    """The home row of a namespace name in the device table: ``words`` are its NAMESPACE_BYTES
+    bytes, zero-padded, as 8 int64 words. The kernels compute the same (``_name_home``)."""
+    fold = (words.astype(np.int64) ^ (words.astype(np.int64) >> 32)) & 0xFFFFFFFF
+    mult = ((np.arange(8, dtype=np.int64) * 0x9E37 + 0x7F4B) & 0xFFFF) | 1
+    h = int((fold * mult).sum()) + int(length) * 0x2545
+    return (h ^ (h >> 13) ^ (h >> 29)) & (rows - 1)
 
 
 class _SlotPolling:
@@ -103,8 +113,9 @@ class _SlotPolling:
         #: Sequence number the kernels handed to the host, per slot.
         self.handed = host[self.ns : self.ns + layout.n_slots].view(np.uint64)
         # [0] stop (host), [1] answered by the kernels, [2] rounds, [3] not resident, [4] stopped,
-        # [5..8] the graph server's phase stamps, GPU clock in ns (waiting since, staged,
-        # published, a request first seen; the resident kernel writes [8] too)
+        # [5..11] the graph server's phase stamps, GPU clock in ns (waiting since, staged,
+        # published, a request first seen, its words read, its query copied, its namespace
+        # resolved; the resident kernel writes [8..11] too)
         self._hctl = host[2 * self.ns :]
         self.answered[:] = answered
         self._t_answered = self._host[: self.ns]
@@ -117,8 +128,10 @@ class _SlotPolling:
         self._seen = torch.zeros((2, self.ns), dtype=torch.int64, device=dev)
         self._dq = torch.zeros(engine.dim, dtype=torch.float32, device=dev)
         self._agree = torch.zeros(4 * self.ns + 16, dtype=torch.int64, device=dev)
-        self._ns_tab = torch.zeros((_MAX_NAMES, 9), dtype=torch.int64, device=dev)
-        self._ns_ids = torch.zeros(_MAX_NAMES, dtype=torch.int64, device=dev)
+        if getattr(engine._tk.NS_PROBE, "value", engine._tk.NS_PROBE) != _NAME_PROBE:
+            raise AssertionError("the kernels and the host disagree on the namespace table's probe")
+        self._ns_tab = torch.zeros((_NAME_ROWS, 9), dtype=torch.int64, device=dev)
+        self._ns_ids = torch.full((_NAME_ROWS,), -1, dtype=torch.int64, device=dev)
         self._names: dict[bytes, int] = {}
         self._stream = torch.cuda.Stream(device=dev, priority=-100) if self.on_gpu else None
         self.launches = 0
@@ -130,7 +143,7 @@ class _SlotPolling:
         """Where the kernels find a slot's fields (kalos.protocol.SlotWords)."""
         w = self.words
         return dict(W_REQ=w.req_seq, W_OPK=w.op_k, W_NQF=w.nq_flags, W_NSLEN=w.ns_len, W_NSB=w.ns_bytes,
-                    E_Q=w.queries, D=self.engine.dim, NS=self.ns, NSMAX=_MAX_NAMES,
+                    E_Q=w.queries, D=self.engine.dim, NS=self.ns, NSMAX=_NAME_ROWS,
                     BLOCK_DQ=min(2048, _next_pow2(self.engine.dim)), ON_GPU=self.on_gpu)
 
     def _rows_to_serve(self) -> int:
@@ -160,23 +173,30 @@ class _SlotPolling:
             self.stop()
 
     def set_namespaces(self, names: dict[bytes, int]) -> None:
-        """The namespaces (UTF-8 name -> id) a request may name (call while stopped); the
-        first ``_MAX_NAMES`` go to the device, requests naming others go to the host."""
-        names = dict(list(names.items())[:_MAX_NAMES])
+        """The namespaces (UTF-8 name -> id) a request may name (call while stopped). Each goes
+        to the first free row of the device table from its home row (:func:`name_home`) on;
+        one that finds none of its ``_NAME_PROBE`` rows free (rare below a few hundred names)
+        stays with the host: requests naming it are handed over."""
         if names == self._names:
             return
         if any(ns_id < 0 for ns_id in names.values()):
             raise InvalidArgument("namespace ids must be >= 0 (-1 marks an unused row of the table)")
-        tab = np.zeros((_MAX_NAMES, 9), np.int64)
-        ids = np.full(_MAX_NAMES, -1, np.int64)
-        for row, (name, ns_id) in enumerate(names.items()):
-            tab[row, :8] = np.frombuffer(name.ljust(NAMESPACE_BYTES, b"\0")[:NAMESPACE_BYTES], np.int64)
-            tab[row, 8] = len(name)
-            ids[row] = ns_id
+        tab = np.zeros((_NAME_ROWS, 9), np.int64)
+        ids = np.full(_NAME_ROWS, -1, np.int64)
+        for name, ns_id in names.items():
+            words = np.frombuffer(name.ljust(NAMESPACE_BYTES, b"\0")[:NAMESPACE_BYTES], np.int64)
+            home = name_home(words, len(name))
+            for step in range(_NAME_PROBE):
+                row = (home + step) % _NAME_ROWS
+                if ids[row] < 0:
+                    tab[row, :8] = words
+                    tab[row, 8] = len(name)
+                    ids[row] = ns_id
+                    break
         with self._on_stream():
             self._ns_tab.copy_(torch.from_numpy(tab))
             self._ns_ids.copy_(torch.from_numpy(ids))
-        self._names = names
+        self._names = dict(names)
 
     def forget(self, slot: int) -> None:
         """A new client took ``slot``: its sequence numbers start again (call while stopped)."""
@@ -411,10 +431,12 @@ class SlotGraphServer(_SlotPolling):
         # does running() queue rounds. A stop() that finds every round done must end it too.
         self._serving = False
 
-    def stamps(self) -> tuple[int, int, int, int]:
-        """The GPU's clock (ns) when the latest round began to wait, first saw a request, staged
-        it, and published its answer (diagnostics: ``benchmarks/slot_server_diag.py``)."""
-        return int(self._hctl[5]), int(self._hctl[8]), int(self._hctl[6]), int(self._hctl[7])
+    def stamps(self) -> tuple[int, ...]:
+        """The GPU's clock (ns) when the latest round began to wait, first saw a request, read
+        its words, copied its query, resolved its namespace, staged it, and published its
+        answer (diagnostics: ``benchmarks/slot_server_diag.py``)."""
+        h = self._hctl
+        return tuple(int(h[i]) for i in (5, 8, 9, 10, 11, 6, 7))
 
     def _columns(self) -> tuple:
         eng = self.engine

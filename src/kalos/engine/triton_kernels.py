@@ -139,22 +139,33 @@ def _certified_rescore(top, kq, X32, q_ptr, x_norm, err_a, err_b, err_c, D: tl.c
 @triton.jit
 def _copy_normalised(src, dst, D: tl.constexpr, BLOCK: tl.constexpr, VOLATILE: tl.constexpr):
     """Copies D float32 values from ``src`` to ``dst`` scaled by ``1 / |x|`` (float64, then
-    rounded: what the host's ``row_scales`` gives); returns the float64 sum of squares. The
-    chunks are unrolled so their reads (over the bus from host memory) overlap; the values go
-    out raw first, then are scaled in place, so each is read from ``src`` once."""
-    sq = tl.zeros([BLOCK], tl.float64)
-    for d0 in tl.static_range(0, D, BLOCK):
-        ds = d0 + tl.arange(0, BLOCK)
-        x = tl.load(src + ds, mask=ds < D, other=0.0, volatile=VOLATILE)
-        tl.store(dst + ds, x, mask=ds < D)
-        sq += x.to(tl.float64) * x.to(tl.float64)
-    ssq = tl.sum(sq, axis=0)
-    scale = 1.0 / tl.sqrt(ssq)
-    tl.debug_barrier()
-    for d0 in tl.static_range(0, D, BLOCK):
-        ds = d0 + tl.arange(0, BLOCK)
-        x = tl.load(dst + ds, mask=ds < D, other=0.0)
-        tl.store(dst + ds, (x.to(tl.float64) * scale).to(tl.float32), mask=ds < D)
+    rounded: what the host's ``row_scales`` gives); returns the float64 sum of squares.
+
+    The chunk is a [BLOCK / 128, 128] tile so that each warp reads 512 contiguous bytes: from
+    host memory every load instruction is a request over the bus, and scattered 4-byte loads
+    made ~1,000 requests of a 4 KiB query (benchmarks/NOTES-gpu.md). ``VOLATILE``: fetch again
+    (Triton drops the ".cv" modifier), a slot changes between requests. A query that fits one chunk stays in
+    registers; a longer one goes out raw first and is scaled in place, read from ``src`` once."""
+    COLS: tl.constexpr = 128 if BLOCK > 128 else BLOCK
+    offs = tl.arange(0, BLOCK // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    if BLOCK >= D:
+        x = tl.load(src + offs, mask=offs < D, other=0.0, volatile=VOLATILE).to(tl.float64)
+        ssq = tl.sum(tl.sum(x * x, axis=1), axis=0)
+        tl.store(dst + offs, (x * (1.0 / tl.sqrt(ssq))).to(tl.float32), mask=offs < D)
+    else:
+        sq = tl.zeros([BLOCK // COLS, COLS], tl.float64)
+        for d0 in tl.static_range(0, D, BLOCK):
+            ds = d0 + offs
+            x = tl.load(src + ds, mask=ds < D, other=0.0, volatile=VOLATILE)
+            tl.store(dst + ds, x, mask=ds < D)
+            sq += x.to(tl.float64) * x.to(tl.float64)
+        ssq = tl.sum(tl.sum(sq, axis=1), axis=0)
+        scale = 1.0 / tl.sqrt(ssq)
+        tl.debug_barrier()
+        for d0 in tl.static_range(0, D, BLOCK):
+            ds = d0 + offs
+            x = tl.load(dst + ds, mask=ds < D, other=0.0)
+            tl.store(dst + ds, (x.to(tl.float64) * scale).to(tl.float32), mask=ds < D)
     return ssq
 
 
@@ -565,10 +576,36 @@ def _publish(SEG, DSEEN, HANS, HHOF, HCTL, ANSWERS, slot_w, seq, slot, k, good, 
 
 
 @triton.jit
+def _load_fresh(base, offs, mask, ON_GPU: tl.constexpr):
+    """The int64 words ``base[offs]`` of page-locked host memory as they are now, 0 where not
+    ``mask``: ``ld.global.cv`` (fetched again, never from a cache), a weak load the hardware
+    need not order as it orders ``ld.volatile``. (Measured the same as volatile loads so far:
+    the request's words still arrive ~8 us after req_seq; benchmarks/NOTES-gpu.md, 2026-12-01.)"""
+    if ON_GPU:
+        ptr = base + tl.where(mask, offs, 0)  # (a masked-out lane reads base[0], then drops it)
+        word = tl.inline_asm_elementwise("ld.global.cv.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64,
+                                         is_pure=False, pack=1)
+        return tl.where(mask, word, 0)
+    else:
+        return tl.load(base + offs, mask=mask, other=0, volatile=True)
+
+
+@triton.jit
 def _clock_ns(ON_GPU: tl.constexpr):
     """The GPU's global nanosecond timer (0 under the interpreter, which counts polls instead)."""
     if ON_GPU:
         return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    else:
+        return tl.zeros([], tl.int64)
+
+
+@triton.jit
+def _clock_after(x, ON_GPU: tl.constexpr):
+    """:func:`_clock_ns` read only once ``x`` (a scalar) is known: a stamp after a load
+    completes, not merely after it was issued (diagnostics)."""
+    if ON_GPU:
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,l", [x.to(tl.int64)],
+                                         dtype=tl.int64, is_pure=False, pack=1)
     else:
         return tl.zeros([], tl.int64)
 
@@ -588,12 +625,39 @@ def _agree(vals, AGREE, offs, mask):
     loads it on its own; a scalar is read by every thread. Values read from memory that
     changes under us (the slots, the host's stop word, the clock) may then differ between
     warps, and warps that decide differently desynchronise the program's barriers (a review
-    found this; it can turn into wrong answers and wild addresses). So: store, barrier, reload.
+    found this; it can turn into wrong answers and wild addresses). So: store, barrier, reload
+    (from L1: the barrier orders the program's own global stores before its loads).
     """
     tl.debug_barrier()  # no warp still reads what an earlier call left in the scratch
     tl.store(AGREE + offs, vals, mask=mask)
     tl.debug_barrier()
-    return tl.load(AGREE + offs, mask=mask, other=0, volatile=True)
+    return tl.load(AGREE + offs, mask=mask, other=0)
+
+
+@triton.jit
+def _agree2(a, offs_a, mask_a, b, offs_b, mask_b, AGREE):
+    """:func:`_agree` of two tensors at once (one pair of barriers)."""
+    tl.debug_barrier()
+    tl.store(AGREE + offs_a, a, mask=mask_a)
+    tl.store(AGREE + offs_b, b, mask=mask_b)
+    tl.debug_barrier()
+    return tl.load(AGREE + offs_a, mask=mask_a, other=0), tl.load(AGREE + offs_b, mask=mask_b, other=0)
+
+
+#: Rows of the namespace table a name may sit in, from its home row on (see name_home).
+NS_PROBE = tl.constexpr(8)
+
+
+@triton.jit
+def _name_home(name, name_len, NSMAX: tl.constexpr):
+    """The home row of a namespace name (8 int64 words, zero-padded) in the device table, the
+    same as ``kalos.engine.slot_server.name_home`` computes on the host: a lookup is one load
+    of NS_PROBE rows, not a walk through the table (~1 us of device-memory latency a step)."""
+    w = tl.arange(0, 8)
+    fold = (name ^ (name >> 32)) & 0xFFFFFFFF
+    mult = ((w * 0x9E37 + 0x7F4B) & 0xFFFF) | 1
+    h = tl.sum(fold * mult.to(tl.int64), axis=0) + name_len * 0x2545
+    return (h ^ (h >> 13) ^ (h >> 29)) & (NSMAX - 1)
 
 
 @triton.jit
@@ -610,7 +674,7 @@ def _take_request(
     SEG, SEGF, SLOT_AT, DSEEN, HHOF, HCTL, RR, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle,
     op_recall, flags_all, W_REQ: tl.constexpr, W_OPK: tl.constexpr, W_NQF: tl.constexpr, W_NSLEN: tl.constexpr,
     W_NSB: tl.constexpr, E_Q: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, NSMAX: tl.constexpr,
-    BLOCK_DQ: tl.constexpr, ON_GPU: tl.constexpr,
+    BLOCK_DQ: tl.constexpr, ON_GPU: tl.constexpr, REPEAT: tl.constexpr,
 ):
     """Polls the slots' ``req_seq`` words until a request this kernel may answer, a stop
     (HCTL[0] != 0) or the idle limit; returns ``(state, slot, seq, k, namespace id)``, state 1
@@ -621,10 +685,16 @@ def _take_request(
     the one taken, is handed to the host (HHOF, and DSEEN[NS + slot] here): the sidecar's
     Python path answers those, batched. RR is the round-robin turn (no slot starves the
     others). Every value the warps decide on goes through :func:`_agree`.
+
+    REPEAT: this kernel serves request after request, so a slot's query may sit in a cache
+    from the last one: it is read with volatile loads. A kernel that takes one request (the
+    graph server's) reads it with plain, vectorised loads, ~4x faster over the bus.
     """
     sl = tl.arange(0, NS)
     slot_ok = sl < n_slots
-    clock_at = 4 * NS  # AGREE words: [0, NS) req_seq, [NS, 3 NS) request words, [3 NS, 4 NS) name
+    # AGREE words: [0, NS) req_seq, [NS, 3 NS) request words, then the clock, the name's length,
+    # the stop word, and from clock_at + 8 the name's 8 words
+    clock_at = 4 * NS
     quiet_since = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
     polls = tl.zeros([], tl.int64)
     state = 0  # 0 polling, 1 serve, 2 exit
@@ -632,30 +702,31 @@ def _take_request(
     out_seq = tl.zeros([], tl.int64)
     out_k = tl.zeros([], tl.int64)
     out_ns = tl.full([], -1, tl.int64)
-    # Reads over the bus take ~1-2 us each: the words needed together are loaded together
-    # (the request words, the name and its length, the slots and the stop word), and the
-    # query in one load (BLOCK_DQ spans it), so that each step waits for one round trip.
+    w8 = tl.arange(0, 8)
+    # Reads over the bus take ~1-2 us each: the words needed together are loaded together (a
+    # slot's request words; the name, its length and the query), so that each step waits for
+    # one round trip, and the agreements are paired (each costs two barriers).
     while state == 0:
         at = tl.load(SLOT_AT + sl, mask=slot_ok, other=-1)
         here = slot_ok & (at >= 0)
-        req_now = tl.load(SEG + at + W_REQ, mask=here, other=0, volatile=True)
-        stop_now = tl.load(HCTL, volatile=True)
-        req = _agree(req_now, AGREE, sl, slot_ok)
+        req_now = _load_fresh(SEG, at + W_REQ, here, ON_GPU)
+        stop_now = _load_fresh(HCTL, 0, True, ON_GPU)
+        req, stop = _agree2(req_now, sl, slot_ok, stop_now, clock_at + 2, True, AGREE)
         seen_a = tl.load(DSEEN + sl, mask=here, other=0)
         seen_h = tl.load(DSEEN + NS + sl, mask=here, other=0)
         pend = here & (req != seen_a) & (req != seen_h)
         if tl.sum(pend.to(tl.int32)) > 0:
-            tl.store(HCTL + 8, _clock_ns(ON_GPU))  # diagnostics: when a request was first seen
+            seen_at = _clock_ns(ON_GPU)  # (stored after the staging: the fence would wait for it)
+            start = tl.load(RR)
             _fence_system(ON_GPU)  # req_seq, then the request it publishes
-            w1_now = tl.load(SEG + at + W_OPK, mask=pend, other=0, volatile=True)
-            w2_now = tl.load(SEG + at + W_NQF, mask=pend, other=0, volatile=True)
-            w1 = _agree(w1_now, AGREE, NS + sl, slot_ok)
-            w2 = _agree(w2_now, AGREE, 2 * NS + sl, slot_ok)
+            w1_now = _load_fresh(SEG, at + W_OPK, pend, ON_GPU)
+            w2_now = _load_fresh(SEG, at + W_NQF, pend, ON_GPU)
+            w1, w2 = _agree2(w1_now, NS + sl, slot_ok, w2_now, 2 * NS + sl, slot_ok, AGREE)
+            words_at = _clock_after(tl.sum(w1 + w2), ON_GPU)
             kk = (w1 >> 32) & 0xFFFFFFFF
             ok = pend & ((w1 & 0xFFFFFFFF) == op_recall) & ((w2 & 0xFFFFFFFF) == 1)
             fl = (w2 >> 32) & 0xFFFFFFFF
             ok = ok & (kk >= 1) & (kk <= k_limit) & ((fl == flags_all) | (fl == 0))
-            start = tl.load(RR)
             turn = (sl - start + NS) % NS
             best = tl.min(tl.where(ok, turn, NS))
             pick = tl.where(best < NS, (best + start) % NS, -1)
@@ -663,31 +734,28 @@ def _take_request(
             tl.store(DSEEN + NS + sl, req, mask=give)
             tl.store(HHOF + sl, req, mask=give)
             if pick >= 0:
-                # The query: finite and non-zero, normalised in float64 like the host's
-                # row_scales; otherwise the host answers with the error message.
                 slot_w = tl.sum(tl.where(sl == pick, at, 0))
-                q_at = slot_w * 2 + E_Q
+                q_at = tl.multiple_of(slot_w * 2 + E_Q, 4)  # slots and their query are 64-byte aligned
                 seq = tl.sum(tl.where(sl == pick, req, 0))
                 # The namespace: -1 for all; an unknown name goes to the host (its error).
                 want_ns = tl.full([], -1, tl.int64)
                 named = tl.sum(tl.where(sl == pick, fl, 0)) == 0
-                if named:  # compared 16 names at a time: a wide tile would cost registers everywhere
-                    w8 = tl.arange(0, 8)
-                    name_now = tl.load(SEG + slot_w + W_NSB + w8, volatile=True)
-                    len_now = tl.load(SEG + slot_w + W_NSLEN, volatile=True)
-                    name = _agree(name_now, AGREE, 3 * NS + w8, True)
-                    name_len = (_agree(len_now, AGREE, clock_at + 1, True) >> 32) & 0xFFFFFFFF
-                    want_ns = tl.full([], -2, tl.int64)
-                    for t0 in range(0, NSMAX, 16):
-                        ti = t0 + tl.arange(0, 16)
-                        t_id = tl.load(NS_IDS + ti)
-                        t_ok = t_id >= 0  # rows not in use hold id -1
-                        tab = tl.load(NS_TAB + ti[:, None] * 9 + w8[None, :], mask=t_ok[:, None], other=0)
-                        t_len = tl.load(NS_TAB + ti * 9 + 8, mask=t_ok, other=-1)
-                        same = (tl.sum((tab == name[None, :]).to(tl.int32), axis=1) == 8) & (t_len == name_len)
-                        hit = tl.max(tl.where(same & t_ok, t_id, -2))
-                        want_ns = tl.maximum(want_ns, hit)
-                ssq = _copy_normalised(SEGF + q_at, DQ, D, BLOCK_DQ, True)
+                name_now = _load_fresh(SEG, slot_w + W_NSB + w8, True, ON_GPU)  # (with the query: one round trip)
+                len_now = _load_fresh(SEG, slot_w + W_NSLEN, True, ON_GPU)
+                ssq = _copy_normalised(SEGF + q_at, DQ, D, BLOCK_DQ, REPEAT)
+                copied_at = _clock_after(ssq.to(tl.int64, bitcast=True), ON_GPU)
+                if named:
+                    name, len_w = _agree2(name_now, clock_at + 8 + w8, True, len_now, clock_at + 1, True, AGREE)
+                    name_len = (len_w >> 32) & 0xFFFFFFFF
+                    probe = (_name_home(name, name_len, NSMAX) + tl.arange(0, NS_PROBE)) & (NSMAX - 1)
+                    t_id = tl.load(NS_IDS + probe)  # -1: a row not in use
+                    tab = tl.load(NS_TAB + probe[:, None] * 9 + w8[None, :])
+                    t_len = tl.load(NS_TAB + probe * 9 + 8)
+                    same = (tl.sum((tab == name[None, :]).to(tl.int32), axis=1) == 8) & (t_len == name_len)
+                    want_ns = tl.max(tl.where(same & (t_id >= 0), t_id, -2))
+                tl.store(HCTL + 9, words_at)  # diagnostics: the request's words read,
+                tl.store(HCTL + 10, copied_at)  # the query copied,
+                tl.store(HCTL + 11, _clock_after(want_ns, ON_GPU))  # the namespace resolved
                 # (Stored whatever the norm; read only if it is finite and non-zero.)
                 if (ssq > 0.0) & (ssq < float("inf")) & (want_ns != -2):
                     out_pick = pick
@@ -699,18 +767,21 @@ def _take_request(
                 else:
                     tl.store(DSEEN + NS + pick, seq)
                     tl.store(HHOF + pick, seq)
-            quiet_since = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
+            tl.store(HCTL + 8, seen_at)  # diagnostics: when a request was first seen
+            if state == 0:
+                quiet_since = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
             polls = polls * 0
         else:
             polls += 1
         if state == 0:
-            if _agree(stop_now, AGREE, clock_at + 2, True) != 0:
+            if stop != 0:
                 state = 2
             elif ON_GPU:
                 # Time alone would count other processes' time slices as idle (the kernel
                 # would exit and relaunch under load): also 64 polls in a row.
-                if (_agree(_clock_ns(ON_GPU), AGREE, clock_at, True) - quiet_since > idle) & (polls > 64):
-                    state = 2
+                if polls > 64:
+                    if _agree(_clock_ns(ON_GPU), AGREE, clock_at, True) - quiet_since > idle:
+                        state = 2
             elif polls > idle:
                 state = 2
     return state, out_pick, out_seq, out_k, out_ns
@@ -760,6 +831,7 @@ def await_request_kernel(
     the final kernel publishes the answer in the slot (PUBLISH). On a stop or the idle limit
     it writes nq = 0 (the kernels after it do nothing), marks the server stopped in CTL[0]
     (the rounds already queued behind it do nothing either) and tells the host (HCTL[4]).
+
     """
     state = 2
     pick = tl.full([], -1, tl.int64)
@@ -771,6 +843,7 @@ def await_request_kernel(
         state, pick, seq, kk, want_ns = _take_request(
             SEG, SEGF, SLOT_AT, DSEEN, HHOF, HCTL, CTL + 1, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit,
             idle, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, E_Q, D, NS, NSMAX, BLOCK_DQ, ON_GPU,
+            False,
         )
     if state == 1:
         tl.store(HCTL + 6, _clock_ns(ON_GPU))  # request staged
@@ -906,7 +979,7 @@ def serve_slots_kernel(
             state, pick, seq, kk, want_ns = _take_request(
                 SEG, SEGF, SLOT_AT, DSEEN, HHOF, HCTL, CTL + 3, DQ, AGREE, NS_TAB, NS_IDS, n_slots,
                 k_limit, idle, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, E_Q, D, NS, NSMAX,
-                BLOCK_DQ, ON_GPU,
+                BLOCK_DQ, ON_GPU, True,
             )
             if state == 1:
                 tl.store(CTL + 9, want_ns)
