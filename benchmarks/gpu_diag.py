@@ -187,7 +187,7 @@ def main() -> int:
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--batches", default="", help="only profile the graphs of these batch sizes (e.g. 64,256)")
     ap.add_argument("--final-tiles", action="store_true",
-                    help="only time the fast Q=1 graph for several final-kernel tiles (final_tile, final_warps)")
+                    help="only time the fast Q=1 graph for several final-kernel tiles (single_final_tile, single_final_warps)")
     args = ap.parse_args()
     stream = torch.cuda.Stream(priority=-100)
     flush = Flusher(torch.device("cuda"))  # zeroes 256 MiB: L2 holds none of the matrix
@@ -198,7 +198,7 @@ def main() -> int:
         q = np.random.default_rng(1).standard_normal((1, args.dim)).astype(np.float32)
         q /= np.linalg.norm(q)
         for tile, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 16)):
-            eng.retune({"final_tile": tile, "final_warps": warps})
+            eng.retune({"single_final_tile": tile, "single_final_warps": warps})
             eng.search(q, 8)
             graph = eng._graphs[eng._key("f16", 1, 8, Filter(), True, True, False)]
             p50, p99 = time_events(graph.replay, 300, eng.stream, flush=flush)

@@ -74,11 +74,9 @@ def round_trips(server, view: SlotView, queries: np.ndarray, k: int, repeats: in
         ph = np.array(phases[200:], np.float64)
         # (The round's "waiting since" stamp, when read, is still this round's: the next
         # round starts a few microseconds after the answer lands.)
-        submit_t, seen_t, wait_t, seen_gpu_t, words_t, copied_t, resolved_t, staged_t, pub_t = ph.T
+        submit_t, seen_t, wait_t, seen_gpu_t, staged_t, pub_t = ph.T
         for label, v in (("round_trip", seen_t - submit_t), ("waiting_before_seen", seen_gpu_t - wait_t),
-                         ("seen_to_staged", staged_t - seen_gpu_t), ("seen_to_words", words_t - seen_gpu_t),
-                         ("words_to_copied", copied_t - words_t), ("copied_to_resolved", resolved_t - copied_t),
-                         ("resolved_to_staged", staged_t - resolved_t), ("staged_to_published", pub_t - staged_t),
+                         ("seen_to_staged", staged_t - seen_gpu_t), ("staged_to_published", pub_t - staged_t),
                          ("outside_the_gpu", (seen_t - submit_t) - (pub_t - seen_gpu_t))):
             phase_us[label] = round(float(np.median(v)) / 1e3, 1)
     return np.array(lat[200:]) * 1e6, phase_us
@@ -114,15 +112,16 @@ def main() -> None:
         unit = queries / np.linalg.norm(queries.astype(np.float64), axis=1, keepdims=True).astype(np.float32)
         ref_i, ref_s = eng.search(unit.astype(np.float32), 16)
         base_tune = dict(eng._tune)
-        for variant in (args.variants if precision == "exact" else args.fast_variants).split(","):
+        for variant in [v for v in (args.variants if precision == "exact" else args.fast_variants).split(",") if v]:
             seqs = np.zeros(layout.n_slots, np.int64)
             if variant.startswith("graph"):
-                # graph:DEPTH[:KEY=VALUE+KEY=VALUE] (engine tuning for this server's plan, e.g. final_warps=16)
-                _, depth, tune = (variant.split(":", 2) + ["", ""])[:3]
+                # graph:DEPTH[:KEY=VALUE+KEY=VALUE[:WARPS]] (engine tuning for this server's plan, e.g.
+                # single_final_warps=8; the waiting kernel's warps)
+                _, depth, tune, warps = (variant.split(":", 3) + ["", "", ""])[:4]
                 eng._tune = dict(base_tune, **{k: int(v) for k, v in (kv.split("=") for kv in tune.split("+") if kv)})
                 eng._plans.clear()
                 server = SlotGraphServer(eng, layout, np.zeros(layout.n_slots, np.uint64), idle_s=0.5,
-                                         depth=int(depth or 3))
+                                         depth=int(depth or 3), **({"warps": int(warps)} if warps else {}))
             else:
                 per_sm, tile, warps = variant.split(":")
                 rows, dims = (int(v) for v in tile.split("x"))

@@ -156,6 +156,23 @@ def test_hands_over_what_it_must_not_answer(make_rig, rng, server):
 
 
 @needs_interpreter
+@SERVERS
+def test_serves_the_next_slot_with_its_own_query_when_the_one_in_turn_is_handed_over(make_rig, rng, server):
+    # The kernel copies the query of the pending slot whose turn it is while the requests'
+    # words travel; when that slot cannot be served here, the other slot's query must be used.
+    rig = make_rig(server=server)
+    q0, q1 = (rng.standard_normal(rig.engine.dim).astype(np.float32) for _ in range(2))
+    first = rig.submit(0, q0, 17)  # slot 0 has the first turn; k above max_k: handed over
+    second = rig.submit(1, q1, 4, flags=0, namespace=b"b")
+    rig.server.start(rig.active)
+    assert int(rig.server.handed[0]) == first
+    view = rig.views[1]
+    assert int(view.resp_seq[0]) == second and int(view.n_results[0]) == 4
+    assert_topk_matches(view.ids[:1, :4], view.scores[:1, :4], rig.ids, rig.vectors, q1[None], 4,
+                        rig.live & (rig.namespaces == 1), context="slot 1, namespace b")
+
+
+@needs_interpreter
 def test_namespace_table_resolves_names_that_share_a_home_row_and_hands_over_those_without_one(make_rig, rng):
     # The kernel looks a name up in the _NAME_PROBE rows from its home row on (one load): names
     # sharing a home sit in the rows after it, and one that finds its window full stays with

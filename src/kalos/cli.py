@@ -62,8 +62,8 @@ def _build_parser() -> argparse.ArgumentParser:
                        "namespaces or one, no time window) by itself while traffic lasts, with no Python on the "
                        "way; it stops after --spin-us without a request. 'graph' (the value when none is given): "
                        "a CUDA graph that waits for a request, then scans with the whole GPU; 'resident': one "
-                       "kernel resident on every SM (the sweep stops it for batches). Either answers in 120-140 us "
-                       "beside another process's GPU work instead of waiting ms for a time slice, but takes that "
+                       "kernel resident on every SM (the sweep stops it for batches). Either answers in ~100-140 us "
+                       "(p50) beside another process's GPU work instead of waiting ms for a time slice, but takes that "
                        "process's time slices while it waits. Default: %(default)s (BENCHMARKS.md)")
     serve.add_argument("--seed-compat", action="store_true",
                        help="also serve the seed article's recall_shm_t protocol (top-8 over all namespaces)")

@@ -59,7 +59,7 @@ __all__ = ["SlotServer", "SlotGraphServer", "DEFAULT_MAX_K"]
 DEFAULT_MAX_K = 16
 
 _CTL_WORDS = 10  # CTL[0..9] (see serve_slots_kernel), then one arrival counter per group
-_HCTL_WORDS = 12  # page-locked control words (see _SlotPolling)
+_HCTL_WORDS = 9  # page-locked control words (see _SlotPolling)
 _NAME_ROWS = 1024  # rows of the device's namespace table (a power of two)
 _NAME_PROBE = 8  # rows a name may sit in, from its home row on (triton_kernels.NS_PROBE)
 _RESIDENT_WAIT_S = 0.05  # how long program 0 waits for every program to be resident
@@ -113,9 +113,8 @@ class _SlotPolling:
         #: Sequence number the kernels handed to the host, per slot.
         self.handed = host[self.ns : self.ns + layout.n_slots].view(np.uint64)
         # [0] stop (host), [1] answered by the kernels, [2] rounds, [3] not resident, [4] stopped,
-        # [5..11] the graph server's phase stamps, GPU clock in ns (waiting since, staged,
-        # published, a request first seen, its words read, its query copied, its namespace
-        # resolved; the resident kernel writes [8..11] too)
+        # [5..8] the graph server's phase stamps, GPU clock in ns (waiting since, staged,
+        # published, a request first seen; the resident kernel writes [8] too)
         self._hctl = host[2 * self.ns :]
         self.answered[:] = answered
         self._t_answered = self._host[: self.ns]
@@ -127,7 +126,9 @@ class _SlotPolling:
         self._slot_at = torch.full((self.ns,), -1, dtype=torch.int64, device=dev)
         self._seen = torch.zeros((2, self.ns), dtype=torch.int64, device=dev)
         self._dq = torch.zeros(engine.dim, dtype=torch.float32, device=dev)
-        self._agree = torch.zeros(4 * self.ns + 16, dtype=torch.int64, device=dev)
+        # The kernels read a request's words as one tile, its namespace's 8 words included.
+        self._req_words = _next_pow2(self.words.ns_bytes + NAMESPACE_BYTES // 8)
+        self._agree = torch.zeros(self.ns * (self._req_words + 1) + 16, dtype=torch.int64, device=dev)
         if getattr(engine._tk.NS_PROBE, "value", engine._tk.NS_PROBE) != _NAME_PROBE:
             raise AssertionError("the kernels and the host disagree on the namespace table's probe")
         self._ns_tab = torch.zeros((_NAME_ROWS, 9), dtype=torch.int64, device=dev)
@@ -143,7 +144,7 @@ class _SlotPolling:
         """Where the kernels find a slot's fields (kalos.protocol.SlotWords)."""
         w = self.words
         return dict(W_REQ=w.req_seq, W_OPK=w.op_k, W_NQF=w.nq_flags, W_NSLEN=w.ns_len, W_NSB=w.ns_bytes,
-                    E_Q=w.queries, D=self.engine.dim, NS=self.ns, NSMAX=_NAME_ROWS,
+                    REQ_WORDS=self._req_words, E_Q=w.queries, D=self.engine.dim, NS=self.ns, NSMAX=_NAME_ROWS,
                     BLOCK_DQ=min(2048, _next_pow2(self.engine.dim)), ON_GPU=self.on_gpu)
 
     def _rows_to_serve(self) -> int:
@@ -414,9 +415,12 @@ class SlotGraphServer(_SlotPolling):
     holds_sms = False
 
     def __init__(self, engine: TorchEngine, layout: Layout, answered: np.ndarray, *, idle_s: float = 0.002,
-                 max_k: int = DEFAULT_MAX_K, depth: int = 3, idle_polls: int = 2) -> None:
+                 max_k: int = DEFAULT_MAX_K, depth: int = 3, idle_polls: int = 2, warps: int = 1) -> None:
         if depth < 1:
             raise InvalidArgument(f"depth must be >= 1, got {depth}")
+        if warps not in (1, 2, 4, 8):
+            raise InvalidArgument(f"warps must be 1, 2, 4 or 8, got {warps}")
+        self.warps = int(warps)
         super().__init__(engine, layout, answered, idle_s=idle_s, max_k=max_k, idle_polls=idle_polls)
         self.kind = "f16" if self.rescore else "f32"
         self.depth = int(depth)
@@ -432,11 +436,10 @@ class SlotGraphServer(_SlotPolling):
         self._serving = False
 
     def stamps(self) -> tuple[int, ...]:
-        """The GPU's clock (ns) when the latest round began to wait, first saw a request, read
-        its words, copied its query, resolved its namespace, staged it, and published its
-        answer (diagnostics: ``benchmarks/slot_server_diag.py``)."""
+        """The GPU's clock (ns) when the latest round began to wait, first saw a request, staged
+        it, and published its answer (diagnostics: ``benchmarks/slot_server_diag.py``)."""
         h = self._hctl
-        return tuple(int(h[i]) for i in (5, 8, 9, 10, 11, 6, 7))
+        return tuple(int(h[i]) for i in (5, 8, 6, 7))
 
     def _columns(self) -> tuple:
         eng = self.engine
@@ -471,7 +474,7 @@ class SlotGraphServer(_SlotPolling):
             att.i64, att.f32, self._slot_at, self._seen, self._t_handed, self._t_hctl, self._ctl, dh, self._dq,
             self._agree, self._ns_tab, self._ns_ids, self.layout.n_slots,
             min(self.kout, self.layout.max_k), idle, int(Op.RECALL), int(RequestFlag.ALL_NAMESPACES),
-            **self._request_constexprs(), E_IDS=w.ids, E_SC=w.scores, num_warps=4,
+            **self._request_constexprs(), E_IDS=w.ids, E_SC=w.scores, num_warps=self.warps,
         )
         stride = eng._scan_keys(self.kind, self._plan, 1, dh, dhf, dq, eng._live, True, self._ws_a, self._ws_s)
         eng._select_final(

@@ -199,9 +199,13 @@ DEFAULT_TUNE: dict = {
     "final_max": 2048,
     # The final kernel's [candidates x BLOCK_D] tile (elements) and warps: the certified
     # re-score reads KF float32 rows per query in one program, latency-bound when narrow.
-    # Measured (H200, fast Q=1 graph at 65,536 rows): 4096/4 warps 85.2 us, 8192/8 77.6 us.
+    # Measured (H200, fast Q=1 graph at 65,536 rows): 4096/4 warps 85.2 us, 8192/8 77.6 us;
+    # a single query (the slot server's graph): 16384/16 95.8 us round trip against 102.3
+    # for 8192/8 (benchmarks/NOTES-gpu.md, 2026-12-01).
     "final_tile": 8192,
     "final_warps": 8,
+    "single_final_tile": 16384,
+    "single_final_warps": 16,
     # PyTorch's CPU device (Triton's interpreter): few, large blocks, since every
     # tl.topk costs the interpreter a fraction of a second.
     "cpu_progs": 2,
@@ -220,6 +224,7 @@ class _Plan:
     count_final: int
     final_chunk: int
     final_block_d: int
+    final_warps: int
     ws_keys: int  # int64 keys per query the workspace must hold
     score_chunk: int = 0  # v2: the scan writes scores, top-K per chunk of this many (0: fused)
     gemm_rows: int = 0  # batches: cuBLAS scores this many rows at a time instead of the scan (0: scan)
@@ -1006,8 +1011,10 @@ class TorchEngine(Engine):
             levels.append((chunk, p2))
             count = p2 * k1
         final_chunk = _next_pow2(max(count, k1))
-        final_block_d = max(16, min(_next_pow2(self.dim), int(tune["final_tile"]) // k1))
-        plan = _Plan(k1, kp, cfg, n_qblocks, progs, levels, count, final_chunk, final_block_d, ws,
+        single = "single_" if qb == 1 else ""
+        final_block_d = max(16, min(_next_pow2(self.dim), int(tune[single + "final_tile"]) // k1))
+        final_warps = int(tune[single + "final_warps"]) if kind != "f32" else 4
+        plan = _Plan(k1, kp, cfg, n_qblocks, progs, levels, count, final_chunk, final_block_d, final_warps, ws,
                      score_chunk if scores else 0, gemm_rows, threshold)
         self._plans[key] = plan
         return plan
@@ -1129,7 +1136,7 @@ class TorchEngine(Engine):
             cur, hdr, hdrf, self._x32, dq, self._ids, res_i, res_s, status,
             stride, count, ea, eb, ec, D=self.dim, KIN=plan.k1, KOUT=plan.kout, CHUNK=plan.final_chunk,
             BLOCK_D=plan.final_block_d, RESCORE=kind != "f32", OUT_IDS=want_ids,
-            num_warps=int(self._tune["final_warps"]) if kind != "f32" else 4,
+            num_warps=plan.final_warps,
             OVER=over, CHECK_OVER=over is not None, **(publish or {}),
         )
 

@@ -137,26 +137,28 @@ def _certified_rescore(top, kq, X32, q_ptr, x_norm, err_a, err_b, err_c, D: tl.c
 
 
 @triton.jit
-def _copy_normalised(src, dst, D: tl.constexpr, BLOCK: tl.constexpr, VOLATILE: tl.constexpr):
-    """Copies D float32 values from ``src`` to ``dst`` scaled by ``1 / |x|`` (float64, then
-    rounded: what the host's ``row_scales`` gives); returns the float64 sum of squares.
+def _copy_normalised(src, dst, D: tl.constexpr, BLOCK: tl.constexpr):
+    """Copies D float32 values from ``src`` (a slot in page-locked host memory) to ``dst``
+    scaled by ``1 / |x|`` (float64, then rounded: what the host's ``row_scales`` gives);
+    returns the float64 sum of squares.
 
     The chunk is a [BLOCK / 128, 128] tile so that each warp reads 512 contiguous bytes: from
     host memory every load instruction is a request over the bus, and scattered 4-byte loads
-    made ~1,000 requests of a 4 KiB query (benchmarks/NOTES-gpu.md). ``VOLATILE``: fetch again
-    (Triton drops the ".cv" modifier), a slot changes between requests. A query that fits one chunk stays in
-    registers; a longer one goes out raw first and is scaled in place, read from ``src`` once."""
+    made ~1,000 requests of a 4 KiB query (benchmarks/NOTES-gpu.md). The loads are ``.cg``
+    (past L1, which could keep a slot's last query; see :func:`_take_request` for why the
+    request reaches them complete). A query that fits one chunk stays in registers; a longer
+    one goes out raw first and is scaled in place, read from ``src`` once."""
     COLS: tl.constexpr = 128 if BLOCK > 128 else BLOCK
     offs = tl.arange(0, BLOCK // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     if BLOCK >= D:
-        x = tl.load(src + offs, mask=offs < D, other=0.0, volatile=VOLATILE).to(tl.float64)
+        x = tl.load(src + offs, mask=offs < D, other=0.0, cache_modifier=".cg").to(tl.float64)
         ssq = tl.sum(tl.sum(x * x, axis=1), axis=0)
         tl.store(dst + offs, (x * (1.0 / tl.sqrt(ssq))).to(tl.float32), mask=offs < D)
     else:
         sq = tl.zeros([BLOCK // COLS, COLS], tl.float64)
         for d0 in tl.static_range(0, D, BLOCK):
             ds = d0 + offs
-            x = tl.load(src + ds, mask=ds < D, other=0.0, volatile=VOLATILE)
+            x = tl.load(src + ds, mask=ds < D, other=0.0, cache_modifier=".cg")
             tl.store(dst + ds, x, mask=ds < D)
             sq += x.to(tl.float64) * x.to(tl.float64)
         ssq = tl.sum(tl.sum(sq, axis=1), axis=0)
@@ -199,7 +201,7 @@ def stage_in_kernel(
         if COPY_Q:
             q_off = tl.load(HH + TAB + 4 * j)
             if NORM:
-                ssq = _copy_normalised(SRC + q_off, DQ + j.to(tl.int64) * D, D, BLOCK_D, False)
+                ssq = _copy_normalised(SRC + q_off, DQ + j.to(tl.int64) * D, D, BLOCK_D)
                 tl.store(HHF + TAB + 4 * j + 3, 1.0 / tl.sqrt(ssq))  # the host checks it: 0, inf, NaN
             else:
                 scale = tl.load(HHF + TAB + 4 * j + 3)
@@ -544,12 +546,18 @@ def final_kernel(
 
 
 @triton.jit
-def _fence_system(ON_GPU: tl.constexpr):
+def _fence_system(ON_GPU: tl.constexpr, ACQUIRE: tl.constexpr = False):
     """PTX ``fence.sc.sys``: this thread's earlier loads and stores are ordered before its
-    later ones for every observer, the host CPU included. (The interpreter runs one program
-    on the host: nothing to order.)"""
+    later ones for every observer, the host CPU included. ``ACQUIRE``: ``fence.acq_rel.sys``,
+    enough after a relaxed (volatile) load that saw a flag, before the loads of what the flag
+    publishes. (The interpreter runs one program on the host: nothing to order.)"""
     if ON_GPU:
-        tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        if ACQUIRE:
+            tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                      is_pure=False, pack=1)
 
 
 @triton.jit
@@ -576,36 +584,10 @@ def _publish(SEG, DSEEN, HANS, HHOF, HCTL, ANSWERS, slot_w, seq, slot, k, good, 
 
 
 @triton.jit
-def _load_fresh(base, offs, mask, ON_GPU: tl.constexpr):
-    """The int64 words ``base[offs]`` of page-locked host memory as they are now, 0 where not
-    ``mask``: ``ld.global.cv`` (fetched again, never from a cache), a weak load the hardware
-    need not order as it orders ``ld.volatile``. (Measured the same as volatile loads so far:
-    the request's words still arrive ~8 us after req_seq; benchmarks/NOTES-gpu.md, 2026-12-01.)"""
-    if ON_GPU:
-        ptr = base + tl.where(mask, offs, 0)  # (a masked-out lane reads base[0], then drops it)
-        word = tl.inline_asm_elementwise("ld.global.cv.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64,
-                                         is_pure=False, pack=1)
-        return tl.where(mask, word, 0)
-    else:
-        return tl.load(base + offs, mask=mask, other=0, volatile=True)
-
-
-@triton.jit
 def _clock_ns(ON_GPU: tl.constexpr):
     """The GPU's global nanosecond timer (0 under the interpreter, which counts polls instead)."""
     if ON_GPU:
         return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-    else:
-        return tl.zeros([], tl.int64)
-
-
-@triton.jit
-def _clock_after(x, ON_GPU: tl.constexpr):
-    """:func:`_clock_ns` read only once ``x`` (a scalar) is known: a stamp after a load
-    completes, not merely after it was issued (diagnostics)."""
-    if ON_GPU:
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,l", [x.to(tl.int64)],
-                                         dtype=tl.int64, is_pure=False, pack=1)
     else:
         return tl.zeros([], tl.int64)
 
@@ -634,16 +616,6 @@ def _agree(vals, AGREE, offs, mask):
     return tl.load(AGREE + offs, mask=mask, other=0)
 
 
-@triton.jit
-def _agree2(a, offs_a, mask_a, b, offs_b, mask_b, AGREE):
-    """:func:`_agree` of two tensors at once (one pair of barriers)."""
-    tl.debug_barrier()
-    tl.store(AGREE + offs_a, a, mask=mask_a)
-    tl.store(AGREE + offs_b, b, mask=mask_b)
-    tl.debug_barrier()
-    return tl.load(AGREE + offs_a, mask=mask_a, other=0), tl.load(AGREE + offs_b, mask=mask_b, other=0)
-
-
 #: Rows of the namespace table a name may sit in, from its home row on (see name_home).
 NS_PROBE = tl.constexpr(8)
 
@@ -670,11 +642,40 @@ def _park_scores(S, LIVE, NSC, rows, in_rng, sc, want):
 
 
 @triton.jit
+def _word(requests, W: tl.constexpr, REQ_WORDS: tl.constexpr):
+    """Word ``W`` of each request: ``requests`` is [slots, REQ_WORDS] int64 words (a request
+    as [REQ_WORDS] gives a scalar)."""
+    cols = tl.arange(0, REQ_WORDS)
+    return tl.sum(tl.where(cols == W, requests, 0), axis=len(requests.shape) - 1)
+
+
+@triton.jit
+def _namespace_id(request, NS_TAB, NS_IDS, W_NQF: tl.constexpr, W_NSLEN: tl.constexpr, W_NSB: tl.constexpr,
+                  REQ_WORDS: tl.constexpr, NSMAX: tl.constexpr):
+    """The namespace a request (its words) asks for: -1 for all namespaces, the id of a name
+    the device table holds, or -2 for any other name (the host answers it: its namespace, or
+    its error)."""
+    want_ns = tl.full([], -1, tl.int64)
+    if (_word(request, W_NQF, REQ_WORDS) >> 32) == 0:  # no ALL_NAMESPACES flag: a named request
+        w8 = tl.arange(0, 8)
+        cols = tl.arange(0, REQ_WORDS)
+        name = tl.sum(tl.where(cols[None, :] == (W_NSB + w8)[:, None], request[None, :], 0), axis=1)
+        name_len = (_word(request, W_NSLEN, REQ_WORDS) >> 32) & 0xFFFFFFFF
+        probe = (_name_home(name, name_len, NSMAX) + tl.arange(0, NS_PROBE)) & (NSMAX - 1)
+        t_id = tl.load(NS_IDS + probe)  # -1: a row not in use
+        tab = tl.load(NS_TAB + probe[:, None] * 9 + w8[None, :])
+        t_len = tl.load(NS_TAB + probe * 9 + 8)
+        same = (tl.sum((tab == name[None, :]).to(tl.int32), axis=1) == 8) & (t_len == name_len)
+        want_ns = tl.max(tl.where(same & (t_id >= 0), t_id, -2))
+    return want_ns
+
+
+@triton.jit
 def _take_request(
     SEG, SEGF, SLOT_AT, DSEEN, HHOF, HCTL, RR, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle,
     op_recall, flags_all, W_REQ: tl.constexpr, W_OPK: tl.constexpr, W_NQF: tl.constexpr, W_NSLEN: tl.constexpr,
-    W_NSB: tl.constexpr, E_Q: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, NSMAX: tl.constexpr,
-    BLOCK_DQ: tl.constexpr, ON_GPU: tl.constexpr, REPEAT: tl.constexpr,
+    W_NSB: tl.constexpr, REQ_WORDS: tl.constexpr, E_Q: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
+    NSMAX: tl.constexpr, BLOCK_DQ: tl.constexpr, ON_GPU: tl.constexpr,
 ):
     """Polls the slots' ``req_seq`` words until a request this kernel may answer, a stop
     (HCTL[0] != 0) or the idle limit; returns ``(state, slot, seq, k, namespace id)``, state 1
@@ -686,15 +687,21 @@ def _take_request(
     Python path answers those, batched. RR is the round-robin turn (no slot starves the
     others). Every value the warps decide on goes through :func:`_agree`.
 
-    REPEAT: this kernel serves request after request, so a slot's query may sit in a cache
-    from the last one: it is read with volatile loads. A kernel that takes one request (the
-    graph server's) reads it with plain, vectorised loads, ~4x faster over the bus.
+    Reading a request over the bus: the poll's loads (``req_seq`` of the slots in use, the
+    stop word) are volatile, each a fresh fetch. Once a ``req_seq`` has moved, an acquire
+    fence, then in one round trip every pending slot's whole request (REQ_WORDS words) and
+    the query of the slot whose turn it is, with ``.cg`` loads: the client stored both before
+    its req_seq (kalos.sync), and ``.cg`` skips L1, which may hold an earlier request of the
+    same slot. (Volatile loads there took ~8 us where these take ~2: benchmarks/NOTES-gpu.md,
+    2026-12-01.)
     """
     sl = tl.arange(0, NS)
     slot_ok = sl < n_slots
-    # AGREE words: [0, NS) req_seq, [NS, 3 NS) request words, then the clock, the name's length,
-    # the stop word, and from clock_at + 8 the name's 8 words
-    clock_at = 4 * NS
+    rw = tl.arange(0, REQ_WORDS)
+    # AGREE words: [0, NS) req_seq, [NS, NS * (REQ_WORDS + 1)) the pending requests, then the
+    # stop word and the clock
+    stop_at = NS * (REQ_WORDS + 1)
+    clock_at = stop_at + 1
     quiet_since = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
     polls = tl.zeros([], tl.int64)
     state = 0  # 0 polling, 1 serve, 2 exit
@@ -702,60 +709,47 @@ def _take_request(
     out_seq = tl.zeros([], tl.int64)
     out_k = tl.zeros([], tl.int64)
     out_ns = tl.full([], -1, tl.int64)
-    w8 = tl.arange(0, 8)
-    # Reads over the bus take ~1-2 us each: the words needed together are loaded together (a
-    # slot's request words; the name, its length and the query), so that each step waits for
-    # one round trip, and the agreements are paired (each costs two barriers).
+    at = tl.load(SLOT_AT + sl, mask=slot_ok, other=-1)
+    here = slot_ok & (at >= 0)
     while state == 0:
-        at = tl.load(SLOT_AT + sl, mask=slot_ok, other=-1)
-        here = slot_ok & (at >= 0)
-        req_now = _load_fresh(SEG, at + W_REQ, here, ON_GPU)
-        stop_now = _load_fresh(HCTL, 0, True, ON_GPU)
-        req, stop = _agree2(req_now, sl, slot_ok, stop_now, clock_at + 2, True, AGREE)
+        req = _agree(tl.load(SEG + at + W_REQ, mask=here, other=0, volatile=True), AGREE, sl, slot_ok)
+        # (The stop word in one lane: a scalar load would be a fetch over the bus per thread.)
+        stop = tl.max(_agree(tl.load(HCTL + sl * 0, mask=sl == 0, other=0, volatile=True), AGREE,
+                             stop_at + sl * 0, sl == 0))
         seen_a = tl.load(DSEEN + sl, mask=here, other=0)
         seen_h = tl.load(DSEEN + NS + sl, mask=here, other=0)
         pend = here & (req != seen_a) & (req != seen_h)
         if tl.sum(pend.to(tl.int32)) > 0:
-            seen_at = _clock_ns(ON_GPU)  # (stored after the staging: the fence would wait for it)
+            seen_at = _clock_ns(ON_GPU)  # (stored after the staging: the store would wait for the bus)
             start = tl.load(RR)
-            _fence_system(ON_GPU)  # req_seq, then the request it publishes
-            w1_now = _load_fresh(SEG, at + W_OPK, pend, ON_GPU)
-            w2_now = _load_fresh(SEG, at + W_NQF, pend, ON_GPU)
-            w1, w2 = _agree2(w1_now, NS + sl, slot_ok, w2_now, 2 * NS + sl, slot_ok, AGREE)
-            words_at = _clock_after(tl.sum(w1 + w2), ON_GPU)
-            kk = (w1 >> 32) & 0xFFFFFFFF
-            ok = pend & ((w1 & 0xFFFFFFFF) == op_recall) & ((w2 & 0xFFFFFFFF) == 1)
-            fl = (w2 >> 32) & 0xFFFFFFFF
-            ok = ok & (kk >= 1) & (kk <= k_limit) & ((fl == flags_all) | (fl == 0))
             turn = (sl - start + NS) % NS
+            _fence_system(ON_GPU, True)  # req_seq, then the request it publishes
+            requests = tl.load(SEG + at[:, None] + rw[None, :], mask=pend[:, None] & (rw < W_NSB + 8)[None, :],
+                               other=0, cache_modifier=".cg")
+            # The query of the pending slot whose turn it is, copied while its words travel
+            # (copied again below in the rare case that slot cannot be served here).
+            guess = (tl.min(tl.where(pend, turn, NS)) + start) % NS
+            ssq = _copy_normalised(SEGF + tl.multiple_of(tl.sum(tl.where(sl == guess, at, 0)) * 2 + E_Q, 4), DQ, D,
+                                   BLOCK_DQ)  # (slots and their query are 64-byte aligned)
+            requests = _agree(requests, AGREE, NS + sl[:, None] * REQ_WORDS + rw[None, :], slot_ok[:, None])
+            w1 = _word(requests, W_OPK, REQ_WORDS)
+            w2 = _word(requests, W_NQF, REQ_WORDS)
+            kk = (w1 >> 32) & 0xFFFFFFFF
+            fl = (w2 >> 32) & 0xFFFFFFFF
+            ok = pend & ((w1 & 0xFFFFFFFF) == op_recall) & ((w2 & 0xFFFFFFFF) == 1)
+            ok = ok & (kk >= 1) & (kk <= k_limit) & ((fl == flags_all) | (fl == 0))
             best = tl.min(tl.where(ok, turn, NS))
             pick = tl.where(best < NS, (best + start) % NS, -1)
             give = pend & (sl != pick)
             tl.store(DSEEN + NS + sl, req, mask=give)
             tl.store(HHOF + sl, req, mask=give)
             if pick >= 0:
-                slot_w = tl.sum(tl.where(sl == pick, at, 0))
-                q_at = tl.multiple_of(slot_w * 2 + E_Q, 4)  # slots and their query are 64-byte aligned
+                if pick != guess:
+                    ssq = _copy_normalised(
+                        SEGF + tl.multiple_of(tl.sum(tl.where(sl == pick, at, 0)) * 2 + E_Q, 4), DQ, D, BLOCK_DQ)
                 seq = tl.sum(tl.where(sl == pick, req, 0))
-                # The namespace: -1 for all; an unknown name goes to the host (its error).
-                want_ns = tl.full([], -1, tl.int64)
-                named = tl.sum(tl.where(sl == pick, fl, 0)) == 0
-                name_now = _load_fresh(SEG, slot_w + W_NSB + w8, True, ON_GPU)  # (with the query: one round trip)
-                len_now = _load_fresh(SEG, slot_w + W_NSLEN, True, ON_GPU)
-                ssq = _copy_normalised(SEGF + q_at, DQ, D, BLOCK_DQ, REPEAT)
-                copied_at = _clock_after(ssq.to(tl.int64, bitcast=True), ON_GPU)
-                if named:
-                    name, len_w = _agree2(name_now, clock_at + 8 + w8, True, len_now, clock_at + 1, True, AGREE)
-                    name_len = (len_w >> 32) & 0xFFFFFFFF
-                    probe = (_name_home(name, name_len, NSMAX) + tl.arange(0, NS_PROBE)) & (NSMAX - 1)
-                    t_id = tl.load(NS_IDS + probe)  # -1: a row not in use
-                    tab = tl.load(NS_TAB + probe[:, None] * 9 + w8[None, :])
-                    t_len = tl.load(NS_TAB + probe * 9 + 8)
-                    same = (tl.sum((tab == name[None, :]).to(tl.int32), axis=1) == 8) & (t_len == name_len)
-                    want_ns = tl.max(tl.where(same & (t_id >= 0), t_id, -2))
-                tl.store(HCTL + 9, words_at)  # diagnostics: the request's words read,
-                tl.store(HCTL + 10, copied_at)  # the query copied,
-                tl.store(HCTL + 11, _clock_after(want_ns, ON_GPU))  # the namespace resolved
+                want_ns = _namespace_id(tl.sum(tl.where(sl[:, None] == pick, requests, 0), axis=0), NS_TAB, NS_IDS,
+                                        W_NQF, W_NSLEN, W_NSB, REQ_WORDS, NSMAX)
                 # (Stored whatever the norm; read only if it is finite and non-zero.)
                 if (ssq > 0.0) & (ssq < float("inf")) & (want_ns != -2):
                     out_pick = pick
@@ -801,7 +795,7 @@ def await_request_kernel(
     #       [2] answers
     DH,  # the header + one gather-table row the kernels after this one read (HDR_WORDS + 4 int64)
     DQ,  # [D] float32 device: the request's query, normalised
-    AGREE,  # [4 * NS + 16] int64 device scratch (_agree)
+    AGREE,  # [NS * (REQ_WORDS + 1) + 16] int64 device scratch (_agree)
     NS_TAB,  # [NSMAX, 9] int64: known namespaces' names (8 words, zero-padded) and lengths
     NS_IDS,  # [NSMAX] int64: their ids (>= 0; -1 marks a row not in use)
     n_slots,
@@ -814,6 +808,7 @@ def await_request_kernel(
     W_NQF: tl.constexpr,
     W_NSLEN: tl.constexpr,
     W_NSB: tl.constexpr,
+    REQ_WORDS: tl.constexpr,  # a request's words, rounded up to a power of two
     E_Q: tl.constexpr,
     E_IDS: tl.constexpr,
     E_SC: tl.constexpr,
@@ -842,8 +837,8 @@ def await_request_kernel(
         tl.store(HCTL + 5, _clock_ns(ON_GPU))  # phase stamps for diagnostics: waiting since
         state, pick, seq, kk, want_ns = _take_request(
             SEG, SEGF, SLOT_AT, DSEEN, HHOF, HCTL, CTL + 1, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit,
-            idle, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, E_Q, D, NS, NSMAX, BLOCK_DQ, ON_GPU,
-            False,
+            idle, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, E_Q, D, NS, NSMAX,
+            BLOCK_DQ, ON_GPU,
         )
     if state == 1:
         tl.store(HCTL + 6, _clock_ns(ON_GPU))  # request staged
@@ -886,7 +881,7 @@ def serve_slots_kernel(
     #       [8] programs started, [9] namespace id (-1: all),
     #       [CTL_GROUPS, CTL_GROUPS + groups) programs arrived per group
     DQ,  # [D] float32 device: the round's query, normalised
-    AGREE,  # [4 * NS + 16] int64 device: program 0's scratch for values all its warps must share
+    AGREE,  # [NS * (REQ_WORDS + 1) + 16] int64 device: program 0's scratch for values all its warps must share
     S,  # [cap] float32 device: masked scores, each program's rows (read back by the same program)
     KEYS,  # [programs * K] int64 device: each program's top-K keys
     GKEYS,  # [groups * K] int64 device: each group's top-K keys
@@ -907,6 +902,7 @@ def serve_slots_kernel(
     W_NQF: tl.constexpr,
     W_NSLEN: tl.constexpr,
     W_NSB: tl.constexpr,
+    REQ_WORDS: tl.constexpr,  # a request's words, rounded up to a power of two
     W_RESP: tl.constexpr,
     W_STATN: tl.constexpr,
     E_Q: tl.constexpr,
@@ -957,7 +953,7 @@ def serve_slots_kernel(
     my_round = tl.zeros([], tl.int64)
     running = 1
     tl.atomic_add(CTL + 8, 1, sem="release", scope="gpu")
-    clock_at = 4 * NS  # the AGREE word _take_request keeps the clock in
+    clock_at = NS * (REQ_WORDS + 1) + 1  # the AGREE word _take_request keeps the clock in
     if pid == 0:
         t0 = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
         started = tl.atomic_add(CTL + 8, 0, sem="acquire", scope="gpu")
@@ -978,8 +974,8 @@ def serve_slots_kernel(
             # -- poll the slots until a request to serve, a stop, or the idle limit ---------
             state, pick, seq, kk, want_ns = _take_request(
                 SEG, SEGF, SLOT_AT, DSEEN, HHOF, HCTL, CTL + 3, DQ, AGREE, NS_TAB, NS_IDS, n_slots,
-                k_limit, idle, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, E_Q, D, NS, NSMAX,
-                BLOCK_DQ, ON_GPU, True,
+                k_limit, idle, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, E_Q, D, NS,
+                NSMAX, BLOCK_DQ, ON_GPU,
             )
             if state == 1:
                 tl.store(CTL + 9, want_ns)
