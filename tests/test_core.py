@@ -178,6 +178,7 @@ def test_rare_namespace_pads_batches_and_shortens_single_recalls(served):
     batch = served.client.recall_many(q[None], k=20, namespace="beta")
     assert (batch.ids[0, 7:] == -1).all() and np.isneginf(batch.scores[0, 7:]).all()
     assert len(batch[0]) == 7
+    assert hit.ids.tolist() == batch.ids[0, :7].tolist() and np.isfinite(hit.scores).all()
 
 
 def test_time_windows_are_applied_during_the_scan(served):

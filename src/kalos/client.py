@@ -311,9 +311,12 @@ class Client:
                     continue
                 slot = conn.channel.slot
                 if single:  # straight from the slot: the hits, without the -1 / -inf padding
-                    hits = slot.ids[0, :k]
-                    n = k - int(np.count_nonzero(hits == MISSING_ID))
-                    return Recall(hits[:n].copy(), slot.scores[0, :n].copy())
+                    hits = slot.ids[0, :k].copy()
+                    hit_scores = slot.scores[0, :k].copy()
+                    if hits[k - 1] == MISSING_ID:  # fewer than k matched: the padding trails the hits
+                        n = int(np.argmax(hits == MISSING_ID))
+                        hits, hit_scores = hits[:n], hit_scores[:n]
+                    return Recall(hits, hit_scores)
                 ids[start:stop] = slot.ids[: stop - start, :k]
                 scores[start:stop] = slot.scores[: stop - start, :k]
                 start = stop
