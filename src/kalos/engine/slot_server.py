@@ -435,11 +435,10 @@ class SlotGraphServer(_SlotPolling):
         # does running() queue rounds. A stop() that finds every round done must end it too.
         self._serving = False
 
-    def stamps(self) -> tuple[int, ...]:
+    def stamps(self) -> tuple[int, int, int, int]:
         """The GPU's clock (ns) when the latest round began to wait, first saw a request, staged
         it, and published its answer (diagnostics: ``benchmarks/slot_server_diag.py``)."""
-        h = self._hctl
-        return tuple(int(h[i]) for i in (5, 8, 6, 7))
+        return int(self._hctl[5]), int(self._hctl[8]), int(self._hctl[6]), int(self._hctl[7])
 
     def _columns(self) -> tuple:
         eng = self.engine

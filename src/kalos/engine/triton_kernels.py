@@ -671,6 +671,13 @@ def _namespace_id(request, NS_TAB, NS_IDS, W_NQF: tl.constexpr, W_NSLEN: tl.cons
 
 
 @triton.jit
+def _copy_slot_query(SEGF, DQ, at, sl, slot, E_Q: tl.constexpr, D: tl.constexpr, BLOCK_DQ: tl.constexpr):
+    """:func:`_copy_normalised` of the query in ``slot`` (``at``: each slot's word offset)."""
+    q_at = tl.multiple_of(tl.sum(tl.where(sl == slot, at, 0)) * 2 + E_Q, 4)  # slots and queries are 64-byte aligned
+    return _copy_normalised(SEGF + q_at, DQ, D, BLOCK_DQ)
+
+
+@triton.jit
 def _take_request(
     SEG, SEGF, SLOT_AT, DSEEN, HHOF, HCTL, RR, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle,
     op_recall, flags_all, W_REQ: tl.constexpr, W_OPK: tl.constexpr, W_NQF: tl.constexpr, W_NSLEN: tl.constexpr,
@@ -712,10 +719,10 @@ def _take_request(
     at = tl.load(SLOT_AT + sl, mask=slot_ok, other=-1)
     here = slot_ok & (at >= 0)
     while state == 0:
-        req = _agree(tl.load(SEG + at + W_REQ, mask=here, other=0, volatile=True), AGREE, sl, slot_ok)
+        req_now = tl.load(SEG + at + W_REQ, mask=here, other=0, volatile=True)
         # (The stop word in one lane: a scalar load would be a fetch over the bus per thread.)
-        stop = tl.max(_agree(tl.load(HCTL + sl * 0, mask=sl == 0, other=0, volatile=True), AGREE,
-                             stop_at + sl * 0, sl == 0))
+        stop_now = tl.load(HCTL + sl * 0, mask=sl == 0, other=0, volatile=True)
+        req = _agree(req_now, AGREE, sl, slot_ok)
         seen_a = tl.load(DSEEN + sl, mask=here, other=0)
         seen_h = tl.load(DSEEN + NS + sl, mask=here, other=0)
         pend = here & (req != seen_a) & (req != seen_h)
@@ -729,8 +736,7 @@ def _take_request(
             # The query of the pending slot whose turn it is, copied while its words travel
             # (copied again below in the rare case that slot cannot be served here).
             guess = (tl.min(tl.where(pend, turn, NS)) + start) % NS
-            ssq = _copy_normalised(SEGF + tl.multiple_of(tl.sum(tl.where(sl == guess, at, 0)) * 2 + E_Q, 4), DQ, D,
-                                   BLOCK_DQ)  # (slots and their query are 64-byte aligned)
+            ssq = _copy_slot_query(SEGF, DQ, at, sl, guess, E_Q, D, BLOCK_DQ)
             requests = _agree(requests, AGREE, NS + sl[:, None] * REQ_WORDS + rw[None, :], slot_ok[:, None])
             w1 = _word(requests, W_OPK, REQ_WORDS)
             w2 = _word(requests, W_NQF, REQ_WORDS)
@@ -745,8 +751,7 @@ def _take_request(
             tl.store(HHOF + sl, req, mask=give)
             if pick >= 0:
                 if pick != guess:
-                    ssq = _copy_normalised(
-                        SEGF + tl.multiple_of(tl.sum(tl.where(sl == pick, at, 0)) * 2 + E_Q, 4), DQ, D, BLOCK_DQ)
+                    ssq = _copy_slot_query(SEGF, DQ, at, sl, pick, E_Q, D, BLOCK_DQ)
                 seq = tl.sum(tl.where(sl == pick, req, 0))
                 want_ns = _namespace_id(tl.sum(tl.where(sl[:, None] == pick, requests, 0), axis=0), NS_TAB, NS_IDS,
                                         W_NQF, W_NSLEN, W_NSB, REQ_WORDS, NSMAX)
@@ -768,7 +773,7 @@ def _take_request(
         else:
             polls += 1
         if state == 0:
-            if stop != 0:
+            if tl.max(_agree(stop_now, AGREE, stop_at + sl * 0, sl == 0)) != 0:
                 state = 2
             elif ON_GPU:
                 # Time alone would count other processes' time slices as idle (the kernel
