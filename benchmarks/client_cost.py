@@ -15,7 +15,6 @@ import time
 
 import numpy as np
 
-from kalos.channel import Reply
 from kalos.client import Client
 
 
@@ -56,9 +55,9 @@ def main() -> int:
             channel = client._connection().channel
             slot = channel.slot
 
-            def answered_at_once(seq: int) -> Reply:
+            def answered_at_once(seq: int) -> int:
                 slot.resp_seq[0] = seq
-                return Reply(0, 8, "")
+                return 0
 
             channel.wait = answered_at_once
             print("recall k=8, wait faked            p50 %.2f us  p99 %.2f us" % timed(lambda: client.recall(q, 8)))

@@ -11,15 +11,17 @@ spinning on resp_seq, as kalos.client does from another process (minus its Pytho
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import mmap
+import tempfile
 import time
 
 import numpy as np
 import torch
 
 from kalos.engine.slot_server import SlotGraphServer, SlotServer
-from kalos.engine.torch_engine import TorchEngine
+from kalos.engine.torch_engine import ScanConfig, TorchEngine
 from kalos.protocol import Layout, Op, RequestFlag, SlotView
 
 RECALL, ALL = int(Op.RECALL), int(RequestFlag.ALL_NAMESPACES)
@@ -49,16 +51,24 @@ def wait(view: SlotView, seq: int, server, slot: int, timeout: float = 2.0) -> s
         server.running()  # the graph server's queue of rounds is topped up by this call
 
 
-def round_trips(server, view: SlotView, queries: np.ndarray, k: int, repeats: int, named: bool):
-    """Round trips (us, after 200 warm-up ones) of back-to-back requests through one slot, and
-    the graph server's median phases (GPU clock stamps)."""
+def round_trips(server, view: SlotView, queries: np.ndarray, k: int, repeats: int, named: bool, gap_us: float = 0,
+                ref: tuple | None = None):
+    """Round trips (us, after 200 warm-up ones) of requests through one slot, back to back or
+    ``gap_us`` apart (the server keeps serving meanwhile), the graph server's median phases
+    (GPU clock stamps), and how many answers differ from ``ref`` (ids, scores of each query;
+    checked after the clock stopped)."""
     lat = []
     phases = []  # graph server: host and GPU clocks (ns) of each request's phases
     stamps = getattr(server, "stamps", None)
     seq = int(view.req_seq[0])
+    wrong = 0
     extra = dict(flags=0, namespace=b"default") if named else {}
     for i in range(repeats + 200):
         seq += 1
+        if gap_us:
+            until = time.perf_counter() + gap_us / 1e6
+            while time.perf_counter() < until:
+                server.running()
         t = time.perf_counter()
         t_ns = time.time_ns()
         submit(view, queries[i % 512], k, seq, **extra)
@@ -69,6 +79,8 @@ def round_trips(server, view: SlotView, queries: np.ndarray, k: int, repeats: in
         lat.append(time.perf_counter() - t)
         if stamps is not None:
             phases.append((t_ns, time.time_ns(), *stamps()))
+        if ref is not None:
+            wrong += not answer_matches(view, ref, i % 512, k)
     phase_us = {}
     if phases:
         ph = np.array(phases[200:], np.float64)
@@ -79,7 +91,102 @@ def round_trips(server, view: SlotView, queries: np.ndarray, k: int, repeats: in
                          ("seen_to_staged", staged_t - seen_gpu_t), ("staged_to_published", pub_t - staged_t),
                          ("outside_the_gpu", (seen_t - submit_t) - (pub_t - seen_gpu_t))):
             phase_us[label] = round(float(np.median(v)) / 1e3, 1)
+    phase_us["wrong_answers"] = wrong
     return np.array(lat[200:]) * 1e6, phase_us
+
+
+def answer_matches(view: SlotView, ref: tuple, qi: int, k: int) -> bool:
+    """The slot's answer is the reference's top-k (ids, or float32 ties: the same scores)."""
+    ref_i, ref_s = ref
+    if view.status[0] != 0 or view.n_results[0] != k:
+        return False
+    if np.array_equal(view.ids[0, :k], ref_i[qi, :k]):
+        return True
+    return float(np.abs(view.scores[0, :k] - ref_s[qi, :k]).max()) <= 1e-6
+
+
+def make_server(eng: TorchEngine, layout: Layout, variant: str, base_tune: dict, answered: np.ndarray):
+    """``graph:DEPTH[:KEY=VALUE+KEY=VALUE[:WARPS]]`` (engine tuning for the graph server's plan,
+    e.g. single_final_warps=8, scan=32x128x4x1x128 for the scan's BLOCK_N x BLOCK_D x warps x
+    stages [x registers per thread], max_k=8 for the server's; the waiting kernel's warps) or ``programs_per_sm:ROWSxDIMS:warps``
+    (the resident kernel), serving the namespace every row is in."""
+    if variant.startswith("graph"):
+        _, depth, tune, warps = (variant.split(":", 3) + ["", "", ""])[:4]
+        tune = dict(kv.split("=") for kv in tune.split("+") if kv)
+        extra = {"max_k": int(tune.pop("max_k"))} if "max_k" in tune else {}
+        if "scan" in tune:  # scan=BLOCK_NxBLOCK_DxWARPSxSTAGES[xMAXNREG]: the single query's score-writing scan
+            bn, bd, w, st, *regs = (int(v) for v in tune.pop("scan").split("x"))
+            tune[("scores", eng.precision == "fast", False)] = ScanConfig(bn, bd, 1, w, st, 0, *regs)
+        eng._tune = dict(base_tune)
+        eng._tune.update({k: v if isinstance(k, tuple) else int(v) for k, v in tune.items()})
+        eng._plans.clear()
+        server = SlotGraphServer(eng, layout, answered, idle_s=0.5,
+                                 depth=int(depth or 3), **({"warps": int(warps)} if warps else {}), **extra)
+    else:
+        per_sm, tile, warps = variant.split(":")
+        rows, dims = (int(v) for v in tile.split("x"))
+        server = SlotServer(eng, layout, answered, idle_s=0.5,
+                            programs_per_sm=int(per_sm), tile=(rows, dims), warps=int(warps))
+    server.set_namespaces({b"default": 0})
+    return server
+
+
+def kernel_timeline(new_server, view: SlotView, active: np.ndarray, queries: np.ndarray, k: int, rounds: int) -> dict:
+    """Median duration of each kernel of a graph round and of the gaps between them (us), from
+    CUPTI's kernel records of ``rounds`` back-to-back named requests. The profiler runs from
+    before the graph's capture (a graph captured earlier may not be traced)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        server = new_server()
+        server.warm()
+        server.start(active)
+        round_trips(server, view, queries, k, rounds, True)
+        server.stop()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    by_round, current = [], None
+    for e in kernels:
+        name = e["name"].split("(")[0].removesuffix("_kernel")
+        if name.startswith("await_request"):
+            current = []
+            by_round.append(current)
+        if current is not None:
+            current.append((name, float(e["ts"]), float(e["dur"])))
+    full = [r for r in by_round[-rounds:] if len(r) > 1]
+    if not full:
+        return {"rounds": 0, "kernels_seen": len(kernels)}
+    shape = [name for name, _, _ in full[-1]]
+    full = [r for r in full if [name for name, _, _ in r] == shape]
+    steps = {}
+    for i, name in enumerate(shape):
+        if i:
+            steps[f"gap before {name}"] = [r[i][1] - (r[i - 1][1] + r[i - 1][2]) for r in full]
+        steps[name] = [r[i][2] for r in full]
+    steps["await end -> last end"] = [r[-1][1] + r[-1][2] - (r[0][1] + r[0][2]) for r in full]
+    return {"rounds": len(full), **{label: round(float(np.median(v)), 2) for label, v in steps.items()}}
+
+
+def kernel_medians(fn, reps: int) -> dict:
+    """Median duration (us) of each kernel ``fn`` launches, over ``reps`` calls (CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    durations: dict = {}
+    for e in events:
+        if e.get("cat") == "kernel":
+            durations.setdefault(e["name"].split("(")[0][:40], []).append(float(e["dur"]))
+    return {name: round(float(np.median(v)), 2) for name, v in durations.items()}
 
 
 def main() -> None:
@@ -93,6 +200,12 @@ def main() -> None:
                     help="exact mode: graph:DEPTH[:KEY=VALUE+...] (engine tuning) or programs_per_sm:rowsxdims:warps, "
                          "comma-separated")
     ap.add_argument("--fast-variants", default="graph:3,3:8x1024:4")
+    ap.add_argument("--gap-us", type=float, default=0,
+                    help="also time named requests this far apart (the next round already waiting)")
+    ap.add_argument("--timeline", type=int, default=0, metavar="ROUNDS",
+                    help="graph variants: kernel start/end times of ROUNDS rounds (torch.profiler, CUPTI)")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="kernel times of torch.mv over the scanned rows and of the engine's own search (CUPTI)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rng = np.random.default_rng(1)
@@ -112,22 +225,15 @@ def main() -> None:
         unit = queries / np.linalg.norm(queries.astype(np.float64), axis=1, keepdims=True).astype(np.float32)
         ref_i, ref_s = eng.search(unit.astype(np.float32), 16)
         base_tune = dict(eng._tune)
+        if args.ceiling:
+            x_scan = eng._x16 if precision == "fast" else eng._x32
+            q_scan = torch.from_numpy(unit[0]).to(x_scan.device, x_scan.dtype)
+            print(f"   {precision}: torch.mv over the scanned rows: {kernel_medians(lambda: torch.mv(x_scan, q_scan), 50)}; "
+                  f"engine search, one query: {kernel_medians(functools.partial(eng.search, unit[:1], 8), 50)}", flush=True)
         for variant in [v for v in (args.variants if precision == "exact" else args.fast_variants).split(",") if v]:
-            seqs = np.zeros(layout.n_slots, np.int64)
-            if variant.startswith("graph"):
-                # graph:DEPTH[:KEY=VALUE+KEY=VALUE[:WARPS]] (engine tuning for this server's plan, e.g.
-                # single_final_warps=8; the waiting kernel's warps)
-                _, depth, tune, warps = (variant.split(":", 3) + ["", "", ""])[:4]
-                eng._tune = dict(base_tune, **{k: int(v) for k, v in (kv.split("=") for kv in tune.split("+") if kv)})
-                eng._plans.clear()
-                server = SlotGraphServer(eng, layout, np.zeros(layout.n_slots, np.uint64), idle_s=0.5,
-                                         depth=int(depth or 3), **({"warps": int(warps)} if warps else {}))
-            else:
-                per_sm, tile, warps = variant.split(":")
-                rows, dims = (int(v) for v in tile.split("x"))
-                server = SlotServer(eng, layout, np.zeros(layout.n_slots, np.uint64), idle_s=0.5,
-                                    programs_per_sm=int(per_sm), tile=(rows, dims), warps=int(warps))
-            server.set_namespaces({b"default": 0})  # every row's namespace
+            # Sequence numbers go on from the last variant's: every request so far counts as answered.
+            seqs = np.array([int(v.req_seq[0]) for v in views], np.int64)
+            server = make_server(eng, layout, variant, base_tune, seqs.astype(np.uint64))
             t0 = time.perf_counter()
             server.warm()
             compile_s = time.perf_counter() - t0
@@ -144,13 +250,7 @@ def main() -> None:
                 got = wait(views[s], int(seqs[s]), server, s)
                 outcomes[got] += 1
                 if got == "answered":
-                    if views[s].status[0] != 0 or views[s].n_results[0] != k:
-                        bad += 1
-                    elif not np.array_equal(views[s].ids[0, :k], ref_i[qi, :k]):
-                        # exact float32 ties aside, the ids match; report score gaps
-                        gap = np.abs(views[s].scores[0, :k] - ref_s[qi, :k]).max()
-                        if gap > 1e-6:
-                            bad += 1
+                    bad += not answer_matches(views[s], (ref_i, ref_s), qi, k)
                 if not server.running():
                     server.start(active)
             # what it must hand over: k > max_k, batches, a filter, a zero query
@@ -166,22 +266,28 @@ def main() -> None:
             # latency: one slot, back to back; requests for all namespaces, then naming "default"
             # (as kalos.client sends by default: the kernel looks the name up)
             latency = {}
-            for named in (False, True):
-                lat, phase_us = round_trips(server, views[0], queries, args.k, args.repeats, named)
-                latency["named" if named else "all"] = dict(
-                    p50_us=round(float(np.percentile(lat, 50)), 1), p99_us=round(float(np.percentile(lat, 99)), 1),
-                    phases_us=phase_us)
-                print(f"   {'named' if named else 'all namespaces'}: {json.dumps(latency['named' if named else 'all'])}",
-                      flush=True)
+            runs = [("all", False, 0), ("named", True, 0)] + ([("named_gap", True, args.gap_us)] if args.gap_us else [])
+            for label, named, gap in runs:
+                lat, phase_us = round_trips(server, views[0], queries, args.k, args.repeats, named, gap,
+                                            (ref_i, ref_s))
+                latency[label] = dict(p50_us=round(float(np.percentile(lat, 50)), 1),
+                                      p99_us=round(float(np.percentile(lat, 99)), 1), phases_us=phase_us)
+                print(f"   {label}: {json.dumps(latency[label])}", flush=True)
             served = server.served
             server.stop()
+            timeline = None
+            if args.timeline and variant.startswith("graph"):
+                timeline = kernel_timeline(functools.partial(make_server, eng, layout, variant, base_tune,
+                                                             np.array([v.req_seq[0] for v in views], np.uint64)), views[0], active,
+                                           queries, args.k, args.timeline)
+                print(f"   kernel timeline (median us per round): {json.dumps(timeline)}", flush=True)
             row = dict(precision=precision, variant=variant, programs=getattr(server, "programs", 1),
                        resident=getattr(server, "resident_per_sm", 0), not_resident=getattr(server, "not_resident", 0),
                        compile_s=round(compile_s, 1),
                        checks=outcomes, bad=bad, handed_ok=f"{handed_ok}/6", served=served,
                        p50_us=latency["all"]["p50_us"], p99_us=latency["all"]["p99_us"],
                        named_p50_us=latency["named"]["p50_us"], named_p99_us=latency["named"]["p99_us"],
-                       latency=latency)
+                       latency=latency, timeline=timeline)
             print(json.dumps(row), flush=True)
             table.append(row)
         eng.detach_host()

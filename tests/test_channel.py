@@ -363,10 +363,10 @@ def run_clients(h: Harness, n_requests: int, *, tokens_base: int = 1) -> list[fl
                     slot.queries[row, 1] = ci
                 started = time.monotonic()
                 seq = channel.submit()
-                reply = channel.wait(seq)
+                status = channel.wait(seq)
                 longest = max(longest, time.monotonic() - started)
-                if reply.status != 0 or reply.n_results != rows:
-                    failures.append(f"client {ci} request {r}: status {reply.status} n {reply.n_results}")
+                if status != 0 or int(slot.n_results[0]) != rows:
+                    failures.append(f"client {ci} request {r}: status {status} n {int(slot.n_results[0])}")
                     return
                 for row in range(rows):
                     got = (int(slot.ids[row, 0]), int(slot.ids[row, 1]), int(slot.ids[row, 2]), float(slot.scores[row, 0]))
@@ -425,9 +425,9 @@ def test_single_client_ping_pong_with_pauses(harness):
         slot.n_queries[0] = 1
         slot.queries[0, 0] = 100 + r
         started = time.monotonic()
-        reply = channel.wait(channel.submit())
+        status = channel.wait(channel.submit())
         assert time.monotonic() - started < 20.0, "a doorbell was lost"
-        assert reply.status == 0 and int(slot.ids[0, 0]) == 100 + r
+        assert status == 0 and int(slot.ids[0, 0]) == 100 + r
 
 
 def test_error_status_and_message_reach_the_client(harness):
@@ -443,8 +443,8 @@ def test_error_status_and_message_reach_the_client(harness):
     view.status[0] = 2
     view.n_results[0] = 0
     h.side.publish(ready, seqs)
-    reply = channel.wait(seq)
-    assert (reply.status, reply.n_results, reply.message) == (2, 0, "k=0 is out of range")
+    status = channel.wait(seq)
+    assert (status, int(slot.n_results[0]), slot.read_message()) == (2, 0, "k=0 is out of range")
     assert h.side.pending()[0].tolist() == []  # answered once, not again
     slot.resp_seq[0] = 12345  # a client scribbling on the sidecar's word changes nothing
     assert h.side.pending()[0].tolist() == []
@@ -456,7 +456,7 @@ def test_stopped_heartbeat_raises_sidecar_unavailable(harness):
     channel = h.add_client(timeout=timeout, spin_s=0.0)
     h.serve(sleep_when_idle=False)
     channel.slot.n_queries[0] = 1
-    assert channel.wait(channel.submit()).status == 0  # alive first
+    assert channel.wait(channel.submit()) == 0  # alive first
     h.answer.clear()  # hung: no answers...
     h.beat.clear()  # ...and no heartbeat
     started = time.monotonic()
@@ -476,10 +476,10 @@ def test_slow_but_live_sidecar_is_waited_for(harness):
     timer = threading.Timer(1.5, h.answer.set)
     timer.start()
     try:
-        reply = channel.wait(seq)
+        status = channel.wait(seq)
     finally:
         timer.cancel()
-    assert reply.status == 0 and int(channel.slot.ids[0, 0]) == 9
+    assert status == 0 and int(channel.slot.ids[0, 0]) == 9
 
 
 def test_epoch_change_raises_sidecar_unavailable(harness):
@@ -487,7 +487,7 @@ def test_epoch_change_raises_sidecar_unavailable(harness):
     channel = h.add_client(timeout=5.0, spin_s=0.0)
     h.serve(sleep_when_idle=False)
     channel.slot.n_queries[0] = 1
-    assert channel.wait(channel.submit()).status == 0
+    assert channel.wait(channel.submit()) == 0
     h.answer.clear()
     h.side.header.epoch[0] = h.epoch + 2  # a new sidecar took the segment over
     with pytest.raises(SidecarUnavailable, match="restarted"):

@@ -203,6 +203,23 @@ def test_namespace_table_resolves_names_that_share_a_home_row_and_hands_over_tho
 
 @needs_interpreter
 @SERVERS
+def test_a_namespace_renamed_in_the_table_is_not_answered_from_the_name_found_last(make_rig, rng, server):
+    # The kernels remember the name they resolved last (a request naming it again skips the
+    # table's probe); a new table must make them forget it.
+    rig = make_rig(server=server)
+    q = rng.standard_normal(rig.engine.dim).astype(np.float32)
+    for table, rows_ns in (({b"a": 0, b"b": 1}, 0), ({b"a": 0, b"b": 1}, 0), ({b"a": 1, b"b": 0}, 1)):
+        rig.server.set_namespaces(table)
+        seq = rig.submit(0, q, 4, flags=0, namespace=b"a")
+        rig.server.start(rig.active)
+        view = rig.views[0]
+        assert int(view.resp_seq[0]) == seq
+        assert_topk_matches(view.ids[:1, :4], view.scores[:1, :4], rig.ids, rig.vectors, q[None], 4,
+                            rig.live & (rig.namespaces == rows_ns), context=f"'a' is namespace {rows_ns}")
+
+
+@needs_interpreter
+@SERVERS
 def test_never_writes_past_a_slots_max_k(make_rig, rng, server):
     # A segment made for k <= 4: the kernel (built for k <= 16) must hand k = 8 to the host,
     # whose error names the limit, instead of writing 8 ids into a row of 4.

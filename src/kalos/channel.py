@@ -31,7 +31,7 @@ from kalos.errors import InvalidArgument, ProtocolMismatch, SidecarUnavailable
 from kalos.protocol import HEADER_DTYPE, HeaderView, Layout, SlotColumns, SlotView
 from kalos.sync import full_fence
 
-__all__ = ["Endpoint", "Segment", "ClientChannel", "SidecarChannel", "Reply", "SidecarExited"]
+__all__ = ["Endpoint", "Segment", "ClientChannel", "SidecarChannel", "SidecarExited"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _SHM_DIR = Path("/dev/shm")
@@ -131,13 +131,6 @@ class SidecarExited(SidecarUnavailable):
     """The sidecar's end of the control socket closed: it exited or was killed (not merely slow)."""
 
 
-@dataclass
-class Reply:
-    status: int
-    n_results: int
-    message: str
-
-
 class ClientChannel:
     """A client's end of one slot: submit a request, wait for its answer."""
 
@@ -188,8 +181,10 @@ class ClientChannel:
                 pass
         return seq
 
-    def wait(self, seq: int) -> Reply:
-        """Blocks until the response to ``seq`` is in the slot; SidecarUnavailable if none comes."""
+    def wait(self, seq: int) -> int:
+        """Blocks until the response to ``seq`` is in the slot, then returns its status (0: the
+        answer is in the slot; else an error code, the slot's message says more);
+        SidecarUnavailable if none comes."""
         slot = self.slot
         resp_seq = slot.resp_seq
         clock = time.perf_counter
@@ -199,7 +194,7 @@ class ClientChannel:
                 self._block(seq)
                 break
         full_fence()  # acquire: resp_seq is read before the response fields and result rows
-        return Reply(int(slot.status[0]), int(slot.n_results[0]), slot.read_message() if slot.status[0] else "")
+        return int(slot.status[0])
 
     def _block(self, seq: int) -> None:
         slot = self.slot

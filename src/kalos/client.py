@@ -280,7 +280,10 @@ class Client:
         with self._lock:
             conn = self._connection()
             layout = conn.layout
-            rows = _as_matrix(queries, layout.dim, single=single)
+            if single and type(queries) is np.ndarray and queries.dtype is _FLOAT32 and queries.shape == (layout.dim,):
+                rows = queries[None]  # the common case, without _as_matrix's checks (~0.3 us)
+            else:
+                rows = _as_matrix(queries, layout.dim, single=single)
             if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= layout.max_k:
                 raise InvalidQuery(f"k={k!r} is out of range: 1 <= k <= {layout.max_k}")
             k = int(k)
@@ -340,9 +343,9 @@ class Client:
             slot.namespace[0] = namespace
             slot.namespace_len[0] = len(namespace)
             self._last_request = key
-        reply = channel.wait(channel.submit())
-        if reply.status:
-            raise error_from_code(reply.status, reply.message)
+        status = channel.wait(channel.submit())
+        if status:
+            raise error_from_code(status, slot.read_message())
 
     def ping(self) -> None:
         """One bare round trip through the slot (no search): a liveness and latency probe."""
@@ -568,6 +571,7 @@ def _as_matrix(
 
 
 _REQUESTS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+_FLOAT32 = np.dtype(np.float32)
 
 
 def _request_words(k: int, namespace: str | None, since: Any, until: Any) -> tuple[Any, ...]:

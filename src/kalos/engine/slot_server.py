@@ -132,7 +132,8 @@ class _SlotPolling:
         if getattr(engine._tk.NS_PROBE, "value", engine._tk.NS_PROBE) != _NAME_PROBE:
             raise AssertionError("the kernels and the host disagree on the namespace table's probe")
         self._ns_tab = torch.zeros((_NAME_ROWS, 9), dtype=torch.int64, device=dev)
-        self._ns_ids = torch.full((_NAME_ROWS,), -1, dtype=torch.int64, device=dev)
+        # The ids, then the name the kernels found last (8 words, length, id: _namespace_id).
+        self._ns_ids = torch.full((_NAME_ROWS + 16,), -1, dtype=torch.int64, device=dev)
         self._names: dict[bytes, int] = {}
         self._stream = torch.cuda.Stream(device=dev, priority=-100) if self.on_gpu else None
         self.launches = 0
@@ -183,7 +184,7 @@ class _SlotPolling:
         if any(ns_id < 0 for ns_id in names.values()):
             raise InvalidArgument("namespace ids must be >= 0 (-1 marks an unused row of the table)")
         tab = np.zeros((_NAME_ROWS, 9), np.int64)
-        ids = np.full(_NAME_ROWS, -1, np.int64)
+        ids = np.full(_NAME_ROWS + 16, -1, np.int64)  # (the name found last: none)
         for name, ns_id in names.items():
             words = np.frombuffer(name.ljust(NAMESPACE_BYTES, b"\0")[:NAMESPACE_BYTES], np.int64)
             home = name_home(words, len(name))

@@ -158,7 +158,8 @@ def fast_error_terms(dim: int, half: str = "float16") -> tuple[float, float, flo
 
 @dataclass(frozen=True)
 class ScanConfig:
-    """Tile shape of the scan kernel; ``progs`` = programs per query block (0: from occupancy)."""
+    """Tile shape of the scan kernel; ``progs`` = programs per query block (0: from occupancy);
+    ``maxnreg``: registers per thread the compiler may use (0: its choice)."""
 
     block_n: int
     block_d: int
@@ -166,6 +167,7 @@ class ScanConfig:
     warps: int
     stages: int
     progs: int = 0
+    maxnreg: int = 0
 
 
 #: Defaults by (16-bit rows, batched): the fastest tiles of the v1 sweep on an H200
@@ -175,7 +177,9 @@ DEFAULT_TUNE: dict = {
     (True, False): ScanConfig(block_n=32, block_d=128, block_q=1, warps=4, stages=1),
     (False, True): ScanConfig(block_n=64, block_d=32, block_q=32, warps=4, stages=3),
     (True, True): ScanConfig(block_n=128, block_d=64, block_q=64, warps=8, stages=3),
-    ("scores", False, False): ScanConfig(block_n=32, block_d=128, block_q=1, warps=4, stages=1),
+    # (128 registers: 4 programs per SM with the filter's columns loaded ahead of the rows; at
+    # the compiler's 140, 3 fit and the scan took 67.3 us instead of 64.1, H200, 65,536 rows.)
+    ("scores", False, False): ScanConfig(block_n=32, block_d=128, block_q=1, warps=4, stages=1, maxnreg=128),
     ("scores", True, False): ScanConfig(block_n=32, block_d=128, block_q=1, warps=4, stages=1),
     ("scores", False, True): ScanConfig(block_n=64, block_d=64, block_q=16, warps=4, stages=3),
     ("scores", True, True): ScanConfig(block_n=64, block_d=64, block_q=16, warps=4, stages=3),
@@ -206,6 +210,12 @@ DEFAULT_TUNE: dict = {
     "final_warps": 8,
     "single_final_tile": 16384,
     "single_final_warps": 16,
+    # A single query's selection (the slot server's graph), measured there (H200, 65,536 rows,
+    # 2026-12-01): the chunk top-K with 8 warps 4.2 us against 5.7 with 4; the exact final
+    # kernel (top-k of 1,024 keys, no re-score) with 8 warps 6.3 us against 7.2 with 4 and 6.6
+    # with 16. Batches keep 4 warps for both (not measured there).
+    "single_topk_warps": 8,
+    "single_exact_final_warps": 8,
     # PyTorch's CPU device (Triton's interpreter): few, large blocks, since every
     # tl.topk costs the interpreter a fraction of a second.
     "cpu_progs": 2,
@@ -226,6 +236,7 @@ class _Plan:
     final_block_d: int
     final_warps: int
     ws_keys: int  # int64 keys per query the workspace must hold
+    topk_warps: int  # warps of a program of the score-writing scan's chunk top-K
     score_chunk: int = 0  # v2: the scan writes scores, top-K per chunk of this many (0: fused)
     gemm_rows: int = 0  # batches: cuBLAS scores this many rows at a time instead of the scan (0: scan)
     threshold: bool = False  # whole GEMM slices select by threshold (_gemm_scores), not per chunk
@@ -981,7 +992,7 @@ class TorchEngine(Engine):
         tile = base.block_n * base.block_d
         block_d = max(16, min(base.block_d, tile // block_n, _next_pow2(self.dim)))
         block_q = min(base.block_q, max(16, qb)) if batched else 1
-        cfg = ScanConfig(block_n, block_d, block_q, base.warps, base.stages, base.progs)
+        cfg = ScanConfig(block_n, block_d, block_q, base.warps, base.stages, base.progs, base.maxnreg)
         n_qblocks = -(-qb // block_q)
         if scores and cfg.progs == 0:  # one row block per program, capacity-wide grid
             progs = -(-self.rows.capacity // block_n)
@@ -1013,9 +1024,13 @@ class TorchEngine(Engine):
         final_chunk = _next_pow2(max(count, k1))
         single = "single_" if qb == 1 else ""
         final_block_d = max(16, min(_next_pow2(self.dim), int(tune[single + "final_tile"]) // k1))
-        final_warps = int(tune[single + "final_warps"]) if kind != "f32" else 4
+        if kind != "f32":
+            final_warps = int(tune[single + "final_warps"])
+        else:
+            final_warps = int(tune["single_exact_final_warps"]) if single else 4
+        topk_warps = int(tune["single_topk_warps"]) if single else 4
         plan = _Plan(k1, kp, cfg, n_qblocks, progs, levels, count, final_chunk, final_block_d, final_warps, ws,
-                     score_chunk if scores else 0, gemm_rows, threshold)
+                     topk_warps, score_chunk if scores else 0, gemm_rows, threshold)
         self._plans[key] = plan
         return plan
 
@@ -1103,6 +1118,7 @@ class TorchEngine(Engine):
             D=self.dim, K=plan.k1, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, BLOCK_Q=cfg.block_q,
             HALF=kind == "f16", FILTER=filtered, PREC="tf32" if kind == "tf32" else "ieee",
             num_warps=cfg.warps, num_stages=cfg.stages,
+            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and self._is_cuda else {}),
         )
         if plan.score_chunk:
             tk.scan_topk_kernel[(plan.progs, plan.n_qblocks)](
@@ -1111,7 +1127,7 @@ class TorchEngine(Engine):
             chunks = -(-cap // plan.score_chunk)
             stride = chunks * plan.k1
             tk.scores_topk_kernel[(chunks, qb)](ws_s, ws_a, hdr, cap, stride, K=plan.k1, CHUNK=plan.score_chunk,
-                                                num_warps=4)
+                                                num_warps=plan.topk_warps)
             return stride
         stride = plan.progs * plan.k1
         tk.scan_topk_kernel[(plan.progs, plan.n_qblocks)](

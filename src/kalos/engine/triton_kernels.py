@@ -244,6 +244,8 @@ def scan_topk_kernel(
         want_ns = tl.load(HDR + 4)
         since = tl.load(HDRF + 5)
         until = tl.load(HDRF + 6)
+        # (!= 0: Triton's interpreter cannot "&" a mask with an "|" of float comparisons)
+        has_time = ((since > float("-inf")) | (until < float("inf"))) != 0
     EVEN_D: tl.constexpr = D % BLOCK_D == 0
     qs = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     q_ok = qs < nq
@@ -256,6 +258,15 @@ def scan_topk_kernel(
         while blk < n_blocks:
             rows = blk.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
             in_rng = rows < n
+            # The mask's columns are loaded before the rows, so that their latency hides behind
+            # the rows' (after them they were a round trip more at the end of every program:
+            # ~5 us of the single-query scan, 8%; ahead they hold registers, hence the exact
+            # scan's 128-register cap in torch_engine.DEFAULT_TUNE). Only the columns a filter
+            # uses are read.
+            live = tl.load(LIVE + rows, mask=in_rng, other=0)
+            if FILTER:
+                nsv = tl.load(NS + rows, mask=in_rng & (has_ns != 0), other=0)
+                ts = tl.load(TS + rows, mask=in_rng & has_time, other=0.0)
             if BLOCK_Q == 1:
                 sc1 = _row_scores(X, Qs + pid_q * D, rows, in_rng, D, BLOCK_N, BLOCK_D, HALF)
                 sc = tl.reshape(sc1, [1, BLOCK_N])
@@ -282,11 +293,8 @@ def scan_topk_kernel(
                     else:
                         acc = tl.dot(qv, tl.trans(x), acc, input_precision=PREC)
                 sc = acc
-            live = tl.load(LIVE + rows, mask=in_rng, other=0)
             ok = in_rng & (live != 0)
             if FILTER:
-                nsv = tl.load(NS + rows, mask=in_rng, other=0)
-                ts = tl.load(TS + rows, mask=in_rng, other=0.0)
                 ok = ok & ((has_ns == 0) | (nsv.to(tl.int64) == want_ns)) & (ts >= since) & (ts < until)
             if WRITE_SCORES:
                 # v2: no selection in the streaming loop (its bitonic passes cost block-wide
@@ -314,8 +322,10 @@ def _masked_rows(S, q, local, inside, HDR, stride_s, row_base, width, LIVE, NS, 
     n = tl.load(HDR)
     rows = row_base + local
     limit = stride_s if width == 0 else width
+    # (The scores' load does not wait for n: rows past it are masked below.)
+    sc = tl.load(S + q.to(tl.int64) * stride_s + local, mask=inside & (local < limit), other=float("-inf"))
     ok = inside & (rows < n) & (local < limit)
-    sc = tl.load(S + q.to(tl.int64) * stride_s + local, mask=ok, other=float("-inf"))
+    sc = tl.where(ok, sc, float("-inf"))
     if MASK:
         ok = ok & (tl.load(LIVE + rows, mask=ok, other=0) != 0)
         if FILTER:
@@ -360,8 +370,9 @@ def scores_topk_kernel(
     j = tl.program_id(0)
     q = tl.program_id(1)
     nq = tl.load(HDR + 1)
+    # (Loaded before the test of nq, not after it: S holds a row for every program's query.)
+    sc, rows, ok = _masked_chunk(S, q, j, HDR, stride_s, row_base, width, LIVE, NS, TS, HDRF, CHUNK, MASK, FILTER)
     if q < nq:
-        sc, rows, ok = _masked_chunk(S, q, j, HDR, stride_s, row_base, width, LIVE, NS, TS, HDRF, CHUNK, MASK, FILTER)
         keys = tl.where(ok, _pack(sc, rows), -9223372036854775808)
         top = tl.topk(tl.reshape(keys, [1, CHUNK]), K)
         tl.store(OUT + q.to(tl.int64) * stride_out + out_first + j * K + tl.arange(0, K)[None, :], top)
@@ -506,15 +517,27 @@ def final_kernel(
     ON_GPU: tl.constexpr = False,
 ):
     q = tl.program_id(0)
+    # The keys and every header word this program needs, loaded at once (the workspace and the
+    # header hold a row for every program of the grid): one issued after the selection would
+    # be a device-memory round trip more on the answer's path.
     nq = tl.load(HDR + 1)
+    offs = tl.arange(0, CHUNK)
+    keys = tl.load(IN + q.to(tl.int64) * stride_in + offs, mask=offs < count_in, other=-9223372036854775808)
+    k_cols = tl.load(HDR + 8)
+    at_i = tl.load(HDR + TAB + 4 * q + 1)
+    at_s = tl.load(HDR + TAB + 4 * q + 2)
+    if RESCORE:
+        kq = tl.load(HDR + 2)
+        x_norm = tl.load(HDRF + 7)
+    if PUBLISH:
+        slot_w = tl.load(HDR + 9)
+        seq = tl.load(HDR + 10)
+        slot = tl.load(HDR + 11)
     if q < nq:
-        offs = tl.arange(0, CHUNK)
-        keys = tl.load(IN + q.to(tl.int64) * stride_in + offs, mask=offs < count_in, other=-9223372036854775808)
         top = tl.topk(tl.reshape(keys, [1, CHUNK]), KIN)
         if RESCORE:
             final, certified = _certified_rescore(
-                top, tl.load(HDR + 2), X32, Qs + q.to(tl.int64) * D, tl.load(HDRF + 7), err_a, err_b, err_c,
-                D, KIN, KOUT, BLOCK_D,
+                top, kq, X32, Qs + q.to(tl.int64) * D, x_norm, err_a, err_b, err_c, D, KIN, KOUT, BLOCK_D,
             )
             if CHECK_OVER:
                 certified = certified & (tl.load(OVER + q) == 0)
@@ -529,51 +552,49 @@ def final_kernel(
         # Straight into host memory (page-locked, mapped): the engine's result area or a
         # client's slot. Only the k_out columns asked for: a slot row may be narrower than KOUT.
         cols = tl.arange(0, KOUT)[None, :]
-        want = cols < tl.load(HDR + 8)
+        want = cols < k_cols
         good = True
         if PUBLISH:
             if RESCORE:
                 good = tl.sum(certified.to(tl.int32)) > 0
             want = want & good
-        tl.store(RES_I + tl.load(HDR + TAB + 4 * q + 1) + cols, out_i, mask=want)
-        tl.store(RES_S + tl.load(HDR + TAB + 4 * q + 2) + cols, score, mask=want)
+        tl.store(RES_I + at_i + cols, out_i, mask=want)
+        tl.store(RES_S + at_s + cols, score, mask=want)
         if PUBLISH:
-            _publish(SEG, DSEEN, HANS, HHOF, HCTL, CTL + 2, tl.load(HDR + 9), tl.load(HDR + 10), tl.load(HDR + 11),
-                     tl.load(HDR + 8), good, W_STATN, W_RESP, NS, ON_GPU)
+            _publish(SEG, DSEEN, HANS, HHOF, HCTL, CTL + 2, slot_w, seq, slot, k_cols, good, W_STATN, W_RESP, NS,
+                     ON_GPU)
 
 
 # -- the resident server: one kernel that polls the slots itself ------------------------------
 
 
 @triton.jit
-def _fence_system(ON_GPU: tl.constexpr, ACQUIRE: tl.constexpr = False):
-    """PTX ``fence.sc.sys``: this thread's earlier loads and stores are ordered before its
-    later ones for every observer, the host CPU included. ``ACQUIRE``: ``fence.acq_rel.sys``,
-    enough after a relaxed (volatile) load that saw a flag, before the loads of what the flag
-    publishes. (The interpreter runs one program on the host: nothing to order.)"""
+def _fence_system(ON_GPU: tl.constexpr):
+    """PTX ``fence.acq_rel.sys``, for observers the host CPU included: after a relaxed load
+    that saw a flag, the loads of what it publishes come after it (acquire); before the store
+    of a flag, this thread's earlier stores, and those it saw through a barrier, are visible
+    first (release). (The interpreter runs one program on the host: nothing to order.)"""
     if ON_GPU:
-        if ACQUIRE:
-            tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                                      is_pure=False, pack=1)
+        tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.jit
 def _publish(SEG, DSEEN, HANS, HHOF, HCTL, ANSWERS, slot_w, seq, slot, k, good, W_STATN: tl.constexpr,
              W_RESP: tl.constexpr, NS: tl.constexpr, ON_GPU: tl.constexpr):
     """With the answer's rows already in the slot (``good``): status 0 and ``n_results`` = k,
-    then ``resp_seq`` (the client reads nothing before it), a system fence before each; then
-    the answered records (HANS, DSEEN) and the count of answers (ANSWERS, copied to HCTL[1]).
-    Otherwise (a failed certificate: nothing was written) the request is handed to the host."""
+    a barrier and a release fence, then ``resp_seq`` (the client reads nothing before it);
+    then the answered records (HANS, DSEEN) and the count of answers (ANSWERS, copied to
+    HCTL[1]), which no one reads before ``resp_seq``. Otherwise (a failed certificate:
+    nothing was written) the request is handed to the host."""
     if good:
-        tl.debug_barrier()  # every thread's stores of the rows
-        _fence_system(ON_GPU)
         tl.store(SEG + slot_w + W_STATN, k << 32)
+        # The barrier orders every thread's stores of the rows before this thread's fence, the
+        # release fence all of them before resp_seq (the PTX model's release pattern; one
+        # fence, where a system fence before and after the status word cost ~1 us more).
+        tl.debug_barrier()
         _fence_system(ON_GPU)
         tl.store(SEG + slot_w + W_RESP, seq)
-        _fence_system(ON_GPU)
         tl.store(HCTL + 7, _clock_ns(ON_GPU))  # diagnostics: the answer published
         tl.store(DSEEN + slot, seq)
         tl.store(HANS + slot, seq)
@@ -650,23 +671,37 @@ def _word(requests, W: tl.constexpr, REQ_WORDS: tl.constexpr):
 
 
 @triton.jit
-def _namespace_id(request, NS_TAB, NS_IDS, W_NQF: tl.constexpr, W_NSLEN: tl.constexpr, W_NSB: tl.constexpr,
+def _namespace_id(request, NS_TAB, NS_IDS, last, W_NQF: tl.constexpr, W_NSLEN: tl.constexpr, W_NSB: tl.constexpr,
                   REQ_WORDS: tl.constexpr, NSMAX: tl.constexpr):
     """The namespace a request (its words) asks for: -1 for all namespaces, the id of a name
     the device table holds, or -2 for any other name (the host answers it: its namespace, or
-    its error)."""
+    its error).
+
+    ``last`` ([16] int64, loaded before the poll) is the name found last (NS_IDS[NSMAX:]:
+    8 words, length, id; length -1 when none): a request naming it again (every request
+    of a client that keeps to one namespace) skips the table's probe, a device-memory round
+    trip after the request's words arrive (~1.5 us of the staging, benchmarks/NOTES-gpu.md).
+    The host empties it whenever the table changes."""
     want_ns = tl.full([], -1, tl.int64)
     if (_word(request, W_NQF, REQ_WORDS) >> 32) == 0:  # no ALL_NAMESPACES flag: a named request
         w8 = tl.arange(0, 8)
         cols = tl.arange(0, REQ_WORDS)
         name = tl.sum(tl.where(cols[None, :] == (W_NSB + w8)[:, None], request[None, :], 0), axis=1)
         name_len = (_word(request, W_NSLEN, REQ_WORDS) >> 32) & 0xFFFFFFFF
-        probe = (_name_home(name, name_len, NSMAX) + tl.arange(0, NS_PROBE)) & (NSMAX - 1)
-        t_id = tl.load(NS_IDS + probe)  # -1: a row not in use
-        tab = tl.load(NS_TAB + probe[:, None] * 9 + w8[None, :])
-        t_len = tl.load(NS_TAB + probe * 9 + 8)
-        same = (tl.sum((tab == name[None, :]).to(tl.int32), axis=1) == 8) & (t_len == name_len)
-        want_ns = tl.max(tl.where(same & (t_id >= 0), t_id, -2))
+        last_name = tl.sum(tl.where(tl.arange(0, 16)[None, :] == w8[:, None], last[None, :], 0), axis=1)
+        if (tl.sum((last_name == name).to(tl.int32)) == 8) & (_word(last, 8, 16) == name_len):
+            want_ns = _word(last, 9, 16)
+        else:
+            probe = (_name_home(name, name_len, NSMAX) + tl.arange(0, NS_PROBE)) & (NSMAX - 1)
+            t_id = tl.load(NS_IDS + probe)  # -1: a row not in use
+            tab = tl.load(NS_TAB + probe[:, None] * 9 + w8[None, :])
+            t_len = tl.load(NS_TAB + probe * 9 + 8)
+            same = (tl.sum((tab == name[None, :]).to(tl.int32), axis=1) == 8) & (t_len == name_len)
+            want_ns = tl.max(tl.where(same & (t_id >= 0), t_id, -2))
+            if want_ns >= 0:
+                tl.store(NS_IDS + NSMAX + w8, name)
+                tl.store(NS_IDS + NSMAX + 8, name_len)
+                tl.store(NS_IDS + NSMAX + 9, want_ns)
     return want_ns
 
 
@@ -718,6 +753,7 @@ def _take_request(
     out_ns = tl.full([], -1, tl.int64)
     at = tl.load(SLOT_AT + sl, mask=slot_ok, other=-1)
     here = slot_ok & (at >= 0)
+    last_name = tl.load(NS_IDS + NSMAX + tl.arange(0, 16))  # (see _namespace_id)
     while state == 0:
         req_now = tl.load(SEG + at + W_REQ, mask=here, other=0, volatile=True)
         # (The stop word in one lane: a scalar load would be a fetch over the bus per thread.)
@@ -730,7 +766,7 @@ def _take_request(
             seen_at = _clock_ns(ON_GPU)  # (stored after the staging: the store would wait for the bus)
             start = tl.load(RR)
             turn = (sl - start + NS) % NS
-            _fence_system(ON_GPU, True)  # req_seq, then the request it publishes
+            _fence_system(ON_GPU)  # req_seq, then the request it publishes
             requests = tl.load(SEG + at[:, None] + rw[None, :], mask=pend[:, None] & (rw < W_NSB + 8)[None, :],
                                other=0, cache_modifier=".cg")
             # The query of the pending slot whose turn it is, copied while its words travel
@@ -754,7 +790,7 @@ def _take_request(
                     ssq = _copy_slot_query(SEGF, DQ, at, sl, pick, E_Q, D, BLOCK_DQ)
                 seq = tl.sum(tl.where(sl == pick, req, 0))
                 want_ns = _namespace_id(tl.sum(tl.where(sl[:, None] == pick, requests, 0), axis=0), NS_TAB, NS_IDS,
-                                        W_NQF, W_NSLEN, W_NSB, REQ_WORDS, NSMAX)
+                                        last_name, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, NSMAX)
                 # (Stored whatever the norm; read only if it is finite and non-zero.)
                 if (ssq > 0.0) & (ssq < float("inf")) & (want_ns != -2):
                     out_pick = pick
@@ -802,7 +838,8 @@ def await_request_kernel(
     DQ,  # [D] float32 device: the request's query, normalised
     AGREE,  # [NS * (REQ_WORDS + 1) + 16] int64 device scratch (_agree)
     NS_TAB,  # [NSMAX, 9] int64: known namespaces' names (8 words, zero-padded) and lengths
-    NS_IDS,  # [NSMAX] int64: their ids (>= 0; -1 marks a row not in use)
+    NS_IDS,  # [NSMAX + 16] int64: their ids (>= 0; -1 marks a row not in use), then the name found
+    #          last (see _namespace_id)
     n_slots,
     k_limit,  # largest k served
     idle,  # ns without a request before the server stops (interpreter: polls)
@@ -874,7 +911,8 @@ def serve_slots_kernel(
     NSC,  # [cap] int32 namespace of each row
     IDS,  # [cap] int64 store ids
     NS_TAB,  # [NSMAX, 9] int64: known namespaces' names (8 words, zero-padded) and lengths
-    NS_IDS,  # [NSMAX] int64: their ids (>= 0; -1 marks a row not in use)
+    NS_IDS,  # [NSMAX + 16] int64: their ids (>= 0; -1 marks a row not in use), then the name found
+    #          last (see _namespace_id)
     SLOT_AT,  # [NS] int64: word offset of each slot in SEG (-1: no client at launch)
     DSEEN,  # [2, NS] int64 device: per slot, the seq last answered here / last handed to the host
     HANS,  # [NS] int64 page-locked host: seq answered, per slot (the sidecar's own record)
