@@ -456,6 +456,7 @@ class SlotGraphServer(_SlotPolling):
             self._ws_a = torch.empty(keys, dtype=torch.int64, device=eng._dev)
             self._ws_b = torch.empty(keys, dtype=torch.int64, device=eng._dev)
             self._ws_s = torch.empty(max(1, scores), dtype=torch.float32, device=eng._dev)
+            self._bound = torch.full((1,), -(2**63), dtype=torch.int64, device=eng._dev)  # (the final kernel resets it)
         self._graph = None
         self._built_for = self._columns()
 
@@ -476,10 +477,11 @@ class SlotGraphServer(_SlotPolling):
             min(self.kout, self.layout.max_k), idle, int(Op.RECALL), int(RequestFlag.ALL_NAMESPACES),
             **self._request_constexprs(), E_IDS=w.ids, E_SC=w.scores, num_warps=self.warps,
         )
-        stride = eng._scan_keys(self.kind, self._plan, 1, dh, dhf, dq, eng._live, True, self._ws_a, self._ws_s)
+        stride = eng._scan_keys(self.kind, self._plan, 1, dh, dhf, dq, eng._live, True, self._ws_a, self._ws_s,
+                                self._bound)
         eng._select_final(
             self.kind, self._plan, 1, self._ws_a, self._ws_b, stride, dh, dhf, dq, att.i64, att.f32, self._status,
-            True, publish=dict(PUBLISH=True, SEG=att.i64, DSEEN=self._seen, HANS=self._t_answered,
+            True, bound=self._bound, publish=dict(PUBLISH=True, SEG=att.i64, DSEEN=self._seen, HANS=self._t_answered,
                                HHOF=self._t_handed, HCTL=self._t_hctl, CTL=self._ctl, W_STATN=w.status_n,
                                W_RESP=w.resp_seq, NS=self.ns, ON_GPU=self.on_gpu),
         )

@@ -51,6 +51,16 @@ the query's status is set and the host re-runs it with the exact float32 scan. F
 unit vectors at D = 1024, E is about 1.3e-3 and the fallback essentially never fires;
 clusters of near-duplicates can make it fire, and it then costs one exact scan.
 
+A single query (``single_chunk_rescore``, up to ``chunk_rescore_max_rows`` rows) certifies
+chunk by chunk instead: each chunk of scores keeps its top ``R`` by 16-bit score (``R`` =
+2x the k bucket, at least 32), re-scores them in float32 and passes on its best ``kp`` float32
+keys; a row the chunk left out has ``s~ <= t_R`` (the chunk's R-th kept 16-bit score), so
+``s <= t_R + E``. With ``B`` the largest ``t_R + E`` over the chunks that left rows out
+(rounded up to a float32), if the k-th best float32 score among the kept rows beats ``B``, no
+row left out can enter the top k: the same answer again. Rows a chunk re-scored but did not
+pass on had ``kp >= k`` better ones in that chunk. The final kernel then selects among float32
+keys only (scores_rescore_kernel, final_kernel's CHUNK_CERT).
+
 The same certificate serves an opt-in tf32 scan of the float32 rows for exact batches
 (``tune={"exact_batch_scan": "tf32"}``; u = 2^-10 covers tf32 truncation), which moves
 exact batches from the FMA units to the tensor cores without a second copy of the rows.
@@ -81,6 +91,7 @@ __all__ = ["TorchEngine", "HostBuffer", "register_host_buffer", "fast_error_term
 #: a fast engine answers with the exact float32 scan.
 MAX_K = 1024
 MAX_FAST_K = 256
+_NO_BOUND = -(2**63)  # a certificate bound no chunk has raised (triton_kernels.SENTINEL)
 # The staging header (int64[16]: n, nq, k, has_ns, ns, since (f64), until (f64), max row norm
 # (f64), k_out, the slot server's words, spare) and the gather table after it (int64[4] per query: query offset, ids
 # offset, scores offset, scale (f64)); triton_kernels.HDR_WORDS declares the same layout.
@@ -216,6 +227,12 @@ DEFAULT_TUNE: dict = {
     # with 16. Batches keep 4 warps for both (not measured there).
     "single_topk_warps": 8,
     "single_exact_final_warps": 8,
+    # Fast mode, a single query: each chunk's candidates re-scored in float32 by the chunk's
+    # own program (scores_rescore_kernel) instead of one program re-scoring the whole query's
+    # in the final kernel. Measured at 65,536 rows only, hence the limit: at more rows the
+    # chunks' re-scores read more rows than the one program did.
+    "single_chunk_rescore": True,
+    "chunk_rescore_max_rows": 262144,
     # PyTorch's CPU device (Triton's interpreter): few, large blocks, since every
     # tl.topk costs the interpreter a fraction of a second.
     "cpu_progs": 2,
@@ -237,6 +254,7 @@ class _Plan:
     final_warps: int
     ws_keys: int  # int64 keys per query the workspace must hold
     topk_warps: int  # warps of a program of the score-writing scan's chunk top-K
+    rescore_k: int = 0  # fast mode: candidates each chunk re-scores in float32 (0: the final kernel does)
     score_chunk: int = 0  # v2: the scan writes scores, top-K per chunk of this many (0: fused)
     gemm_rows: int = 0  # batches: cuBLAS scores this many rows at a time instead of the scan (0: scan)
     threshold: bool = False  # whole GEMM slices select by threshold (_gemm_scores), not per chunk
@@ -490,6 +508,8 @@ class TorchEngine(Engine):
         self._d_hdr = self._d_stage[:meta].view(torch.int64)
         self._d_hdrf = self._d_stage[:meta].view(torch.float64)
         self._d_q = self._d_stage[meta:].view(torch.float32).view(mb, d)
+        # Fast mode's certificate bound per query (scores_rescore_kernel; the final kernel resets it).
+        self._d_bound = torch.full((mb,), _NO_BOUND, dtype=torch.int64, device=self._dev)
         off_i = (mb * 4 + 7) // 8 * 8
         off_s = off_i + mb * _KP_MAX * 8
         self._h_res = torch.zeros(off_s + mb * _KP_MAX * 4, dtype=torch.uint8, pin_memory=pin)
@@ -984,6 +1004,11 @@ class TorchEngine(Engine):
         scores = qb <= int(tune["scores_max_q"])
         gemm = batched and kind != "f32" and qb >= int(tune["gemm_min_q"]) and self._gemm_ok(kind)
         scores = scores or gemm
+        rescore_k = 0
+        if (kind == "f16" and qb == 1 and scores and not gemm and tune["single_chunk_rescore"]
+                and self.rows.capacity <= int(tune["chunk_rescore_max_rows"])):
+            # Each chunk keeps its kp best float32 keys, re-scored from its top rescore_k.
+            rescore_k, k1 = max(32, 2 * kp), kp
         if scores:
             base = tune[("scores", half, batched)]
         block_n = base.block_n if scores else max(base.block_n, k1)
@@ -1004,7 +1029,7 @@ class TorchEngine(Engine):
             progs = max(1, (self._sms * self._programs_per_sm(kind, cfg, k1)) // n_qblocks)
         else:
             progs = tune["cpu_progs"]
-        score_chunk = max(_next_pow2(int(tune["score_chunk"])), 2 * k1)
+        score_chunk = max(_next_pow2(int(tune["score_chunk"])), 2 * k1, 2 * rescore_k)
         gemm_rows = max(score_chunk, int(tune["gemm_rows"]) // score_chunk * score_chunk) if gemm else 0
         threshold = gemm and bool(tune["threshold_select"]) and self._threshold_fits(gemm_rows, score_chunk, k1)
         if threshold:  # K keys per whole slice, then K per chunk of a narrower last one
@@ -1029,8 +1054,10 @@ class TorchEngine(Engine):
         else:
             final_warps = int(tune["single_exact_final_warps"]) if single else 4
         topk_warps = int(tune["single_topk_warps"]) if single else 4
+        if rescore_k:  # the final kernel selects among float32 keys: exact mode's
+            final_warps = int(tune["single_exact_final_warps"])
         plan = _Plan(k1, kp, cfg, n_qblocks, progs, levels, count, final_chunk, final_block_d, final_warps, ws,
-                     topk_warps, score_chunk if scores else 0, gemm_rows, threshold)
+                     topk_warps, rescore_k, score_chunk if scores else 0, gemm_rows, threshold)
         self._plans[key] = plan
         return plan
 
@@ -1105,13 +1132,14 @@ class TorchEngine(Engine):
                 over = self._gemm_scores(kind, qb, plan, slices, ws_a, stride, live_t, filtered)
             else:
                 stride = self._scan_keys(kind, plan, qb, self._d_hdr, self._d_hdrf, self._d_q, live_t, filtered,
-                                         ws_a, ws_s)
+                                         ws_a, ws_s, self._d_bound)
             self._select_final(kind, plan, qb, ws_a, ws_b, stride, self._d_hdr, self._d_hdrf, self._d_q, res_i,
-                               res_s, self._res_status_t, want_ids, over=over)
+                               res_s, self._res_status_t, want_ids, over=over, bound=self._d_bound)
 
-    def _scan_keys(self, kind, plan, qb, hdr, hdrf, dq, live_t, filtered, ws_a, ws_s) -> int:
+    def _scan_keys(self, kind, plan, qb, hdr, hdrf, dq, live_t, filtered, ws_a, ws_s, bound) -> int:
         """The scan of a plan without GEMM: each query's candidate keys into ``ws_a``
-        (``ws_s``: the score-writing scan's scores); returns the keys per query."""
+        (``ws_s``: the score-writing scan's scores; ``bound``: the chunks' certificate bound
+        per query, with ``plan.rescore_k``); returns the keys per query."""
         tk, cfg, cap = self._tk, plan.cfg, self.rows.capacity
         x = self._x16 if kind == "f16" else self._x32
         common = dict(
@@ -1126,6 +1154,15 @@ class TorchEngine(Engine):
             )
             chunks = -(-cap // plan.score_chunk)
             stride = chunks * plan.k1
+            if plan.rescore_k:
+                ea, eb, ec = self._err[kind]
+                tk.scores_rescore_kernel[(chunks, qb)](
+                    ws_s, ws_a, bound, hdr, hdrf, self._x32, dq, cap, stride, ea, eb, ec, D=self.dim,
+                    K=plan.rescore_k, KOUT=plan.k1, CHUNK=plan.score_chunk,
+                    BLOCK_D=max(16, min(_next_pow2(self.dim), int(self._tune["single_final_tile"]) // plan.rescore_k)),
+                    num_warps=plan.topk_warps,
+                )
+                return stride
             tk.scores_topk_kernel[(chunks, qb)](ws_s, ws_a, hdr, cap, stride, K=plan.k1, CHUNK=plan.score_chunk,
                                                 num_warps=plan.topk_warps)
             return stride
@@ -1136,7 +1173,7 @@ class TorchEngine(Engine):
         return stride
 
     def _select_final(self, kind, plan, qb, ws_a, ws_b, stride, hdr, hdrf, dq, res_i, res_s, status, want_ids, *,
-                      over=None, publish: dict | None = None) -> None:
+                      over=None, bound=None, publish: dict | None = None) -> None:
         """The merge levels over the keys in ``ws_a`` (``ws_b``: the other buffer of the ping-pong),
         then the final kernel: answers into host memory at the table's offsets (``publish``:
         the slot server's extra arguments, see final_kernel)."""
@@ -1151,9 +1188,9 @@ class TorchEngine(Engine):
         tk.final_kernel[(qb,)](
             cur, hdr, hdrf, self._x32, dq, self._ids, res_i, res_s, status,
             stride, count, ea, eb, ec, D=self.dim, KIN=plan.k1, KOUT=plan.kout, CHUNK=plan.final_chunk,
-            BLOCK_D=plan.final_block_d, RESCORE=kind != "f32", OUT_IDS=want_ids,
-            num_warps=plan.final_warps,
-            OVER=over, CHECK_OVER=over is not None, **(publish or {}),
+            BLOCK_D=plan.final_block_d, RESCORE=kind != "f32" and not plan.rescore_k, OUT_IDS=want_ids,
+            num_warps=plan.final_warps, OVER=over, CHECK_OVER=over is not None,
+            BOUND=bound, CHUNK_CERT=plan.rescore_k > 0, **(publish or {}),
         )
 
     def _gemm_scores(self, kind, qb, plan, slices, ws_a, stride, live_t, filtered) -> torch.Tensor:

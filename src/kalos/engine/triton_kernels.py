@@ -26,6 +26,8 @@ Pipeline (per query, all on the device; nothing round-trips through host memory)
    Batches of 16 or more queries are scored by cuBLAS a slice of 65,536 rows at a time
    instead; :func:`group_max_kernel` and :func:`collect_kernel` then keep each slice's top-K
    by a threshold (see the comment above them), without sorting every chunk.
+   Fast mode, one query: :func:`scores_rescore_kernel` re-scores each chunk's top-K in
+   float32 in the chunk's own program and keeps float32 keys (a certificate per chunk).
 2. :func:`merge_topk_kernel` -- ``(Q, P2)`` programs, each reduces one ``CHUNK`` of keys to
    its top-K: many programs share the merge instead of one program merging thousands.
 3. :func:`final_kernel` -- one program per query: top-K of the last level, then either the
@@ -39,7 +41,7 @@ import triton.language as tl
 
 __all__ = [
     "SENTINEL", "HDR_WORDS", "stage_in_kernel", "scan_topk_kernel", "scores_topk_kernel", "group_max_kernel",
-    "collect_kernel", "merge_topk_kernel", "final_kernel", "await_request_kernel", "serve_slots_kernel",
+    "collect_kernel", "merge_topk_kernel", "scores_rescore_kernel", "final_kernel", "await_request_kernel", "serve_slots_kernel",
 ]
 
 SENTINEL = -(2**63)
@@ -378,6 +380,75 @@ def scores_topk_kernel(
         tl.store(OUT + q.to(tl.int64) * stride_out + out_first + j * K + tl.arange(0, K)[None, :], top)
 
 
+@triton.jit
+def _ordered(score):
+    """The float32 ``score`` as an int64 in the same order (the high half of a key)."""
+    bits = score.to(tl.int32, bitcast=True)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+
+
+@triton.jit
+def scores_rescore_kernel(
+    S,  # [Qb, stride_s] float32 scores of the 16-bit scan; -inf = masked out
+    OUT,  # [Qb, stride_out] int64 keys of float32 scores: KOUT per chunk
+    BOUND,  # [Qb] int64: the largest float32 score a row left out may have (_ordered), SENTINEL: none
+    HDR,
+    HDRF,
+    X32,  # [cap, D] float32 rows
+    Qs,  # [Qb, D] float32 queries
+    stride_s,
+    stride_out,
+    err_a,  # the 16-bit score's error bound, as in final_kernel
+    err_b,
+    err_c,
+    D: tl.constexpr,
+    K: tl.constexpr,  # candidates re-scored per chunk
+    KOUT: tl.constexpr,  # keys kept per chunk
+    CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Fast mode's selection, a chunk per program (grid (chunks, Qb)): the top-K of the
+    chunk's 16-bit scores, re-scored in float32 right here, and the KOUT best of those as keys
+    of float32 scores, so the final kernel selects among exact scores and re-reads no row.
+
+    The certificate's part: a row of this chunk left out scored at most the K-th candidate's
+    16-bit score ``t``, so at most ``t + E`` in float32 (E: the error bound); the largest such
+    bound over the chunks goes to BOUND (atomic max) and the final kernel certifies the answer
+    when the k-th float32 score beats it. A chunk with fewer than K rows leaves none out."""
+    j = tl.program_id(0)
+    q = tl.program_id(1)
+    nq = tl.load(HDR + 1)
+    x_norm = tl.load(HDRF + 7)
+    sc, rows, ok = _masked_chunk(S, q, j, HDR, stride_s, 0, 0, None, None, None, None, CHUNK, False, False)
+    if q < nq:
+        keys16 = tl.where(ok, _pack(sc, rows), -9223372036854775808)
+        top = tl.topk(tl.reshape(keys16, [1, CHUNK]), K)
+        s16, cand2, valid2 = _unpack(top)
+        cand = tl.reshape(cand2, [K])
+        valid = tl.reshape(valid2, [K])
+        q_ptr = Qs + q.to(tl.int64) * D
+        acc = tl.zeros([K, BLOCK_D], tl.float32)
+        qsq = tl.zeros([BLOCK_D], tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            ds = d0 + tl.arange(0, BLOCK_D)
+            dm = ds < D
+            x = tl.load(X32 + cand[:, None] * D + ds[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
+            qv = tl.load(q_ptr + ds, mask=dm, other=0.0)
+            acc += x * qv[None, :]
+            qsq += qv * qv
+        keys32 = tl.where(valid, _pack(tl.sum(acc, axis=1), cand), -9223372036854775808)
+        best = tl.topk(tl.reshape(keys32, [1, K]), KOUT)
+        tl.store(OUT + q.to(tl.int64) * stride_out + j * KOUT + tl.arange(0, KOUT)[None, :], best)
+        if tl.sum(valid.to(tl.int32)) == K:  # rows may have been left out
+            q_norm = tl.sqrt(tl.sum(qsq, axis=0)).to(tl.float64)
+            err = err_a * x_norm * q_norm + err_b * (x_norm + q_norm) + err_c
+            t_last = tl.min(tl.where(valid2, s16, float("inf")), axis=1)
+            bound = (tl.sum(t_last).to(tl.float64) + err).to(tl.float32)
+            # (float64 -> float32 rounds to nearest: one ulp up keeps the bound an upper bound)
+            bound_key = _ordered(bound) + 1
+            tl.atomic_max(BOUND + q, bound_key)
+
+
 # -- batches: selection by threshold instead of a top-K per chunk -------------------------------
 #
 # A bitonic top-K of every chunk of a GEMM's scores costs far more than reading them (measured:
@@ -501,6 +572,11 @@ def final_kernel(
     OUT_IDS: tl.constexpr,
     OVER=None,  # [Qb] int32 with CHECK_OVER: a threshold region overflowed (see collect_kernel)
     CHECK_OVER: tl.constexpr = False,
+    # CHUNK_CERT: IN holds float32 keys the chunks re-scored (scores_rescore_kernel), BOUND
+    # ([Qb] int64) the largest float32 score a row they left out may have: certified when the
+    # k-th score beats it. This kernel resets BOUND for the next search.
+    BOUND=None,
+    CHUNK_CERT: tl.constexpr = False,
     # PUBLISH: the slot server's graph (await_request_kernel wrote HDR[9..11]: the slot's word
     # offset, the request's seq, the slot). The answer is published in the slot, or, when the
     # certificate fails, nothing is written and the request is handed to the host.
@@ -526,9 +602,12 @@ def final_kernel(
     k_cols = tl.load(HDR + 8)
     at_i = tl.load(HDR + TAB + 4 * q + 1)
     at_s = tl.load(HDR + TAB + 4 * q + 2)
-    if RESCORE:
+    if RESCORE or CHUNK_CERT:
         kq = tl.load(HDR + 2)
+    if RESCORE:
         x_norm = tl.load(HDRF + 7)
+    if CHUNK_CERT:
+        bound = tl.load(BOUND + q)
     if PUBLISH:
         slot_w = tl.load(HDR + 9)
         seq = tl.load(HDR + 10)
@@ -541,6 +620,13 @@ def final_kernel(
             )
             if CHECK_OVER:
                 certified = certified & (tl.load(OVER + q) == 0)
+            tl.store(STATUS + q + tl.arange(0, 1), tl.where(certified, 0, 1).to(tl.int32))
+        elif CHUNK_CERT:
+            final = top
+            s_top, _r, _v = _unpack(top)
+            t_k = tl.max(tl.where(tl.arange(0, KIN)[None, :] == kq - 1, s_top, float("-inf")), axis=1)
+            certified = (bound == -9223372036854775808) | (bound < _ordered(t_k))
+            tl.store(BOUND + q, -9223372036854775808)
             tl.store(STATUS + q + tl.arange(0, 1), tl.where(certified, 0, 1).to(tl.int32))
         else:
             final = top
@@ -555,7 +641,7 @@ def final_kernel(
         want = cols < k_cols
         good = True
         if PUBLISH:
-            if RESCORE:
+            if RESCORE or CHUNK_CERT:
                 good = tl.sum(certified.to(tl.int32)) > 0
             want = want & good
         tl.store(RES_I + at_i + cols, out_i, mask=want)
