@@ -145,7 +145,8 @@ def kernel_timeline(new_server, view: SlotView, active: np.ndarray, queries: np.
         server.stop()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        with open(f.name) as trace:  # by name: the exporter may have written a new file
+            events = json.load(trace)["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     by_round, current = [], None
     for e in kernels:
@@ -181,7 +182,8 @@ def kernel_medians(fn, reps: int) -> dict:
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        with open(f.name) as trace:  # by name: the exporter may have written a new file
+            events = json.load(trace)["traceEvents"]
     durations: dict = {}
     for e in events:
         if e.get("cat") == "kernel":

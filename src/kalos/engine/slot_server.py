@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from kalos.engine.base import Filter
-from kalos.engine.torch_engine import _HDR_WORDS, TorchEngine, _kf, _kp, _next_pow2
+from kalos.engine.torch_engine import _HDR_WORDS, _NO_BOUND, TorchEngine, _kf, _kp, _next_pow2
 from kalos.errors import InvalidArgument
 from kalos.protocol import NAMESPACE_BYTES, Layout, Op, RequestFlag, SlotWords
 
@@ -456,7 +456,7 @@ class SlotGraphServer(_SlotPolling):
             self._ws_a = torch.empty(keys, dtype=torch.int64, device=eng._dev)
             self._ws_b = torch.empty(keys, dtype=torch.int64, device=eng._dev)
             self._ws_s = torch.empty(max(1, scores), dtype=torch.float32, device=eng._dev)
-            self._bound = torch.full((1,), -(2**63), dtype=torch.int64, device=eng._dev)  # (the final kernel resets it)
+            self._bound = torch.full((1,), _NO_BOUND, dtype=torch.int64, device=eng._dev)  # (the final kernel resets it)
         self._graph = None
         self._built_for = self._columns()
 
