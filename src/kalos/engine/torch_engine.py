@@ -1048,14 +1048,13 @@ class TorchEngine(Engine):
             count = p2 * k1
         final_chunk = _next_pow2(max(count, k1))
         single = "single_" if qb == 1 else ""
-        final_block_d = max(16, min(_next_pow2(self.dim), int(tune[single + "final_tile"]) // k1))
-        if kind != "f32":
+        # (With rescore_k the final kernel re-scores nothing: the tile is the chunks' re-score's.)
+        final_block_d = max(16, min(_next_pow2(self.dim), int(tune[single + "final_tile"]) // (rescore_k or k1)))
+        if kind != "f32" and not rescore_k:
             final_warps = int(tune[single + "final_warps"])
-        else:
+        else:  # the final kernel selects among float32 keys and re-scores nothing
             final_warps = int(tune["single_exact_final_warps"]) if single else 4
         topk_warps = int(tune["single_topk_warps"]) if single else 4
-        if rescore_k:  # the final kernel selects among float32 keys: exact mode's
-            final_warps = int(tune["single_exact_final_warps"])
         plan = _Plan(k1, kp, cfg, n_qblocks, progs, levels, count, final_chunk, final_block_d, final_warps, ws,
                      topk_warps, rescore_k, score_chunk if scores else 0, gemm_rows, threshold)
         self._plans[key] = plan
@@ -1158,8 +1157,7 @@ class TorchEngine(Engine):
                 ea, eb, ec = self._err[kind]
                 tk.scores_rescore_kernel[(chunks, qb)](
                     ws_s, ws_a, bound, hdr, hdrf, self._x32, dq, cap, stride, ea, eb, ec, D=self.dim,
-                    K=plan.rescore_k, KOUT=plan.k1, CHUNK=plan.score_chunk,
-                    BLOCK_D=max(16, min(_next_pow2(self.dim), int(self._tune["single_final_tile"]) // plan.rescore_k)),
+                    K=plan.rescore_k, KOUT=plan.k1, CHUNK=plan.score_chunk, BLOCK_D=plan.final_block_d,
                     num_warps=plan.topk_warps,
                 )
                 return stride

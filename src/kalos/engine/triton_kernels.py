@@ -56,11 +56,16 @@ TAB = tl.constexpr(16)
 
 
 @triton.jit
+def _ordered(score):
+    """The float32 ``score`` as an int64 in the same order (the high half of a key)."""
+    bits = score.to(tl.int32, bitcast=True)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+
+
+@triton.jit
 def _pack(score, row):
     """int64 key: order-preserving int32 of the float32 score, then 0x7FFFFFFF - row."""
-    bits = score.to(tl.int32, bitcast=True)
-    k32 = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return (k32.to(tl.int64) << 32) | (0x7FFFFFFF - row).to(tl.int64)
+    return (_ordered(score) << 32) | (0x7FFFFFFF - row).to(tl.int64)
 
 
 @triton.jit
@@ -109,19 +114,21 @@ def _row_scores(X, q_ptr, rows, in_rng, D: tl.constexpr, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
-def _certified_rescore(top, kq, X32, q_ptr, x_norm, err_a, err_b, err_c, D: tl.constexpr, KIN: tl.constexpr,
-                       KOUT: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The float32 top-KOUT of the KIN candidates ``top`` (keys of 16-bit or tf32 scores,
-    sorted), and whether the certificate holds (see ``torch_engine``): ``(keys [1, KOUT],
-    certified [1])``. ``kq`` is the k asked for, at most the rows in use."""
+def _kth_score(scores, kq, N: tl.constexpr):
+    """The kq-th of ``scores`` ([1, N], sorted descending): [1]."""
+    return tl.max(tl.where(tl.arange(0, N)[None, :] == kq - 1, scores, float("-inf")), axis=1)
+
+
+@triton.jit
+def _rescore(top, X32, q_ptr, x_norm, err_a, err_b, err_c, D: tl.constexpr, N: tl.constexpr,
+             BLOCK_D: tl.constexpr):
+    """The candidates ``top`` ([1, N] keys of 16-bit or tf32 scores) re-scored in float32
+    against the query at ``q_ptr``: ``(s16 [1, N], valid [1, N], keys of the float32 scores
+    [1, N], E)``, E the bound on |s16 - s32| for this query (see ``torch_engine``)."""
     s16, rows2, valid2 = _unpack(top)
-    idx = tl.arange(0, KIN)[None, :]
-    t_k = tl.max(tl.where(idx == kq - 1, s16, float("-inf")), axis=1)
-    n_valid = tl.sum(valid2.to(tl.int32), axis=1)
-    t_last = tl.min(tl.where(valid2, s16, float("inf")), axis=1)
-    rows = tl.reshape(rows2, [KIN])
-    valid = tl.reshape(valid2, [KIN])
-    acc = tl.zeros([KIN, BLOCK_D], tl.float32)
+    rows = tl.reshape(rows2, [N])
+    valid = tl.reshape(valid2, [N])
+    acc = tl.zeros([N, BLOCK_D], tl.float32)
     qsq = tl.zeros([BLOCK_D], tl.float32)
     for d0 in range(0, D, BLOCK_D):
         ds = d0 + tl.arange(0, BLOCK_D)
@@ -130,12 +137,24 @@ def _certified_rescore(top, kq, X32, q_ptr, x_norm, err_a, err_b, err_c, D: tl.c
         qv = tl.load(q_ptr + ds, mask=dm, other=0.0)
         acc += x * qv[None, :]
         qsq += qv * qv
-    s32 = tl.sum(acc, axis=1)
     q_norm = tl.sqrt(tl.sum(qsq, axis=0)).to(tl.float64)
     err = err_a * x_norm * q_norm + err_b * (x_norm + q_norm) + err_c
+    keys32 = tl.where(valid, _pack(tl.sum(acc, axis=1), rows), -9223372036854775808)
+    return s16, valid2, tl.reshape(keys32, [1, N]), err
+
+
+@triton.jit
+def _certified_rescore(top, kq, X32, q_ptr, x_norm, err_a, err_b, err_c, D: tl.constexpr, KIN: tl.constexpr,
+                       KOUT: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The float32 top-KOUT of the KIN candidates ``top`` (keys of 16-bit or tf32 scores,
+    sorted), and whether the certificate holds (see ``torch_engine``): ``(keys [1, KOUT],
+    certified [1])``. ``kq`` is the k asked for, at most the rows in use."""
+    s16, valid2, keys32, err = _rescore(top, X32, q_ptr, x_norm, err_a, err_b, err_c, D, KIN, BLOCK_D)
+    t_k = _kth_score(s16, kq, KIN)
+    n_valid = tl.sum(valid2.to(tl.int32), axis=1)
+    t_last = tl.min(tl.where(valid2, s16, float("inf")), axis=1)
     certified = (n_valid < KIN) | (t_last.to(tl.float64) < t_k.to(tl.float64) - 2.0 * err)
-    keys32 = tl.where(valid, _pack(s32, rows), -9223372036854775808)
-    return tl.topk(tl.reshape(keys32, [1, KIN]), KOUT), certified
+    return tl.topk(keys32, KOUT), certified
 
 
 @triton.jit
@@ -381,13 +400,6 @@ def scores_topk_kernel(
 
 
 @triton.jit
-def _ordered(score):
-    """The float32 ``score`` as an int64 in the same order (the high half of a key)."""
-    bits = score.to(tl.int32, bitcast=True)
-    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
-
-
-@triton.jit
 def scores_rescore_kernel(
     S,  # [Qb, stride_s] float32 scores of the 16-bit scan; -inf = masked out
     OUT,  # [Qb, stride_out] int64 keys of float32 scores: KOUT per chunk
@@ -423,25 +435,11 @@ def scores_rescore_kernel(
     if q < nq:
         keys16 = tl.where(ok, _pack(sc, rows), -9223372036854775808)
         top = tl.topk(tl.reshape(keys16, [1, CHUNK]), K)
-        s16, cand2, valid2 = _unpack(top)
-        cand = tl.reshape(cand2, [K])
-        valid = tl.reshape(valid2, [K])
-        q_ptr = Qs + q.to(tl.int64) * D
-        acc = tl.zeros([K, BLOCK_D], tl.float32)
-        qsq = tl.zeros([BLOCK_D], tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            ds = d0 + tl.arange(0, BLOCK_D)
-            dm = ds < D
-            x = tl.load(X32 + cand[:, None] * D + ds[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
-            qv = tl.load(q_ptr + ds, mask=dm, other=0.0)
-            acc += x * qv[None, :]
-            qsq += qv * qv
-        keys32 = tl.where(valid, _pack(tl.sum(acc, axis=1), cand), -9223372036854775808)
-        best = tl.topk(tl.reshape(keys32, [1, K]), KOUT)
+        s16, valid2, keys32, err = _rescore(top, X32, Qs + q.to(tl.int64) * D, x_norm, err_a, err_b, err_c, D, K,
+                                            BLOCK_D)
+        best = tl.topk(keys32, KOUT)
         tl.store(OUT + q.to(tl.int64) * stride_out + j * KOUT + tl.arange(0, KOUT)[None, :], best)
-        if tl.sum(valid.to(tl.int32)) == K:  # rows may have been left out
-            q_norm = tl.sqrt(tl.sum(qsq, axis=0)).to(tl.float64)
-            err = err_a * x_norm * q_norm + err_b * (x_norm + q_norm) + err_c
+        if tl.sum(valid2.to(tl.int32)) == K:  # rows may have been left out
             t_last = tl.min(tl.where(valid2, s16, float("inf")), axis=1)
             bound = (tl.sum(t_last).to(tl.float64) + err).to(tl.float32)
             # (float64 -> float32 rounds to nearest: one ulp up keeps the bound an upper bound)
@@ -623,9 +621,8 @@ def final_kernel(
             tl.store(STATUS + q + tl.arange(0, 1), tl.where(certified, 0, 1).to(tl.int32))
         elif CHUNK_CERT:
             final = top
-            s_top, _r, _v = _unpack(top)
-            t_k = tl.max(tl.where(tl.arange(0, KIN)[None, :] == kq - 1, s_top, float("-inf")), axis=1)
-            certified = (bound == -9223372036854775808) | (bound < _ordered(t_k))
+            s_top, _rows, _valid = _unpack(top)
+            certified = (bound == -9223372036854775808) | (bound < _ordered(_kth_score(s_top, kq, KIN)))
             tl.store(BOUND + q, -9223372036854775808)
             tl.store(STATUS + q + tl.arange(0, 1), tl.where(certified, 0, 1).to(tl.int32))
         else:
