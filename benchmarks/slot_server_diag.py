@@ -108,7 +108,8 @@ def answer_matches(view: SlotView, ref: tuple, qi: int, k: int) -> bool:
 def make_server(eng: TorchEngine, layout: Layout, variant: str, base_tune: dict, answered: np.ndarray):
     """``graph:DEPTH[:KEY=VALUE+KEY=VALUE[:WARPS]]`` (engine tuning for the graph server's plan,
     e.g. single_final_warps=8, scan=32x128x4x1x128 for the scan's BLOCK_N x BLOCK_D x warps x
-    stages [x registers per thread], max_k=8 for the server's; the waiting kernel's warps) or ``programs_per_sm:ROWSxDIMS:warps``
+    stages [x registers per thread], scan8=... the same for fast mode's 8-bit scan, single_scan=f16,
+    max_k=8 for the server's; the waiting kernel's warps) or ``programs_per_sm:ROWSxDIMS:warps``
     (the resident kernel), serving the namespace every row is in."""
     if variant.startswith("graph"):
         _, depth, tune, warps = (variant.split(":", 3) + ["", "", ""])[:4]
@@ -117,8 +118,11 @@ def make_server(eng: TorchEngine, layout: Layout, variant: str, base_tune: dict,
         if "scan" in tune:  # scan=BLOCK_NxBLOCK_DxWARPSxSTAGES[xMAXNREG]: the single query's score-writing scan
             bn, bd, w, st, *regs = (int(v) for v in tune.pop("scan").split("x"))
             tune[("scores", eng.precision == "fast", False)] = ScanConfig(bn, bd, 1, w, st, 0, *regs)
+        if "scan8" in tune:  # the same for fast mode's 8-bit scan
+            bn, bd, w, st, *regs = (int(v) for v in tune.pop("scan8").split("x"))
+            tune[("scores", "i8", False)] = ScanConfig(bn, bd, 1, w, st, 0, *regs)
         eng._tune = dict(base_tune)
-        eng._tune.update({k: v if isinstance(k, tuple) else int(v) for k, v in tune.items()})
+        eng._tune.update({k: v if isinstance(k, tuple) or not v.isdigit() else int(v) for k, v in tune.items()})
         eng._plans.clear()
         server = SlotGraphServer(eng, layout, answered, idle_s=0.5,
                                  depth=int(depth or 3), **({"warps": int(warps)} if warps else {}), **extra)

@@ -38,7 +38,9 @@ if not HAVE_CUDA and "triton" not in sys.modules:
 from kalos.engine import Filter, NumpyEngine  # noqa: E402
 from kalos.engine.base import as_unit_rows  # noqa: E402
 from kalos.engine import torch_engine as te  # noqa: E402
-from kalos.engine.torch_engine import MAX_K, TorchEngine, fast_error_terms, register_host_buffer  # noqa: E402
+from kalos.engine.torch_engine import (  # noqa: E402
+    MAX_K, TorchEngine, fast_error_terms, int8_error_terms, register_host_buffer,
+)
 from kalos.errors import InvalidArgument, InvalidQuery  # noqa: E402
 from kalos.sidecar import normalise_rows, row_scales  # noqa: E402
 
@@ -425,6 +427,91 @@ def test_triton_growth_compaction_and_fallback(rng):
     q = np.concatenate([as_unit_rows(base[None, :] + 1e-4 * rng.standard_normal((1, d))), unit_queries(rng, 1, d)])
     m.check(q, 4, same_as_numpy=False)
     assert eng.stats["fallbacks"] >= 1
+
+
+def int8_scores(x32: torch.Tensor, q: np.ndarray) -> tuple[np.ndarray, float]:
+    """int8_scores_kernel's scores of the rows ``x32`` for one query (no masks), and the
+    largest residual norm of their 8-bit copy."""
+    tk = te._triton_kernels(require_interpreter=not HAVE_CUDA)
+    n, dim = x32.shape
+    dev = x32.device
+    codes, scale, resid = te._quantize_rows(x32)
+    hdr = torch.zeros(16, dtype=torch.int64, device=dev)
+    hdr[0], hdr[1] = n, 1
+    out = torch.empty(n, dtype=torch.float32, device=dev)
+    live = torch.ones(n, dtype=torch.uint8, device=dev)
+    block_d = max(32, min(128, te._next_pow2(dim)))
+    tk.int8_scores_kernel[(-(-n // 64),)](
+        codes, scale, torch.from_numpy(q.astype(np.float32)).to(dev), hdr, hdr.view(torch.float64), live,
+        live, live, out, D=dim, D_POW2=te._next_pow2(dim), BLOCK_N=64, BLOCK_D=block_d, FILTER=False,
+    )
+    return out.cpu().numpy().astype(np.float64), resid
+
+
+@pytest.mark.skipif(not (HAVE_INTERPRETER or HAVE_CUDA), reason="needs the Triton interpreter or a CUDA GPU")
+@pytest.mark.parametrize("dim", [3, 40, 384, 1024])
+def test_int8_error_bound_holds(rng, dim):
+    """|score(8-bit rows, two-plane query) - score(float64)| <= A|x||q| + R r |q|, on rows with
+    tiny components and with one large one (a coarse grid), and for a query along a row's
+    rounding error, where that error adds up instead of averaging out (without the R term
+    the bound fails there)."""
+    x = rng.standard_normal((300, dim))
+    x[:60] *= np.exp(rng.uniform(-30, 0, (60, dim)))
+    x[60:90, 0] *= 40.0
+    x32 = torch.from_numpy(as_unit_rows(x)).to("cuda" if HAVE_CUDA else "cpu")
+    codes, scale, _ = te._quantize_rows(x32)
+    err_rows = (x32.double() - codes.double() * scale.double()[:, None]).cpu().numpy()
+    queries = [unit_queries(rng, 1, dim)[0], as_unit_rows(err_rows[70:71])[0], as_unit_rows(err_rows[5:6])[0]]
+    spiky = rng.standard_normal(dim)
+    spiky[0] = 30.0
+    queries.append(as_unit_rows(spiky[None, :])[0])
+    a_term, r_term = int8_error_terms(dim)
+    x64 = x32.double().cpu().numpy()
+    a = np.linalg.norm(x64, axis=1).max()
+    worst = 0.0
+    for q in queries:
+        s8, resid = int8_scores(x32, q)
+        s64 = x64 @ q.astype(np.float32).astype(np.float64)
+        b = np.linalg.norm(q.astype(np.float32).astype(np.float64))
+        err = np.abs(s8 - s64)
+        assert (err <= a_term * a * b + r_term * resid * b).all(), (err.max(), a_term, resid)
+        worst = max(worst, err.max() / (a_term * a * b))
+    if dim >= 40:
+        assert worst > 1.0  # the query along a rounding error needs the R term
+
+
+@needs_interpreter
+def test_single_query_scans_the_8bit_copy_and_falls_back_on_near_ties(rng):
+    """One query in fast mode scans the 8-bit rows. Rows whose scores differ by far less than
+    the 8-bit error: the chunk's certificate must fail (without the rows' error term in the
+    bound it would pass with the wrong rows) and the exact scan answers."""
+    d = 32
+    eng = triton_engine(d, precision="fast", capacity=4)
+    assert eng.plan(1, 8).rescore_k and eng._scan_kind(1, 8, "fast") == "i8"
+    m = Mirror(eng, rng)
+    m.add(300)
+    base = as_unit_rows(rng.standard_normal((1, d)))[0]
+    m.add(40, base + 0.004 * rng.standard_normal((40, d)))
+    m.check(unit_queries(rng, 1, d), 8)  # an ordinary query: certified
+    assert eng.stats["fallbacks"] == 0
+    for _ in range(3):
+        m.check(as_unit_rows(base[None, :] + 1e-4 * rng.standard_normal((1, d))), 8, same_as_numpy=False)
+    assert eng.stats["fallbacks"] == 3
+    eng._fill_header(1, 1, 1, Filter())
+    assert eng._h_hdrf[12] == eng._max_resid8 * int8_error_terms(d)[1] > 0
+
+
+@needs_interpreter
+def test_single_scan_f16_holds_no_8bit_copy(rng):
+    eight = triton_engine(24, precision="fast", capacity=64)
+    sixteen = triton_engine(24, precision="fast", capacity=64, tune={"single_scan": "f16"})
+    assert eight.memory_bytes() - sixteen.memory_bytes() == 64 * (24 + 4)
+    assert sixteen._scan_kind(1, 8, "fast") == "f16"
+    m = Mirror(sixteen, rng)
+    m.add(100)
+    m.check(unit_queries(rng, 1, 24), 5)
+    with pytest.raises(InvalidArgument, match="single_scan"):
+        triton_engine(24, precision="fast", tune={"single_scan": "int4"})
 
 
 # -- searching in place in an attached host buffer (the sidecar's zero-copy path) ----------------

@@ -46,7 +46,8 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="auto (CUDA when visible), cpu, cuda, cuda:N, or several GPUs to shard the rows over: "
                        "cuda:0,cuda:1 or cuda:all (default: auto)")
     serve.add_argument("--precision", choices=["exact", "fast"], default="exact",
-                       help="GPU scan: exact float32, or fast (16-bit scan + certified float32 re-score, "
+                       help="GPU scan: exact float32, or fast (an 8-bit scan for single queries, 16-bit for batches, "
+                       "+ certified float32 re-score, "
                        "the same top-k) (default: %(default)s)")
     serve.add_argument("--slots", type=int, default=s.slots, help="most clients connected at once (default: %(default)s)")
     serve.add_argument("--max-k", type=int, default=s.max_k, help="largest k a recall may ask for (default: %(default)s)")

@@ -423,7 +423,7 @@ class SlotGraphServer(_SlotPolling):
             raise InvalidArgument(f"warps must be 1, 2, 4 or 8, got {warps}")
         self.warps = int(warps)
         super().__init__(engine, layout, answered, idle_s=idle_s, max_k=max_k, idle_polls=idle_polls)
-        self.kind = "f16" if self.rescore else "f32"
+        self.kind = "f32"  # what a round scans: set by _build (fast mode's depends on the capacity)
         self.depth = int(depth)
         dev = engine._dev
         self._dh = torch.zeros(_HDR_WORDS + 4, dtype=torch.int64, device=dev)  # header + one table row
@@ -443,12 +443,13 @@ class SlotGraphServer(_SlotPolling):
 
     def _columns(self) -> tuple:
         eng = self.engine
-        return (eng.rows.capacity, eng._x32.data_ptr(), eng._live.data_ptr(), eng._ids.data_ptr(),
-                None if eng._x16 is None else eng._x16.data_ptr(), eng._attached.host.tensor.data_ptr())
+        return (eng.rows.capacity, eng._attached.host.tensor.data_ptr(),
+                *(None if t is None else t.data_ptr() for t in eng._columns()))
 
     def _build(self) -> None:
         """Plan and scratch for the engine's columns as they are (capacity, addresses)."""
         eng = self.engine
+        self.kind = eng._scan_kind(1, self.kout, eng.precision)
         self._plan = eng._plan(self.kind, 1, self.kout)
         keys = self._plan.ws_keys
         scores = eng.rows.capacity if self._plan.score_chunk else 0

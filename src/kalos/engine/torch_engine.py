@@ -6,7 +6,10 @@ core never imports it unless a GPU engine is asked for.
 Layout on the device
 --------------------
 ``x32 [capacity, dim] float32`` -- the master copy, always resident.
-``x16 [capacity, dim] float16`` -- only with ``precision="fast"``: the copy the scan reads.
+``x16 [capacity, dim] float16`` -- only with ``precision="fast"``: the copy batches scan.
+``x8 [capacity, dim] int8``, ``scale8 [capacity] float32`` -- only with ``precision="fast"``
+and the Triton backend (``tune={"single_scan": "int8"}``, the default): the copy a single
+query scans, row ``i`` about ``scale8[i] * x8[i]`` (``scale8[i] = max|x_i| / 127``).
 ``live uint8``, ``namespace int32``, ``created_at float64``, ``ids int64`` -- per-row columns,
 mirrored from :class:`~kalos.engine.base.RowTable` so that filtering happens inside the scan
 and results leave the device as store ids.
@@ -61,6 +64,25 @@ row left out can enter the top k: the same answer again. Rows a chunk re-scored 
 pass on had ``kp >= k`` better ones in that chunk. The final kernel then selects among float32
 keys only (scores_rescore_kernel, final_kernel's CHUNK_CERT).
 
+A single query in fast mode (``single_scan="int8"``, the default with the Triton backend)
+scans an 8-bit copy instead, with the same chunk certificate and a wider E. A row is stored as
+``x8 = scale8 * c`` (``c`` int8, ``scale8 = max|x| / 127``) with residual ``e = x - x8``;
+``r`` is the largest ``|e|`` of any row written (float64; it never shrinks). The kernel
+splits the query into two int8 planes against ``s_q = max|q| / 127``:
+``q8 = s_q (hi + lo/256)``, ``|q - q8| <= eps_q |q|`` with ``eps_q = sqrt(D) / (127 * 256)``
+(+ float32 rounding of ``q / s_q``). The products are summed in int32, exactly; the float32
+steps after them (two conversions, one add, two scalings) cost ``16 * 2^-24`` of
+``|q8| |x8|``. As ``q.x - q8.x8 = q8.e + (q - q8).x``,
+
+    |s8 - s32| <= E = [eps_q + gamma_D(2^-24) + 16 * 2^-24 (1 + eps_q)] ab
+                      + (1 + eps_q + 16 * 2^-24 (1 + eps_q)) r b,
+
+inflated by 1% (:func:`int8_error_terms`; the ``r`` term travels in header word 12, so
+adds after a graph's capture are covered). For random unit vectors at D = 1024, ``r`` is
+about 0.013 and E about 0.014: ten times the 16-bit bound, still far below the gap between
+a chunk's 32nd score and the k-th best of 65,536 rows. The ``r b`` term is what a query along
+a row's rounding error needs (``test_int8_error_bound_holds``).
+
 The same certificate serves an opt-in tf32 scan of the float32 rows for exact batches
 (``tune={"exact_batch_scan": "tf32"}``; u = 2^-10 covers tf32 truncation), which moves
 exact batches from the FMA units to the tensor cores without a second copy of the rows.
@@ -85,7 +107,7 @@ import torch
 from kalos.engine.base import MISSING_ID, Engine, Filter
 from kalos.errors import InvalidArgument, InvalidQuery
 
-__all__ = ["TorchEngine", "HostBuffer", "register_host_buffer", "fast_error_terms", "MAX_K"]
+__all__ = ["TorchEngine", "HostBuffer", "register_host_buffer", "fast_error_terms", "int8_error_terms", "MAX_K"]
 
 #: Largest k a search may ask for. The fast (16-bit) path serves k <= MAX_FAST_K; beyond it
 #: a fast engine answers with the exact float32 scan.
@@ -93,7 +115,7 @@ MAX_K = 1024
 MAX_FAST_K = 256
 _NO_BOUND = -(2**63)  # a certificate bound no chunk has raised (triton_kernels.SENTINEL)
 # The staging header (int64[16]: n, nq, k, has_ns, ns, since (f64), until (f64), max row norm
-# (f64), k_out, the slot server's words, spare) and the gather table after it (int64[4] per query: query offset, ids
+# (f64), k_out, the slot server's words, the 8-bit rows' error per unit of query norm (f64), spare) and the gather table after it (int64[4] per query: query offset, ids
 # offset, scores offset, scale (f64)); triton_kernels.HDR_WORDS declares the same layout.
 _HDR_WORDS = 16
 _HDR_BYTES = 8 * _HDR_WORDS
@@ -164,6 +186,26 @@ def fast_error_terms(dim: int, half: str = "float16") -> tuple[float, float, flo
     return a * 1.01, b * 1.01, c * 1.01 + 1e-12
 
 
+def int8_error_terms(dim: int) -> tuple[float, float]:
+    """``(A, R)`` with ``|s8 - s32| <= A*|x|*|q| + R*r*|q|`` for the 8-bit score of a row
+    (``int8_scores_kernel``) against its float32 re-score, ``r`` the largest ``|x - x8 *
+    scale8|`` of a row written (float64). See the module docstring; 1% is added."""
+    g32 = dim * 2.0**-24 / (1.0 - dim * 2.0**-24)
+    eps_q = math.sqrt(dim) / (127 * 256) * (1 + 2.0**-23) + 2.0**-22  # the query's two planes
+    rounding = 16 * 2.0**-24 * (1 + eps_q)  # the kernel's float32 steps after the exact sums
+    return (eps_q + g32 + rounding) * 1.01, (1 + eps_q + rounding) * 1.01
+
+
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """float32 rows as (int8 codes, float32 scales, the largest residual norm, float64):
+    ``x ~ scale * codes``, ``scale = max|x| / 127`` per row (1 for a zero row)."""
+    amax = x.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    codes = torch.round(x / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    resid = torch.linalg.vector_norm(x.double() - codes.double() * scale.double()[:, None], dim=1)
+    return codes, scale, float(resid.max()) if len(resid) else 0.0
+
+
 # -- tuning ----------------------------------------------------------------------------------
 
 
@@ -194,6 +236,12 @@ DEFAULT_TUNE: dict = {
     ("scores", True, False): ScanConfig(block_n=32, block_d=128, block_q=1, warps=4, stages=1),
     ("scores", False, True): ScanConfig(block_n=64, block_d=64, block_q=16, warps=4, stages=3),
     ("scores", True, True): ScanConfig(block_n=64, block_d=64, block_q=16, warps=4, stages=3),
+    # The 8-bit scan of a single query (int8_scores_kernel, tensor cores): the fastest tile of
+    # benchmarks/int8_scan_probe.py on an H200, 18.9 us at 65,536 x 1024 (16-bit scan: 32.9).
+    ("scores", "i8", False): ScanConfig(block_n=128, block_d=128, block_q=1, warps=4, stages=3),
+    # What a single query scans in fast mode: "int8" (an 8-bit copy of the rows, held beside
+    # the 16-bit one that batches scan) or "f16" (the 16-bit copy; no 8-bit one is held).
+    "single_scan": "int8",
     # Batches of at least this many queries (16-bit and tf32 scans) are scored by cuBLAS, a
     # slice of gemm_rows rows at a time, then the same chunked top-k and certified re-score.
     "gemm_min_q": 16,
@@ -233,6 +281,14 @@ DEFAULT_TUNE: dict = {
     # chunks' re-scores read more rows than the one program did.
     "single_chunk_rescore": True,
     "chunk_rescore_max_rows": 262144,
+    # Scores per chunk, candidates each chunk re-scores (at least 2x the k bucket) and the
+    # [candidates x BLOCK_D] tile of their re-score. The chunk kernel took 13.2-13.4 us with 16
+    # or 32 candidates and chunks of 512 or 1,024, 19.3 with 2,048; 12.3 with a tile of 8,192
+    # against 13.2 with 16,384; 8 warps against 4 (22.6) and 16 (14.0) (H200, 65,536 rows,
+    # 8-bit scan; BENCHMARKS.md, 2026-12-01 fourth session).
+    "chunk_rescore_chunk": 1024,
+    "chunk_rescore_k": 32,
+    "chunk_rescore_tile": 8192,
     # PyTorch's CPU device (Triton's interpreter): few, large blocks, since every
     # tl.topk costs the interpreter a fraction of a second.
     "cpu_progs": 2,
@@ -439,8 +495,14 @@ class TorchEngine(Engine):
         self._tune = dict(DEFAULT_TUNE)
         if tune:
             self._tune.update(tune)
-        self._err = {"f16": fast_error_terms(dim, half), "tf32": fast_error_terms(dim, "tf32"), "f32": (0.0, 0.0, 0.0)}
+        if self._tune["single_scan"] not in ("int8", "f16"):
+            raise InvalidArgument(f"tune single_scan must be 'int8' or 'f16', got {self._tune['single_scan']!r}")
+        self._int8 = precision == "fast" and tk is not None and self._tune["single_scan"] == "int8"
+        i8_a, self._i8_r = int8_error_terms(dim)
+        self._err = {"f16": fast_error_terms(dim, half), "tf32": fast_error_terms(dim, "tf32"), "f32": (0.0, 0.0, 0.0),
+                     "i8": (i8_a, 0.0, 1e-12)}
         self._max_norm = 0.0
+        self._max_resid8 = 0.0  # the largest |x - x8 * scale8| of a row written (the 8-bit bound)
         self.stats = {"searches": 0, "fallbacks": 0, "graph_captures": 0}
 
         if self._is_cuda:
@@ -479,6 +541,8 @@ class TorchEngine(Engine):
         self._x16 = (
             torch.zeros((capacity, d), dtype=self._half_dtype, device=dev) if self.precision == "fast" else None
         )
+        self._x8 = torch.zeros((capacity, d), dtype=torch.int8, device=dev) if self._int8 else None
+        self._scale8 = torch.ones(capacity, dtype=torch.float32, device=dev) if self._int8 else None
         self._live = torch.zeros(capacity, dtype=torch.uint8, device=dev)
         self._ns = torch.zeros(capacity, dtype=torch.int32, device=dev)
         self._ts = torch.zeros(capacity, dtype=torch.float64, device=dev)
@@ -538,10 +602,10 @@ class TorchEngine(Engine):
     def _resize(self, capacity: int) -> None:
         self._settle()
         n = self.rows.size
-        old = (self._x32, self._x16, self._live, self._ns, self._ts, self._ids)
+        old = self._columns()
         with self._on_stream():
             self._alloc_columns(capacity)
-            for new, src in zip((self._x32, self._x16, self._live, self._ns, self._ts, self._ids), old):
+            for new, src in zip(self._columns(), old):
                 if new is not None and n:
                     new[:n].copy_(src[:n])
         del old
@@ -559,10 +623,16 @@ class TorchEngine(Engine):
             self._ns[rows].copy_(torch.from_numpy(self.rows.namespaces[rows]))
             self._ts[rows].copy_(torch.from_numpy(self.rows.created_at[rows]))
             self._ids[rows].copy_(torch.from_numpy(self.rows.ids[rows]))
-            step = 16384
+            step = 16384  # (float64 temporaries a slice at a time, not of a whole bulk load)
             for s in range(0, len(x), step):
                 norm = torch.linalg.vector_norm(x[s : s + step].double(), dim=1).max().item()
                 self._max_norm = max(self._max_norm, float(norm))
+                if self._x8 is not None:
+                    codes, scale, resid = _quantize_rows(x[s : s + step])
+                    at = slice(rows.start + s, rows.start + s + len(codes))
+                    self._x8[at].copy_(codes)
+                    self._scale8[at].copy_(scale)
+                    self._max_resid8 = max(self._max_resid8, resid)
 
     def _tombstoned(self, rows: np.ndarray) -> None:
         self._settle()
@@ -577,7 +647,7 @@ class TorchEngine(Engine):
         # overwrites a row a later chunk still has to read, so one chunk-sized buffer suffices.
         step = max(1, (64 << 20) // (self.dim * 4))
         with self._on_stream():
-            for mat in (self._x32, self._x16):
+            for mat in (self._x32, self._x16, self._x8, self._scale8):
                 if mat is None:
                     continue
                 for s in range(0, n, step):
@@ -589,9 +659,12 @@ class TorchEngine(Engine):
             self._ts.copy_(torch.from_numpy(self.rows.created_at[:cap]))
             self._ids.copy_(torch.from_numpy(self.rows.ids[:cap]))
 
+    def _columns(self) -> tuple:
+        """Every per-row tensor on the device (None: not held by this engine)."""
+        return (self._x32, self._x16, self._x8, self._scale8, self._live, self._ns, self._ts, self._ids)
+
     def _vector_bytes(self) -> int:
-        tensors = (self._x32, self._x16, self._live, self._ns, self._ts, self._ids)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return sum(t.numel() * t.element_size() for t in self._columns() if t is not None)
 
     # -- searching ------------------------------------------------------------------------------
 
@@ -928,6 +1001,7 @@ class TorchEngine(Engine):
         hdrf[5] = -np.inf if flt.since is None else float(flt.since)
         hdrf[6] = np.inf if flt.until is None else float(flt.until)
         hdrf[7] = self._max_norm
+        hdrf[12] = self._max_resid8 * self._i8_r
         hdr[8] = k  # columns written: past min(k, n) they are padding (-1 / -inf)
 
     def _triton_batch(self, queries, k, flt, out_i, out_s, want_ids, kind, live) -> None:
@@ -1005,17 +1079,17 @@ class TorchEngine(Engine):
         gemm = batched and kind != "f32" and qb >= int(tune["gemm_min_q"]) and self._gemm_ok(kind)
         scores = scores or gemm
         rescore_k = 0
-        if (kind == "f16" and qb == 1 and scores and not gemm and tune["single_chunk_rescore"]
-                and self.rows.capacity <= int(tune["chunk_rescore_max_rows"])):
+        if kind == "i8" or (kind == "f16" and qb == 1 and scores and not gemm and self._chunk_rescore()):
             # Each chunk keeps its kp best float32 keys, re-scored from its top rescore_k.
-            rescore_k, k1 = max(32, 2 * kp), kp
+            rescore_k, k1, scores = max(int(tune["chunk_rescore_k"]), 2 * kp), kp, True
         if scores:
-            base = tune[("scores", half, batched)]
+            base = tune[("scores", "i8" if kind == "i8" else half, batched)]
         block_n = base.block_n if scores else max(base.block_n, k1)
         if not self._is_cuda:
             block_n = max(block_n, int(tune["cpu_block_n"]))
         tile = base.block_n * base.block_d
-        block_d = max(16, min(base.block_d, tile // block_n, _next_pow2(self.dim)))
+        # (int8 tensor-core products take K in steps of 32, 16-bit ones in steps of 16)
+        block_d = max(32 if kind == "i8" else 16, min(base.block_d, tile // block_n, _next_pow2(self.dim)))
         block_q = min(base.block_q, max(16, qb)) if batched else 1
         cfg = ScanConfig(block_n, block_d, block_q, base.warps, base.stages, base.progs, base.maxnreg)
         n_qblocks = -(-qb // block_q)
@@ -1029,7 +1103,8 @@ class TorchEngine(Engine):
             progs = max(1, (self._sms * self._programs_per_sm(kind, cfg, k1)) // n_qblocks)
         else:
             progs = tune["cpu_progs"]
-        score_chunk = max(_next_pow2(int(tune["score_chunk"])), 2 * k1, 2 * rescore_k)
+        chunk_scores = int(tune["chunk_rescore_chunk"] if rescore_k else tune["score_chunk"])
+        score_chunk = max(_next_pow2(chunk_scores), 2 * k1, 2 * rescore_k)
         gemm_rows = max(score_chunk, int(tune["gemm_rows"]) // score_chunk * score_chunk) if gemm else 0
         threshold = gemm and bool(tune["threshold_select"]) and self._threshold_fits(gemm_rows, score_chunk, k1)
         if threshold:  # K keys per whole slice, then K per chunk of a narrower last one
@@ -1049,7 +1124,8 @@ class TorchEngine(Engine):
         final_chunk = _next_pow2(max(count, k1))
         single = "single_" if qb == 1 else ""
         # (With rescore_k the final kernel re-scores nothing: the tile is the chunks' re-score's.)
-        final_block_d = max(16, min(_next_pow2(self.dim), int(tune[single + "final_tile"]) // (rescore_k or k1)))
+        tile_key = "chunk_rescore_tile" if rescore_k else single + "final_tile"
+        final_block_d = max(16, min(_next_pow2(self.dim), int(tune[tile_key]) // (rescore_k or k1)))
         if kind != "f32" and not rescore_k:
             final_warps = int(tune[single + "final_warps"])
         else:  # the final kernel selects among float32 keys and re-scores nothing
@@ -1148,9 +1224,16 @@ class TorchEngine(Engine):
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and self._is_cuda else {}),
         )
         if plan.score_chunk:
-            tk.scan_topk_kernel[(plan.progs, plan.n_qblocks)](
-                x, dq, hdr, hdrf, live_t, self._ns, self._ts, ws_s, cap, WRITE_SCORES=True, **common,
-            )
+            if kind == "i8":
+                tk.int8_scores_kernel[(plan.progs,)](
+                    self._x8, self._scale8, dq, hdr, hdrf, live_t, self._ns, self._ts, ws_s, D=self.dim,
+                    D_POW2=_next_pow2(self.dim), BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, FILTER=filtered,
+                    num_warps=cfg.warps, num_stages=cfg.stages,
+                )
+            else:
+                tk.scan_topk_kernel[(plan.progs, plan.n_qblocks)](
+                    x, dq, hdr, hdrf, live_t, self._ns, self._ts, ws_s, cap, WRITE_SCORES=True, **common,
+                )
             chunks = -(-cap // plan.score_chunk)
             stride = chunks * plan.k1
             if plan.rescore_k:
@@ -1158,7 +1241,7 @@ class TorchEngine(Engine):
                 tk.scores_rescore_kernel[(chunks, qb)](
                     ws_s, ws_a, bound, hdr, hdrf, self._x32, dq, cap, stride, ea, eb, ec, D=self.dim,
                     K=plan.rescore_k, KOUT=plan.k1, CHUNK=plan.score_chunk, BLOCK_D=plan.final_block_d,
-                    num_warps=plan.topk_warps,
+                    ROW_ERR=kind == "i8", num_warps=plan.topk_warps,
                 )
                 return stride
             tk.scores_topk_kernel[(chunks, qb)](ws_s, ws_a, hdr, cap, stride, K=plan.k1, CHUNK=plan.score_chunk,
@@ -1310,13 +1393,19 @@ class TorchEngine(Engine):
         return self._plan(self._scan_kind(q, k, precision or self.precision), _next_pow2(q), _kp(k))
 
     def _scan_kind(self, nq: int, k: int, precision: str) -> str:
-        """What a batch of ``nq`` queries scans: "f16" (fast), "tf32" (exact batches, certified)
-        or "f32" (exact). The 16-bit and tf32 paths serve k <= MAX_FAST_K."""
+        """What a batch of ``nq`` queries scans: "i8" (fast, a single query), "f16" (fast),
+        "tf32" (exact batches, certified) or "f32" (exact). All but "f32" serve k <= MAX_FAST_K."""
         if k > MAX_FAST_K:
             return "f32"
         if precision == "fast":
-            return "f16"
+            int8 = self._x8 is not None and self._tune["single_scan"] == "int8"
+            return "i8" if nq == 1 and int8 and self._chunk_rescore() else "f16"
         return "tf32" if nq > 1 and self._tune["exact_batch_scan"] == "tf32" else "f32"
+
+    def _chunk_rescore(self) -> bool:
+        """Whether a single query's chunks re-score their own candidates (``single_chunk_rescore``
+        up to ``chunk_rescore_max_rows``): the 8-bit scan depends on it."""
+        return bool(self._tune["single_chunk_rescore"]) and self.rows.capacity <= int(self._tune["chunk_rescore_max_rows"])
 
     # -- the plain PyTorch path -----------------------------------------------------------------
 

@@ -26,7 +26,8 @@ Pipeline (per query, all on the device; nothing round-trips through host memory)
    Batches of 16 or more queries are scored by cuBLAS a slice of 65,536 rows at a time
    instead; :func:`group_max_kernel` and :func:`collect_kernel` then keep each slice's top-K
    by a threshold (see the comment above them), without sorting every chunk.
-   Fast mode, one query: :func:`scores_rescore_kernel` re-scores each chunk's top-K in
+   Fast mode, one query: :func:`int8_scores_kernel` scores the 8-bit copy of the rows on
+   the tensor cores, then :func:`scores_rescore_kernel` re-scores each chunk's top-K in
    float32 in the chunk's own program and keeps float32 keys (a certificate per chunk).
 2. :func:`merge_topk_kernel` -- ``(Q, P2)`` programs, each reduces one ``CHUNK`` of keys to
    its top-K: many programs share the merge instead of one program merging thousands.
@@ -40,17 +41,19 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "SENTINEL", "HDR_WORDS", "stage_in_kernel", "scan_topk_kernel", "scores_topk_kernel", "group_max_kernel",
-    "collect_kernel", "merge_topk_kernel", "scores_rescore_kernel", "final_kernel", "await_request_kernel", "serve_slots_kernel",
+    "SENTINEL", "HDR_WORDS", "stage_in_kernel", "scan_topk_kernel", "int8_scores_kernel", "scores_topk_kernel",
+    "group_max_kernel", "collect_kernel", "merge_topk_kernel", "scores_rescore_kernel", "final_kernel",
+    "await_request_kernel", "serve_slots_kernel",
 ]
 
 SENTINEL = -(2**63)
 
 #: The header is 16 int64 words: n, nq, k, has_ns, ns, since (f64), until (f64), max row norm
 #: (f64), k_out (result columns to write), then for the slot server's graph the slot's word
-#: offset, the request's seq and the slot (see await_request_kernel), 4 spare. The gather table follows it: 4 words per
-#: query (query offset in float32 elements of SRC, ids offset in int64 elements of RES_I,
-#: scores offset in float32 elements of RES_S, scale (f64) applied to the query).
+#: offset, the request's seq and the slot (see await_request_kernel), the 8-bit rows' error
+#: per unit of query norm (f64, see int8_scores_kernel), 3 spare. The gather table follows it:
+#: 4 words per query (query offset in float32 elements of SRC, ids offset in int64 elements of
+#: RES_I, scores offset in float32 elements of RES_S, scale (f64) applied to the query).
 HDR_WORDS = tl.constexpr(16)
 TAB = tl.constexpr(16)
 
@@ -120,11 +123,12 @@ def _kth_score(scores, kq, N: tl.constexpr):
 
 
 @triton.jit
-def _rescore(top, X32, q_ptr, x_norm, err_a, err_b, err_c, D: tl.constexpr, N: tl.constexpr,
+def _rescore(top, X32, q_ptr, x_norm, err_a, err_b, err_c, err_q, D: tl.constexpr, N: tl.constexpr,
              BLOCK_D: tl.constexpr):
-    """The candidates ``top`` ([1, N] keys of 16-bit or tf32 scores) re-scored in float32
-    against the query at ``q_ptr``: ``(s16 [1, N], valid [1, N], keys of the float32 scores
-    [1, N], E)``, E the bound on |s16 - s32| for this query (see ``torch_engine``)."""
+    """The candidates ``top`` ([1, N] keys of 16-bit, tf32 or 8-bit scores) re-scored in
+    float32 against the query at ``q_ptr``: ``(s16 [1, N], valid [1, N], keys of the float32
+    scores [1, N], E)``, E the bound on |s16 - s32| for this query (see ``torch_engine``):
+    ``err_a*|x|*|q| + err_b*(|x| + |q|) + err_c + err_q*|q|``."""
     s16, rows2, valid2 = _unpack(top)
     rows = tl.reshape(rows2, [N])
     valid = tl.reshape(valid2, [N])
@@ -138,7 +142,7 @@ def _rescore(top, X32, q_ptr, x_norm, err_a, err_b, err_c, D: tl.constexpr, N: t
         acc += x * qv[None, :]
         qsq += qv * qv
     q_norm = tl.sqrt(tl.sum(qsq, axis=0)).to(tl.float64)
-    err = err_a * x_norm * q_norm + err_b * (x_norm + q_norm) + err_c
+    err = err_a * x_norm * q_norm + err_b * (x_norm + q_norm) + err_c + err_q * q_norm
     keys32 = tl.where(valid, _pack(tl.sum(acc, axis=1), rows), -9223372036854775808)
     return s16, valid2, tl.reshape(keys32, [1, N]), err
 
@@ -149,7 +153,7 @@ def _certified_rescore(top, kq, X32, q_ptr, x_norm, err_a, err_b, err_c, D: tl.c
     """The float32 top-KOUT of the KIN candidates ``top`` (keys of 16-bit or tf32 scores,
     sorted), and whether the certificate holds (see ``torch_engine``): ``(keys [1, KOUT],
     certified [1])``. ``kq`` is the k asked for, at most the rows in use."""
-    s16, valid2, keys32, err = _rescore(top, X32, q_ptr, x_norm, err_a, err_b, err_c, D, KIN, BLOCK_D)
+    s16, valid2, keys32, err = _rescore(top, X32, q_ptr, x_norm, err_a, err_b, err_c, 0.0, D, KIN, BLOCK_D)
     t_k = _kth_score(s16, kq, KIN)
     n_valid = tl.sum(valid2.to(tl.int32), axis=1)
     t_last = tl.min(tl.where(valid2, s16, float("inf")), axis=1)
@@ -233,6 +237,16 @@ def stage_in_kernel(
 
 
 @triton.jit
+def _filter_words(HDR, HDRF):
+    """The filter's header words: (has_ns, ns, since, until, whether a time window is set)."""
+    since = tl.load(HDRF + 5)
+    until = tl.load(HDRF + 6)
+    # (!= 0: Triton's interpreter cannot "&" a mask with an "|" of float comparisons)
+    has_time = ((since > float("-inf")) | (until < float("inf"))) != 0
+    return tl.load(HDR + 3), tl.load(HDR + 4), since, until, has_time
+
+
+@triton.jit
 def scan_topk_kernel(
     X,  # [cap, D] float32 / float16 / bfloat16 rows
     Qs,  # [Qb, D] float32 queries (staging area)
@@ -261,12 +275,7 @@ def scan_topk_kernel(
     n = tl.load(HDR)
     nq = tl.load(HDR + 1)
     if FILTER:
-        has_ns = tl.load(HDR + 3)
-        want_ns = tl.load(HDR + 4)
-        since = tl.load(HDRF + 5)
-        until = tl.load(HDRF + 6)
-        # (!= 0: Triton's interpreter cannot "&" a mask with an "|" of float comparisons)
-        has_time = ((since > float("-inf")) | (until < float("inf"))) != 0
+        has_ns, want_ns, since, until, has_time = _filter_words(HDR, HDRF)
     EVEN_D: tl.constexpr = D % BLOCK_D == 0
     qs = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     q_ok = qs < nq
@@ -332,6 +341,76 @@ def scan_topk_kernel(
         if not WRITE_SCORES:
             offs = qs[:, None].to(tl.int64) * stride_out + pid_n * K + tl.arange(0, K)[None, :]
             tl.store(OUT + offs, top, mask=q_ok[:, None])
+
+
+@triton.jit
+def _query_planes(q, inv_scale, cols):
+    """The query chunk ``q`` ([BLOCK_D] float32) in units of its scale (``inv_scale`` = 1 /
+    scale) as two int8 planes, ``hi + lo / 256``, in columns 0 and 1 of a [BLOCK_D, 16] tile
+    (the tensor cores' narrowest operand; the other columns are 0). ``|t - hi - lo/256| <=
+    1/256`` for ``t = q * inv_scale`` in [-127, 127] (see ``torch_engine``)."""
+    t = q * inv_scale
+    hi = tl.minimum(tl.maximum(tl.floor(t + 0.5), -127.0), 127.0)
+    lo = tl.minimum(tl.maximum(tl.floor((t - hi) * 256.0 + 0.5), -127.0), 127.0)
+    return tl.where(cols[None, :] == 0, hi[:, None], tl.where(cols[None, :] == 1, lo[:, None], 0.0)).to(tl.int8)
+
+
+@triton.jit
+def int8_scores_kernel(
+    X8,  # [cap, D] int8 rows: row i is about SCALE8[i] * X8[i]
+    SCALE8,  # [cap] float32
+    Qs,  # [Qb, D] float32 query (one: the single-query path)
+    HDR,
+    HDRF,
+    LIVE,
+    NS,
+    TS,
+    OUT,  # [cap] float32 masked scores (-inf: masked out)
+    D: tl.constexpr,
+    D_POW2: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FILTER: tl.constexpr,
+):
+    """Fast mode's first pass for one query over the 8-bit rows: a row block per program
+    (grid: capacity / BLOCK_N), int8 x int8 products on the tensor cores, int32 sums (exact).
+
+    The query is split in-kernel into two int8 planes against its own scale ``s_q = max|q| /
+    127``: ``q ~ s_q (hi + lo/256)``, one plane per column of the tensor cores' operand, so
+    the 8-bit pass reads a quarter of the float32 bytes while the query keeps ~15 bits. Score =
+    ``(sum hi + sum lo / 256) * s_q * SCALE8[row]``; the bound on its distance to the float32
+    score is in ``torch_engine``. Masks as in the score-writing scan."""
+    blk = tl.program_id(0)
+    n = tl.load(HDR)
+    rows = blk.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_rng = rows < n
+    if blk * BLOCK_N < n:
+        # (The mask's columns first, as in scan_topk_kernel: their latency hides behind the rows'.)
+        live = tl.load(LIVE + rows, mask=in_rng, other=0)
+        if FILTER:
+            has_ns, want_ns, since, until, has_time = _filter_words(HDR, HDRF)
+            nsv = tl.load(NS + rows, mask=in_rng & (has_ns != 0), other=0)
+            ts = tl.load(TS + rows, mask=in_rng & has_time, other=0.0)
+        scale = tl.load(SCALE8 + rows, mask=in_rng, other=0.0)
+        dq = tl.arange(0, D_POW2)
+        q_max = tl.max(tl.abs(tl.load(Qs + dq, mask=dq < D, other=0.0)), axis=0)
+        s_q = tl.where(q_max > 0, q_max / 127.0, 1.0)
+        inv_s = 1.0 / s_q
+        cols = tl.arange(0, 16)
+        acc = tl.zeros([BLOCK_N, 16], tl.int32)
+        for d0 in range(0, D, BLOCK_D):
+            ds = d0 + tl.arange(0, BLOCK_D)
+            dm = ds < D
+            x = tl.load(X8 + rows[:, None] * D + ds[None, :], mask=in_rng[:, None] & dm[None, :], other=0)
+            planes = _query_planes(tl.load(Qs + ds, mask=dm, other=0.0), inv_s, cols)
+            acc = tl.dot(x, planes, acc, out_dtype=tl.int32)
+        hi = tl.sum(tl.where(cols[None, :] == 0, acc, 0), axis=1)
+        lo = tl.sum(tl.where(cols[None, :] == 1, acc, 0), axis=1)
+        sc = (hi.to(tl.float32) + lo.to(tl.float32) * (1.0 / 256.0)) * s_q * scale
+        ok = in_rng & (live != 0)
+        if FILTER:
+            ok = ok & ((has_ns == 0) | (nsv.to(tl.int64) == want_ns)) & (ts >= since) & (ts < until)
+        tl.store(OUT + rows, tl.where(ok, sc, float("-inf")), mask=in_rng)
 
 
 @triton.jit
@@ -418,6 +497,7 @@ def scores_rescore_kernel(
     KOUT: tl.constexpr,  # keys kept per chunk
     CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ROW_ERR: tl.constexpr = False,  # 8-bit scores: HDRF[12] adds its per-|q| term to the bound
 ):
     """Fast mode's selection, a chunk per program (grid (chunks, Qb)): the top-K of the
     chunk's 16-bit scores, re-scored in float32 right here, and the KOUT best of those as keys
@@ -431,12 +511,15 @@ def scores_rescore_kernel(
     q = tl.program_id(1)
     nq = tl.load(HDR + 1)
     x_norm = tl.load(HDRF + 7)
+    err_q = 0.0
+    if ROW_ERR:
+        err_q = tl.load(HDRF + 12)
     sc, rows, ok = _masked_chunk(S, q, j, HDR, stride_s, 0, 0, None, None, None, None, CHUNK, False, False)
     if q < nq:
         keys16 = tl.where(ok, _pack(sc, rows), -9223372036854775808)
         top = tl.topk(tl.reshape(keys16, [1, CHUNK]), K)
-        s16, valid2, keys32, err = _rescore(top, X32, Qs + q.to(tl.int64) * D, x_norm, err_a, err_b, err_c, D, K,
-                                            BLOCK_D)
+        s16, valid2, keys32, err = _rescore(top, X32, Qs + q.to(tl.int64) * D, x_norm, err_a, err_b, err_c, err_q,
+                                            D, K, BLOCK_D)
         best = tl.topk(keys32, KOUT)
         tl.store(OUT + q.to(tl.int64) * stride_out + j * KOUT + tl.arange(0, KOUT)[None, :], best)
         if tl.sum(valid2.to(tl.int32)) == K:  # rows may have been left out
