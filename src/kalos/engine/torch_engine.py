@@ -115,8 +115,9 @@ MAX_K = 1024
 MAX_FAST_K = 256
 _NO_BOUND = -(2**63)  # a certificate bound no chunk has raised (triton_kernels.SENTINEL)
 # The staging header (int64[16]: n, nq, k, has_ns, ns, since (f64), until (f64), max row norm
-# (f64), k_out, the slot server's words, the 8-bit rows' error per unit of query norm (f64), spare) and the gather table after it (int64[4] per query: query offset, ids
-# offset, scores offset, scale (f64)); triton_kernels.HDR_WORDS declares the same layout.
+# (f64), k_out, the slot server's words, the 8-bit rows' error per unit of query norm (f64),
+# spare) and the gather table after it (int64[4] per query: query offset, ids offset, scores
+# offset, scale (f64)); triton_kernels.HDR_WORDS declares the same layout.
 _HDR_WORDS = 16
 _HDR_BYTES = 8 * _HDR_WORDS
 _TAB_WORDS = 4

@@ -247,6 +247,12 @@ def _filter_words(HDR, HDRF):
 
 
 @triton.jit
+def _passes_filter(ok, nsv, ts, has_ns, want_ns, since, until):
+    """``ok`` and the row's namespace ``nsv`` and created_at ``ts`` pass the header's filter."""
+    return ok & ((has_ns == 0) | (nsv.to(tl.int64) == want_ns)) & (ts >= since) & (ts < until)
+
+
+@triton.jit
 def scan_topk_kernel(
     X,  # [cap, D] float32 / float16 / bfloat16 rows
     Qs,  # [Qb, D] float32 queries (staging area)
@@ -325,7 +331,7 @@ def scan_topk_kernel(
                 sc = acc
             ok = in_rng & (live != 0)
             if FILTER:
-                ok = ok & ((has_ns == 0) | (nsv.to(tl.int64) == want_ns)) & (ts >= since) & (ts < until)
+                ok = _passes_filter(ok, nsv, ts, has_ns, want_ns, since, until)
             if WRITE_SCORES:
                 # v2: no selection in the streaming loop (its bitonic passes cost block-wide
                 # barriers per block); scores_topk_kernel selects afterwards, in parallel.
@@ -409,7 +415,7 @@ def int8_scores_kernel(
         sc = (hi.to(tl.float32) + lo.to(tl.float32) * (1.0 / 256.0)) * s_q * scale
         ok = in_rng & (live != 0)
         if FILTER:
-            ok = ok & ((has_ns == 0) | (nsv.to(tl.int64) == want_ns)) & (ts >= since) & (ts < until)
+            ok = _passes_filter(ok, nsv, ts, has_ns, want_ns, since, until)
         tl.store(OUT + rows, tl.where(ok, sc, float("-inf")), mask=in_rng)
 
 
@@ -429,13 +435,10 @@ def _masked_rows(S, q, local, inside, HDR, stride_s, row_base, width, LIVE, NS, 
     if MASK:
         ok = ok & (tl.load(LIVE + rows, mask=ok, other=0) != 0)
         if FILTER:
-            has_ns = tl.load(HDR + 3)
-            want_ns = tl.load(HDR + 4)
-            since = tl.load(HDRF + 5)
-            until = tl.load(HDRF + 6)
+            has_ns, want_ns, since, until, _has_time = _filter_words(HDR, HDRF)
             nsv = tl.load(NS + rows, mask=ok, other=0)
             ts = tl.load(TS + rows, mask=ok, other=0.0)
-            ok = ok & ((has_ns == 0) | (nsv.to(tl.int64) == want_ns)) & (ts >= since) & (ts < until)
+            ok = _passes_filter(ok, nsv, ts, has_ns, want_ns, since, until)
     return sc, rows, ok & (sc > float("-inf"))
 
 
