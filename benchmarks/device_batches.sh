@@ -1,7 +1,7 @@
 #!/bin/bash
 # Device run: the batch path's threshold selection and device-side query norms (CUDA tests,
 # per-kernel profile of batch graphs against the per-chunk top-K, checked against float64),
-# and the resident slot server's tests and in-process diagnostics. Carry [".carry"].
+# and the slot server's tests and in-process diagnostics. Carry [".carry"].
 export PYTHONPATH=src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache KALOS_RUNTIME_DIR=/tmp/krt
 mkdir -p -m 700 /tmp/krt
 tar xzf .carry/tcache.tgz -C /tmp 2>/dev/null
@@ -13,6 +13,6 @@ timeout 150 python3 benchmarks/gpu_diag.py --batches ${BATCHES:-64,256,1024} --o
 sed -n '/== summary ==/,$p' $OUT/diag_batches.log; tail -3 $OUT/diag_batches.log
 echo "== slot_server_diag"; date +%T
 timeout 150 python3 benchmarks/slot_server_diag.py --n 65536 --dim 1024 --repeats 2000 --checks 100 \
-    --fast-variants 3:8x1024:4 --json $OUT/slot_diag.json > $OUT/slot_diag.log 2>&1; tail -14 $OUT/slot_diag.log
+    --json $OUT/slot_diag.json > $OUT/slot_diag.log 2>&1; tail -14 $OUT/slot_diag.log
 date +%T
 tar czf $OUT/tcache.tgz -C /tmp tcache

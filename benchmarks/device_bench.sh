@@ -1,6 +1,6 @@
 #!/bin/bash
 # Device run: CUDA tests of the batch path, `kalos bench --device cuda` end to end (batches,
-# several clients at once, the resident kernel, a GEMM load), and the per-kernel profile of
+# several clients at once, a GEMM load), and the per-kernel profile of
 # batch graphs. Carry [".carry"].
 export PYTHONPATH=src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache KALOS_RUNTIME_DIR=/tmp/krt
 mkdir -p -m 700 /tmp/krt

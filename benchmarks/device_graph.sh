@@ -7,15 +7,15 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache KALOS_RUNT
 mkdir -p -m 700 /tmp/krt
 nvidia-smi --query-gpu=name,memory.used,clocks.sm,clocks.mem --format=csv,noheader
 if [ -z "$SKIP_TESTS" ]; then
-  echo "== pytest -m cuda (torch engine; slot servers: graph, and the resident one's sidecar)"; date +%T
+  echo "== pytest -m cuda (torch engine; slot server, alone and in a sidecar)"; date +%T
   timeout ${TESTS_S:-240} python3 -m pytest -q -x -p no:cacheprovider tests/test_slot_server.py tests/test_torch_engine.py \
-      -m cuda -k "not (resident and answers)" 2>&1 | tail -4
+      -m cuda 2>&1 | tail -4
 fi
 echo "== slot_server_diag (SM / memory clocks sampled every 20 ms into clocks.csv)"; date +%T
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,utilization.gpu --format=csv,noheader -lms 20 > $OUT/clocks.csv &
 SMI=$!
 timeout 120 python3 benchmarks/slot_server_diag.py --n 65536 --dim 1024 --repeats 2000 --checks 100 \
-    --variants "${VARIANTS:-graph:3,4:2x1024:4}" --fast-variants "${FAST_VARIANTS:-graph:3}" --json $OUT/diag.json 2>&1 \
+    --variants "${VARIANTS:-graph:3}" --fast-variants "${FAST_VARIANTS:-graph:3}" --json $OUT/diag.json 2>&1 \
     | grep -v "UserWarning\|_warn_once" | tail -12
 kill $SMI
 if [ -z "$SKIP_BENCH" ]; then

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device run: the resident slot server's CUDA tests and its in-process diagnostics.
+# Device run: the slot server's CUDA tests and its in-process diagnostics.
 export PYTHONPATH=src PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache
 tar xzf .carry/tcache.tgz -C /tmp 2>/dev/null
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader

@@ -10,7 +10,7 @@ nvidia-smi --query-gpu=name,memory.used,clocks.sm,clocks.mem --format=csv,nohead
 echo "== pytest -m cuda tests/test_slot_server.py"; date +%T
 timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_slot_server.py -m cuda 2>&1 | tail -8
 echo "== slot_server_diag"; date +%T
-timeout 150 python3 benchmarks/slot_server_diag.py --n 65536 --dim 1024 --repeats 2000 --checks 100 --fast-variants 3:8x1024:4 \
+timeout 150 python3 benchmarks/slot_server_diag.py --n 65536 --dim 1024 --repeats 2000 --checks 100 \
     --json $OUT/diag.json 2>&1 | tail -20
 echo "== profile_e2e batch 256"; date +%T
 mkdir -p $OUT/prof256

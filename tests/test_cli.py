@@ -163,7 +163,7 @@ def test_serve_shuts_down_cleanly_on_signal(sidecars, store_dir, runtime_dir, si
     with Client(name, timeout=10.0) as client:
         client.add(np.eye(DIM, dtype=np.float32))
         client.ping()  # the sweep is running, so the signal handlers are installed
-        assert sock.exists() and segment_path(name).exists()
+        assert sock.exists() and not segment_path(name).exists()  # the segment is a memfd: no name
         proc.process.send_signal(sig)
         try:
             code = proc.process.wait(timeout=DEADLINE_S)
@@ -219,7 +219,11 @@ def test_malformed_input_files_name_the_line_and_add_nothing(sidecars, store_dir
     path.write_text(json.dumps({"vector": [1.0] * (DIM + 1)}) + "\n")
     assert_user_error(kalos("add", path, "--name", name), "add", "dimension")
     path.write_text(good + "\n" + json.dumps({"vector": [1.0, 2.0]}) + "\n")
-    assert_user_error(kalos("add", path, "--name", name), "add")
+    message = assert_user_error(kalos("add", path, "--name", name), "add", f"{path}:2:", "has 2 numbers",
+                                f"dimension {DIM}")
+    assert "inhomogeneous" not in message and "sequence" not in message  # not NumPy's words
+    path.write_text(good + "\n" + json.dumps({"vector": [1.0] * (DIM - 1) + ["x"]}) + "\n")
+    assert_user_error(kalos("add", path, "--name", name), "add", f"{path}:2:", "list of numbers")
     np.save(store_dir / "wide.npy", np.ones((2, DIM + 2), np.float32))
     assert_user_error(kalos("add", store_dir / "wide.npy", "--name", name), "add", "dimension")
     with Client(name, timeout=10.0) as client:

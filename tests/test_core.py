@@ -579,8 +579,8 @@ def _rogue_worker(name: str, seed: int, out: Any) -> None:
         conn = client._conn  # the rogue needs to know which slot and doorbell are its own
         slot_index = conn.channel.slot.index
         doorbell = conn.doorbell_fd
-        path = f"/dev/shm/kalos-{os.getuid()}-{name}"
-        fd = os.open(path, os.O_RDWR)
+        path = f"segment of {name}"
+        fd = conn.segment.fileno()  # the memfd the hello passed, mapped a second time
         buf = memoryview(mmap.mmap(fd, os.fstat(fd).st_size))
         layout = Layout.read_header(buf, source=path)
         view = SlotView(buf, layout, slot_index)
@@ -691,7 +691,8 @@ def test_garbage_in_a_slot_is_answered_with_an_error_and_others_are_unaffected(s
 
 
 def test_segment_and_socket_are_owner_only(served):
-    seg = segment_path(served.name)
+    seg = f"/proc/self/fd/{served.client._conn.segment.fileno()}"  # the memfd the hello passed
+    assert not segment_path(served.name).exists()  # nameless: nothing in /dev/shm to squat or remove
     sock = Path(served.runtime) / f"{served.name}.sock"
     assert stat.S_IMODE(os.stat(seg).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
@@ -729,26 +730,25 @@ def test_control_socket_refuses_another_users_connection(sidecars, store_dir, ru
         assert client.stats()["count"] == 0
 
 
+_FAKE_SEGMENTS: dict[str, int] = {}
+
+
 @pytest.fixture
 def fake_segment() -> Iterator[Callable[[bytes], str]]:
-    names: list[str] = []
+    """Makes a sealed memfd holding ``content`` (what a sidecar would pass); returns its label."""
+    import fcntl
 
     def make(content: bytes) -> str:
         name = f"kalos-fake-{os.getpid()}-{uuid.uuid4().hex[:10]}"
-        names.append(name)
-        fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.write(fd, content)
-        finally:
-            os.close(fd)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.write(fd, content)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        _FAKE_SEGMENTS[name] = fd
         return name
 
     yield make
-    for name in names:
-        try:
-            os.unlink(f"/dev/shm/{name}")
-        except FileNotFoundError:
-            pass
+    while _FAKE_SEGMENTS:
+        os.close(_FAKE_SEGMENTS.popitem()[1])
 
 
 def _good_segment_bytes(layout: Layout) -> bytearray:
@@ -760,9 +760,9 @@ def _good_segment_bytes(layout: Layout) -> bytearray:
 def _attach(name: str) -> Layout:
     from kalos.channel import Segment
 
-    seg = Segment(name)
+    seg = Segment.attach(os.dup(_FAKE_SEGMENTS[name]), source=f"memfd:{name}")
     try:
-        return Layout.read_header(seg.buf, source=str(seg.path))
+        return Layout.read_header(seg.buf, source=seg.source)
     finally:
         seg.close()
 
@@ -779,10 +779,10 @@ def test_foreign_segments_raise_protocol_mismatch_with_a_clear_message(fake_segm
         return bytes(data)
 
     name = fake_segment(patched(magic=int.from_bytes(b"NOTKALOS", "little")))
-    with pytest.raises(ProtocolMismatch, match=rf"/dev/shm/{name}: not a Kalos segment \(magic 0x"):
+    with pytest.raises(ProtocolMismatch, match=rf"memfd:{name}: not a Kalos segment \(magic 0x"):
         _attach(name)
     name = fake_segment(patched(version=VERSION + 7))
-    with pytest.raises(ProtocolMismatch, match=rf"/dev/shm/{name}: segment protocol version {VERSION + 7}.*upgrade"):
+    with pytest.raises(ProtocolMismatch, match=rf"memfd:{name}: segment protocol version {VERSION + 7}.*upgrade"):
         _attach(name)
     name = fake_segment(patched(slot_size=layout.slot_size * 2))
     with pytest.raises(ProtocolMismatch, match="segment sizes disagree with its header"):
@@ -863,7 +863,7 @@ def test_a_second_sidecar_on_the_same_name_or_store_is_refused(sidecars, store_d
         assert not segment_path(other).exists()
         # The first sidecar is untouched and still serving.
         assert first.process.poll() is None
-        assert segment_path(name).exists() and (runtime_dir / f"{name}.sock").exists()
+        assert (runtime_dir / f"{name}.sock").exists()
         hit = client.recall(np.array([0, 0, 1, 0], np.float32), k=1)
         assert hit.ids.tolist() == [int(ids[2])]
         with Client(name, timeout=10.0) as fresh:

@@ -45,6 +45,49 @@ def test_doctor_on_this_machine_is_healthy(runtime_dir, home):
         assert "no NVIDIA GPU visible" in text and "runs on the CPU" in text
 
 
+def test_the_command_doctor_suggests_starts_a_sidecar_on_a_fresh_store(runtime_dir, home):
+    import shlex
+
+    from kalos import Client, SidecarUnavailable
+
+    name = f"doc-fresh-{os.getpid()}"
+    report = json.loads(doctor("--name", name, "--json").stdout)
+    [finding] = [f for f in report["findings"] if f["area"] == "sidecar"]
+    assert finding["fix"].startswith("start one: kalos serve"), finding
+    words = shlex.split(finding["fix"].removeprefix("start one: "))
+    proc = subprocess.Popen([sys.executable, "-m", *words], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        def serving() -> bool:
+            assert proc.poll() is None, f"{finding['fix']!r} failed: {proc.stderr.read()}"
+            try:
+                with Client(name, timeout=DEADLINE_S) as client:
+                    return client.dim == 384
+            except SidecarUnavailable:
+                return False
+
+        from conftest import wait_until
+
+        wait_until(serving, f"the sidecar started by {finding['fix']!r}")
+        assert (home / "memories.db").exists()
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()
+    # The store now exists: the suggestion no longer passes --dim (it would be checked, not needed).
+    report = json.loads(doctor("--name", name, "--json").stdout)
+    [finding] = [f for f in report["findings"] if f["area"] == "sidecar"]
+    assert finding["fix"] == f"start one: kalos serve --name {name}"
+
+
+def test_serve_on_a_fresh_store_names_the_dim_flag(runtime_dir, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kalos", "serve", "--store", str(tmp_path / "new.db"), "--name",
+                          f"doc-nodim-{os.getpid()}"], capture_output=True, text=True, timeout=DEADLINE_S)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "pass --dim 384 to create it" in out.stderr and "--dim D" in out.stderr, out.stderr
+    assert not (tmp_path / "new.db").exists()
+
+
 def test_doctor_reports_the_store_and_the_sidecar(sidecars, home):
     store = home / "memories.db"
     sidecars.start(store, name="doc-sc", dim=16)
@@ -168,7 +211,7 @@ def test_no_gpu_and_no_torch_is_fine():
 
 def test_a_gpu_without_torch_is_a_problem():
     findings = diagnose_gpu(H200, None, env={})
-    assert findings[-1].status == PROBLEM and "kalos[gpu]" in findings[-1].fix
+    assert findings[-1].status == PROBLEM and "kalos-recall[gpu]" in findings[-1].fix
 
 
 def test_nvidia_smi_failing_is_a_problem():

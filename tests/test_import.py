@@ -62,6 +62,11 @@ def count(client: Client, namespace: str) -> int:
     return client.stats()["namespaces"].get(namespace, 0)
 
 
+def progress_record(path: Path, client: Client) -> dict[str, Any]:
+    """What the progress file of ``path`` records for the store ``client``'s sidecar serves."""
+    return json.loads(Path(path).read_text())["imports"][client.stats()["store"]]
+
+
 def stored_texts(client: Client, namespace: str, n: int = 64) -> list[str]:
     """Every text in ``namespace`` (recalled with a query that ranks them all)."""
     vector = np.ones(DEFAULT_DIM, np.float32)
@@ -82,7 +87,7 @@ def test_jsonl_texts_are_embedded_and_recallable(client, ns, tmp_path):
     assert stored_texts(client, ns) == sorted(TEXTS)
     [hit] = client.recall_text("Who cannot eat peanuts?", k=1, namespace=ns)
     assert hit.text == TEXTS[1] and hit.metadata == {"n": 1}
-    assert json.loads(Path(summary.progress_file).read_text())["committed"] == 7
+    assert progress_record(Path(summary.progress_file), client)["committed"] == 7
 
 
 def test_jsonl_with_vectors_mixed_namespaces_and_custom_columns(client, ns, tmp_path, rng):
@@ -204,9 +209,9 @@ def test_a_file_without_the_text_column_is_refused_with_its_columns(client, tmp_
     (tmp_path / "x.csv").write_text("body,ns\nhello,a\n")
     with pytest.raises(InvalidArgument, match="its columns: body, ns.*--text-column"):
         validate_file(tmp_path / "x.csv", dim=DEFAULT_DIM)
-    (tmp_path / "x.txt").write_text("hello\n")
+    (tmp_path / "x.dat").write_text("hello\n")  # (.txt is plain text: one memory per line)
     with pytest.raises(InvalidArgument, match="--format"):
-        validate_file(tmp_path / "x.txt", dim=DEFAULT_DIM)
+        validate_file(tmp_path / "x.dat", dim=DEFAULT_DIM)
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(InvalidArgument, match="holds no rows"):
         validate_file(tmp_path / "empty.jsonl", dim=DEFAULT_DIM)
@@ -244,7 +249,7 @@ def test_resume_imports_each_row_exactly_once(client, ns, tmp_path, rng, when):
         import_file(Interrupting(client, at=3, when=when), path, batch=3, progress=None)
     landed = 9 if when == "after" else 6
     assert count(client, ns) == landed
-    record = json.loads(progress_path(path).read_text())
+    record = progress_record(progress_path(path), client)
     assert record["committed"] == 6 and record["rows"] == 10
     assert record["pending"] == {"start": 6, "stop": 9, "namespace": ns, "count_before": 6}
 
@@ -283,8 +288,8 @@ def test_progress_bar_goes_to_the_stream(client, ns, tmp_path, rng):
     ])
     stream = io.StringIO()
     import_file(client, path, batch=5, progress=stream)
-    lines = stream.getvalue().splitlines()
-    assert lines and lines[-1].startswith("20/20 rows (100%)")
+    final = stream.getvalue().replace("\r", "\n").strip().splitlines()[-1]  # tqdm redraws with \r
+    assert "100%" in final and "20/20" in final and "rows/s" in final, final
 
 
 # -- the command line ------------------------------------------------------------------------------
@@ -319,7 +324,11 @@ def test_cli_import_then_recall_text(sidecar, ns, tmp_path, rng):
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout)
     assert summary["imported"] == 7 and summary["embedded"] == 7 and summary["namespaces"] == {ns: 7}
-    assert "7/7 rows (100%)" in out.stderr  # the progress bar (not a terminal: one line per step)
+    assert "100%" in out.stderr and "7/7" in out.stderr  # the progress bar (tqdm)
+    # The model's load: shown while it runs, and timed apart from the import's rate.
+    assert "loading the embedder all-MiniLM-L6-v2" in out.stderr and "2/2 steps" in out.stderr, out.stderr
+    assert summary["load_seconds"] > 0
+    assert summary["rows_per_s"] == pytest.approx(7 / (summary["seconds"] - summary["load_seconds"]))
     out = kalos("recall", "--name", sidecar.name, "--text", "Which editor does Dave use?", "--namespace", ns,
                 "-k", "2", "--json")
     assert out.returncode == 0, out.stderr
@@ -327,3 +336,96 @@ def test_cli_import_then_recall_text(sidecar, ns, tmp_path, rng):
     assert len(hits) == 2 and hits[0]["text"] == TEXTS[5]
     out = kalos("import", path, "--name", sidecar.name)
     assert out.returncode == 2 and "already imported" in out.stderr
+    # --resume of the finished import: nothing to do, and no model loaded for it.
+    out = kalos("import", path, "--name", sidecar.name, "--resume", "--json")
+    assert out.returncode == 0, out.stderr
+    again = json.loads(out.stdout)
+    assert (again["imported"], again["skipped"], again["load_seconds"]) == (0, 7, 0.0)
+    assert "loading the embedder" not in out.stderr
+    assert count(Client(sidecar.name, timeout=DEADLINE_S), ns) == 7
+
+
+# -- issue #20: the guard per store, BOM, plain text, the model only when needed ------------------
+
+
+def test_the_duplicate_guard_remembers_every_store_the_file_went_into(client, ns, tmp_path, rng):
+    from kalos.launcher import SidecarProcess
+
+    vectors = unit(rng, 4)
+    path = write_jsonl(tmp_path / "twice.jsonl", [
+        {"text": f"t{i}", "vector": vectors[i].tolist(), "namespace": ns} for i in range(4)
+    ])
+    assert import_file(client, path, progress=None).imported == 4
+    other_name = f"{client.name}-second"
+    with SidecarProcess(tmp_path / "second.db", name=other_name, dim=DEFAULT_DIM) as _second, \
+            Client(other_name, timeout=DEADLINE_S) as other:
+        assert import_file(other, path, progress=None).imported == 4  # another store: imported there
+        with pytest.raises(InvalidArgument, match="already imported into"):
+            import_file(other, path, progress=None)
+    # Back to the first store: it still has the file, whatever happened in between.
+    with pytest.raises(InvalidArgument, match="already imported into"):
+        import_file(client, path, progress=None)
+    assert count(client, ns) == 4
+
+
+def test_a_version_1_progress_file_still_guards_its_store(client, ns, tmp_path, rng):
+    vectors = unit(rng, 2)
+    path = write_jsonl(tmp_path / "old.jsonl", [
+        {"text": f"o{i}", "vector": vectors[i].tolist(), "namespace": ns} for i in range(2)
+    ])
+    import_file(client, path, progress=None)
+    record = progress_record(progress_path(path), client)
+    progress_path(path).write_text(json.dumps({"format": "kalos-import-progress", "version": 1, **record}))
+    with pytest.raises(InvalidArgument, match="already imported into"):
+        import_file(client, path, progress=None)
+
+
+def test_a_csv_with_a_utf8_byte_order_mark(client, ns, tmp_path):
+    path = tmp_path / "excel.csv"
+    with path.open("w", newline="", encoding="utf-8-sig") as f:  # what Excel's "CSV UTF-8" writes
+        w = csv.writer(f)
+        w.writerow(["text", "namespace"])
+        for t in TEXTS[:3]:
+            w.writerow([t, ns])
+    assert path.read_bytes().startswith(b"\xef\xbb\xbf")
+    summary = import_file(client, path, progress=None)
+    assert summary.imported == 3 and summary.namespaces == {ns: 3}
+    assert stored_texts(client, ns) == sorted(TEXTS[:3])
+
+
+def test_a_plain_text_file_is_one_memory_per_line(client, ns, tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text(f"{TEXTS[0]}\n\n{TEXTS[1]}\r\n   \n{TEXTS[5]}\n", encoding="utf-8")
+    report = validate_file(path, dim=DEFAULT_DIM)
+    assert (report.rows, report.to_embed) == (3, 3)
+    summary = import_file(client, path, default_namespace=ns, progress=None)
+    assert summary.imported == 3 and summary.embedded == 3
+    assert stored_texts(client, ns) == sorted([TEXTS[0], TEXTS[1], TEXTS[5]])
+    [hit] = client.recall_text("Which editor does Dave use?", k=1, namespace=ns)
+    assert hit.text == TEXTS[5]
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"fine\nalso fine\n\xff\xfe broken\n")
+    with pytest.raises(ImportValidationError, match="line 3: not UTF-8"):
+        validate_file(bad, dim=DEFAULT_DIM)
+
+
+class NoEmbedder:
+    """A client whose embedder must not be needed: touching it fails the test."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    @property
+    def embedder(self) -> Any:
+        raise AssertionError("the import loaded the embedder although no row left needs it")
+
+
+def test_resuming_a_finished_import_does_not_load_the_model(client, ns, tmp_path):
+    path = write_jsonl(tmp_path / "done.jsonl", [{"text": t, "namespace": ns} for t in TEXTS[:3]])
+    assert import_file(client, path, progress=None).embedded == 3
+    summary = import_file(NoEmbedder(client), path, resume=True, progress=None)
+    assert (summary.imported, summary.skipped, summary.load_seconds) == (0, 3, 0.0)
+    assert count(client, ns) == 3

@@ -116,6 +116,24 @@ def test_api_matches_the_sqlite_store(url: str, store_dir: Path, rng: np.random.
             assert sum(len(i) for i, _ in loaded) == pgs.count()
 
 
+def test_request_ids_and_undo_match_the_sqlite_store(url: str, store_dir: Path, rng: np.random.Generator) -> None:
+    """Issue 19, item 9: an add's request id finds its ids again (the retry after a lost reply),
+    and undo_add takes a committed add back whole, request id included, on both stores."""
+    with Store.open(store_dir / "r.db", dim=DIM) as lite, PostgresStore.open(url, dim=DIM) as pgs:
+        for store in (lite, pgs):
+            assert store.find_request("req-1") is None
+            ids, _ns, _t = store.add(_unit(rng, 5), namespace="default", request_id="req-1")
+            assert store.find_request("req-1").tolist() == ids.tolist()
+            other, _ns, _t = store.add(_unit(rng, 3), namespace="default", request_id="req-2")
+            store.undo_add(other, "req-2")
+            assert store.find_request("req-2") is None and store.count() == 5
+            assert store.get(other.tolist()) == [None] * 3
+            for bad in ("", "x" * 65, "a b", 7, "é"):
+                with pytest.raises(InvalidArgument, match="request_id"):
+                    store.add(_unit(rng, 1), namespace="default", request_id=bad)
+            assert store.count() == 5
+
+
 def test_bad_input_writes_nothing(url: str, rng: np.random.Generator) -> None:
     with PostgresStore.open(url, dim=DIM) as store:
         store.add(_unit(rng, 3), namespace="keep")

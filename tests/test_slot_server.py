@@ -1,11 +1,11 @@
-"""The resident slot server (kalos.engine.slot_server): a GPU kernel that answers recalls from
-the shared segment by itself.
+"""The slot server (kalos.engine.slot_server.SlotGraphServer): GPU kernels that answer
+recalls from the shared segment by themselves.
 
-Without a GPU the kernel runs under Triton's interpreter as one program, synchronously:
-``start`` serves what is pending, polls a few more times and returns. Those tests check its
-answers against a float64 brute force and the engine's own search, and that it hands over
-to the host everything it must not answer. Tests marked ``cuda`` run the real resident
-kernel, alone and inside a sidecar with several clients, adds and deletes.
+Without a GPU the rounds run under Triton's interpreter, synchronously: ``start`` serves
+what is pending, polls a few more times and returns. Those tests check its answers against
+a float64 brute force and the engine's own search, and that it hands over to the host
+everything it must not answer. Tests marked ``cuda`` run the real CUDA graph, alone and
+inside a sidecar with several clients, adds and deletes.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ pytest.importorskip("torch")
 # seeded rng and the markers are test_torch_engine's, as in test_sharded.
 from test_torch_engine import HAVE_CUDA, _interpreter_env, needs_interpreter, rng  # noqa: E402,F401
 
-from kalos.engine.slot_server import _NAME_PROBE, SlotGraphServer, SlotServer, name_home  # noqa: E402
+from kalos.engine.slot_server import _NAME_PROBE, SlotGraphServer, name_home  # noqa: E402
 from kalos.engine.torch_engine import TorchEngine  # noqa: E402
 from kalos.errors import InvalidArgument  # noqa: E402
 from kalos.protocol import Layout, Op, RequestFlag, SlotView  # noqa: E402
@@ -38,8 +38,8 @@ RECALL, PING, ALL = int(Op.RECALL), int(Op.PING), int(RequestFlag.ALL_NAMESPACES
 class Rig:
     """An engine with rows, a segment with slots, the engine attached to it, and a server."""
 
-    def __init__(self, rng, *, precision="exact", dim=32, n=200, slots=4, device="cpu", max_k=32, server=SlotServer,
-                 **server_args) -> None:
+    def __init__(self, rng, *, precision="exact", dim=32, n=200, slots=4, device="cpu", max_k=32,
+                 server=SlotGraphServer, **server_args) -> None:
         self.rng = rng
         self.engine = TorchEngine(dim, device=device, backend="triton", precision=precision)
         self.vectors = rng.standard_normal((n, dim)).astype(np.float32)
@@ -90,18 +90,10 @@ def make_rig(rng):
         rig.close()
 
 
-SERVERS = pytest.mark.parametrize("server", [SlotServer, SlotGraphServer], ids=["resident", "graph"])
-
-
 @needs_interpreter
-@pytest.mark.parametrize("precision,server,tile", [
-    ("exact", SlotServer, None), ("fast", SlotServer, None), ("exact", SlotServer, (4, 16)),
-    ("exact", SlotGraphServer, None), ("fast", SlotGraphServer, None),
-], ids=["resident-exact", "resident-fast", "resident-exact-narrow-tile", "graph-exact", "graph-fast"])
-def test_answers_single_recalls_like_the_float64_reference(make_rig, rng, precision, server, tile):
-    # The resident kernel's default tile spans whole rows (the prefetching loop); a narrower
-    # one takes the loop over dimension chunks.
-    rig = make_rig(precision=precision, server=server, **({} if tile is None else {"tile": tile}))
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_answers_single_recalls_like_the_float64_reference(make_rig, rng, precision):
+    rig = make_rig(precision=precision)
     answered = handed = 0
     for round_ in range(6):
         slot = round_ % 4
@@ -126,9 +118,8 @@ def test_answers_single_recalls_like_the_float64_reference(make_rig, rng, precis
 
 
 @needs_interpreter
-@SERVERS
-def test_hands_over_what_it_must_not_answer(make_rig, rng, server):
-    rig = make_rig(server=server)
+def test_hands_over_what_it_must_not_answer(make_rig, rng):
+    rig = make_rig()
     dim = rig.engine.dim
     q = rng.standard_normal(dim).astype(np.float32)
     cases = {
@@ -156,11 +147,10 @@ def test_hands_over_what_it_must_not_answer(make_rig, rng, server):
 
 
 @needs_interpreter
-@SERVERS
-def test_serves_the_next_slot_with_its_own_query_when_the_one_in_turn_is_handed_over(make_rig, rng, server):
+def test_serves_the_next_slot_with_its_own_query_when_the_one_in_turn_is_handed_over(make_rig, rng):
     # The kernel copies the query of the pending slot whose turn it is while the requests'
     # words travel; when that slot cannot be served here, the other slot's query must be used.
-    rig = make_rig(server=server)
+    rig = make_rig()
     q0, q1 = (rng.standard_normal(rig.engine.dim).astype(np.float32) for _ in range(2))
     first = rig.submit(0, q0, 17)  # slot 0 has the first turn; k above max_k: handed over
     second = rig.submit(1, q1, 4, flags=0, namespace=b"b")
@@ -177,7 +167,7 @@ def test_namespace_table_resolves_names_that_share_a_home_row_and_hands_over_tho
     # The kernel looks a name up in the _NAME_PROBE rows from its home row on (one load): names
     # sharing a home sit in the rows after it, and one that finds its window full stays with
     # the host. Names here are chosen to collide; the rows' namespace ids are 0 ("a") and 1.
-    rig = make_rig(server=SlotGraphServer)
+    rig = make_rig()
     homes = collections.defaultdict(list)
     i = 0
     while not any(len(v) > _NAME_PROBE for v in homes.values()):
@@ -202,11 +192,10 @@ def test_namespace_table_resolves_names_that_share_a_home_row_and_hands_over_tho
 
 
 @needs_interpreter
-@SERVERS
-def test_a_namespace_renamed_in_the_table_is_not_answered_from_the_name_found_last(make_rig, rng, server):
+def test_a_namespace_renamed_in_the_table_is_not_answered_from_the_name_found_last(make_rig, rng):
     # The kernels remember the name they resolved last (a request naming it again skips the
     # table's probe); a new table must make them forget it.
-    rig = make_rig(server=server)
+    rig = make_rig()
     q = rng.standard_normal(rig.engine.dim).astype(np.float32)
     for table, rows_ns in (({b"a": 0, b"b": 1}, 0), ({b"a": 0, b"b": 1}, 0), ({b"a": 1, b"b": 0}, 1)):
         rig.server.set_namespaces(table)
@@ -219,11 +208,10 @@ def test_a_namespace_renamed_in_the_table_is_not_answered_from_the_name_found_la
 
 
 @needs_interpreter
-@SERVERS
-def test_never_writes_past_a_slots_max_k(make_rig, rng, server):
+def test_never_writes_past_a_slots_max_k(make_rig, rng):
     # A segment made for k <= 4: the kernel (built for k <= 16) must hand k = 8 to the host,
     # whose error names the limit, instead of writing 8 ids into a row of 4.
-    rig = make_rig(max_k=4, server=server)
+    rig = make_rig(max_k=4)
     q = rng.standard_normal(rig.engine.dim).astype(np.float32)
     scores_before = rig.views[0].scores[0].tobytes()
     seq = rig.submit(0, q, 8)
@@ -236,9 +224,8 @@ def test_never_writes_past_a_slots_max_k(make_rig, rng, server):
 
 
 @needs_interpreter
-@SERVERS
-def test_takes_one_request_per_round_and_hands_the_rest_round_robin(make_rig, rng, server):
-    rig = make_rig(server=server)
+def test_takes_one_request_per_round_and_hands_the_rest_round_robin(make_rig, rng):
+    rig = make_rig()
     q = rng.standard_normal(rig.engine.dim).astype(np.float32)
     seqs = [rig.submit(s, q, 4) for s in (1, 2, 3)]
     rig.server.start(rig.active)
@@ -254,9 +241,8 @@ def test_takes_one_request_per_round_and_hands_the_rest_round_robin(make_rig, rn
 
 
 @needs_interpreter
-@SERVERS
-def test_ignores_slots_without_a_client_and_answered_requests(make_rig, rng, server):
-    rig = make_rig(server=server)
+def test_ignores_slots_without_a_client_and_answered_requests(make_rig, rng):
+    rig = make_rig()
     q = rng.standard_normal(rig.engine.dim).astype(np.float32)
     seq = rig.submit(2, q, 4)
     rig.active[2] = False
@@ -275,15 +261,15 @@ def test_needs_the_triton_engine_with_the_segment_attached(rng):
     engine = TorchEngine(16, device="cpu", backend="triton")
     layout = Layout(2, 16, 8, 1)
     with pytest.raises(InvalidArgument, match="attach_host"):
-        SlotServer(engine, layout, np.zeros(2, np.uint64))
+        SlotGraphServer(engine, layout, np.zeros(2, np.uint64))
     buf = mmap.mmap(-1, layout.size)
     engine.attach_host(buf)
     try:
         with pytest.raises(InvalidArgument, match="max_k"):
-            SlotServer(engine, layout, np.zeros(2, np.uint64), max_k=0)
+            SlotGraphServer(engine, layout, np.zeros(2, np.uint64), max_k=0)
         with pytest.raises(InvalidArgument, match="entries"):
-            SlotServer(engine, layout, np.zeros(3, np.uint64))
-        server = SlotServer(engine, layout, np.zeros(2, np.uint64))
+            SlotGraphServer(engine, layout, np.zeros(3, np.uint64))
+        server = SlotGraphServer(engine, layout, np.zeros(2, np.uint64))
         assert server.start(np.ones(2, bool)) is False  # no rows: nothing to serve
         with pytest.raises(InvalidArgument, match="namespace ids"):
             server.set_namespaces({b"x": -1})
@@ -364,14 +350,13 @@ def test_graph_server_queues_rounds_until_stopped_and_reloads_on_start(make_rig,
 
 
 @needs_interpreter
-@SERVERS
-def test_fast_hands_over_what_its_certificate_cannot_prove(make_rig, rng, server):
+def test_fast_hands_over_what_its_certificate_cannot_prove(make_rig, rng):
     # 80 rows whose scores differ by 1e-6, far below float16's resolution: the 16-bit scan
     # ties them all and keeps the lowest rows, while the best ones are the highest. The k-th
     # kept score is not 2E above the last kept one, so the certificate must fail and the
     # request go to the host (certifying against the top-1 score instead would pass, with
     # the wrong rows).
-    rig = make_rig(precision="fast", server=server)
+    rig = make_rig(precision="fast")
     d = rig.engine.dim
     q = np.zeros(d, np.float32)
     q[0] = 1.0
@@ -389,18 +374,22 @@ def test_fast_hands_over_what_its_certificate_cannot_prove(make_rig, rng, server
     assert int(rig.server.handed[1]) == seq and int(rig.views[1].resp_seq[0]) != seq
 
 
-def test_gpu_polling_modes_are_checked(tmp_path):
+def test_gpu_polling_modes_are_checked(tmp_path, capsys):
     from kalos.cli import _build_parser as build_parser
     from kalos.sidecar import SidecarConfig
 
-    with pytest.raises(InvalidArgument, match="gpu_polling must be one of off, graph, resident"):
+    with pytest.raises(InvalidArgument, match="gpu_polling must be one of off, graph, got 'on'"):
         SidecarConfig(store=tmp_path / "m.db", name="x", gpu_polling="on")
     parser = build_parser()
     assert parser.parse_args(["serve"]).gpu_polling == "off"
     assert parser.parse_args(["serve", "--gpu-polling"]).gpu_polling == "graph"
-    assert parser.parse_args(["serve", "--gpu-polling", "resident"]).gpu_polling == "resident"
-    with pytest.raises(SystemExit):
-        parser.parse_args(["serve", "--gpu-polling", "yes"])
+    assert parser.parse_args(["serve", "--gpu-polling", "graph"]).gpu_polling == "graph"
+    for gone in ("resident", "yes"):  # (the resident mode was removed)
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--gpu-polling", gone])
+        err = capsys.readouterr().err
+        assert f"invalid choice: '{gone}'" in err and "off" in err and "graph" in err, err
 
 
 # -- a real GPU ------------------------------------------------------------------------------
@@ -408,10 +397,9 @@ def test_gpu_polling_modes_are_checked(tmp_path):
 
 @cuda
 @needs_cuda
-@SERVERS
 @pytest.mark.parametrize("precision", ["exact", "fast"])
-def test_cuda_server_answers_while_running(make_rig, rng, precision, server):
-    rig = make_rig(precision=precision, dim=384, n=20000, slots=8, device="cuda", idle_s=5.0, server=server)
+def test_cuda_server_answers_while_running(make_rig, rng, precision):
+    rig = make_rig(precision=precision, dim=384, n=20000, slots=8, device="cuda", idle_s=5.0)
     # Compiled (the graph captured) before the namespaces are known, as in a sidecar: what a
     # launch argument held then must not decide how named requests are served later.
     rig.server.set_namespaces({})
@@ -441,13 +429,12 @@ def test_cuda_server_answers_while_running(make_rig, rng, precision, server):
 
 @cuda
 @needs_cuda
-@pytest.mark.parametrize("mode", ["graph", "resident"])
-def test_cuda_sidecar_with_gpu_polling_under_clients_adds_and_deletes(rng, runtime_dir, tmp_path, mode):
+def test_cuda_sidecar_with_gpu_polling_under_clients_adds_and_deletes(rng, runtime_dir, tmp_path):
     from kalos import Client
     from kalos.sidecar import Sidecar, SidecarConfig
 
     d = 256
-    config = SidecarConfig(store=tmp_path / "m.db", name="gp", dim=d, slots=8, max_k=32, max_batch=8, gpu_polling=mode)
+    config = SidecarConfig(store=tmp_path / "m.db", name="gp", dim=d, slots=8, max_k=32, max_batch=8, gpu_polling="graph")
     sidecar = Sidecar(config, engine_factory=lambda _dev, dim, cap: TorchEngine(dim, device="cuda", capacity=cap))
     assert sidecar._slot_server is not None
     thread = threading.Thread(target=sidecar.serve_forever, daemon=True)

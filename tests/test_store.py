@@ -135,12 +135,12 @@ def test_new_files_are_owner_only(tmp_path: Path) -> None:
             s.add(unit(np.random.default_rng(4), 2), namespace="n")
             for d in (tmp_path / "a", tmp_path / "a" / "b"):
                 assert os.stat(d).st_mode & 0o777 == 0o700
-            for f in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+            for f in (path, Path(f"{path}-wal"), Path(f"{path}-shm"), Path(f"{path}-ack")):
                 assert os.stat(f).st_mode & 0o777 == 0o600, f
     finally:
         os.umask(old)
-    # No temp file of the atomic creation is left behind.
-    assert sorted(p.name for p in path.parent.iterdir()) == ["m.db"]
+    # No temp file of the atomic creation is left behind; the record of acknowledged writes stays.
+    assert sorted(p.name for p in path.parent.iterdir()) == ["m.db", "m.db-ack"]
 
 
 def test_store_is_in_wal_mode_with_kalos_header(tmp_path: Path) -> None:
@@ -201,7 +201,7 @@ def test_concurrent_creation_keeps_the_winner(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setattr(store_mod, "_build_schema", real_build)
     with Store.open(tmp_path / "m.db") as s:
         assert s.dim == DIM and s.count() == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.db"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.db", "m.db-ack"]
 
 
 def test_leftover_wal_of_a_deleted_store_refuses_creation(tmp_path: Path) -> None:

@@ -300,4 +300,4 @@ def test_the_core_works_without_the_embed_extra():
     out = subprocess.run([sys.executable, "-c", _WITHOUT_EXTRA], capture_output=True, text=True, timeout=DEADLINE_S)
     assert out.returncode == 0, out.stderr
     assert "available False" in out.stdout
-    assert "pip install 'kalos[embed]'" in out.stdout
+    assert "pip install 'kalos-recall[embed]'" in out.stdout

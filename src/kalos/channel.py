@@ -1,8 +1,8 @@
 """The shared-memory channel: segments, slots, sequence numbers, waiting and liveness.
 
-Roles. The sidecar creates the segment (mode 0600) and is the only process that unlinks
-it; a client attaches to the segment named in the sidecar's hello reply and uses only the
-slot it was given. In a slot the client owns ``req_seq`` and the request fields, the sidecar
+Roles. The sidecar creates the segment (an anonymous memory file, sealed against resizing)
+and passes its descriptor to each client in the hello reply; a client maps it and uses only
+the slot it was given. In a slot the client owns ``req_seq`` and the request fields, the sidecar
 owns ``resp_seq`` and the response fields, so every word has one writer.
 
 Waiting. Each side spins on the other's sequence number for a configurable window while
@@ -15,11 +15,14 @@ hangs is noticed through its heartbeat stamp going stale.
 """
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import re
 import select
 import socket
+import stat
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,13 +37,13 @@ from kalos.sync import full_fence
 __all__ = ["Endpoint", "Segment", "ClientChannel", "SidecarChannel", "SidecarExited"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_SHM_DIR = Path("/dev/shm")
 _NO_SEQS = np.empty(0, dtype=np.uint64)
 
 
 @dataclass(frozen=True)
 class Endpoint:
-    """Where the sidecar called ``name`` listens: control socket, lock file, segment."""
+    """Where the sidecar called ``name`` listens: its control socket and lock file (in the
+    runtime directory) and its per-user name lock (an abstract Unix socket)."""
 
     name: str
 
@@ -51,58 +54,110 @@ class Endpoint:
             )
 
     @property
-    def socket_path(self) -> Path:
-        return runtime_dir() / f"{self.name}.sock"
+    def socket_name(self) -> str:
+        return f"{self.name}.sock"
 
     @property
-    def lock_path(self) -> Path:
-        return runtime_dir() / f"{self.name}.lock"
+    def lock_name(self) -> str:
+        return f"{self.name}.lock"
+
+    @property
+    def socket_path(self) -> Path:
+        """For messages and tools; connect and bind through :meth:`RuntimeDir.entry`."""
+        return runtime_dir() / self.socket_name
+
+    @property
+    def user_lock_address(self) -> str:
+        """The abstract-namespace socket that makes ``name`` one sidecar per user, whatever
+        the runtime directory (issue 19, item 6); it vanishes with the process holding it."""
+        return f"\0kalos-{os.getuid()}-{self.name}"
 
     @property
     def segment_name(self) -> str:
+        """The segment's label (a memfd has no path; ``/proc/<pid>/fd`` shows the label)."""
         return f"kalos-{os.getuid()}-{self.name}"
 
 
+# The segment cannot change size once made: a process holding it (any client of the same
+# user) can then neither shrink it (every later access past the new end would raise SIGBUS
+# in the sidecar and in every client: issue 19, item 12) nor grow it; F_SEAL_SEAL stops
+# anyone from adding more seals (F_SEAL_WRITE would stop the sidecar's own writes).
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_NEEDED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+
+
 class Segment:
-    """A mapped POSIX shared-memory segment (``/dev/shm/<name>``)."""
+    """The mapped shared segment: an anonymous, sealed memory file (``memfd_create``).
+
+    The sidecar creates it (:meth:`create`) and passes its descriptor to each client in the
+    hello (SCM_RIGHTS); a client maps that descriptor (:meth:`attach`). Having no name in
+    /dev/shm, it cannot be squatted, replaced, unlinked (``rm /dev/shm/*``, logind's
+    RemoveIPC) or opened by another user, and it is charged to no /dev/shm size limit
+    (issue 19, items 2, 3, 6, 11). Its pages are reserved at creation, so a write into it
+    never faults for want of memory later.
+    """
 
     # Class-level defaults keep close() safe after a constructor that failed half-way.
     _fd = -1
     _mmap: mmap.mmap | None = None
     buf: memoryview | None = None
 
-    def __init__(self, name: str, *, create_size: int | None = None) -> None:
-        self.name = name
-        self.path = _SHM_DIR / name
-        self.created = create_size is not None
+    def __init__(self, fd: int, *, source: str, created: bool) -> None:
+        """Maps ``fd`` (owned by the new Segment from now on); use :meth:`create` or :meth:`attach`."""
+        self._fd = fd
+        self.source = source
+        self.created = created
         try:
-            if create_size is not None:
-                try:
-                    self.path.unlink()  # a segment left behind by a sidecar that was killed
-                except FileNotFoundError:
-                    pass
-                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                os.fchmod(self._fd, 0o600)
-                os.ftruncate(self._fd, create_size)
-                size = create_size
-            else:
-                try:
-                    self._fd = os.open(self.path, os.O_RDWR)
-                except FileNotFoundError:
-                    raise SidecarUnavailable(f"shared-memory segment {self.path} does not exist") from None
-                st = os.fstat(self._fd)
-                if st.st_uid != os.getuid():
-                    raise ProtocolMismatch(f"{self.path} belongs to uid {st.st_uid}, not to this user")
-                size = st.st_size
-                if size < HEADER_DTYPE.itemsize:
-                    raise ProtocolMismatch(f"{self.path} holds {size} bytes: too small for a Kalos segment header")
-            self._mmap = mmap.mmap(self._fd, size)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ProtocolMismatch(f"{source} is not a shared-memory file")
+            if st.st_uid != os.getuid():
+                raise ProtocolMismatch(f"{source} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})")
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:
+                seals = 0
+            if seals & _NEEDED_SEALS != _NEEDED_SEALS:
+                # An unsealed file can be truncated under our mapping by whoever holds it, and
+                # this process would then die of SIGBUS: a library must not kill its importer.
+                raise ProtocolMismatch(
+                    f"{source} is not sealed against resizing (seals {seals:#x}): a process could "
+                    "truncate it and kill this one with SIGBUS; is the sidecar a Kalos sidecar?"
+                )
+            size = st.st_size
+            if size < HEADER_DTYPE.itemsize:
+                raise ProtocolMismatch(f"{source} holds {size} bytes: too small for a Kalos segment header")
+            if st.st_blocks * 512 < size:
+                _reserve(fd, size, source)  # pages were freed (a hole punched): take them back now
+            self._mmap = mmap.mmap(fd, size)
             self.buf = memoryview(self._mmap)
         except BaseException:
             self.close()
-            if create_size is not None:
-                self.unlink()
             raise
+
+    @classmethod
+    def create(cls, label: str, size: int) -> "Segment":
+        """A new segment of ``size`` bytes, its pages reserved and its size sealed."""
+        fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            # A memfd is born 0777; only processes that may ptrace this one reach it through
+            # /proc/<pid>/fd, but owner-only costs nothing and survives a leaked descriptor.
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, size)
+            _reserve(fd, size, f"segment {label}")
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, source=f"segment {label} (memfd)", created=True)
+
+    @classmethod
+    def attach(cls, fd: int, *, source: str) -> "Segment":
+        """Maps the segment a sidecar passed (the Segment owns ``fd`` from now on)."""
+        return cls(fd, source=source, created=False)
+
+    def fileno(self) -> int:
+        return self._fd
 
     def close(self) -> None:
         """Unmaps; views into the segment must be dropped first (else the mmap stays open)."""
@@ -119,12 +174,17 @@ class Segment:
             os.close(self._fd)
             self._fd = -1
 
-    def unlink(self) -> None:
-        """Removes the name (creator only, once); live mappings stay valid until closed."""
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
+
+def _reserve(fd: int, size: int, what: str) -> None:
+    """Allocates every page of ``fd`` now: out of memory is then this clear error, here,
+    instead of SIGBUS at the first touch of a page (issue 19, item 2)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        raise InvalidArgument(
+            f"cannot reserve {size:,} bytes of shared memory for {what}: {exc.strerror}; free memory, "
+            "or serve with fewer --slots or a smaller --max-batch"
+        ) from None
 
 
 class SidecarExited(SidecarUnavailable):
@@ -155,6 +215,11 @@ class ClientChannel:
         self._epoch = epoch
         self._timeout_ns = int(timeout * 1e9)
         self._spin_s = spin_s
+        # Spinning pays only while every waiting client and the sidecar's sweep have a core:
+        # past that, spinners take the cores the sweep and the woken clients need, and the
+        # crowd is slower than if everyone slept (issue 18).
+        # (Every connected client counts, idle ones too: on the safe side.)
+        self._spin_clients = len(os.sched_getaffinity(0)) - 1
         self._seq = int(self.slot.req_seq[0])
         self._poller = select.poll()
         self._poller.register(wake_fd, select.POLLIN)
@@ -188,7 +253,8 @@ class ClientChannel:
         slot = self.slot
         resp_seq = slot.resp_seq
         clock = time.perf_counter
-        spin_until = clock() + self._spin_s
+        spin_s = self._spin_s if self.header.clients[0] <= self._spin_clients else 0.0
+        spin_until = clock() + spin_s
         while resp_seq[0] != seq:
             if clock() >= spin_until:
                 self._block(seq)
@@ -234,7 +300,7 @@ class SidecarChannel:
         self.layout = layout
         self.header = HeaderView(segment.buf)
         self.slots = [SlotView(segment.buf, layout, i) for i in range(layout.n_slots)]
-        self._columns = SlotColumns(segment.buf, layout)
+        self.columns = SlotColumns(segment.buf, layout)
         # What the sidecar last answered per slot: its own copy, never re-read from shared
         # memory, so a client scribbling on resp_seq cannot make the sidecar skip or repeat.
         self.answered = np.zeros(layout.n_slots, dtype=np.uint64)
@@ -243,13 +309,37 @@ class SidecarChannel:
         self._woken = np.zeros(layout.n_slots, dtype=np.uint64)
         self.active = np.zeros(layout.n_slots, dtype=bool)
         self.wake_fds: list[int] = [-1] * layout.n_slots
+        # Bumped each time a slot changes hands: a pass publishes only to the clients whose
+        # requests it read (one that left meanwhile may have been replaced by a new client).
+        self.generation = np.zeros(layout.n_slots, dtype=np.uint64)
+        self.n_clients = 0  # slots in use: the sidecar's own count (header.clients is advice to clients)
+        self.pending_generations = np.zeros(0, dtype=np.uint64)
+        # Held briefly by the slot table's changes, by pending() and by publishing, never across
+        # a search. It also covers the wake fds: a closed number may be reused at once by
+        # another file (a control socket), which a late write would then corrupt.
+        self._lock = threading.Lock()
         self.doorbell_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.epoch = epoch
 
     def stamp_heartbeat(self) -> None:
         self.header.heartbeat_ns[0] = time.monotonic_ns()
 
+    def take_slot(self, wake_fd: int) -> int | None:
+        """Activates the first free slot for a client whose wake fd is ``wake_fd``; None when all
+        are in use."""
+        with self._lock:
+            free = np.flatnonzero(~self.active)
+            if not len(free):
+                return None
+            slot = int(free[0])
+            self._activate(slot, wake_fd)
+            return slot
+
     def activate(self, slot: int, wake_fd: int) -> None:
+        with self._lock:
+            self._activate(slot, wake_fd)
+
+    def _activate(self, slot: int, wake_fd: int) -> None:
         # The client chose this fd: make it non-blocking, or a blocking pipe or a saturated
         # blocking eventfd would stall the sweep for everyone in publish() (test_hostile.py).
         os.set_blocking(wake_fd, False)
@@ -257,13 +347,20 @@ class SidecarChannel:
         self.answered[slot] = 0
         self._woken[slot] = 0
         self.wake_fds[slot] = wake_fd
+        self.generation[slot] += 1
         self.active[slot] = True
+        self.n_clients = int(self.active.sum())
+        self.header.clients[0] = self.n_clients
 
     def deactivate(self, slot: int) -> None:
-        self.active[slot] = False
-        fd, self.wake_fds[slot] = self.wake_fds[slot], -1
+        with self._lock:
+            self.active[slot] = False
+            self.generation[slot] += 1
+            self.n_clients = int(self.active.sum())
+            self.header.clients[0] = self.n_clients
+            fd, self.wake_fds[slot] = self.wake_fds[slot], -1
         if fd >= 0:
-            os.close(fd)
+            os.close(fd)  # out of the table first: no wake-up can reach the number once reused
 
     def free_slot(self) -> int | None:
         free = np.flatnonzero(~self.active)
@@ -280,28 +377,38 @@ class SidecarChannel:
     def pending(self, handed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Slots with an unanswered request, and the req_seq seen for each; with ``handed``
         (while a GPU kernel serves the slots), only requests it handed to the host."""
-        req_seq = self._columns.req_seq
-        mine = (req_seq != self.answered) & self.active
-        if handed is not None:
-            mine &= req_seq == handed
-        ready = np.flatnonzero(mine)
-        if not len(ready):
-            return ready, _NO_SEQS
-        # An honest client does not touch its slot while its request is pending, so reading
-        # req_seq a second time here yields the value compared above.
-        seqs = req_seq[ready]
+        req_seq = self.columns.req_seq
+        with self._lock:
+            mine = (req_seq != self.answered) & self.active
+            if handed is not None:
+                mine &= req_seq == handed
+            ready = np.flatnonzero(mine)
+            if not len(ready):
+                return ready, _NO_SEQS
+            # An honest client does not touch its slot while its request is pending, so reading
+            # req_seq a second time here yields the value compared above.
+            seqs = req_seq[ready]
+            self.pending_generations = self.generation[ready]  # for publish(..., generations=)
         full_fence()  # acquire: req_seq was read before the request fields and rows
         return ready, seqs
 
-    def publish(self, slots: np.ndarray, seqs: np.ndarray) -> None:
-        """Makes the answers already written into ``slots`` visible, waking sleepers."""
+    def publish(self, slots: np.ndarray, seqs: np.ndarray, generations: np.ndarray | None = None) -> None:
+        """Makes the answers already written into ``slots`` visible, waking sleepers; with
+        ``generations`` (``pending_generations`` when the requests were read), only to slots
+        still held by the same client."""
+        if not len(slots):
+            return
         full_fence()  # release: response fields and result rows before resp_seq
-        for slot, seq in zip(slots.tolist(), seqs.tolist()):
-            self.slots[slot].resp_seq[0] = seq
-            self.answered[slot] = seq
-            self._woken[slot] = seq
-        full_fence()  # store resp_seq, then load client_sleeping (Dekker, see kalos.sync)
-        self._wake(slots)
+        with self._lock:
+            if generations is not None:
+                same = self.generation[slots] == generations
+                if not same.all():  # a client left (and maybe another came) while its pass ran
+                    slots, seqs = slots[same], seqs[same]
+            self.columns.resp_seq[slots] = seqs  # one aligned 8-byte store per slot, in order
+            self.answered[slots] = seqs
+            self._woken[slots] = seqs
+            full_fence()  # store resp_seq, then load client_sleeping (Dekker, see kalos.sync)
+            self._wake(slots)
 
     def wake_answered(self) -> None:
         """Wakes the sleeping clients of answers written by someone else (a GPU kernel that
@@ -310,11 +417,16 @@ class SidecarChannel:
         if len(fresh):
             self._woken[fresh] = self.answered[fresh]
             full_fence()  # load answered (after its resp_seq), then load client_sleeping
-            self._wake(fresh)
+            with self._lock:
+                self._wake(fresh)
 
-    def _wake(self, slots: np.ndarray) -> None:
-        sleeping = self._columns.client_sleeping[slots]
-        for slot in slots[sleeping != 0].tolist():
+    def _wake(self, slots: np.ndarray) -> None:  # (self._lock held)
+        sleeping = slots[self.columns.client_sleeping[slots] != 0]
+        if len(sleeping):
+            self._ring(sleeping)
+
+    def _ring(self, slots: np.ndarray) -> None:  # (self._lock held)
+        for slot in slots.tolist():
             fd = self.wake_fds[slot]
             if fd >= 0:
                 try:
@@ -346,6 +458,8 @@ class SidecarChannel:
             os.eventfd_write(self.doorbell_fd, 1)
         except BlockingIOError:
             pass  # saturated by a client: rung already
+        except OSError:
+            pass  # closed: the sidecar is stopping, and no sweep is left to wake
 
     def close(self) -> None:
         for slot in range(self.layout.n_slots):
@@ -354,3 +468,4 @@ class SidecarChannel:
             os.close(self.doorbell_fd)
             self.doorbell_fd = -1
         self.slots = []
+

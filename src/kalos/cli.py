@@ -37,7 +37,7 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--store", type=_store_arg, default=None,
                        help=f"SQLite store file (created if missing; default: {default_store_path()}), or "
                        "postgresql://USER@HOST:PORT/DB to share one PostgreSQL database between the sidecars of "
-                       "several hosts (each follows the others' writes; needs kalos[postgres]; give the password "
+                       "several hosts (each follows the others' writes; needs pip install 'kalos-recall[postgres]'; give the password "
                        "by PGPASSWORD or ~/.pgpass rather than in the URL, which ps shows)")
     _add_name(serve)
     serve.add_argument("--dim", type=int, default=None,
@@ -55,6 +55,9 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="query rows per request; bigger batches are split (default: %(default)s)")
     serve.add_argument("--spin-us", type=float, default=s.sidecar_spin_us,
                        help="microseconds to keep sweeping after the last request before sleeping (default: %(default)s)")
+    serve.add_argument("--gather-us", type=float, default=s.sidecar_gather_us,
+                       help="microseconds a pass that found fewer requests than connected clients waits for more "
+                       "before searching (trades a little latency for larger passes; default: %(default)s)")
     serve.add_argument("--no-zero-copy", dest="zero_copy", action="store_false",
                        help="GPU engine: pass queries and answers through host copies instead of letting the "
                        "kernels read and write the page-locked shared segment directly (for comparisons)")
@@ -62,10 +65,10 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="GPU engine: a kernel polls the slots and answers single recalls (k <= 16, all "
                        "namespaces or one, no time window) by itself while traffic lasts, with no Python on the "
                        "way; it stops after --spin-us without a request. 'graph' (the value when none is given): "
-                       "a CUDA graph that waits for a request, then scans with the whole GPU; 'resident': one "
-                       "kernel resident on every SM (the sweep stops it for batches). Either answers in ~100-140 us "
-                       "(p50) beside another process's GPU work instead of waiting ms for a time slice, but takes that "
-                       "process's time slices while it waits. Default: %(default)s (BENCHMARKS.md)")
+                       "a CUDA graph that waits for a request, then scans with the whole GPU. It answers in ~90 us exact, "
+                       "~55 fast (p50) beside another process's GPU work instead of waiting ms for a time slice, but "
+                       "takes that process's time slices while it waits. (The former 'resident' mode was removed: graph "
+                       "now beats every figure it recorded.) Default: %(default)s (BENCHMARKS.md)")
     serve.add_argument("--seed-compat", action="store_true",
                        help="also serve the seed article's recall_shm_t protocol (top-8 over all namespaces)")
     serve.add_argument("--seed-compat-shm", default="/kalos_recall_shm",
@@ -83,22 +86,27 @@ def _build_parser() -> argparse.ArgumentParser:
     add.add_argument("--batch", type=int, default=4096, help="rows per add request (default: %(default)s)")
 
     imp = commands.add_parser(
-        "import", help="import text memories from a JSONL, CSV/TSV or Parquet file (validated, batched, resumable)",
+        "import", help="import text memories from a JSONL, CSV/TSV, plain-text or Parquet file (validated, batched, "
+        "resumable)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Import memories from FILE: one row per memory with a text column and, optionally, a vector, "
         "a metadata object and a namespace column (the options below name them).\n"
+        "A plain .txt file is one memory per line (blank lines skipped). CSV and JSONL may begin with a UTF-8 "
+        "byte-order mark.\n"
         "Rows without a vector are embedded with the default embedder (all-MiniLM-L6-v2, 384-dim; needs "
-        "pip install 'kalos[embed]'); the sidecar's store must have the vectors' dimension.\n\n"
+        "pip install 'kalos-recall[embed]'); the sidecar's store must have the vectors' dimension.\n\n"
         "The WHOLE FILE IS VALIDATED FIRST: if any row is malformed, every malformed row is reported with its "
         "line number\n(row number for Parquet) and NOTHING of the file is imported.\n\n"
         "Then rows are added in batches (one transaction each). The progress file FILE.kalos-progress records how "
-        "many rows\nare committed; after an interrupted import, --resume imports only the rest (the progress is "
-        "keyed by the file's\npath, size and mtime, and by the store). CSV cells hold vectors and metadata as JSON "
-        "text. Parquet needs\npip install 'kalos[parquet]'.",
+        "many rows\nare committed, for each store the file went into; after an interrupted import, --resume "
+        "imports only the rest (the\nprogress is keyed by the file's path, size and mtime, and by the store); "
+        "importing the file into a store\nthat has it again is refused. The rows/s figure leaves out the model's "
+        "load, reported apart. CSV cells hold\nvectors and metadata as JSON text. Parquet needs "
+        "pip install 'kalos-recall[parquet]'.",
     )
-    imp.add_argument("file", type=Path, help="the .jsonl/.ndjson, .csv, .tsv or .parquet file")
+    imp.add_argument("file", type=Path, help="the .jsonl/.ndjson, .csv, .tsv, .txt or .parquet file")
     _add_name(imp)
-    imp.add_argument("--format", choices=["jsonl", "csv", "tsv", "parquet"], default=None,
+    imp.add_argument("--format", choices=["jsonl", "csv", "tsv", "text", "parquet"], default=None,
                      help="file format (default: from the file's suffix)")
     imp.add_argument("--text-column", default="text", help="column holding the text (default: %(default)s)")
     imp.add_argument("--vector-column", default="vector",
@@ -128,7 +136,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "embedder) and print id, score and text.",
     )
     source = recall.add_mutually_exclusive_group(required=True)
-    source.add_argument("--text", help="a text, embedded with the default embedder (needs kalos[embed])")
+    source.add_argument("--text", help="a text, embedded with the default embedder (needs pip install "
+                        "'kalos-recall[embed]')")
     source.add_argument("--vector", help="comma-separated floats")
     source.add_argument("--npy", type=Path, help="a .npy file holding the query vector (or a matrix: see --row)")
     recall.add_argument("--row", type=int, default=0, help="row of --npy to use (default: 0)")
@@ -154,7 +163,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "(pydoc_data.topics, about 800 passages) once, embedded with the default embedder, then run an agent-style "
         "loop of recall_text over questions, print what was recalled and the latency percentiles of the recall "
         "alone, the embedding alone and both together. A second run finds the passages in the store and skips the "
-        "embedding. Without pip install 'kalos[embed]' (or with --synthetic) it runs on synthetic vectors instead.",
+        "embedding. Without pip install 'kalos-recall[embed]' (or with --synthetic) it runs on synthetic vectors instead.",
     )
     _add_name(demo)
     demo.add_argument("--store", type=Path, default=None, help=f"store to serve if no sidecar runs (default: {default_store_path()})")
@@ -186,7 +195,7 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="GPU suite: sidecar precisions measured end to end (default: %(default)s)")
     bench.add_argument("--gpu-polling", nargs="?", const="graph", default="",
                        help="GPU suite: also measure single recalls end to end with serve --gpu-polling MODE, "
-                       "for each comma-separated MODE (graph, resident; 'graph' when none is given), side by side")
+                       "side by side (graph, the only mode, and the value when none is given)")
     bench.add_argument("--gpu-host-copies", action="store_true",
                        help="GPU suite: also measure the exact path end to end with --no-zero-copy, side by side")
     bench.add_argument("--batches", default="1,8,64,256",
@@ -194,9 +203,12 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--clients", default="8x64",
                        help="GPU suite: aggregate throughput of CxB = C client processes each sending batches of B "
                        "at once, comma-separated; empty for none (default: %(default)s)")
+    from kalos.crowd import add_crowd_arguments
+
+    add_crowd_arguments(bench)
     bench.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this file")
     bench.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
-                       help="also draw the latency CDF of each path beside its baseline (needs kalos[plot])")
+                       help="also draw the latency CDF of each path beside its baseline (needs pip install 'kalos-recall[plot]')")
 
     doctor = commands.add_parser(
         "doctor", help="check this machine for Kalos: GPU and CUDA, shared memory, permissions, store, sidecar",
@@ -234,6 +246,10 @@ def _glue_negative_values(argv: list[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(_glue_negative_values(list(sys.argv[1:] if argv is None else argv)))
+    if args.command == "serve" and argv is None:
+        from kalos.blas import settle_blas_threads
+
+        settle_blas_threads()  # re-executes this process once, so BLAS loads with its spinning cut short
     # The text embedder loads from the installed package; this process never needs a model hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
@@ -245,18 +261,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def new_store_hint() -> str:
+    """How to create a store, in the command's own words (shared with ``kalos doctor``)."""
+    from kalos.embed import DEFAULT_DIM, DEFAULT_MODEL
+
+    return (f"pass --dim {DEFAULT_DIM} to create it for text memories (the dimension of the default embedder, "
+            f"{DEFAULT_MODEL}), or --dim D for vectors of your own of dimension D")
+
+
 def _serve(args: argparse.Namespace) -> int:
     from kalos.sidecar import Sidecar, SidecarConfig
+    from kalos.stores import describe_store, is_store_url
 
+    store = args.store or default_store_path()
+    # The store would say "pass dim" (its API's argument); a user of this command needs the flag.
+    if args.dim is None and not is_store_url(store) and not Path(store).exists():
+        raise InvalidArgument(f"there is no store at {store} yet; {new_store_hint()}")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     config = SidecarConfig(
-        store=args.store or default_store_path(), name=args.name, dim=args.dim, device=args.device,
+        store=store, name=args.name, dim=args.dim, device=args.device,
         precision=args.precision,
-        slots=args.slots, max_k=args.max_k, max_batch=args.max_batch, spin_us=args.spin_us,
+        slots=args.slots, max_k=args.max_k, max_batch=args.max_batch, spin_us=args.spin_us, gather_us=args.gather_us,
         seed_compat=args.seed_compat, seed_compat_shm=args.seed_compat_shm, zero_copy=args.zero_copy,
         gpu_polling=args.gpu_polling,
     )
-    sidecar = Sidecar(config)
+    try:
+        sidecar = Sidecar(config)
+    except InvalidArgument as exc:
+        # A PostgreSQL database is known to hold no store only once connected.
+        if args.dim is None and is_store_url(store) and "holds no Kalos store" in str(exc):
+            raise InvalidArgument(f"{describe_store(store)} holds no Kalos store yet; {new_store_hint()}") from None
+        raise
     sidecar.stop_on_signals()  # before the ready line: whoever saw it may signal at once
     print(sidecar.ready_message(), flush=True)
     sidecar.serve_forever()
@@ -264,7 +299,9 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_jsonl(path: Path, default_namespace: str) -> dict[str, list[tuple[list[float], str | None, dict | None]]]:
+def _read_jsonl(path: Path, default_namespace: str,
+                dim: int) -> dict[str, list[tuple[list[float], str | None, dict | None]]]:
+    """The file's rows by namespace; InvalidArgument naming the line of the first bad one."""
     groups: dict[str, list[tuple[list[float], str | None, dict | None]]] = {}
     with path.open("rb") as f:
         for number, raw in enumerate(f, 1):
@@ -280,6 +317,14 @@ def _read_jsonl(path: Path, default_namespace: str) -> dict[str, list[tuple[list
                 raise InvalidArgument(f"{path}:{number}: not valid JSON: {exc}") from None
             if not isinstance(row, dict) or not isinstance(row.get("vector"), list):
                 raise InvalidArgument(f"{path}:{number}: expected an object with a \"vector\" list")
+            # Checked per line, so that the message names it (one matrix of all rows would only
+            # say that its shape is "inhomogeneous").
+            vector = row["vector"]
+            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in vector):
+                raise InvalidArgument(f"{path}:{number}: \"vector\" must be a list of numbers")
+            if len(vector) != dim:
+                raise InvalidArgument(f"{path}:{number}: \"vector\" has {len(vector)} numbers; the sidecar's store "
+                                      f"holds dimension {dim}")
             text, metadata = row.get("text"), row.get("metadata")
             if text is not None and not isinstance(text, str):
                 raise InvalidArgument(f"{path}:{number}: \"text\" must be a string")
@@ -318,13 +363,10 @@ def _add(args: argparse.Namespace) -> int:
             for start in range(0, len(matrix), args.batch):
                 total += len(client.add(matrix[start : start + args.batch], namespace=args.namespace))
         else:
-            for namespace, rows in _read_jsonl(args.file, args.namespace).items():
+            for namespace, rows in _read_jsonl(args.file, args.namespace, client.dim).items():
                 for start in range(0, len(rows), args.batch):
                     chunk = rows[start : start + args.batch]
-                    try:
-                        vectors = np.asarray([r[0] for r in chunk], dtype=np.float32)
-                    except ValueError as exc:
-                        raise InvalidArgument(f"{args.file}: vectors of unequal length or not numbers: {exc}") from None
+                    vectors = np.asarray([r[0] for r in chunk], dtype=np.float32)  # rows checked by _read_jsonl
                     total += len(client.add(vectors, texts=[r[1] for r in chunk],
                                             metadata=[r[2] for r in chunk], namespace=namespace))
     print(f"added {total} memories from {args.file}")
@@ -394,8 +436,9 @@ def _print_hits(rows: list[dict[str, Any]], *, as_json: bool) -> int:
 
 def _recall_text(args: argparse.Namespace) -> int:
     from kalos.client import Client
+    from kalos.embed import load_progress
 
-    with Client(args.name) as client:
+    with Client(args.name) as client, load_progress(sys.stderr):  # the model's load takes seconds: show it
         hits = client.recall_text(args.text, k=args.k, namespace=None if args.all_namespaces else args.namespace,
                                   since=args.since, until=args.until)
     rows = [{"id": h.id, "score": h.score, "namespace": h.namespace, "text": h.text, "metadata": h.metadata,
@@ -477,6 +520,10 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.crowd:
+        from kalos.crowd import run_crowd
+
+        return run_crowd(args)
     from kalos.bench import run_bench
 
     return run_bench(args)

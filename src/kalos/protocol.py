@@ -7,7 +7,7 @@ one writer and no compare-and-swap is ever needed::
     offset 0              +--------------------------------------------------+
                           | header (HEADER_DTYPE), padded to one page         |
                           |   magic, version, sizes, epoch, heartbeat,       |
-                          |   sidecar_sleeping                                |
+                          |   sidecar_sleeping, clients                       |
     header_size           +--------------------------------------------------+
     + i * slot_size       | slot i                                           |
                           |   request  (REQUEST_DTYPE, written by the client) |
@@ -79,10 +79,10 @@ HEADER_DTYPE = np.dtype(
     {
         "names": [
             "magic", "version", "header_size", "slot_size", "n_slots", "dim", "max_k",
-            "max_batch", "epoch", "heartbeat_ns", "sidecar_pid", "sidecar_sleeping",
+            "max_batch", "epoch", "heartbeat_ns", "sidecar_pid", "sidecar_sleeping", "clients",
         ],
-        "formats": ["<u8", "<u4", "<u4", "<u8", "<u4", "<u4", "<u4", "<u4", "<u8", "<u8", "<u4", "<u4"],
-        "offsets": [0, 8, 12, 16, 24, 28, 32, 36, 40, 48, 56, 64],
+        "formats": ["<u8", "<u4", "<u4", "<u8", "<u4", "<u4", "<u4", "<u4", "<u8", "<u8", "<u4", "<u4", "<u4"],
+        "offsets": [0, 8, 12, 16, 24, 28, 32, 36, 40, 48, 56, 64, 68],
         "itemsize": 128,
     }
 )
@@ -262,6 +262,9 @@ class HeaderView:
         self.heartbeat_ns = fields["heartbeat_ns"]
         self.sidecar_pid = fields["sidecar_pid"]
         self.sidecar_sleeping = fields["sidecar_sleeping"]
+        # Slots in use, kept by the sidecar: a waiting client spins only while the clients and
+        # the sidecar's sweep fit on the cores (ClientChannel.wait).
+        self.clients = fields["clients"]
 
 
 class SlotView:
@@ -313,15 +316,37 @@ class SlotView:
 
 
 class SlotColumns:
-    """Strided views of one request word across all slots, for the sidecar's sweep."""
+    """Strided views of each slot's words across all slots, for the sidecar's sweep.
+
+    ``column[slots]`` reads (or ``column[slots] = values`` writes) one field of many slots in
+    one NumPy call: the sweep's cost per pass stays flat however many clients are pending. The
+    ``*_row0`` views are the first query row and result row of every slot (``[n_slots, dim]``
+    and ``[n_slots, max_k]``), where a single recall travels.
+    """
 
     def __init__(self, buf: memoryview, layout: Layout) -> None:
-        def column(field: str) -> np.ndarray:
-            dtype, offset = REQUEST_DTYPE.fields[field]
-            return np.ndarray(
-                (layout.n_slots,), dtype, buf, layout.header_size + layout.request_offset + offset,
-                strides=(layout.slot_size,),
-            )
+        base = layout.header_size
 
-        self.req_seq = column("req_seq")
-        self.client_sleeping = column("client_sleeping")
+        def column(dtype_of: np.dtype, area: int, field: str) -> np.ndarray:
+            dtype, offset = dtype_of.fields[field]
+            return np.ndarray((layout.n_slots,), dtype, buf, base + area + offset, strides=(layout.slot_size,))
+
+        def rows(dtype: type, area: int, width: int) -> np.ndarray:
+            item = np.dtype(dtype).itemsize
+            return np.ndarray((layout.n_slots, width), dtype, buf, base + area, strides=(layout.slot_size, item))
+
+        request, response = layout.request_offset, layout.response_offset
+        self.req_seq = column(REQUEST_DTYPE, request, "req_seq")
+        self.op = column(REQUEST_DTYPE, request, "op")
+        self.k = column(REQUEST_DTYPE, request, "k")
+        self.n_queries = column(REQUEST_DTYPE, request, "n_queries")
+        self.flags = column(REQUEST_DTYPE, request, "flags")
+        self.namespace_len = column(REQUEST_DTYPE, request, "namespace_len")
+        self.namespace = column(REQUEST_DTYPE, request, "namespace")
+        self.client_sleeping = column(REQUEST_DTYPE, request, "client_sleeping")
+        self.resp_seq = column(RESPONSE_DTYPE, response, "resp_seq")
+        self.status = column(RESPONSE_DTYPE, response, "status")
+        self.n_results = column(RESPONSE_DTYPE, response, "n_results")
+        self.query_row0 = rows(np.float32, layout.queries_offset, layout.dim)
+        self.ids_row0 = rows(np.int64, layout.ids_offset, layout.max_k)
+        self.scores_row0 = rows(np.float32, layout.scores_offset, layout.max_k)

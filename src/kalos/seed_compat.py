@@ -59,7 +59,17 @@ Decisions (what the article leaves open, and what Kalos does):
   the best 8 representable ones, counts the hidden ones in ``stats["hidden_ids"]`` and logs a
   warning (rate-limited). Past k = 4096 it answers what it has (result_count < 8).
 * **Permissions.** A segment the client created keeps the client's mode (the article asks for
-  0666, minus the client's umask); Kalos never chmods it. When Kalos creates the segment it is
+  0666, minus the client's umask); Kalos never chmods it. Kalos serves only a segment that its
+  own uid owns and that group and others cannot write (0644 and 0600 are fine): another user
+  who could write it would read every answer and could shrink it (issue 19, item 4). Such a
+  segment makes ``start`` fail, and one that appears later is refused (logged, retried) and
+  never touched; a symlink is never followed. A segment readable by others is warned about.
+* **No mapping.** Kalos reads and writes the segment with ``pread``/``pwrite`` on its
+  descriptor and never maps it: a client may truncate the file at any moment, and a mapped page
+  past the new end would kill the whole sidecar with SIGBUS. A short read means "shrunk": the
+  request is dropped and Kalos re-attaches once the segment is full-size again. When Kalos
+  creates the segment, or attaches to a client's, it reserves its pages (``posix_fallocate``),
+  so a full /dev/shm is a clear error at creation, not a SIGBUS in the client later. When Kalos creates the segment it is
   exactly 0600 (owner only): a seed client must then run as the same uid, or create the
   segment itself first.
 * **Lifecycle.** Either side may start first. At start (and whenever the segment must be
@@ -98,9 +108,9 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 import os
 import stat
+import struct
 import threading
 import time
 from typing import Callable
@@ -108,7 +118,7 @@ from typing import Callable
 import numpy as np
 
 from kalos.engine.base import MISSING_ID
-from kalos.errors import InvalidArgument
+from kalos.errors import InvalidArgument, KalosError
 from kalos.sync import full_fence
 
 __all__ = [
@@ -158,12 +168,9 @@ SEED_LAYOUT = np.dtype(
 SEGMENT_SIZE = SEED_LAYOUT.itemsize
 OFFSETS: dict[str, int] = {name: SEED_LAYOUT.fields[name][1] for name in SEED_LAYOUT.names}
 
-# The eight uint32 header words are read and written one element at a time through a
-# memoryview cast to "I" (C unsigned int, 4 bytes on every Linux ABI Kalos runs on; CPython
-# copies one element with a fixed-size memcpy, i.e. a single aligned 4-byte load or store,
-# which is single-copy atomic on x86-64 and aarch64). Their indices in that view:
+# The eight uint32 header words are read and written one at a time, with pread/pwrite of
+# 4 aligned bytes (see _Words). Their indices, in words from the start:
 _HEADER_FIELDS = ("magic", "version", "request_id", "query_dim", "memory_count", "ready", "done", "result_count")
-_HEADER_BYTES = OFFSETS["query"]
 _W = {name: OFFSETS[name] // 4 for name in _HEADER_FIELDS}
 _MAGIC, _VERSION, _REQUEST_ID, _QUERY_DIM = _W["magic"], _W["version"], _W["request_id"], _W["query_dim"]
 _MEMORY_COUNT, _READY, _DONE, _RESULT_COUNT = _W["memory_count"], _W["ready"], _W["done"], _W["result_count"]
@@ -178,6 +185,10 @@ _IDLE_CHECK_S = 0.1  # how often an idle server stats the path for a replaced se
 _ATTACH_POLL_S = 1e-3  # while waiting for the client's ftruncate (or a permission fix)
 _LOG_INTERVAL_S = 1.0  # at most one log line per kind per second
 _SHM_DIR = "/dev/shm"
+_REFUSAL_REMEDY = (
+    "Kalos serves only a segment that this user owns and that no one else can write; remove it "
+    "(as its owner or root) and let Kalos create it, or create it as this user with mode 0600"
+)
 
 
 def segment_path(shm_name: str) -> str:
@@ -228,47 +239,85 @@ class _Throttle:
         self._log.log(level, msg, *args, exc_info=exc_info)
 
 
-class _Segment:
-    """One mapping of the segment and the views the hot path uses. Only this class maps it."""
+class _SegmentShrank(Exception):
+    """The segment is shorter than the protocol's struct now (a client truncated it)."""
 
-    mm: mmap.mmap | None = None
-    _base: memoryview | None = None
-    words: memoryview | None = None
-    query: np.ndarray | None = None
-    result_ids: np.ndarray | None = None
-    result_scores: np.ndarray | None = None
+
+class _Words:
+    """The eight header words, each read with one ``pread`` and written with one ``pwrite``.
+
+    The segment is never mapped: a client can truncate a file it shares with us at any time,
+    and a mapped page past the new end would kill the whole sidecar with SIGBUS at its next
+    access (issue 19, item 4). A read past the end is just short, and says so. A 4-byte
+    aligned copy by the kernel (``copy_to_user``/``copy_from_user``) is done in aligned
+    machine words on x86-64 and aarch64; the flags (ready, done) only ever change their low
+    byte, so even a byte-wise copy could not tear them.
+    """
+
+    __slots__ = ("_fd",)
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def __getitem__(self, index: int) -> int:
+        data = os.pread(self._fd, 4, 4 * index)
+        if len(data) != 4:
+            raise _SegmentShrank()
+        return _U32.unpack(data)[0]
+
+    def __setitem__(self, index: int, value: int) -> None:
+        os.pwrite(self._fd, _U32.pack(value), 4 * index)
+
+
+_U32 = struct.Struct("=I")
+
+
+class _Segment:
+    """One open descriptor of the segment. Only this class reads or writes it (never mapped)."""
+
+    fd = -1
+    words: _Words | None = None
 
     def __init__(self, fd: int, *, created: bool) -> None:
         st = os.fstat(fd)
         self.identity = (st.st_dev, st.st_ino)
         self.created = created
         self.mode = stat.S_IMODE(st.st_mode)
-        self.mm = mmap.mmap(fd, SEGMENT_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        try:
-            self._base = memoryview(self.mm)
-            self.words = self._base[:_HEADER_BYTES].cast("I")
-            self.query = self._array("query")
-            self.result_ids = self._array("result_ids")
-            self.result_scores = self._array("result_scores")
-        except BaseException:
-            self.close()
-            raise
+        self.fd = os.dup(fd)  # the caller closes its own
+        self.words = _Words(self.fd)
 
-    def _array(self, field: str) -> np.ndarray:
-        """A NumPy view of one array field; dtype, length and offset all come from SEED_LAYOUT."""
-        dtype, offset = SEED_LAYOUT.fields[field][:2]
-        return np.frombuffer(self.mm, dtype.base, dtype.shape[0], offset)
+    def read_query(self, dim: int) -> np.ndarray:
+        """The first ``dim`` floats of the query: one copy out of the segment (a snapshot)."""
+        data = os.pread(self.fd, 4 * dim, OFFSETS["query"])
+        if len(data) != 4 * dim:
+            raise _SegmentShrank()
+        return np.frombuffer(data, np.float32)
+
+    def write_results(self, ids: np.ndarray, scores: np.ndarray) -> None:
+        # result_ids and result_scores are adjacent in the struct: one write for both.
+        os.pwrite(self.fd, ids.tobytes() + scores.tobytes(), OFFSETS["result_ids"])
 
     def close(self) -> None:
-        """Unmaps (views first: a live export would make mmap.close() fail). Safe to repeat."""
-        self.query = self.result_ids = self.result_scores = None
-        for view in (self.words, self._base):
-            if view is not None:
-                view.release()
-        self.words = self._base = None
-        if self.mm is not None:
-            mm, self.mm = self.mm, None
-            mm.close()
+        """Closes the descriptor. Safe to repeat."""
+        self.words = None
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
+def _foreign(st: os.stat_result) -> str | None:
+    """Why a segment of this ``stat`` must not be served, or None.
+
+    One of another uid, or writable by group or others, can be written by another user: he
+    reads every answer (the top-8 ids and scores over all memories) and controls the requests
+    (issue 19, item 4). A readable-by-others segment (the article's 0666 minus a 022 umask) is
+    the client's choice and is only warned about.
+    """
+    if st.st_uid != os.getuid():
+        return f"it belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"its mode {stat.S_IMODE(st.st_mode):04o} lets other users write it"
+    return None
 
 
 class SeedCompatServer:
@@ -327,6 +376,7 @@ class SeedCompatServer:
             "stale_dropped": 0,  # answers not published because the client restarted meanwhile
             "internal_errors": 0,  # unexpected exceptions in the server loop (a bug)
             "attaches": 0,
+            "shrunk": 0,  # the segment was truncated under a request (answer dropped, re-attached)
             "segment_created": False,  # whether the current segment was created by Kalos
         }
 
@@ -342,10 +392,13 @@ class SeedCompatServer:
             if self._thread is not None:
                 raise InvalidArgument(f"{self!r} was already started")
             try:
-                st = os.stat(self.path)
+                st = os.stat(self.path, follow_symlinks=False)
             except FileNotFoundError:
                 pass
             else:
+                why = _foreign(st) if stat.S_ISREG(st.st_mode) else "it is not a regular file (a symlink?)"
+                if why is not None:
+                    raise InvalidArgument(f"{self.path} exists and {why}: {_REFUSAL_REMEDY}")
                 if not os.access(self.path, os.R_OK | os.W_OK):
                     raise InvalidArgument(
                         f"{self.path} exists (mode {stat.S_IMODE(st.st_mode):04o}, uid {st.st_uid}) "
@@ -405,6 +458,13 @@ class SeedCompatServer:
                     self._note_error("attach", f"{self.path} is not a shared-memory segment; retrying")
                     self._stop_event.wait(100 * _ATTACH_POLL_S)
                     continue
+                why = _foreign(st)
+                if why is not None:
+                    # Never served, never mapped: it is another user's to read and to shrink.
+                    self.stats["last_error"] = f"refused {self.path}: {why}"
+                    self._note_error("foreign", f"refusing {self.path}: {why}: {_REFUSAL_REMEDY}")
+                    self._stop_event.wait(1000 * _ATTACH_POLL_S)
+                    continue
                 if st.st_size < SEGMENT_SIZE:
                     # The client is between shm_open(O_CREAT) and ftruncate: wait for it.
                     self._throttled(
@@ -414,9 +474,21 @@ class SeedCompatServer:
                     )
                     self._stop_event.wait(_ATTACH_POLL_S)
                     continue
+                if st.st_mode & 0o044:
+                    self._throttled(
+                        logging.WARNING, "readable",
+                        "seed compat: %s (mode %04o) is readable by other users: they can read every "
+                        "query and answer; create it with mode 0600", self.path, stat.S_IMODE(st.st_mode),
+                    )
+                try:
+                    # The client's file is sparse: reserve its pages, so that a full /dev/shm is
+                    # not a SIGBUS in the client at its next touch (ours cannot fault: no mapping).
+                    os.posix_fallocate(fd, 0, SEGMENT_SIZE)
+                except OSError as e:
+                    self._throttled(logging.WARNING, "reserve", "seed compat: cannot reserve %s: %s", self.path, e)
                 seg = _Segment(fd, created=False)
             finally:
-                os.close(fd)  # the mapping keeps its own reference
+                os.close(fd)  # the segment keeps its own descriptor
             self._log.info("seed compat: attached to the existing %s (mode %04o, left as is)", self.path, seg.mode)
             return seg
         return None
@@ -429,6 +501,14 @@ class SeedCompatServer:
         try:
             os.fchmod(fd, 0o600)  # exactly owner-only, whatever the umask
             os.ftruncate(fd, SEGMENT_SIZE)
+            try:
+                # Pages reserved now: a full /dev/shm is this clear error, not a SIGBUS in the
+                # article's client when it touches the page (issue 19, item 2).
+                os.posix_fallocate(fd, 0, SEGMENT_SIZE)
+            except OSError as e:
+                raise InvalidArgument(
+                    f"cannot reserve {SEGMENT_SIZE} bytes for {self.path}: {e.strerror}; free space in {_SHM_DIR}"
+                ) from None
             seg = _Segment(fd, created=True)
         except BaseException:
             os.close(fd)
@@ -444,7 +524,7 @@ class SeedCompatServer:
     def _segment_replaced(self, seg: _Segment) -> bool:
         """True when the path no longer names a full-size copy of the mapped segment."""
         try:
-            st = os.stat(self.path)
+            st = os.stat(self.path, follow_symlinks=False)
         except FileNotFoundError:
             self._log.info("seed compat: %s was unlinked; creating or finding a new one", self.path)
             return True
@@ -452,7 +532,7 @@ class SeedCompatServer:
             self._log.info("seed compat: %s was recreated (new inode); re-attaching", self.path)
             return True
         if st.st_size < SEGMENT_SIZE:
-            # Touching pages past the new end would raise SIGBUS: unmap and wait for a resize.
+            # Reads past the new end come back short: let go and wait for a resize.
             self._log.warning("seed compat: %s shrank to %d bytes; re-attaching", self.path, st.st_size)
             return True
         return False
@@ -469,6 +549,14 @@ class SeedCompatServer:
                 self.stats["attaches"] += 1
                 self.stats["segment_created"] = seg.created
                 self._serve(seg)
+            except _SegmentShrank:
+                self.stats["shrunk"] += 1
+                self._throttled(logging.WARNING, "shrunk", "seed compat: %s shrank below %d bytes during a request; "
+                                "re-attaching", self.path, SEGMENT_SIZE)
+            except KalosError as e:  # a condition with its own message (a full /dev/shm): no traceback
+                self.stats["last_error"] = str(e)
+                self._note_error("setup", f"{e}; retrying")
+                self._stop_event.wait(1.0)
             except Exception as e:  # never let the thread die: log, back off, re-attach
                 self.stats["internal_errors"] += 1
                 self.stats["last_error"] = f"internal: {e!r}"
@@ -528,7 +616,7 @@ class SeedCompatServer:
         kind, error = self._check(ready, magic, version, query_dim)
         if error is None:
             # The only read of the query: one copy out of the segment (a consistent snapshot).
-            kind, error, unit = _unit_query(seg.query[:query_dim].copy())
+            kind, error, unit = _unit_query(seg.read_query(query_dim))
             if unit is not None:
                 try:
                     count = self._top_k(unit, out_ids, out_scores)
@@ -552,8 +640,7 @@ class SeedCompatServer:
                     "live memories of the store", memory_count,
                 )
 
-        seg.result_ids[:] = out_ids
-        seg.result_scores[:] = out_scores
+        seg.write_results(out_ids, out_scores)
         words[_RESULT_COUNT] = count
         # Release. ready = 0 and the results must be visible before done = 1: the client reads
         # the results only after it sees done == 1 (acquire), and raises ready for its next

@@ -1,21 +1,32 @@
 """The Kalos sidecar: one process that owns the store, the engine and the shared segment.
 
 Threads:
-  * the sweep (the thread that calls :meth:`Sidecar.serve_forever`): finds pending recalls in
-    the slots, answers all of them as one batch per filter, publishes the answers;
+  * the sweep (the thread that calls :meth:`Sidecar.serve_forever`): finds every pending
+    recall in the slots, answers them as one engine pass per filter (single recalls are read
+    from the slots' columns at once, so 64 waiting agents cost one pass, not 64), publishes
+    the answers;
   * the acceptor, and one thread per control connection: hello (slot assignment), add,
-    delete, get, stats. A connection's slot is freed when the connection closes, which the
-    kernel does for a client that dies;
-  * the heartbeat: stamps the segment header every ``heartbeat_interval_s``.
+    delete, get, stats. A connection's slot is freed when the connection closes, which
+    the kernel does for a client that dies;
+  * the heartbeat: stamps the segment header every ``heartbeat_interval_s``;
+  * the checkpointer (SQLite stores): copies the WAL into the db file once writes pause.
 
-``_state_lock`` serialises the engine and the slot table between the sweep and the control
-threads; ``_write_lock`` serialises writers so that the store and the engine see adds and
-deletes in the same order (a delete can never overtake the add it deletes).
+Control connections are bounded: at most ``slots + spare_connections`` at once; one stuck
+mid-frame, or one without a slot that stays silent, is dropped (``control_stall_s``,
+``control_idle_s``); one that holds a slot may idle between requests for ever.
+
+``_state_lock`` serialises the engine (and the GPU's polling) between the sweep and the
+writers; ``_write_lock`` serialises writers so that the store and the engine see adds and
+deletes in the same order (a delete can never overtake the add it deletes). The slot table
+has its own lock in the channel, held for microseconds (never across a search), so a client
+connects while a crowd is hot.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import errno
+import json
 import fcntl
 import logging
 import math
@@ -23,16 +34,16 @@ import os
 import secrets
 import signal
 import socket
+import stat
 import struct
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from kalos.channel import Endpoint, Segment, SidecarChannel
-from kalos.config import GPU_POLLING, settings
+from kalos.config import GPU_POLLING, RuntimeDir, open_runtime_dir, settings
 from kalos.control import (
     PROTOCOL_VERSION,
     ConnectionClosed,
@@ -57,13 +68,14 @@ from kalos.errors import (
 )
 from kalos.metrics import Metrics
 from kalos.protocol import Layout, Op, RequestFlag, SlotView
-from kalos.store import Store, check_vectors
+from kalos.store import Store, bad_vector_rows, check_request_id, check_vectors
 from kalos.stores import StoreSpec, open_store
 
 __all__ = ["SidecarConfig", "Sidecar", "normalise_rows", "row_scales"]
 
 log = logging.getLogger("kalos.sidecar")
 _PEERCRED = struct.Struct("3i")
+_SOCKET_CHECK_S = 1.0  # how often the heartbeat checks that the control socket's name is still ours
 # Plain ints: IntFlag arithmetic costs microseconds, and these are tested on every request.
 _ALL_NAMESPACES = int(RequestFlag.ALL_NAMESPACES)
 _HAS_SINCE = int(RequestFlag.HAS_SINCE)
@@ -71,6 +83,8 @@ _HAS_UNTIL = int(RequestFlag.HAS_UNTIL)
 _KNOWN_FLAGS = _ALL_NAMESPACES | _HAS_SINCE | _HAS_UNTIL
 _RECALL = int(Op.RECALL)
 _PING = int(Op.PING)
+# How often a control connection's thread wakes from a silent socket to check its deadlines.
+_CONTROL_POLL_S = 1.0
 
 
 #: How long the clients of a GPU sidecar busy-poll for an answer before sleeping (advised in
@@ -93,6 +107,7 @@ class SidecarConfig:
     max_k: int = dataclasses.field(default_factory=lambda: settings().max_k)
     max_batch: int = dataclasses.field(default_factory=lambda: settings().max_batch)
     spin_us: float = dataclasses.field(default_factory=lambda: settings().sidecar_spin_us)
+    gather_us: float = dataclasses.field(default_factory=lambda: settings().sidecar_gather_us)
     heartbeat_interval_s: float = dataclasses.field(default_factory=lambda: settings().heartbeat_interval_s)
     seed_compat: bool = False
     seed_compat_shm: str = "/kalos_recall_shm"
@@ -112,31 +127,123 @@ class SidecarConfig:
                 raise InvalidArgument(f"{field} must be an integer in [{low}, {high}], got {value!r}")
         if self.spin_us < 0:
             raise InvalidArgument(f"spin_us must be >= 0, got {self.spin_us}")
+        if not 0 <= self.gather_us <= 10_000:
+            raise InvalidArgument(f"gather_us must be in [0, 10000] microseconds, got {self.gather_us}")
         if self.gpu_polling not in GPU_POLLING:
             raise InvalidArgument(f"gpu_polling must be one of {', '.join(GPU_POLLING)}, got {self.gpu_polling!r}")
         if not 0 < self.heartbeat_interval_s <= 1:
             raise InvalidArgument(f"heartbeat interval must be in (0, 1] s, got {self.heartbeat_interval_s}")
 
 
-class _NameLock:
-    """An exclusive flock on ``<runtime>/<name>.lock``: one sidecar per name.
+class _UserNameLock:
+    """One sidecar per name and user, whatever its runtime directory (issue 19, item 6).
 
-    The file is never unlinked (unlinking a lock file races with the next locker); the pid
-    written into it only serves the error message of a second sidecar.
+    A listening socket bound in the abstract namespace, ``@kalos-<uid>-<name>``: the kernel
+    releases it when the process dies (no stale file), and a second sidecar learns who holds
+    it from SO_PEERCRED (uid and pid) by connecting to it. It is never accepted from. Any
+    user can bind any abstract name, so a squatter is named in the refusal, with the remedy.
     """
 
-    def __init__(self, path: Path, name: str) -> None:
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    def __init__(self, endpoint: Endpoint) -> None:
+        self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        address = endpoint.user_lock_address
+        shown = "@" + address[1:]
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._sock.bind(address)
+            self._sock.listen(1)
         except OSError as exc:
-            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(self._fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            self.release()
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            pid, uid = _holder(address)
+            if uid == os.getuid():
+                raise SidecarAlreadyRunning(
+                    f"a sidecar named {endpoint.name!r} is already running (pid {pid}) for this user, "
+                    f"maybe with another runtime directory; stop it, or use another --name"
+                ) from None
+            if uid is None:
+                raise SidecarAlreadyRunning(
+                    f"the name lock {shown} of sidecar {endpoint.name!r} is held by a process that does "
+                    f"not answer (not a Kalos sidecar: another user may be squatting it); find it with "
+                    f"`ss -xlp | grep {shown[1:]}`, or use another --name"
+                ) from None
+            raise SidecarAlreadyRunning(
+                f"the name lock {shown} of sidecar {endpoint.name!r} is held by uid {uid} (pid {pid}), "
+                f"not by this user (uid {os.getuid()}): another user is squatting the name; use another "
+                f"--name, or ask an administrator to stop pid {pid}"
+            ) from None
+
+    def release(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def _holder(address: str) -> tuple[int | None, int | None]:
+    """(pid, uid) of the process listening at an abstract address, or (None, None)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(address)
+        pid, uid, _gid = _PEERCRED.unpack(probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        return pid, uid
+    except OSError:
+        return None, None  # bound but not listening, or a full backlog
+    finally:
+        probe.close()
+
+
+_LOCK_RECORD = 21  # "pid" left-aligned in 20 characters and a newline: rewritten in place
+
+
+class _NameLock:
+    """An exclusive flock on ``<runtime>/<name>.lock``: one sidecar per name and directory.
+
+    The file is opened relative to the checked runtime directory's descriptor, never through
+    a symlink, and only a lock file of ours is written to: a file we did not create is never
+    truncated (a symlinked lock file once let another user have the victim's own files
+    truncated: issue 19, item 1). The file is never unlinked (unlinking a lock file races with
+    the next locker); the pid written into it only serves the error message of a second sidecar.
+    """
+
+    def __init__(self, directory: RuntimeDir, name: str) -> None:
+        lock_name = f"{name}.lock"
+        shown = directory.path / lock_name
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            self._fd = os.open(lock_name, flags | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=directory.fd)
+            created = True
+        except FileExistsError:
+            try:
+                self._fd = os.open(lock_name, flags, dir_fd=directory.fd)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise InvalidArgument(f"{shown} is a symlink; Kalos follows none there: remove it") from None
+                raise
+            created = False
+        try:
+            st = os.fstat(self._fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_nlink != 1:
+                raise InvalidArgument(
+                    f"{shown} is not a lock file of this user's (uid {st.st_uid}, {st.st_nlink} links, "
+                    f"mode {st.st_mode:o}); remove it"
+                )
+            if not created:
+                old = os.pread(self._fd, 64, 0)
+                if len(old) > _LOCK_RECORD or old.strip(b" \n") and not old.strip(b" \n").isdigit():
+                    raise InvalidArgument(f"{shown} is not a Kalos lock file (it holds {old[:32]!r}); remove it")
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise
+                holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
                 raise SidecarAlreadyRunning(f"a sidecar named {name!r} is already running (pid {holder})") from None
+        except BaseException:
+            self.release()
             raise
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+        # Rewritten in place, fixed width: no truncation, and nothing of a longer record is left.
+        os.pwrite(self._fd, f"{os.getpid():<{_LOCK_RECORD - 1}}\n".encode(), 0)
 
     def release(self) -> None:
         if self._fd >= 0:
@@ -157,6 +264,7 @@ class Sidecar:
         self._write_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._connections: set[socket.socket] = set()
+        self._refused_connections = 0
         self._listener: socket.socket | None = None
         self._segment: Segment | None = None
         self._seed: Any = None
@@ -164,8 +272,15 @@ class Sidecar:
         self._follower: Any = None  # follows a shared (PostgreSQL) store's change log
         self.zero_copy = False
         self._slot_server: Any = None  # kalos.engine.slot_server.SlotServer, when the GPU polls
-        self._name_lock = _NameLock(self.endpoint.lock_path, config.name)
+        self.quarantined: list[int] = []  # ids of stored items with damaged vectors (not served)
+        self._wrote = threading.Event()  # set by every write: the checkpointer waits for a pause
+        self._user_lock: _UserNameLock | None = None
+        self._name_lock: _NameLock | None = None
+        # Resolved and checked once; the lock file and the socket are made relative to it.
+        self._rundir = open_runtime_dir()
         try:
+            self._user_lock = _UserNameLock(self.endpoint)
+            self._name_lock = _NameLock(self._rundir, config.name)
             self.store = open_store(config.store, dim=config.dim)
             started = time.perf_counter()
             factory = engine_factory or (
@@ -183,7 +298,22 @@ class Sidecar:
             shared = getattr(self.store, "shared", False)
             rows = self.store.snapshot_rows() if shared else self.store.iter_rows()
             for ids, vectors, namespace_ids, created_at in rows:
+                bad = bad_vector_rows(vectors)
+                if len(bad):
+                    # Not finite unit rows: damage (a flipped exponent bit scored 4e36 and won
+                    # half of all recalls; a NaN won every one: issue 19). Kept in the store for
+                    # get() and for repair, never loaded into the engine; stats and doctor list them.
+                    self.quarantined.extend(ids[bad].tolist())
+                    keep = np.ones(len(ids), dtype=bool)
+                    keep[bad] = False
+                    ids, vectors, namespace_ids, created_at = ids[keep], vectors[keep], namespace_ids[keep], created_at[keep]
                 self.engine.add(ids, vectors, namespace_ids, created_at)
+            if self.quarantined:
+                log.warning(
+                    "quarantined %d stored item(s) whose vectors are not finite unit vectors (damaged), e.g. ids %s; "
+                    "they are not served: delete them, or re-add them from their source (kalos doctor lists them)",
+                    len(self.quarantined), self.quarantined[:10],
+                )
             if shared:
                 self._follower = self.store.follower(rows.mark, apply=self._apply_followed, lock=self._write_lock)
             self.load_seconds = time.perf_counter() - started
@@ -196,14 +326,20 @@ class Sidecar:
             self._namespaces = {name.encode(): ns for name, ns in self.store.namespaces().items()}
             self._filters: dict[tuple[int, bytes, float | None, float | None], Filter] = {}
             self.layout = Layout(config.slots, self.store.dim, config.max_k, config.max_batch)
-            self._segment = Segment(self.endpoint.segment_name, create_size=self.layout.size)
+            self._segment = Segment.create(self.endpoint.segment_name, self.layout.size)
             self.layout.write_header(self._segment.buf, epoch=self.epoch, pid=os.getpid())
             self.channel = SidecarChannel(self._segment, self.layout, epoch=self.epoch)
             self.channel.stamp_heartbeat()
             self.zero_copy = self._attach_segment()
+            if self.zero_copy and str(self.engine.device).startswith("cuda"):
+                try:
+                    self._warm_crowd_passes()
+                except Exception as exc:  # noqa: BLE001 - an optimisation: the passes compile on first use
+                    log.warning("warming the GPU's crowd passes failed (%s); each compiles on first use", exc)
             self._slot_server = self._make_slot_server()
             self.channel.stamp_heartbeat()  # compiling the slot server's kernel may take seconds
-            self._listener = self._listen(self.endpoint.socket_path)
+            self._listener = self._listen(self._rundir, self.endpoint.socket_name)
+            self._socket_id = self._socket_identity()
             if config.seed_compat:
                 from kalos.seed_compat import SeedCompatServer
 
@@ -218,18 +354,22 @@ class Sidecar:
     # -- lifecycle ---------------------------------------------------------------------
 
     @staticmethod
-    def _listen(path: Path) -> socket.socket:
+    def _listen(directory: RuntimeDir, name: str) -> socket.socket:
         try:
-            path.unlink()  # left behind by a sidecar that was killed; the name lock is ours
+            st = os.stat(name, dir_fd=directory.fd, follow_symlinks=False)
         except FileNotFoundError:
             pass
+        else:
+            if not stat.S_ISSOCK(st.st_mode):
+                raise InvalidArgument(f"{directory.path / name} exists and is not a socket; remove it")
+            # Left behind by a sidecar that was killed; the name locks are ours.
+            os.unlink(name, dir_fd=directory.fd)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where others may connect
         try:
-            listener.bind(str(path))
+            listener.bind(directory.entry(name))  # inside the checked directory itself
         finally:
             os.umask(old_umask)
-        os.chmod(path, 0o600)
         listener.listen(64)
         return listener
 
@@ -251,6 +391,31 @@ class Sidecar:
         self._scores_at = (base + layout.scores_offset) // 4
         return True
 
+    def _warm_crowd_passes(self) -> None:
+        """Runs one pass of every size a crowd of single recalls can form (1, 2, 4, ... up to the
+        slot count), with and without a filter, before the first client connects: the GPU
+        engine compiles and captures each kind of pass on first use, which takes seconds that
+        would otherwise stall every waiting client (and the heartbeat) in the middle of a crowd."""
+        if not len(self.engine):
+            return  # nothing to scan yet: the first passes compile on first use
+        layout = self.layout
+        rng = np.random.default_rng(0)
+        queries = rng.standard_normal((layout.n_slots, layout.dim)).astype(np.float32)
+        self.channel.columns.query_row0[:] = queries
+        k = min(8, layout.max_k)
+        sizes, q = [], 1
+        while q <= layout.n_slots:
+            sizes.append(q)
+            q *= 2
+        if sizes[-1] < layout.n_slots:
+            sizes.append(layout.n_slots)
+        for flt in (_NO_FILTER, Filter(since=-1e300)):
+            for q in sizes:
+                scales = 1.0 / np.linalg.norm(queries[:1].astype(np.float64), axis=1) if q == 1 else None
+                self.engine.search_attached(self._query_at[:q], scales, self._ids_at[:q], self._scores_at[:q], k, flt)
+            self.channel.stamp_heartbeat()
+        self.channel.columns.query_row0[:] = 0
+
     def _make_slot_server(self) -> Any:
         """The GPU slot server (--gpu-polling) that answers single recalls from the slots (CUDA, Triton,
         zero copy), warmed up; None when off or not possible here."""
@@ -260,10 +425,9 @@ class Sidecar:
         if getattr(self.engine, "backend", None) != "triton":
             return None
         try:
-            from kalos.engine.slot_server import SlotGraphServer, SlotServer
+            from kalos.engine.slot_server import SlotGraphServer
 
-            kind = SlotGraphServer if mode == "graph" else SlotServer
-            server = kind(self.engine, self.layout, self.channel.answered, idle_s=self.config.spin_us / 1e6)
+            server = SlotGraphServer(self.engine, self.layout, self.channel.answered, idle_s=self.config.spin_us / 1e6)
             server.warm()
         except Exception as exc:  # noqa: BLE001 - the sweep's own path still serves everything
             log.warning("GPU polling off: the slot server could not be set up (%s)", exc)
@@ -272,7 +436,7 @@ class Sidecar:
         return server
 
     def _pause_slot_server(self) -> None:
-        """Stops the resident kernel before the engine or the slots change (``_state_lock``
+        """Stops the GPU's polling before the engine or the slots change (``_state_lock``
         held); the sweep starts it again on the next request."""
         server = self._slot_server
         if server is None:
@@ -281,6 +445,9 @@ class Sidecar:
             server.stop()
         except Exception:  # a kernel fault: keep serving through the sweep alone
             self._slot_server_failed("failed")
+        channel = getattr(self, "channel", None)
+        if channel is not None:
+            channel.wake_answered()  # its last answers' clients may be asleep
 
     def _slot_server_failed(self, what: str) -> None:
         """Turns GPU polling off for good after a fault; the sweep serves every request."""
@@ -291,8 +458,9 @@ class Sidecar:
         return (
             f"kalos sidecar {self.config.name!r} ready: {len(self.engine):,} memories (dim {self.store.dim}) "
             f"on {self.engine.device} ({self.engine.name}), loaded in {self.load_seconds:.2f} s; "
-            f"store {self.store.path}; socket {self.endpoint.socket_path}"
+            f"store {self.store.path}; socket {self._rundir.path / self.endpoint.socket_name}"
             + (f"; seed-compat segment {self.config.seed_compat_shm}" if self._seed is not None else "")
+            + (f"; {len(self.quarantined):,} damaged item(s) quarantined (see the log)" if self.quarantined else "")
         )
 
     def stop_on_signals(self) -> None:
@@ -305,6 +473,8 @@ class Sidecar:
         self.channel.stamp_heartbeat()
         self._start_thread(self._heartbeat, "kalos-heartbeat")
         self._start_thread(self._accept, "kalos-accept")
+        if settings().checkpoint_idle_s > 0 and callable(getattr(self.store, "checkpoint", None)):
+            self._start_thread(self._checkpointer, "kalos-checkpoint")
         if self._follower is not None:
             self._follower.start()
         if self._seed is not None:
@@ -317,6 +487,7 @@ class Sidecar:
     def stop(self) -> None:
         """Asks the sidecar to shut down (safe from signal handlers and other threads)."""
         self._stopping.set()
+        self._wrote.set()  # wakes the checkpointer, which then sees _stopping
         channel = getattr(self, "channel", None)
         if channel is not None and channel.doorbell_fd >= 0:
             channel.ring()
@@ -324,6 +495,7 @@ class Sidecar:
     def close(self) -> None:
         """Releases everything; clients see their connection close and reconnect later."""
         self._stopping.set()
+        self._wrote.set()
         if self._follower is not None:
             self._follower.stop()
         if self._seed is not None:
@@ -336,7 +508,7 @@ class Sidecar:
             self._listener.close()
             self._listener = None
             try:
-                self.endpoint.socket_path.unlink()
+                os.unlink(self.endpoint.socket_name, dir_fd=self._rundir.fd)
             except FileNotFoundError:
                 pass
         for conn in list(self._connections):
@@ -358,23 +530,108 @@ class Sidecar:
                     self.zero_copy = False
             self.channel = None
         if self._segment is not None:
-            self._segment.unlink()
-            self._segment.close()
+            self._segment.close()  # nameless: it is gone once the last client unmaps it
             self._segment = None
         if self.store is not None:
             self.store.close()
             self.store = None
-        self._name_lock.release()
+        for lock in (self._name_lock, self._user_lock):
+            if lock is not None:
+                lock.release()
+        self._rundir.close()
 
     def _start_thread(self, target: Callable[..., None], name: str, *args: Any) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        # Finished connection threads are dropped here: the list grew by one per connection
+        # for the sidecar's lifetime.
+        self._threads = [t for t in self._threads if t.is_alive()]
         self._threads.append(thread)
         thread.start()
 
+    def _checkpointer(self) -> None:
+        """Checkpoints the store's WAL once writes pause for ``checkpoint_idle_s``.
+
+        Until a checkpoint, acknowledged writes live only in the -wal file; with it deleted or
+        damaged after a crash they are gone (the store then refuses to open, see
+        kalos.store._record_ack). Checkpointing at every pause bounds that to the writes of
+        the last burst, at no cost to a burst itself.
+        """
+        idle_s = settings().checkpoint_idle_s
+        while True:
+            self._wrote.wait()  # no timeout: an idle sidecar wakes for nothing (stop() sets it)
+            if self._stopping.is_set():
+                return
+            while True:  # wait for a pause: idle_s without a write
+                self._wrote.clear()
+                if self._stopping.wait(idle_s):
+                    return
+                if not self._wrote.is_set():
+                    break
+            try:
+                with self._write_lock:
+                    if self.store is not None:
+                        self.store.checkpoint()
+            except Exception as exc:  # noqa: BLE001 - the next pause tries again
+                log.warning("checkpointing the store's WAL failed (%s); trying again after the next writes", exc)
+
     def _heartbeat(self) -> None:
         interval = self.config.heartbeat_interval_s
+        next_check = time.monotonic() + _SOCKET_CHECK_S
         while not self._stopping.wait(interval):
             self.channel.stamp_heartbeat()
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + _SOCKET_CHECK_S
+                try:
+                    self._check_socket()
+                except Exception:  # noqa: BLE001 - the heartbeat must go on whatever this meets
+                    log.exception("checking the control socket failed")
+
+    def _check_socket(self) -> None:
+        """Binds the control socket again when its name was removed (``rm``, or systemd-logind's
+        RemoveIPC=yes removing the runtime directory at logout: issue 19, item 11). Connected
+        clients never notice (their connections and the segment need no name); new clients
+        could not connect at all until the sidecar was restarted."""
+        name = self.endpoint.socket_name
+        if self._stopping.is_set():
+            return  # close() removes it on purpose
+        try:
+            st = os.stat(name, dir_fd=self._rundir.fd, follow_symlinks=False)
+            if (st.st_dev, st.st_ino) == self._socket_id:
+                return
+        except FileNotFoundError:
+            pass
+        shown = self._rundir.path / name
+        log.error("the control socket %s was removed or replaced (rm, or systemd-logind RemoveIPC=yes at logout): "
+                  "new clients could not connect; binding it again", shown)
+        try:
+            directory = self._rundir
+            if os.fstat(directory.fd).st_nlink == 0:  # the directory itself is gone: make it anew
+                directory = open_runtime_dir()
+            listener = self._listen(directory, name)
+        except (OSError, KalosError) as exc:
+            log.error("cannot bind the control socket %s again (%s): new clients cannot connect; restart the "
+                      "sidecar (with systemd-logind, `loginctl enable-linger` keeps the runtime directory)", shown, exc)
+            return
+        if self._stopping.is_set():  # close() ran meanwhile: leave nothing behind
+            listener.close()
+            os.unlink(name, dir_fd=directory.fd)
+            return
+        if directory is not self._rundir:
+            self._rundir.close()
+            self._rundir = directory
+        self._socket_id = self._socket_identity()
+        old, self._listener = self._listener, listener
+        if old is not None:
+            try:
+                old.shutdown(socket.SHUT_RDWR)  # wakes the acceptor, which takes the new listener
+            except OSError:
+                pass
+            old.close()
+        log.warning("control socket %s bound again; new clients can connect", self._rundir.path / name)
+
+    def _socket_identity(self) -> tuple[int, int]:
+        st = os.stat(self.endpoint.socket_name, dir_fd=self._rundir.fd, follow_symlinks=False)
+        return st.st_dev, st.st_ino
 
     # -- the recall path ---------------------------------------------------------------
 
@@ -392,24 +649,20 @@ class Sidecar:
 
     def _sweep_until_stopped(self, channel: SidecarChannel) -> None:
         spin_s = self.config.spin_us / 1e6
+        gather_s = self.config.gather_us / 1e6
         clock = time.perf_counter
         last_work = clock()
         while not self._stopping.is_set():
             with self._state_lock:
                 server = self._slot_server
-                # While the resident kernel runs it answers the slots itself; the sweep takes
-                # only what it hands over, and wakes the clients of its answers that slept.
+                # While the GPU polls, it answers single recalls itself; the sweep takes what it
+                # hands over, and wakes the clients of its answers that slept.
                 serving = server is not None and self._slot_server_running(server)
                 slots, seqs = channel.pending(server.handed if serving else None)
+                if gather_s and not serving and 0 < len(slots) < channel.n_clients:
+                    slots, seqs = self._gather(channel, gather_s)
                 if len(slots):
-                    if serving and server.holds_sms:
-                        # Handed-over work (batches, filters, large k) needs the whole GPU: the
-                        # resident kernel holds most of every SM (measured: a batch of 64 took
-                        # 2.4 ms beside it, 0.24 ms alone). Stop it, answer, start it again.
-                        self._pause_slot_server()
-                        channel.wake_answered()
-                        serving = False
-                    self._answer(slots, seqs)
+                    self._answer(slots, seqs, channel.pending_generations)
                 if serving:
                     channel.wake_answered()
                 elif self._slot_server is not None and len(slots):
@@ -424,6 +677,35 @@ class Sidecar:
             else:
                 channel.sleep(timeout_s=0.5)
                 last_work = clock() - spin_s  # spin again only once a request has arrived
+
+    @staticmethod
+    def _gather(channel: SidecarChannel, gather_s: float) -> tuple[np.ndarray, np.ndarray]:
+        """Waits up to ``gather_s`` for the requests of more of the connected clients; returns
+        what is pending then."""
+        clock = time.perf_counter
+        until = clock() + gather_s
+        while clock() < until:
+            slots, seqs = channel.pending()
+            if len(slots) >= channel.n_clients:
+                return slots, seqs
+            os.sched_yield()  # the GIL for a control thread meanwhile
+        return channel.pending()
+
+    def _change_slots(self, change: Callable[[], Any]) -> Any:
+        """Runs a change of the slot table. Without GPU polling it takes the channel's lock alone
+        (microseconds, never a search). The polling kernel watches the slots in use at its
+        launch and writes answers into them by itself: it is stopped first, so a slot never
+        changes hands under it (the next request starts it again)."""
+        if self._slot_server is None:
+            return change()
+        with self._state_lock:
+            self._pause_slot_server()
+            result = change()
+            server = self._slot_server
+            if server is not None:
+                for slot in range(self.layout.n_slots):
+                    server.forget(slot)
+            return result
 
     def _slot_server_running(self, server: Any) -> bool:
         try:
@@ -443,9 +725,116 @@ class Sidecar:
         except Exception:
             self._slot_server_failed("failed to start")
 
-    def _answer(self, slots: np.ndarray, seqs: np.ndarray) -> None:
-        """Answers the requests in ``slots`` (all of them, errors included), then publishes."""
+    def _answer(self, slots: np.ndarray, seqs: np.ndarray, generations: np.ndarray | None = None) -> None:
+        """Answers the requests in ``slots`` (all of them, errors included), then publishes.
+
+        Single recalls (one query, all namespaces or one, no time window: what an agent sends)
+        are read from the slots' columns in a few NumPy calls and searched as one batch per
+        namespace, so a pass costs about the same whether 1 or 64 clients are waiting. Anything
+        else (batches, time windows, pings, malformed requests) is read slot by slot.
+        """
         started = time.perf_counter()
+        columns = self.channel.columns
+        ks = columns.k[slots]
+        flags = columns.flags[slots]
+        single = (columns.op[slots] == _RECALL) & (columns.n_queries[slots] == 1) & (ks >= 1) & (ks <= self.layout.max_k)
+        single &= (flags | _ALL_NAMESPACES) == _ALL_NAMESPACES
+        n_queries = 0
+        if single.any():
+            n_queries += self._answer_singles(slots[single], ks[single], flags[single])
+        if not single.all():
+            n_queries += self._answer_each(slots[~single])
+        self.channel.publish(slots, seqs, generations)
+        if n_queries:
+            self.metrics.record(n_queries, time.perf_counter() - started)
+
+    def _answer_singles(self, slots: np.ndarray, ks: np.ndarray, flags: np.ndarray) -> int:
+        """Single recalls grouped by namespace, one engine pass per group; returns how many."""
+        columns = self.channel.columns
+        everywhere = (flags & _ALL_NAMESPACES) != 0
+        groups: list[tuple[np.ndarray, np.ndarray, Filter]] = []
+        if everywhere.any():
+            groups.append((slots[everywhere], ks[everywhere], _NO_FILTER))
+        named, named_ks = slots[~everywhere], ks[~everywhere]
+        answered = 0
+        if len(named):
+            names = columns.namespace[named]  # bytes, trailing NULs dropped
+            odd = columns.namespace_len[named] != np.char.str_len(names)
+            if odd.any():  # a length word that disagrees with the bytes: read as the slot says
+                answered += self._answer_each(named[odd])
+                named, named_ks, names = named[~odd], named_ks[~odd], names[~odd]
+            unique, inverse = np.unique(names, return_inverse=True)
+            for group, name in enumerate(unique.tolist()):
+                members = inverse == group
+                flt = self._filters.get((0, name, None, None))
+                if flt is None:
+                    try:
+                        flt = self._filter_for(0, name, None, None)
+                    except KalosError as exc:
+                        for index in named[members].tolist():
+                            self._answer_error(self.channel.slots[index], exc)
+                        continue
+                groups.append((named[members], named_ks[members], flt))
+        for members, member_ks, flt in groups:
+            try:
+                members, member_ks = self._search_singles(members, member_ks, flt)
+            except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
+                log.exception("engine search failed")
+                for index in members.tolist():
+                    self._answer_error(self.channel.slots[index], ServerError(f"search failed: {type(exc).__name__}: {exc}"))
+                continue
+            columns.n_results[members] = member_ks
+            columns.status[members] = 0
+            answered += len(members)
+        return answered
+
+    def _search_singles(self, slots: np.ndarray, ks: np.ndarray, flt: Filter) -> tuple[np.ndarray, np.ndarray]:
+        """One pass over the rows for the single queries in ``slots``; the answers go into the
+        slots. Returns the slots answered and their k (the rest got an error: no direction)."""
+        columns = self.channel.columns
+        k_max = int(ks.max())
+        if self.zero_copy and len(slots) > 1:
+            # The GPU reads each query from its slot, normalises it and writes the answer back.
+            scales = self.engine.search_attached(
+                self._query_at[slots], None, self._ids_at[slots], self._scores_at[slots], k_max, flt
+            )
+            usable = np.isfinite(scales) & (scales > 0)
+            if not usable.all():
+                self._refuse_queries(slots[~usable], columns.query_row0[slots[~usable]])
+                return slots[usable], ks[usable]
+            return slots, ks
+        rows = columns.query_row0[slots]  # a copy: what the clients wrote, read once
+        with np.errstate(over="ignore", invalid="ignore"):
+            squared = np.einsum("ij,ij->i", rows, rows, dtype=np.float64)
+        usable = np.isfinite(squared) & (squared > 0)
+        if not usable.all():
+            self._refuse_queries(slots[~usable], rows[~usable])
+            slots, ks, rows, squared = slots[usable], ks[usable], rows[usable], squared[usable]
+            if not len(slots):
+                return slots, ks
+        scales = 1.0 / np.sqrt(squared)  # float64, as row_scales: the same unit row alone or batched
+        if self.zero_copy:  # one query: its scale from here, the rows straight from its slot
+            slot = int(slots[0])
+            self.engine.search_attached(
+                self._query_at[slot : slot + 1], scales, self._ids_at[slot : slot + 1],
+                self._scores_at[slot : slot + 1], k_max, flt,
+            )
+            return slots, ks
+        ids, scores = self.engine.search((rows * scales[:, None]).astype(np.float32), k_max, flt)
+        columns.ids_row0[slots, :k_max] = ids
+        columns.scores_row0[slots, :k_max] = scores
+        return slots, ks
+
+    def _refuse_queries(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        """Answers each of ``slots`` with the reason its query has no direction."""
+        for index, row in zip(slots.tolist(), rows):
+            reason = "contains NaN or infinity" if not np.all(np.isfinite(row)) else "is all zeros"
+            self._answer_error(self.channel.slots[index],
+                               InvalidQuery(f"query 0 {reason}; it has no direction to compare by cosine"))
+
+    def _answer_each(self, slots: np.ndarray) -> int:
+        """Requests read slot by slot (batches, time windows, pings, bad words), grouped by
+        filter; returns the queries answered."""
         groups: dict[Filter, list[tuple[SlotView, int, np.ndarray, np.ndarray]]] = {}
         n_queries = 0
         for index in slots.tolist():
@@ -480,9 +869,7 @@ class Sidecar:
             for view, k, _rows, _scales in members:
                 view.n_results[0] = k
                 view.status[0] = 0
-        self.channel.publish(slots, seqs)
-        if n_queries:
-            self.metrics.record(n_queries, time.perf_counter() - started)
+        return n_queries
 
     def _search_copied(self, members: list, k_max: int, flt: Filter) -> None:
         """Normalised copies of the queries to the engine; its answers copied into the slots."""
@@ -607,11 +994,17 @@ class Sidecar:
 
     def _accept(self) -> None:
         while not self._stopping.is_set():
+            listener = self._listener
+            if listener is None:
+                return  # closed by close()
             try:
-                conn, _ = self._listener.accept()
+                conn, _ = listener.accept()
             except OSError as exc:
                 if self._stopping.is_set():
                     return  # listener closed by close()
+                if listener is not self._listener:
+                    continue  # _check_socket bound a new one
+
                 # Out of file descriptors (EMFILE: a flood of connections) or an aborted peer.
                 # Returning here stopped all accepting for the sidecar's lifetime, even after the
                 # flood was gone (tests/reliability/test_hostile.py): wait a little, then go on.
@@ -630,86 +1023,121 @@ class Sidecar:
                 finally:
                     conn.close()
                 continue
+            limit = self.layout.n_slots + settings().spare_connections
+            if len(self._connections) >= limit:
+                # Each connection costs a thread and its buffers: 300 that announced 200 MB
+                # frames and went silent cost ~1 MiB each, without limit (issue 19). Slot
+                # holders fit below the limit by construction; the spare ones time out.
+                self._refused_connections += 1
+                if self._refused_connections in (1, 10, 100) or self._refused_connections % 1000 == 0:
+                    log.warning("refused control connection %d of pid %d: %d connections are open (limit %d)",
+                                self._refused_connections, pid, len(self._connections), limit)
+                try:
+                    conn.settimeout(0.1)
+                    send_frame(conn, error_reply(InvalidArgument(
+                        f"sidecar {self.config.name!r} has {len(self._connections)} control connections open, its "
+                        f"limit ({self.layout.n_slots} slots + KALOS_SPARE_CONNECTIONS={settings().spare_connections}); "
+                        f"try again later"
+                    )))
+                except OSError:
+                    pass
+                finally:
+                    conn.close()
+                continue
             self._connections.add(conn)
             self._start_thread(self._serve_connection, f"kalos-conn-{pid}", conn)
 
     def _serve_connection(self, conn: socket.socket) -> None:
         slot: int | None = None
-        max_bytes = settings().max_message_bytes
+        config = settings()
+        max_bytes, stall_s, idle_s = config.max_message_bytes, config.control_stall_s, config.control_idle_s
+
+        def on_wait(started: bool, idle: float) -> None:
+            # Called every _CONTROL_POLL_S that no byte moved. A frame (or reply) stuck halfway
+            # is dropped after stall_s; so is a connection that never said hello after idle_s.
+            # A client that holds a slot may idle between requests for ever: it is legitimate.
+            if self._stopping.is_set():
+                raise ConnectionClosed("the sidecar is stopping")
+            if started and idle >= stall_s:
+                raise TimeoutError(f"nothing moved for {idle:.1f} s in the middle of a frame (KALOS_CONTROL_STALL_S)")
+            if not started and slot is None and idle >= idle_s:
+                raise TimeoutError(f"no request for {idle:.1f} s and no slot held (KALOS_CONTROL_IDLE_S)")
+
         try:
+            conn.settimeout(_CONTROL_POLL_S)
             while not self._stopping.is_set():
                 try:
-                    message, blob = recv_frame(conn, max_bytes=max_bytes)
+                    message, blob = recv_frame(conn, max_bytes=max_bytes, on_wait=on_wait)
                 except ProtocolMismatch as exc:
-                    send_frame(conn, error_reply(exc))
+                    send_frame(conn, error_reply(exc), on_wait=on_wait)
                     return  # the stream is out of step: drop the connection
                 op = message.get("op")
                 try:
                     if op == "hello":
                         if slot is not None:
                             raise InvalidArgument("this connection already holds a slot")
-                        slot = self._hello(conn, message)
+                        # The hello's fd exchange follows its frame at once: bounded by the stall time.
+                        conn.settimeout(max(stall_s, _CONTROL_POLL_S))
+                        try:
+                            slot = self._hello(conn, message)
+                        finally:
+                            conn.settimeout(_CONTROL_POLL_S)
                         continue
                     handler = self._handlers.get(op) if isinstance(op, str) else None
                     if handler is None:
                         raise InvalidArgument(f"unknown control operation {op!r}")
                     reply, out_blob = handler(self, message, blob)
-                except (ConnectionClosed, ConnectionError):
-                    # The client hung up mid-operation (it died, e.g. mid-hello): not a server
-                    # error, so no traceback in the log; the finally below frees what it held.
+                except (ConnectionClosed, ConnectionError, TimeoutError):
+                    # The client hung up mid-operation (it died, e.g. mid-hello), or stalled in
+                    # the hello's fd exchange: not a server error, so no traceback in the log;
+                    # the finally below frees what it held.
                     raise
                 except KalosError as exc:
                     reply, out_blob = error_reply(exc), b""
                 except Exception as exc:
                     log.exception("control operation %r failed", op)
                     reply, out_blob = error_reply(ServerError(f"{op} failed: {type(exc).__name__}: {exc}")), b""
-                send_frame(conn, reply, out_blob)
+                send_frame(conn, reply, out_blob, on_wait=on_wait)
+        except TimeoutError as exc:
+            log.info("dropped a control connection: %s", exc)
         except (ConnectionClosed, OSError):
             pass
         finally:
-            if slot is not None:
-                with self._state_lock:
-                    if self.channel is not None:
-                        self._pause_slot_server()
-                        self.channel.deactivate(slot)
+            channel = self.channel
+            if slot is not None and channel is not None:
+                self._change_slots(lambda: channel.deactivate(slot))
             self._connections.discard(conn)
             conn.close()
 
     def _hello(self, conn: socket.socket, message: dict[str, Any]) -> int | None:
-        if message.get("protocol") != PROTOCOL_VERSION:
+        # type() is int: True == 1 in Python, and "protocol": true is not a version (issue 19).
+        if type(message.get("protocol")) is not int or message.get("protocol") != PROTOCOL_VERSION:
             raise ProtocolMismatch(
                 f"client speaks control protocol {message.get('protocol')!r}, this sidecar {PROTOCOL_VERSION}"
             )
         wake_fd = recv_fd(conn)
-        with self._state_lock:
-            slot = self.channel.free_slot()
-            if slot is None:
-                os.close(wake_fd)
-                raise InvalidArgument(
-                    f"all {self.layout.n_slots} slots are in use; restart the sidecar with more --slots"
-                )
-            self._pause_slot_server()  # it polls the slots that had a client at its launch
-            self.channel.activate(slot, wake_fd)
-            if self._slot_server is not None:
-                self._slot_server.forget(slot)
+        slot = self._change_slots(lambda: self.channel.take_slot(wake_fd))
+        if slot is None:
+            os.close(wake_fd)
+            raise InvalidArgument(f"all {self.layout.n_slots} slots are in use; restart the sidecar with more --slots")
         try:
             send_frame(conn, ok_reply(
                 slot=slot, segment=self.endpoint.segment_name, epoch=self.epoch, dim=self.layout.dim,
                 max_k=self.layout.max_k, max_batch=self.layout.max_batch, n_slots=self.layout.n_slots,
-                client_spin_us=self.client_spin_us,
+                client_spin_us=self.client_spin_us, max_message_bytes=settings().max_message_bytes,
             ))
             send_fd(conn, self.channel.doorbell_fd)
+            send_fd(conn, self._segment.fileno())  # the segment has no name: protocol 2
         except BaseException:
             # The client hung up before it learnt its slot (it died mid-hello). The caller never
             # receives the slot number, so its cleanup cannot free it: free it here, or the slot
             # leaks for the sidecar's lifetime (found by tests/reliability/test_client_death.py).
-            with self._state_lock:
-                self._pause_slot_server()
-                self.channel.deactivate(slot)
+            self._change_slots(lambda: self.channel.deactivate(slot))
             raise
         return slot
 
     def _op_add(self, message: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        request_id = check_request_id(message.get("request_id"))
         vectors, _ = blob_array(message.get("vectors"), blob)
         if vectors.dtype != np.float32:
             raise InvalidArgument(f"vectors must be float32, got {vectors.dtype}")
@@ -717,16 +1145,59 @@ class Sidecar:
         # The store's own checks (shape, dimension, NaN/inf, zero rows), before normalising.
         unit = normalise_rows(check_vectors(vectors, self.store.dim).copy(), what="vector", error=InvalidArgument)
         with self._write_lock:
-            ids, namespace_id, created_at = self.store.add(
-                unit, namespace=namespace, texts=message.get("texts"), metadata=message.get("metadata"),
-                created_at=message.get("created_at"),
-            )
+            if request_id is not None:
+                done = self.store.find_request(request_id)
+                if done is not None:
+                    # A retry of an add that committed but whose reply never arrived (the
+                    # connection broke; the sidecar was stopped or restarted meanwhile): the
+                    # ids of that add, not a second copy (issue 19).
+                    if len(done) != len(unit):
+                        raise InvalidArgument(
+                            f"request_id {request_id!r} was an add of {len(done)} rows; this add has {len(unit)}"
+                        )
+                    spec, out = array_blob(done, "int64")
+                    return ok_reply(ids=spec, repeated=True), out
+            # Room in the engine first: an allocation that fails (MemoryError, CUDA out of
+            # memory) then fails an add that stored nothing. After the commit it left rows that
+            # recall could not see, and a retry stored them twice (issue 19).
             with self._state_lock:
                 self._pause_slot_server()
-                self.engine.add(ids, unit, np.int32(namespace_id), created_at)
-                self._namespaces[namespace.encode()] = namespace_id
+                self.engine.reserve(len(unit))
+            ids, namespace_id, created_at = self.store.add(
+                unit, namespace=namespace, texts=message.get("texts"), metadata=message.get("metadata"),
+                created_at=message.get("created_at"), request_id=request_id,
+            )
+            try:
+                with self._state_lock:
+                    self._pause_slot_server()
+                    self.engine.add(ids, unit, np.int32(namespace_id), created_at)
+                    self._namespaces[namespace.encode()] = namespace_id
+            except BaseException as exc:
+                self._undo_add(ids, request_id, exc)
+                raise
+            self._wrote.set()
         spec, out = array_blob(ids, "int64")
         return ok_reply(ids=spec), out
+
+    def _undo_add(self, ids: np.ndarray, request_id: str | None, exc: BaseException) -> None:
+        """Takes a committed add back out of the store after the engine refused it, so that the
+        error the client gets means what it says: nothing was stored (``_write_lock`` held)."""
+        try:
+            with self._state_lock:
+                # The engine may hold the rows' ids already (it failed writing their vectors):
+                # tombstone them, or recall could return what the store no longer has.
+                self._pause_slot_server()
+                self.engine.delete(ids)
+            self.store.undo_add(ids, request_id)
+        except Exception:
+            log.exception("add of %d rows (ids %d-%d) committed, the engine failed (%s: %s), and taking it back "
+                          "failed too: the rows are stored but not served until a restart",
+                          len(ids), int(ids[0]), int(ids[-1]), type(exc).__name__, exc)
+            raise ServerError(
+                f"add failed after its commit ({type(exc).__name__}: {exc}) and could not be undone: its "
+                f"{len(ids)} rows (ids {int(ids[0])}-{int(ids[-1])}) are stored but not served until the sidecar restarts"
+            ) from exc
+        self._wrote.set()
 
     def _apply_followed(self, batch: Any) -> None:
         """Applies changes other sidecars made to a shared store (called by the follower with
@@ -744,10 +1215,22 @@ class Sidecar:
             with self._state_lock:
                 self._pause_slot_server()
                 self.engine.delete(deleted)
+            self._wrote.set()
         return ok_reply(deleted=len(deleted)), b""
 
     def _op_get(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
-        items = self.store.get(_int_list(message.get("ids"), "ids"))
+        ids = _int_list(message.get("ids"), "ids")
+        if len(set(ids)) != len(ids):
+            # Each repeat was a full copy in the reply: get([id] * 100) of a 1 MiB text cost the
+            # sidecar 108 MiB (issue 19). Client.get sends each id once and repeats locally.
+            dup, times = collections.Counter(ids).most_common(1)[0]
+            raise InvalidArgument(f"get: ids must be distinct; id {dup} appears {times} times")
+        items = self.store.get(ids)
+        size = sum(len(item.text or "") + len(json.dumps(item.metadata)) for item in items if item is not None)
+        limit = settings().max_message_bytes
+        if size > limit:
+            raise InvalidArgument(f"get: the reply would be too large: about {size} bytes > limit {limit} "
+                                  f"(KALOS_MAX_MESSAGE_BYTES); ask for fewer ids at a time")
         return ok_reply(items=[dataclasses.asdict(item) if item is not None else None for item in items]), b""
 
     def _op_stats(self, _message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
@@ -756,8 +1239,11 @@ class Sidecar:
                 "count": len(self.engine), "capacity": self.engine.capacity, "tombstones": self.engine.tombstones,
                 "device": self.engine.device, "engine": self.engine.name, "engine_bytes": self.engine.memory_bytes(),
                 "clients": int(self.channel.active.sum()),
-                # Single recalls the resident GPU kernel answered by itself (not in "queries").
+                # Single recalls the GPU's polling answered by itself (not in "queries").
                 "gpu_polled": self._slot_server.served if self._slot_server is not None else 0,
+                # The engine's own counters (searches, fallbacks, graph captures and errors).
+                "engine_stats": {key: value for key, value in getattr(self.engine, "stats", {}).items()
+                                 if isinstance(value, (int, float, str))},
             }
         return ok_reply(
             name=self.config.name, pid=os.getpid(), epoch=self.epoch, dim=self.store.dim,
@@ -765,6 +1251,7 @@ class Sidecar:
             namespaces=self.store.namespace_counts(), slots=self.layout.n_slots, max_k=self.layout.max_k,
             max_batch=self.layout.max_batch, **engine, **self.metrics.snapshot(),
             seed_compat=self._seed.stats if self._seed is not None else None,
+            quarantined=len(self.quarantined), quarantined_ids=self.quarantined[:100],
         ), b""
 
     def _op_compact(self, _message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:

@@ -12,6 +12,7 @@ Schema (version 1)::
                   schema_version 1
                   dim            vector length, fixed at creation
                   created_at     unix seconds of creation
+                  write_seq      committed write transactions (added by the first writable open)
     namespaces  id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE
                   'default' (id 1) is created with the store; others by the first add naming them
     items       id INTEGER PRIMARY KEY AUTOINCREMENT   never reused, even after deleting the max id
@@ -21,13 +22,19 @@ Schema (version 1)::
                 metadata TEXT                           compact JSON object, NULL: none
                 vector BLOB NOT NULL                    dim little-endian float32, CHECKed length
     items_by_namespace  index on items(namespace_id): counts without reading the vectors
+    requests    seq INTEGER PRIMARY KEY, request_id TEXT UNIQUE, first_id, n
+                  the last REQUEST_WINDOW adds' client request ids (created by the first
+                  writable open): a retried add finds its ids instead of adding twice
 
 The header's ``application_id`` is ``0x4B4C4F53`` ("KLOS"), which lets :meth:`Store.open`
 reject someone else's SQLite file from its first 100 bytes, without letting SQLite touch it.
 Vectors are the last column so that reading the small columns never follows the overflow
 pages the 4 KiB blobs live in.
 
-Files next to the store: ``<db>-wal`` and ``<db>-shm`` (SQLite's, created 0600 like the db).
+Files next to the store: ``<db>-wal`` and ``<db>-shm`` (SQLite's, created 0600 like the db), and
+``<db>-ack`` (ours, 0600): ``write_seq`` and the highest id as of the last acknowledged write,
+fdatasync'ed after every commit, so that a store whose -wal was lost after a crash is refused
+instead of served without the writes it acknowledged (see _record_ack).
 Readonly opens also create those two if they are missing (SQLite needs them to read a WAL
 database); they never change the db file itself.
 
@@ -41,15 +48,19 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import numbers
 import os
 import sqlite3
 import stat
+import struct
 import tempfile
 import threading
 import time
 import unicodedata
-from collections.abc import Iterator, Sequence
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +92,8 @@ SCHEMA_VERSION = 1
 DEFAULT_NAMESPACE = "default"
 MAX_NAMESPACE_BYTES = 63
 APPLICATION_ID = 0x4B4C4F53  # b"KLOS"
+
+log = logging.getLogger("kalos.store")
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 _HEADER_BYTES = 100
@@ -189,8 +202,16 @@ def check_namespace(namespace: Any) -> str:
         )
     for ch in namespace:
         # "Cc" is C0, DEL and C1: NUL and everything that would garble a log line or a slot.
-        if unicodedata.category(ch) == "Cc":
-            raise InvalidArgument(f"namespace {namespace!r} contains control character U+{ord(ch):04X}")
+        # "Cf" holds the bidi controls (U+202A-202E, U+2066-2069, U+200E/F, U+061C) and the
+        # invisible characters (U+200B, U+2060, U+FEFF): a name shown in a log or a listing must
+        # read as what it is, so "evil\u202egpj" cannot pose as "evilj pg" (issue 19). "Zl"/"Zp"
+        # are the line and paragraph separators.
+        category = unicodedata.category(ch)
+        if category in ("Cc", "Cf", "Zl", "Zp"):
+            kind = "control" if category == "Cc" else "invisible or bidi control" if category == "Cf" else "line separator"
+            raise InvalidArgument(
+                f"namespace {namespace!r} contains {kind} character U+{ord(ch):04X} ({unicodedata.name(ch, 'unnamed')})"
+            )
     return namespace
 
 
@@ -213,7 +234,7 @@ def encode_metadata(metadata: Sequence[dict | None] | None, n: int) -> list[str 
     """The JSON text of each of the ``n`` metadata entries (None stays None), or InvalidArgument."""
     if metadata is None:
         return [None] * n
-    if isinstance(metadata, (str, bytes, dict)) or not hasattr(metadata, "__len__"):
+    if isinstance(metadata, (str, bytes, Mapping, AbstractSet)) or not hasattr(metadata, "__len__"):
         raise InvalidArgument(f"metadata must be a sequence of n={n} dicts or None, got {type(metadata).__name__}")
     if len(metadata) != n:
         raise InvalidArgument(f"metadata has {len(metadata)} entries for {n} vectors")
@@ -241,8 +262,12 @@ def check_texts(texts: Sequence[str | None] | None, n: int) -> list[str | None]:
     if texts is None:
         return [None] * n
     # A str is a Sequence too: texts="abc" with three vectors would silently store "a", "b", "c".
-    if isinstance(texts, (str, bytes)) or not hasattr(texts, "__len__"):
-        raise InvalidArgument(f"texts must be a sequence of n={n} str or None, got {type(texts).__name__}")
+    # A set pairs its texts with the vectors in hash order and a dict stores its keys: neither
+    # has the vectors' order, so both are refused (issue 19).
+    if isinstance(texts, (str, bytes, AbstractSet, Mapping)) or not hasattr(texts, "__len__"):
+        raise InvalidArgument(
+            f"texts must be an ordered sequence (list, tuple, array) of n={n} str or None, got {type(texts).__name__}"
+        )
     if len(texts) != n:
         raise InvalidArgument(f"texts has {len(texts)} entries for {n} vectors")
     out: list[str | None] = []
@@ -346,6 +371,110 @@ def _wrap(e: sqlite3.Error, what: str, path: Path) -> StoreError:
     return StoreError(f"store {path}: {what} failed: {e}")
 
 
+#: How far a stored vector's squared norm may be from 1. Every writer stores unit rows (the
+#: sidecar normalises in float64 and rounds to float32: ~1e-7 off); a flipped bit is far out.
+UNIT_NORM_TOLERANCE = 1e-3
+
+
+def bad_vector_rows(vectors: np.ndarray) -> np.ndarray:
+    """Indices of the rows that are not finite unit vectors (within UNIT_NORM_TOLERANCE).
+
+    One flipped exponent bit made a row the top-1 of half of all recalls (score 4e36) and a NaN
+    component put a row into every answer (issue 19): such rows must never reach an engine.
+    """
+    # In float32 (a sixth of the float64 cost at load: 22 vs 126 ms per 65,536 x 1,024 batch):
+    # its rounding (~1e-6) is far inside the tolerance, and what overflows it is damage anyway.
+    with np.errstate(over="ignore", invalid="ignore"):
+        squared = np.einsum("ij,ij->i", vectors, vectors)
+    bad = ~np.isfinite(squared) | (np.abs(squared - 1.0) > UNIT_NORM_TOLERANCE)
+    return np.flatnonzero(bad)
+
+
+# -- the acknowledged-writes record -----------------------------------------------------------
+#
+# SQLite keeps every commit since the last checkpoint in the -wal file only. If that file is
+# deleted, or damaged (its checksums then end the replay at the damage), after a crash, SQLite
+# opens what the db file holds without a word: the review's sidecar started with 0 of 20,000
+# acknowledged rows, and integrity_check said ok (issue 19). So every commit also bumps a
+# counter in the meta table, and after the commit, before the write is acknowledged, the
+# counter and the highest id are written to <db>-ack, a separate 1 KiB file (fdatasync'ed). A
+# store whose counter or ids fall short of its -ack record has lost acknowledged writes.
+
+_ACK_RECORD = struct.Struct("<8sIdQqd")  # magic, version, store created_at, write_seq, last id, time
+_ACK_MAGIC = b"KALOSACK"
+_ACK_SLOT_BYTES = 512  # two copies, written alternately: a torn write leaves the other one whole
+
+
+@dataclass(frozen=True)
+class AckRecord:
+    """What ``<db>-ack`` says was acknowledged: ``write_seq`` commits, ids up to ``last_id``."""
+
+    store_created: float
+    write_seq: int
+    last_id: int
+
+
+def ack_path(path: str | os.PathLike) -> Path:
+    """The acknowledged-writes record of the store at ``path``."""
+    return Path(f"{os.fspath(path)}-ack")
+
+
+def _read_ack(fd: int) -> AckRecord | None:
+    best: AckRecord | None = None
+    for slot in range(2):
+        raw = os.pread(fd, _ACK_SLOT_BYTES, slot * _ACK_SLOT_BYTES)
+        size = _ACK_RECORD.size
+        if len(raw) < size + 4 or zlib.crc32(raw[:size]) != int.from_bytes(raw[size : size + 4], "little"):
+            continue  # never written, or torn by a crash mid-write: the other copy counts
+        magic, version, created, seq, last_id, _at = _ACK_RECORD.unpack(raw[:size])
+        if magic != _ACK_MAGIC or version != 1:
+            continue
+        if best is None or seq > best.write_seq:
+            best = AckRecord(created, seq, last_id)
+    return best
+
+
+def read_ack(path: str | os.PathLike) -> AckRecord | None:
+    """The record in ``<db>-ack`` (None if there is none), read without creating anything."""
+    try:
+        fd = os.open(ack_path(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, OSError):
+        return None
+    try:
+        return _read_ack(fd)
+    finally:
+        os.close(fd)
+
+
+def _lost_writes(path: Path, record: AckRecord | None, created: float, seq: int, last_id: int) -> str | None:
+    if record is None or record.store_created != created:
+        return None  # no record yet, or one left over from another store at this path
+    if record.write_seq <= seq and record.last_id <= last_id:
+        return None
+    return (
+        f"store {path} has lost acknowledged writes: {ack_path(path)} records {record.write_seq:,} committed "
+        f"writes (item ids up to {record.last_id:,}), but the store holds only {seq:,} (ids up to {last_id:,}): "
+        f"writes {seq + 1:,} to {record.write_seq:,} are missing, probably because its -wal file was deleted or "
+        f"damaged after a crash. Restore the store (and its -wal) from a backup; or, to serve what is left, "
+        f"move {ack_path(path)} away and start again"
+    )
+
+
+#: Recent add request ids a store remembers (the client's retry after a broken connection
+#: finds its add here instead of adding it twice).
+REQUEST_WINDOW = 10_000
+_REQUEST_ID_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ-_")
+
+
+def check_request_id(request_id: Any) -> str | None:
+    """``request_id`` if it is None or 1-64 characters of [A-Za-z0-9_-], else InvalidArgument."""
+    if request_id is None:
+        return None
+    if not isinstance(request_id, str) or not 1 <= len(request_id) <= 64 or not set(request_id) <= _REQUEST_ID_CHARS:
+        raise InvalidArgument(f"request_id must be 1-64 characters of letters, digits, '-', '_', got {request_id!r:.80}")
+    return request_id
+
+
 # -- the store -------------------------------------------------------------------------------
 
 
@@ -364,6 +493,11 @@ class Store:
     _file_key: tuple[int, int] | None = None
     _holds_flock: bool = False
     _closed: bool = True
+    _ack_fd: int = -1
+    _ack_next: int = 0
+    _created: float = 0.0
+    _write_seq: int = 0
+    _last_id: int = 0
 
     def __init__(self) -> None:
         # Private: Store.open() builds instances, so a half-open store is never handed out.
@@ -401,6 +535,8 @@ class Store:
                 raise InvalidArgument(f"store {path} does not exist (a readonly open cannot create it)")
             if dim is None:
                 raise InvalidArgument(f"store {path} does not exist; pass dim to create it")
+            if os.path.isdir(path.parent):
+                _check_directory(path.parent)
             _create(path, dim)
         store = cls()
         try:
@@ -423,11 +559,15 @@ class Store:
             raise NotAKalosStore(f"{path} is not a Kalos store: not a regular file")
         if st.st_size == 0:
             raise NotAKalosStore(f"{path} is not a Kalos store: it is an empty (0-byte) file")
+        # Before anything lets SQLite near the file: it would adopt -wal/-shm files planted by
+        # another user and write every new memory into them (issue 19, item 5).
+        _check_directory(path.parent)
 
         # Identify the file before locking it: someone else's file that is flock'ed by its own
         # application must be reported as "not a Kalos store", not as "locked".
         fd = self._acquire_file(path, st)
         self._check_header(fd)
+        _prepare_side_files(path, st.st_uid)  # a Kalos store: now, before SQLite's first open (_read_meta)
         self.dim = self._read_meta(dim)
         if not readonly:
             self._lock_writer(path, st)
@@ -465,8 +605,84 @@ class Store:
             now = os.stat(path)
             if (now.st_dev, now.st_ino) != self._file_key:
                 raise StoreError(f"store {path} was replaced by another file while being opened")
+            if not readonly:
+                self._open_ack(conn)
         except sqlite3.Error as e:
             raise _wrap(e, "open", path) from None
+
+    def _written_state(self, conn: sqlite3.Connection) -> tuple[float, int, int]:
+        """``(created_at, write_seq, highest id ever)`` of the store as SQLite reads it now."""
+        meta = dict(conn.execute("SELECT key, value FROM meta WHERE key IN ('created_at', 'write_seq')"))
+        seq_row = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'items'").fetchone()
+        top = conn.execute("SELECT max(id) FROM items").fetchone()[0]
+        return float(meta.get("created_at", 0.0)), int(meta.get("write_seq", 0)), max(seq_row[0] if seq_row else 0, top or 0)
+
+    def _open_ack(self, conn: sqlite3.Connection) -> None:
+        """Checks the store against its acknowledged-writes record (StoreError if writes are
+        missing), then keeps the record open to update it after every commit."""
+        conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('write_seq', 0)")
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS requests (seq INTEGER PRIMARY KEY, request_id TEXT NOT NULL UNIQUE,"
+            " first_id INTEGER NOT NULL, n INTEGER NOT NULL)"
+        )
+        created, seq, last_id = self._written_state(conn)
+        record_path = ack_path(self.path)
+        try:
+            # O_NOFOLLOW: never write through a symlink someone planted next to the store.
+            fd = os.open(record_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise StoreError(f"store {self.path}: cannot open its record of acknowledged writes {record_path}: {e.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                raise StoreError(f"store {self.path}: {record_path} is not a regular file of uid {os.getuid()}; move it away")
+            problem = _lost_writes(self.path, _read_ack(fd), created, seq, last_id)
+            if problem is not None:
+                raise StoreError(problem)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._ack_fd = fd
+        self._created, self._write_seq, self._last_id = created, seq, last_id
+        self._record_ack()
+
+    def _record_ack(self) -> None:
+        """Writes the current write_seq and last id to <db>-ack and syncs it (after a commit)."""
+        body = _ACK_RECORD.pack(_ACK_MAGIC, 1, self._created, self._write_seq, self._last_id, time.time())
+        record = body + zlib.crc32(body).to_bytes(4, "little")
+        os.pwrite(self._ack_fd, record, self._ack_next * _ACK_SLOT_BYTES)
+        os.fdatasync(self._ack_fd)
+        self._ack_next ^= 1
+
+    def lost_writes(self) -> str | None:
+        """Why this store lacks writes its <db>-ack record says were acknowledged, or None.
+
+        A writable open refuses such a store outright; this is for readonly opens (doctor).
+        """
+        # The record first: it is written after each commit, so a commit made between the two
+        # reads (a sidecar serving meanwhile) can only make the store look ahead, never behind.
+        record = read_ack(self.path)
+        with self._lock:
+            conn = self._connection()
+            try:
+                created, seq, last_id = self._written_state(conn)
+            except sqlite3.Error as e:
+                raise _wrap(e, "lost_writes", self.path) from None
+        return _lost_writes(self.path, record, created, seq, last_id)
+
+    def checkpoint(self) -> bool:
+        """Copies the WAL into the db file and truncates it (True if it completed).
+
+        Until a checkpoint, acknowledged writes live in the -wal file only; the sidecar calls
+        this once writes pause (settings().checkpoint_idle_s).
+        """
+        with self._lock:
+            conn = self._connection(write=True)
+            try:
+                busy, _log, _done = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            except sqlite3.Error as e:
+                raise _wrap(e, "checkpoint", self.path) from None
+        return busy == 0
 
     def _acquire_file(self, path: Path, st: os.stat_result) -> int:
         """This process's shared descriptor of the store file (see _files), one more reference."""
@@ -572,6 +788,9 @@ class Store:
                     conn.close()
                 except sqlite3.Error:
                     pass  # nothing is pending (every write is committed or rolled back)
+            if self._ack_fd >= 0:
+                os.close(self._ack_fd)  # not a store file: closing it drops none of SQLite's locks
+                self._ack_fd = -1
             if key is not None:
                 _release_file(key, writer=self._holds_flock)
                 self._holds_flock = False
@@ -594,13 +813,17 @@ class Store:
         texts: Sequence[str | None] | None = None,
         metadata: Sequence[dict | None] | None = None,
         created_at: float | np.ndarray | None = None,
+        request_id: str | None = None,
     ) -> tuple[np.ndarray, int, np.ndarray]:
         """Adds ``n`` items in one transaction; returns ``(ids int64[n], namespace_id, created_at float64[n])``.
 
         ``vectors`` are stored bit-exactly as little-endian float32 (the caller normalises).
         Returns only after the commit is on disk. Any bad input raises before anything is
         written (InvalidArgument / DimensionMismatch naming the offending index).
+        ``request_id`` is remembered with the add (the last REQUEST_WINDOW of them), so that a
+        retry can find it with :meth:`find_request` instead of adding it again.
         """
+        request_id = check_request_id(request_id)
         vecs, ns, text_col, meta_col, times = check_add(vectors, self.dim, namespace, texts, metadata, created_at)
         n = len(vecs)
 
@@ -630,7 +853,22 @@ class Store:
                     for i in range(n)
                 ),
             )
+            if request_id is not None:
+                conn.execute("INSERT INTO requests (request_id, first_id, n) VALUES (?, ?, ?)", (request_id, start, n))
+                conn.execute("DELETE FROM requests WHERE seq <= (SELECT max(seq) FROM requests) - ?", (REQUEST_WINDOW,))
+            self._last_id = max(self._last_id, start + n - 1)
         return np.arange(start, start + n, dtype=np.int64), ns_id, times
+
+    def find_request(self, request_id: str) -> np.ndarray | None:
+        """The ids of the add made with ``request_id`` (one of the last REQUEST_WINDOW), or None."""
+        request_id = check_request_id(request_id)
+        with self._lock:
+            conn = self._connection(write=True)
+            try:
+                row = conn.execute("SELECT first_id, n FROM requests WHERE request_id = ?", (request_id,)).fetchone()
+            except sqlite3.Error as e:
+                raise _wrap(e, "find_request", self.path) from None
+        return None if row is None else np.arange(row[0], row[0] + row[1], dtype=np.int64)
 
     @contextlib.contextmanager
     def _write_transaction(self, what: str) -> Iterator[sqlite3.Connection]:
@@ -640,15 +878,29 @@ class Store:
             conn = self._connection(write=True)
             try:
                 conn.execute("BEGIN IMMEDIATE")
+                last_id = self._last_id
                 try:
                     yield conn
+                    # Every write transaction counts itself, so <db>-ack can tell a store that
+                    # lost commits (see _record_ack).
+                    conn.execute("UPDATE meta SET value = value + 1 WHERE key = 'write_seq'")
                     conn.execute("COMMIT")
                 except BaseException:
+                    self._last_id = last_id
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
                     raise
             except sqlite3.Error as e:
                 raise _wrap(e, what, self.path) from None
+            self._write_seq += 1
+            try:
+                self._record_ack()
+            except OSError as e:
+                # Committed and durable in SQLite, so the write stands (an error now would say
+                # "nothing stored" of a stored write); only the record lags, which can hide a
+                # later loss but never reports one that did not happen.
+                log.warning("store %s: %s committed, but %s could not be updated: %s",
+                            self.path, what, ack_path(self.path), e.strerror)
 
     def _namespace_id(self, conn: sqlite3.Connection, name: str) -> int:
         # Inside the add's transaction: a new namespace exists only if its items do.
@@ -680,6 +932,20 @@ class Store:
                 found += [r[0] for r in conn.execute(f"SELECT id FROM items WHERE id IN ({marks})", chunk)]
                 conn.execute(f"DELETE FROM items WHERE id IN ({marks})", chunk)
         return np.sort(np.asarray(found, dtype=np.int64))
+
+    def undo_add(self, ids: Sequence[int] | np.ndarray, request_id: str | None = None) -> None:
+        """Deletes the rows of an add and forgets its request id, in one transaction.
+
+        The sidecar's way back when the engine fails an add that has committed: the client is
+        told the add failed, so nothing of it may stay (a retry would store it twice).
+        """
+        wanted = np.unique(_check_ids(ids, "undo_add"))
+        request_id = check_request_id(request_id)
+        with self._write_transaction("undo_add") as conn:
+            for chunk in _chunks(wanted):
+                conn.execute(f"DELETE FROM items WHERE id IN ({','.join('?' * len(chunk))})", chunk)
+            if request_id is not None:
+                conn.execute("DELETE FROM requests WHERE request_id = ?", (request_id,))
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -835,6 +1101,58 @@ def _make_dirs(directory: Path) -> None:
             pass  # created concurrently by someone else: theirs to set up
         except OSError as e:
             raise StoreError(f"cannot create directory {d}: {e.strerror}") from None
+
+
+def _check_directory(directory: Path) -> None:
+    """Refuses a store directory in which another user can rename or replace our files.
+
+    In a group- or other-writable directory without the sticky bit, anyone with write access
+    can replace the db or its -wal/-shm between our checks and SQLite's opens. A sticky one
+    (like /tmp) is allowed: there nobody may remove or rename another user's files, and
+    :func:`_prepare_side_files` makes sure that -wal and -shm are ours.
+    """
+    try:
+        st = os.stat(directory)
+    except OSError as e:
+        raise StoreError(f"store directory {directory} cannot be examined: {e.strerror}") from None
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise StoreError(
+            f"store directory {directory} is writable by other users (mode {stat.S_IMODE(st.st_mode):04o}, uid "
+            f"{st.st_uid}, not sticky): anyone there could replace the store or its -wal/-shm files and read or "
+            f"change your memories; move the store to a directory only you can write, or `chmod go-w {directory}`"
+        )
+
+
+def _prepare_side_files(path: Path, db_owner: int) -> None:
+    """Makes sure ``<db>-wal`` and ``<db>-shm`` are this user's, mode 0600, before SQLite opens
+    them: each missing one is created here, exclusively and without following a symlink;
+    each existing one must be a regular file of this uid (or of the db file's owner, whom the
+    store belongs to anyway: root inspecting a user's store), with no group or other
+    permissions and one link. SQLite opens them without O_EXCL, so in a shared directory it would adopt
+    files another user planted (0666) after a clean stop removed ours, and write the new text
+    of every memory where he reads it."""
+    uid = os.getuid()
+    for suffix in ("-wal", "-shm"):
+        side = f"{path}{suffix}"
+        try:
+            fd = os.open(side, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
+                continue  # a read-only place: SQLite cannot create it either (a readonly open)
+            raise StoreError(f"cannot create {side}: {e.strerror}") from None
+        else:
+            os.close(fd)  # empty: SQLite takes an empty -wal as no WAL, and sizes -shm itself
+            continue
+        st = os.lstat(side)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (uid, db_owner) or st.st_mode & 0o077 or st.st_nlink != 1:
+            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else f"mode {stat.S_IMODE(st.st_mode):04o}"
+            raise StoreError(
+                f"{side} is not this user's own file (uid {st.st_uid}, {kind}, {st.st_nlink} link(s); this is uid "
+                f"{uid}): SQLite would write your memories into it, where its owner can read them; remove it (as its "
+                f"owner or root) once no sidecar uses the store, and keep stores in a directory only you can write"
+            )
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -62,7 +62,7 @@ except ImportError:  # pragma: no cover - depends on how the package was built
         raise KalosError(
             "kalos._fence (the native memory fence) is missing and this is a "
             f"{platform.machine()} machine, where no pure-Python fence is correct; "
-            "reinstall kalos with a C compiler available (pip install --force-reinstall kalos)"
+            "reinstall kalos with a C compiler available (pip install --force-reinstall kalos-recall, or '.' from a checkout)"
         ) from None
     full_fence = _lock_fence_factory()
     FENCE_IMPLEMENTATION = "lock (x86-64 fallback)"

@@ -48,6 +48,7 @@ from hypothesis import strategies as st
 
 from conftest import DEADLINE_S, _seed_value, unique_name
 from kalos import Client
+from kalos.control import PROTOCOL_VERSION
 from kalos.errors import ErrorCode
 from kalos.protocol import HEADER_DTYPE, MESSAGE_BYTES, NAMESPACE_BYTES, REQUEST_DTYPE, Layout, Op, SlotView
 from reliability._support import ItemTable, check_row, honest, raw_connection, tracebacks
@@ -181,10 +182,9 @@ def test_rogue_slot_fuzz_changes_nothing_but_its_own_slot(sidecars, children, st
     sentinels = [Client(served.name, timeout=30.0) for _ in range(2)]
     rogue = Client(served.name, timeout=30.0)
     conn = rogue._conn  # the rogue knows its slot and doorbell, as any client does
-    path = f"/dev/shm/kalos-{os.getuid()}-{served.name}"
-    fd = os.open(path, os.O_RDWR)
+    path = f"segment of {served.name}"
+    fd = conn.segment.fileno()  # the memfd its hello passed, mapped a second time
     mapping = mmap.mmap(fd, os.fstat(fd).st_size)
-    os.close(fd)
     buf = memoryview(mapping)
     layout = Layout.read_header(buf, source=path)
     view = SlotView(buf, layout, conn.channel.slot.index)
@@ -508,10 +508,9 @@ def test_scribbling_over_the_whole_slot_with_random_bytes(sidecars, children, st
     rng = np.random.default_rng(seed)
     rogue = Client(served.name, timeout=30.0)
     conn = rogue._conn
-    path = f"/dev/shm/kalos-{os.getuid()}-{served.name}"
-    fd = os.open(path, os.O_RDWR)
+    path = f"segment of {served.name}"
+    fd = conn.segment.fileno()  # the memfd its hello passed, mapped a second time
     mapping = mmap.mmap(fd, os.fstat(fd).st_size)
-    os.close(fd)
     buf = memoryview(mapping)
     layout = Layout.read_header(buf, source=path)
     base = layout.slot_offset(conn.channel.slot.index)
@@ -548,19 +547,21 @@ def test_scribbling_over_the_whole_slot_with_random_bytes(sidecars, children, st
 # -- hostile wake-up file descriptors ---------------------------------------------------------------
 
 
-def _rogue_hello(runtime: str, name: str, wake_fd: int) -> tuple[Any, int, int]:
-    """A raw hello that hands the sidecar ``wake_fd`` as the client's doorbell; (socket, slot, doorbell)."""
+def _rogue_hello(runtime: str, name: str, wake_fd: int) -> tuple[Any, int, int, int]:
+    """A raw hello that hands the sidecar ``wake_fd`` as the client's doorbell; (socket, slot,
+    doorbell, segment): the segment's memfd follows the doorbell (control protocol 2)."""
     from kalos.control import recv_fd
 
     sock = raw_connection(runtime, name)
-    send_frame_raw = _frame(json.dumps({"op": "hello", "protocol": 1, "pid": os.getpid()}).encode())
+    send_frame_raw = _frame(json.dumps({"op": "hello", "protocol": PROTOCOL_VERSION, "pid": os.getpid()}).encode())
     sock.sendall(send_frame_raw)
     socket.send_fds(sock, [b"F"], [wake_fd])
     head = sock.recv(_PREFIX.size, socket.MSG_WAITALL)
     json_len, _ = _PREFIX.unpack(head)
     reply = json.loads(sock.recv(json_len, socket.MSG_WAITALL))
     assert reply["ok"], reply
-    return sock, int(reply["slot"]), recv_fd(sock)
+    doorbell = recv_fd(sock)
+    return sock, int(reply["slot"]), doorbell, recv_fd(sock)
 
 
 @pytest.mark.parametrize("wake", ["read-only-file", "full-pipe", "saturated-blocking-eventfd",
@@ -584,10 +585,9 @@ def test_a_rogue_wake_fd_cannot_stop_or_stall_the_sweep(sidecars, children, stor
         fd = os.eventfd(0, flags)
         os.eventfd_write(fd, 2**64 - 2)  # the largest count: the next write blocks (or fails)
     keep.append(fd)
-    sock, slot, doorbell = _rogue_hello(str(runtime_dir), served.name, fd)
+    sock, slot, doorbell, mfd = _rogue_hello(str(runtime_dir), served.name, fd)
     keep.append(doorbell)
-    path = f"/dev/shm/kalos-{os.getuid()}-{served.name}"
-    mfd = os.open(path, os.O_RDWR)
+    path = f"segment of {served.name}"
     mapping = mmap.mmap(mfd, os.fstat(mfd).st_size)
     os.close(mfd)
     buf = memoryview(mapping)

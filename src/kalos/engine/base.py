@@ -221,6 +221,15 @@ class Engine(ABC):
         rows = self.rows.append(ids, namespaces, created_at)
         self._write(rows, vectors)
 
+    def reserve(self, extra: int) -> None:
+        """Makes room for ``extra`` more rows now, so that an :meth:`add` of that many allocates
+        nothing. The sidecar calls it before the store commits: an allocation that fails
+        (MemoryError, CUDA out of memory) then fails an add that stored nothing (issue 19)."""
+        new_capacity = self.rows.capacity_for(int(extra))
+        if new_capacity is not None:
+            self._resize(new_capacity)
+            self.rows.resize(new_capacity)
+
     def delete(self, ids: np.ndarray) -> int:
         """Tombstones the live rows among ``ids``; returns how many. Compacts when due."""
         rows = self.rows.tombstone(np.asarray(ids, dtype=np.int64).reshape(-1))

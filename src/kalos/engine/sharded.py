@@ -90,6 +90,10 @@ class ShardedEngine:
                 raise InvalidArgument(f"{len(clash)} ids already present, e.g. {clash[:5]}")
         target.add(ids, vectors, namespaces, created_at)
 
+    def reserve(self, extra: int) -> None:
+        """Room for ``extra`` rows in the shard the next add goes to (the one with the fewest)."""
+        min(self.shards, key=len).reserve(extra)
+
     def delete(self, ids: np.ndarray) -> int:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         return sum(shard.delete(ids) for shard in self.shards)

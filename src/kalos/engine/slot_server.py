@@ -5,18 +5,17 @@ end to end through the sidecar's sweep: the rest is Python (finding the request,
 the launch, the wait, publishing; ``benchmarks/NOTES-gpu.md``), and beside another process that
 keeps the GPU busy the launch also waits for a time slice (~2.5 ms measured). Here a kernel
 polls the slots' ``req_seq`` words in the page-locked segment, and the answer and ``resp_seq``
-are written into the slot, which the client is spinning on. Two servers do it:
+are written into the slot, which the client is spinning on.
 
-* :class:`SlotGraphServer` (``serve --gpu-polling``, the default mode): a CUDA graph whose first
-  kernel (one program) waits for a request and stages it; the engine's own single-query kernels
-  follow (the scan over the whole GPU, the selection, the final kernel, which publishes). The
-  sweep keeps a few replays queued. Only one program spins while waiting, so the sweep's own
-  work (handed-over requests) runs beside it at full speed.
-* :class:`SlotServer` (``--gpu-polling resident``): one kernel resident on every SM: program 0
-  polls, every program scans its share, the last one answers. No launch at all, but it holds
-  most of every SM: the sweep stops it to run handed-over work.
+:class:`SlotGraphServer` (``serve --gpu-polling``, mode ``graph``) does it with a CUDA graph
+whose first kernel (one program) waits for a request and stages it; the engine's own
+single-query kernels follow (the scan over the whole GPU, the selection, the final kernel,
+which publishes). The sweep keeps a few replays queued. Only one program spins while waiting,
+so the sweep's own work (handed-over requests) runs beside it at full speed. (A ``resident``
+mode, one kernel on every SM, was removed because the graph server beat it on every measured
+figure: BENCHMARKS.md.)
 
-What they serve. A single query (``n_queries == 1``) with ``k <= max_k``, all namespaces or one
+What it serves. A single query (``n_queries == 1``) with ``k <= max_k``, all namespaces or one
 named, no time window, and a query that is finite and non-zero. Anything else (batches, time
 windows, larger k, bad input), and every request that arrives while the kernel is busy with
 another, is *handed* to the host: the kernel records its ``req_seq`` in ``handed``, and the
@@ -32,11 +31,9 @@ Lifetime. ``start`` launches on the server's own high-priority stream; the serve
 itself after ``idle_s`` without a request (a kernel spinning forever would take GPU time from
 the LLM next to it), or when ``stop`` asks. The sidecar stops it before anything changes the
 engine (adds, deletes, compaction) or the slots (clients coming and going) and starts it again
-on the next request. The resident kernel's programs must all be resident at once (they wait
-for each other): its grid is sized from the compiled kernel's registers and shared memory,
-and leaves room on every SM for the host path's kernels.
+on the next request.
 
-On PyTorch's CPU device (tests, under ``TRITON_INTERPRET=1``) the kernels run synchronously:
+On PyTorch's CPU device (tests, under ``TRITON_INTERPRET=1``) the rounds run synchronously:
 ``start`` returns after the server has served what was pending and polled ``idle_polls`` more
 times.
 """
@@ -49,20 +46,18 @@ import numpy as np
 import torch
 
 from kalos.engine.base import Filter
-from kalos.engine.torch_engine import _HDR_WORDS, _NO_BOUND, TorchEngine, _kf, _kp, _next_pow2
+from kalos.engine.torch_engine import _HDR_WORDS, _NO_BOUND, TorchEngine, _kp, _next_pow2
 from kalos.errors import InvalidArgument
 from kalos.protocol import NAMESPACE_BYTES, Layout, Op, RequestFlag, SlotWords
 
-__all__ = ["SlotServer", "SlotGraphServer", "DEFAULT_MAX_K"]
+__all__ = ["SlotGraphServer", "DEFAULT_MAX_K"]
 
 #: Largest k the kernel serves itself (larger ones go to the host path).
 DEFAULT_MAX_K = 16
 
-_CTL_WORDS = 10  # CTL[0..9] (see serve_slots_kernel), then one arrival counter per group
-_HCTL_WORDS = 9  # page-locked control words (see _SlotPolling)
+_HCTL_WORDS = 9  # page-locked control words (see SlotGraphServer.__init__)
 _NAME_ROWS = 1024  # rows of the device's namespace table (a power of two)
 _NAME_PROBE = 8  # rows a name may sit in, from its home row on (triton_kernels.NS_PROBE)
-_RESIDENT_WAIT_S = 0.05  # how long program 0 waits for every program to be resident
 
 
 def name_home(words: np.ndarray, length: int, rows: int = _NAME_ROWS) -> int:
@@ -74,16 +69,35 @@ def name_home(words: np.ndarray, length: int, rows: int = _NAME_ROWS) -> int:
     return (h ^ (h >> 13) ^ (h >> 29)) & (rows - 1)
 
 
-class _SlotPolling:
-    """What both servers share: the page-locked words the kernels and the sweep exchange
-    (answered, handed, control), the slots' offsets, the namespace table, the stream."""
+class SlotGraphServer:
+    """Serves single recalls from the slots with a CUDA graph that starts by waiting for one.
 
-    #: Whether the server's kernel holds most of every SM while it runs (the sweep then stops
-    #: it before running handed-over work; see the sidecar).
-    holds_sms = True
+    The graph: :func:`~kalos.engine.triton_kernels.await_request_kernel` (one program polls
+    the slots, stages the request it takes), then the engine's own single-query kernels (the
+    score-writing scan over the whole GPU, the chunk top-k, the final kernel, which publishes
+    the answer in the slot). :meth:`running`, which the sidecar's sweep calls on every pass,
+    keeps ``depth`` replays queued on the server's stream, so the next round's waiting kernel
+    is already on the GPU when a request lands and no Python runs between the client's
+    ``req_seq`` and its answer. (Not a thread of its own: it would wait for the GIL behind
+    the spinning sweep, up to the interpreter's 5 ms switch interval.) Only one program spins
+    while it waits: the sweep's kernels (handed-over work) run beside it at full speed.
 
-    def __init__(self, engine: TorchEngine, layout: Layout, answered: np.ndarray, *, idle_s: float, max_k: int,
-                 idle_polls: int) -> None:
+    ``engine``: a Triton-backend :class:`TorchEngine` with the segment attached
+    (:meth:`~TorchEngine.attach_host`). ``layout``: the segment's layout. ``answered``: the
+    channel's current record of answered sequence numbers (copied into page-locked memory,
+    which the channel then adopts). ``idle_s``: how long the waiting kernel polls without a
+    request before the server stops. ``max_k``: largest k served (rounded up to a power of
+    two). ``depth``: replays queued ahead. ``warps``: the waiting kernel's. On PyTorch's CPU
+    device (tests) :meth:`start` runs rounds synchronously, without a graph, until the waiting
+    kernel stops (``idle_polls`` polls without a request).
+    """
+
+    def __init__(self, engine: TorchEngine, layout: Layout, answered: np.ndarray, *, idle_s: float = 0.002,
+                 max_k: int = DEFAULT_MAX_K, depth: int = 3, idle_polls: int = 2, warps: int = 1) -> None:
+        if depth < 1:
+            raise InvalidArgument(f"depth must be >= 1, got {depth}")
+        if warps not in (1, 2, 4, 8):
+            raise InvalidArgument(f"warps must be 1, 2, 4 or 8, got {warps}")
         if engine.backend != "triton" or engine._attached is None:
             raise InvalidArgument("the slot server needs the Triton engine with the segment attached (attach_host)")
         if not 1 <= max_k <= 256:
@@ -92,6 +106,8 @@ class _SlotPolling:
             raise InvalidArgument("idle_s and idle_polls must be >= 0")
         if len(answered) != layout.n_slots:
             raise InvalidArgument(f"answered has {len(answered)} entries for {layout.n_slots} slots")
+        self.warps = int(warps)
+        self.depth = int(depth)
         self.engine = engine
         self.layout = layout
         self.words = SlotWords.of(layout)
@@ -99,7 +115,6 @@ class _SlotPolling:
             raise AssertionError("the kernels compare namespaces as 8 int64 words")
         self.on_gpu = engine._is_cuda
         self.kout = _kp(max_k)
-        self.rescore = engine.precision == "fast"
         self.idle_s = float(idle_s)
         self.idle_polls = int(idle_polls)
         self.ns = _next_pow2(layout.n_slots)
@@ -112,9 +127,8 @@ class _SlotPolling:
         self.answered = host[: layout.n_slots].view(np.uint64)
         #: Sequence number the kernels handed to the host, per slot.
         self.handed = host[self.ns : self.ns + layout.n_slots].view(np.uint64)
-        # [0] stop (host), [1] answered by the kernels, [2] rounds, [3] not resident, [4] stopped,
-        # [5..8] the graph server's phase stamps, GPU clock in ns (waiting since, staged,
-        # published, a request first seen; the resident kernel writes [8] too)
+        # [0] stop (host), [1] answered by the kernels, [2] and [3] unused, [4] stopped, [5..8]
+        # phase stamps, GPU clock in ns (waiting since, staged, published, a request first seen)
         self._hctl = host[2 * self.ns :]
         self.answered[:] = answered
         self._t_answered = self._host[: self.ns]
@@ -137,6 +151,17 @@ class _SlotPolling:
         self._names: dict[bytes, int] = {}
         self._stream = torch.cuda.Stream(device=dev, priority=-100) if self.on_gpu else None
         self.launches = 0
+
+        self.kind = "f32"  # what a round scans: set by _build (fast mode's depends on the capacity)
+        self._dh = torch.zeros(_HDR_WORDS + 4, dtype=torch.int64, device=dev)  # header + one table row
+        self._ctl = torch.zeros(3, dtype=torch.int64, device=dev)  # [0] stopped, [1] turn, [2] answers
+        self._status = torch.zeros(1, dtype=torch.int32, device=dev)
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._built_for: tuple | None = None
+        self._queued: collections.deque = collections.deque()  # an event per replay not yet done
+        # Between start() and stop() (or a round's report that it stopped, HCTL[4]): only then
+        # does running() queue rounds. A stop() that finds every round done must end it too.
+        self._serving = False
 
     def _on_stream(self) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(self._stream) if self.on_gpu else contextlib.nullcontext()
@@ -208,233 +233,6 @@ class _SlotPolling:
     def served(self) -> int:
         """Requests the kernels have answered, over all launches."""
         return int(self._hctl[1])
-
-
-class SlotServer(_SlotPolling):
-    """The resident kernel of one engine and one shared segment (see the module docstring).
-
-    ``engine``: a Triton-backend :class:`TorchEngine` with the segment attached
-    (:meth:`~TorchEngine.attach_host`). ``layout``: the segment's layout. ``answered``: the
-    channel's current record of answered sequence numbers (copied into page-locked memory,
-    which the channel then adopts). ``idle_s``: how long the kernel polls without a request
-    before it exits. ``max_k``: largest k served (rounded up to a power of two).
-    ``programs_per_sm``: the scan's programs per SM (capped by occupancy). ``tile``:
-    ``(rows, dims)`` of one scan step (fewer dims than that widen it to more rows); ``rchunk``:
-    rows per top-K selection.
-    """
-
-    def __init__(
-        self,
-        engine: TorchEngine,
-        layout: Layout,
-        answered: np.ndarray,
-        *,
-        idle_s: float = 0.002,
-        max_k: int = DEFAULT_MAX_K,
-        programs_per_sm: int = 4,
-        group: int = 16,
-        tile: tuple[int, int] | None = None,
-        warps: int | None = None,
-        rchunk: int = 256,
-        idle_polls: int = 2,
-    ) -> None:
-        if programs_per_sm < 1 or group < 1 or (warps is not None and warps < 1):
-            raise InvalidArgument("programs_per_sm, group and warps must be >= 1")
-        super().__init__(engine, layout, answered, idle_s=idle_s, max_k=max_k, idle_polls=idle_polls)
-        self.keys = _kf(self.kout) if self.rescore else self.kout
-        self.mchunk = max(256, self.keys)  # keys per selection step of the merges
-        dev = engine._dev
-        # Whole-row tiles, two in flight per program (benchmarks/NOTES-gpu.md, "resident
-        # kernel"). Exact: 2 rows, 4 warps. Fast: 8 rows, 4 warps, 2 programs per SM (16 rows
-        # at 8 warps measured faster in process, 107.6 us, but one program then fills an SM).
-        block_n, block_d = tile if tile is not None else ((8, 1024) if self.rescore else (2, 1024))
-        self.block_d = max(16, min(_next_pow2(block_d), _next_pow2(engine.dim)))
-        self.block_n = max(1, _next_pow2(block_n * _next_pow2(block_d) // self.block_d))
-        self.rchunk = max(_next_pow2(rchunk), self.keys, self.block_n)
-        self.warps = int(warps) if warps is not None else 4
-        self.group = int(group)
-        self._requested_per_sm = int(programs_per_sm)
-        self._cap_per_sm = self._requested_per_sm  # lowered when a launch found too few resident
-        self._done: torch.cuda.Event | None = None
-        # The grid's buffers, sized by _size_grid; these minimal ones serve its compile.
-        self._ctl = torch.zeros(_CTL_WORDS + 1, dtype=torch.int64, device=dev)
-        self._keys = self._gkeys = torch.empty(self.keys, dtype=torch.int64, device=dev)
-        self._scores = torch.empty(1, dtype=torch.float32, device=dev)
-        self.resident_per_sm = 0
-        self.not_resident = 0  # launches that found too few programs resident (grid halved)
-        self._grid_for: tuple | None = None
-        self.programs = 1
-
-    # -- sizing ------------------------------------------------------------------------------
-
-    def _constexprs(self) -> dict:
-        w = self.words
-        eng = self.engine
-        return dict(
-            **self._request_constexprs(), W_RESP=w.resp_seq, W_STATN=w.status_n, E_IDS=w.ids, E_SC=w.scores,
-            K=self.keys, KOUT=self.kout, BLOCK_N=self.block_n, BLOCK_D=self.block_d, RCHUNK=self.rchunk,
-            MCHUNK=self.mchunk, FINAL_BLOCK_D=max(16, min(_next_pow2(eng.dim), 2048 // self.keys)),
-            HALF=self.rescore, RESCORE=self.rescore, CTL_GROUPS=_CTL_WORDS,
-        )
-
-    def _size_grid(self) -> None:
-        """Programs (all co-resident, with room to spare for the host path) and the merge tree."""
-        eng = self.engine
-        if not self.on_gpu:
-            programs = 1
-        else:
-            ker = eng._tk.serve_slots_kernel.warmup(*self._args(1, 1), grid=(1,), num_warps=self.warps, num_stages=1,
-                                                    **self._constexprs(), G=self.group, GCHUNK=self.mchunk,
-                                                    FCHUNK=self.mchunk)
-            ker._init_handles()
-            threads = self.warps * 32
-            by_regs = eng._regs_per_sm // max(1, ker.n_regs * threads)
-            by_smem = eng._smem_per_sm // max(1, ker.metadata.shared) if ker.metadata.shared else 32
-            by_threads = 2048 // threads
-            resident = min(by_regs, by_smem, by_threads)
-            self.resident_per_sm = resident
-            if resident < 2:
-                # One program would fill an SM: the sweep's kernels (handed-over requests) could
-                # not run beside it. Measured (H200, fast mode, 8 warps, ~252 registers): the
-                # sweep's service time rose to 12.6 ms, and a run under GPU load ended in an
-                # illegal memory access that is not yet explained (benchmarks/NOTES-gpu.md).
-                raise InvalidArgument(
-                    f"the resident kernel needs {ker.n_regs} registers per thread at {self.warps} warps: only "
-                    f"{resident} program fits per SM, leaving no room for the sweep's kernels"
-                )
-            # One program fewer than fits, so the sweep's own kernels (handed-over requests)
-            # find room on every SM instead of waiting for this kernel to exit.
-            per_sm = max(1, min(self._requested_per_sm, resident - 1, self._cap_per_sm))
-            programs = eng._sms * per_sm
-        self.programs = programs
-        self.groups = -(-programs // self.group)
-        self.gchunk = -(-min(self.group, programs) * self.keys // self.mchunk) * self.mchunk
-        self.fchunk = -(-self.groups * self.keys // self.mchunk) * self.mchunk
-        with self._on_stream():  # the stream that uses them
-            self._ctl = torch.zeros(_CTL_WORDS + self.groups, dtype=torch.int64, device=eng._dev)
-            self._keys = torch.empty(programs * self.keys, dtype=torch.int64, device=eng._dev)
-            self._gkeys = torch.empty(self.groups * self.keys, dtype=torch.int64, device=eng._dev)
-            self._scores = torch.empty(eng.rows.capacity, dtype=torch.float32, device=eng._dev)
-
-    def _args(self, n: int, rows_per_prog: int) -> tuple:
-        eng = self.engine
-        x = eng._x16 if self.rescore else eng._x32
-        ea, eb, ec = eng._err["f16" if self.rescore else "f32"]
-        idle = int(self.idle_s * 1e9) if self.on_gpu else self.idle_polls
-        att = eng._attached
-        return (
-            att.i64, att.f32, x, eng._x32, eng._live, eng._ns, eng._ids, self._ns_tab, self._ns_ids, self._slot_at,
-            self._seen, self._t_answered, self._t_handed, self._t_hctl, self._ctl, self._dq, self._agree,
-            self._scores, self._keys, self._gkeys,
-            n, self.layout.n_slots, min(self.kout, self.layout.max_k), rows_per_prog,
-            eng._max_norm, ea, eb, ec, idle, int(_RESIDENT_WAIT_S * 1e9), int(Op.RECALL), int(RequestFlag.ALL_NAMESPACES),
-        )
-
-    # -- running -----------------------------------------------------------------------------
-
-    def running(self) -> bool:
-        """Whether the kernel is live (it may exit by itself when idle)."""
-        if self._done is None:
-            return False
-        if self._done.query():
-            self._done = None
-            self._check_resident()
-            return False
-        return True
-
-    def start(self, active: np.ndarray, *, exit_at_once: bool = False) -> bool:
-        """Launches the kernel for the slots marked in ``active`` (those with a client now);
-        False when there is nothing to serve (no rows). Call only while it is not running."""
-        n = self._rows_to_serve()
-        if n == 0:
-            return False
-        eng = self.engine
-        if self._grid_for != (eng.rows.capacity, id(eng._x32)):
-            self._size_grid()
-            self._grid_for = (eng.rows.capacity, id(eng._x32))
-        rows_per_prog = -(-n // self.programs)
-        rows_per_prog = -(-rows_per_prog // self.block_n) * self.block_n
-        self._load_slots(active)
-        self._hctl[0] = 1 if exit_at_once else 0
-        with self._on_stream():
-            self._ctl[:3].zero_()  # round, round done, groups arrived (the round-robin turn and
-            self._ctl[8:].zero_()  # the count of answers carry over from the last launch)
-            eng._tk.serve_slots_kernel[(self.programs,)](
-                *self._args(n, rows_per_prog), num_warps=self.warps, num_stages=1,
-                **self._constexprs(), G=self.group, GCHUNK=self.gchunk, FCHUNK=self.fchunk,
-            )
-            if self.on_gpu:
-                self._done = torch.cuda.Event()
-                self._done.record(self._stream)
-        self.launches += 1
-        return True
-
-    def stop(self) -> None:
-        """Asks the kernel to exit and waits until it has (it finishes the request in hand)."""
-        if self._done is None:
-            return
-        self._hctl[0] = 1
-        try:
-            self._done.synchronize()
-        finally:
-            self._hctl[0] = 0
-            self._done = None
-        self._check_resident()
-
-    def _check_resident(self) -> None:
-        """After a launch that exited because not all its programs were resident at once
-        (another kernel held SMs, MPS limits, a wrong occupancy estimate): halve the grid."""
-        if self._hctl[3] == 0:
-            return
-        self._hctl[3] = 0
-        self.not_resident += 1
-        if self.programs <= self.engine._sms:
-            raise RuntimeError(f"the slot server's {self.programs} programs were not all resident at once")
-        self._cap_per_sm = max(1, self.programs // self.engine._sms // 2)
-        self._grid_for = None
-
-
-class SlotGraphServer(_SlotPolling):
-    """Serves single recalls from the slots with a CUDA graph that starts by waiting for one.
-
-    The graph: :func:`~kalos.engine.triton_kernels.await_request_kernel` (one program polls
-    the slots, stages the request it takes), then the engine's own single-query kernels (the
-    score-writing scan over the whole GPU, the chunk top-k, the final kernel, which publishes
-    the answer in the slot). :meth:`running`, which the sidecar's sweep calls on every pass,
-    keeps ``depth`` replays queued on the server's stream, so the next round's waiting kernel
-    is already on the GPU when a request lands and no Python runs between the client's
-    ``req_seq`` and its answer. (Not a thread of its own: it would wait for the GIL behind
-    the spinning sweep, up to the interpreter's 5 ms switch interval.) Unlike the resident
-    kernel (:class:`SlotServer`) only one program spins while it waits: the sweep's kernels
-    (handed-over work) run beside it at full speed, and nothing needs to be co-resident.
-
-    Same hand-over contract and arguments as :class:`SlotServer`; ``depth``: replays queued
-    ahead. On PyTorch's CPU device (tests) :meth:`start` runs rounds synchronously, without a
-    graph, until the waiting kernel stops (``idle_polls`` polls without a request).
-    """
-
-    holds_sms = False
-
-    def __init__(self, engine: TorchEngine, layout: Layout, answered: np.ndarray, *, idle_s: float = 0.002,
-                 max_k: int = DEFAULT_MAX_K, depth: int = 3, idle_polls: int = 2, warps: int = 1) -> None:
-        if depth < 1:
-            raise InvalidArgument(f"depth must be >= 1, got {depth}")
-        if warps not in (1, 2, 4, 8):
-            raise InvalidArgument(f"warps must be 1, 2, 4 or 8, got {warps}")
-        self.warps = int(warps)
-        super().__init__(engine, layout, answered, idle_s=idle_s, max_k=max_k, idle_polls=idle_polls)
-        self.kind = "f32"  # what a round scans: set by _build (fast mode's depends on the capacity)
-        self.depth = int(depth)
-        dev = engine._dev
-        self._dh = torch.zeros(_HDR_WORDS + 4, dtype=torch.int64, device=dev)  # header + one table row
-        self._ctl = torch.zeros(3, dtype=torch.int64, device=dev)  # [0] stopped, [1] turn, [2] answers
-        self._status = torch.zeros(1, dtype=torch.int32, device=dev)
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._built_for: tuple | None = None
-        self._queued: collections.deque = collections.deque()  # an event per replay not yet done
-        # Between start() and stop() (or a round's report that it stopped, HCTL[4]): only then
-        # does running() queue rounds. A stop() that finds every round done must end it too.
-        self._serving = False
 
     def stamps(self) -> tuple[int, int, int, int]:
         """The GPU's clock (ns) when the latest round began to wait, first saw a request, staged

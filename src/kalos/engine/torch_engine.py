@@ -518,6 +518,7 @@ class TorchEngine(Engine):
             self._sms = 1
         self._plans: dict = {}
         self._graphs: dict = {}
+        self._uncapturable: set = set()  # graph keys whose capture failed: launched eagerly
         self._bound = threading.local()  # .stream: this thread runs on the engine's stream
         # The waiter of a search_start not yet awaited: every other use of the staging areas
         # (searches, adds, deletes, compaction) first finishes it (_settle).
@@ -821,7 +822,7 @@ class TorchEngine(Engine):
             return
         if self._is_cuda:
             # The whole device, not only the engine's stream: a kernel on another stream (the
-            # resident slot server's) may read the buffer too.
+            # slot server's) may read the buffer too.
             torch.cuda.synchronize(self._dev)
         self._graphs = {key: g for key, g in self._graphs.items() if not key[-1]}
         host = self._attached.host
@@ -1047,7 +1048,7 @@ class TorchEngine(Engine):
     def _run(self, key, live, *, wait: bool = True) -> None:
         """Replays the graph of ``key`` (capturing it on first use), or launches eagerly; waits
         for it unless ``wait`` is False."""
-        use_graph = self._graphs_enabled and live is None
+        use_graph = self._graphs_enabled and live is None and key not in self._uncapturable
         entry = self._graphs.get(key) if use_graph else None
         if entry is not None:
             if getattr(self._bound, "stream", False):
@@ -1061,8 +1062,12 @@ class TorchEngine(Engine):
                 try:
                     self._capture(key)
                 except Exception as e:  # noqa: BLE001 - eager launches still work; say why once
-                    self._graphs_enabled = False
-                    self.stats["graph_error"] = repr(e)[:300]
+                    # Only this kind of pass runs eagerly from now on: one pass that cannot be
+                    # captured must not cost every other kind its graph.
+                    self._uncapturable.add(key)
+                    self.stats["graph_error"] = f"{key}: {e!r}"[:400]
+                    if not self._graphs:
+                        self._graph_pool = None  # a pool with no live graph may not be captured into
         if wait and self._is_cuda:
             self._stream.synchronize()
 
@@ -1374,6 +1379,7 @@ class TorchEngine(Engine):
 
     def _drop_graphs(self) -> None:
         self._graphs.clear()
+        self._uncapturable.clear()
         self._graph_pool = None  # a pool id with no live graph may not be captured into again
 
     def retune(self, tune: dict | None = None) -> None:

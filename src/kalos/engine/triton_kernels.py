@@ -43,7 +43,7 @@ import triton.language as tl
 __all__ = [
     "SENTINEL", "HDR_WORDS", "stage_in_kernel", "scan_topk_kernel", "int8_scores_kernel", "scores_topk_kernel",
     "group_max_kernel", "collect_kernel", "merge_topk_kernel", "scores_rescore_kernel", "final_kernel",
-    "await_request_kernel", "serve_slots_kernel",
+    "await_request_kernel",
 ]
 
 SENTINEL = -(2**63)
@@ -734,7 +734,7 @@ def final_kernel(
                      ON_GPU)
 
 
-# -- the resident server: one kernel that polls the slots itself ------------------------------
+# -- the slot server: a kernel that polls the slots itself (kalos.engine.slot_server) ---------
 
 
 @triton.jit
@@ -783,13 +783,6 @@ def _clock_ns(ON_GPU: tl.constexpr):
 
 
 @triton.jit
-def _pause(ON_GPU: tl.constexpr):
-    """A short back-off in a spin loop (fewer loads hammering one L2 line while waiting)."""
-    if ON_GPU:
-        tl.inline_asm_elementwise("nanosleep.u32 64;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _agree(vals, AGREE, offs, mask):
     """The values of ``vals`` as one writer left them, the same in every warp of the program.
 
@@ -820,15 +813,6 @@ def _name_home(name, name_len, NSMAX: tl.constexpr):
     mult = ((w * 0x9E37 + 0x7F4B) & 0xFFFF) | 1
     h = tl.sum(fold * mult.to(tl.int64), axis=0) + name_len * 0x2545
     return (h ^ (h >> 13) ^ (h >> 29)) & (NSMAX - 1)
-
-
-@triton.jit
-def _park_scores(S, LIVE, NSC, rows, in_rng, sc, want):
-    """Stores the scores of ``rows`` in S, -inf where a row is deleted or, with ``want`` >= 0,
-    in another namespace."""
-    ok = (tl.load(LIVE + rows, mask=in_rng, other=0) != 0) & (
-        (want < 0) | (tl.load(NSC + rows, mask=in_rng, other=0).to(tl.int64) == want))
-    tl.store(S + rows, tl.where(ok, sc, float("-inf")), mask=in_rng)
 
 
 @triton.jit
@@ -1068,241 +1052,3 @@ def await_request_kernel(
         tl.store(DH + 1, 0)
         tl.store(CTL, 1)
         tl.store(HCTL + 4, 1)
-
-
-@triton.jit
-def serve_slots_kernel(
-    SEG,  # the shared segment as int64 words (page-locked and mapped: read over the bus)
-    SEGF,  # the same memory as float32
-    X,  # [cap, D] rows the scan reads (float32, or the 16-bit copy with RESCORE)
-    X32,  # [cap, D] float32 rows (the certified re-score)
-    LIVE,  # [cap] uint8
-    NSC,  # [cap] int32 namespace of each row
-    IDS,  # [cap] int64 store ids
-    NS_TAB,  # [NSMAX, 9] int64: known namespaces' names (8 words, zero-padded) and lengths
-    NS_IDS,  # [NSMAX + 16] int64: their ids (>= 0; -1 marks a row not in use), then the name found
-    #          last (see _namespace_id)
-    SLOT_AT,  # [NS] int64: word offset of each slot in SEG (-1: no client at launch)
-    DSEEN,  # [2, NS] int64 device: per slot, the seq last answered here / last handed to the host
-    HANS,  # [NS] int64 page-locked host: seq answered, per slot (the sidecar's own record)
-    HHOF,  # [NS] int64 page-locked host: seq handed to the host (the kernel will not answer it)
-    HCTL,  # int64 page-locked host words: [0] stop (host writes), [1] answered here, [2] rounds,
-    #        [3] 1 if not every program was resident at launch (the kernel then exits)
-    CTL,  # int64 device words: [0] round (-1: exit), [1] round done, [2] groups arrived,
-    #       [3] round-robin start, [4] slot, [5] seq, [6] k, [7] answers (all launches),
-    #       [8] programs started, [9] namespace id (-1: all),
-    #       [CTL_GROUPS, CTL_GROUPS + groups) programs arrived per group
-    DQ,  # [D] float32 device: the round's query, normalised
-    AGREE,  # [NS * (REQ_WORDS + 1) + 16] int64 device: program 0's scratch for values all its warps must share
-    S,  # [cap] float32 device: masked scores, each program's rows (read back by the same program)
-    KEYS,  # [programs * K] int64 device: each program's top-K keys
-    GKEYS,  # [groups * K] int64 device: each group's top-K keys
-    n,  # rows in use
-    n_slots,
-    k_limit,  # largest k served: min(KOUT, the segment's max_k)
-    rows_per_prog,  # a multiple of BLOCK_N
-    x_norm,  # largest row norm (f64), for the certificate
-    err_a,
-    err_b,
-    err_c,
-    idle,  # ns without a request before the kernel exits (interpreter: polls)
-    resident_ns,  # how long program 0 waits for every program to start
-    op_recall,  # the request words a single recall carries (kalos.protocol)
-    flags_all,
-    W_REQ: tl.constexpr,  # word offsets in a slot (kalos.protocol.SlotWords)
-    W_OPK: tl.constexpr,
-    W_NQF: tl.constexpr,
-    W_NSLEN: tl.constexpr,
-    W_NSB: tl.constexpr,
-    REQ_WORDS: tl.constexpr,  # a request's words, rounded up to a power of two
-    W_RESP: tl.constexpr,
-    W_STATN: tl.constexpr,
-    E_Q: tl.constexpr,
-    E_IDS: tl.constexpr,
-    E_SC: tl.constexpr,
-    D: tl.constexpr,
-    NS: tl.constexpr,  # slots, rounded up to a power of two
-    NSMAX: tl.constexpr,  # rows of NS_TAB (a power of two)
-    K: tl.constexpr,  # keys kept per program (k bucket; the candidate count with RESCORE)
-    KOUT: tl.constexpr,  # largest k served (a power of two); larger go to the host
-    G: tl.constexpr,  # programs per group (the first level of the merge tree)
-    GCHUNK: tl.constexpr,  # G * K rounded up to MCHUNK
-    FCHUNK: tl.constexpr,  # groups * K rounded up to MCHUNK
-    MCHUNK: tl.constexpr,  # keys per selection step of the merges (a power of two >= K)
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    RCHUNK: tl.constexpr,  # rows per top-K selection (a multiple of BLOCK_N, >= K)
-    BLOCK_DQ: tl.constexpr,  # the query copy's chunk
-    FINAL_BLOCK_D: tl.constexpr,
-    HALF: tl.constexpr,
-    RESCORE: tl.constexpr,
-    ON_GPU: tl.constexpr,
-    CTL_GROUPS: tl.constexpr = 10,
-):
-    """Serves single-query recalls straight from the slots until told to stop or idle.
-
-    Program 0 polls every slot's ``req_seq`` over the bus. A pending request it can serve
-    (one query, k <= KOUT, all namespaces or one named in NS_TAB, no time window, a finite
-    non-zero query) is staged: the query is
-    normalised in float64 into DQ and the round counter CTL[0] is released. Requests it
-    cannot serve, and every pending request but the one it took, are handed to the host
-    (HHOF): the sidecar's Python path answers them, batched, meanwhile.
-
-    Every program scans its own ``rows_per_prog`` rows and keeps their top-K keys; the last
-    program of each group of G merges the group's keys; the last group merges those, writes
-    ids and scores into the slot, then ``n_results`` / status, then ``resp_seq`` (a system
-    fence between each), and records the answer in HANS. With RESCORE the candidates are
-    re-scored in float32 and, if the certificate fails, the request is handed to the host
-    instead, which runs the exact scan. All programs must be resident at once: the launcher
-    sizes the grid from the kernel's occupancy, and program 0 checks that every program started
-    within ``resident_ns`` (else it sets HCTL[3] and all exit: a kernel that waits for programs
-    that cannot run would hang the GPU).
-    """
-    pid = tl.program_id(0)
-    n_progs = tl.num_programs(0)
-    n_groups = tl.cdiv(n_progs, G)
-    cols = tl.arange(0, KOUT)
-    my_round = tl.zeros([], tl.int64)
-    running = 1
-    tl.atomic_add(CTL + 8, 1, sem="release", scope="gpu")
-    clock_at = NS * (REQ_WORDS + 1) + 1  # the AGREE word _take_request keeps the clock in
-    if pid == 0:
-        t0 = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
-        started = tl.atomic_add(CTL + 8, 0, sem="acquire", scope="gpu")
-        waited = tl.zeros([], tl.int64)
-        while (started < n_progs) & (waited <= resident_ns):
-            _pause(ON_GPU)
-            started = tl.atomic_add(CTL + 8, 0, sem="acquire", scope="gpu")
-            waited = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True) - t0
-        if started < n_progs:
-            tl.store(HCTL + 3, 1)
-            tl.atomic_xchg(CTL, -1, sem="release", scope="gpu")
-            running = 0
-    else:
-        if tl.load(CTL, volatile=True) < 0:  # started after program 0 gave up on the launch
-            running = 0
-    while running != 0:
-        if pid == 0:
-            # -- poll the slots until a request to serve, a stop, or the idle limit ---------
-            state, pick, seq, kk, want_ns = _take_request(
-                SEG, SEGF, SLOT_AT, DSEEN, HHOF, HCTL, CTL + 3, DQ, AGREE, NS_TAB, NS_IDS, n_slots,
-                k_limit, idle, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, E_Q, D, NS,
-                NSMAX, BLOCK_DQ, ON_GPU,
-            )
-            if state == 1:
-                tl.store(CTL + 9, want_ns)
-                tl.store(CTL + 4, pick)
-                tl.store(CTL + 5, seq)
-                tl.store(CTL + 6, kk)
-            tl.debug_barrier()  # every thread's DQ stores before the release below
-            if state == 1:
-                tl.atomic_xchg(CTL, my_round + 1, sem="release", scope="gpu")
-            else:
-                tl.atomic_xchg(CTL, -1, sem="release", scope="gpu")
-        else:
-            r = tl.load(CTL, volatile=True)
-            while r == my_round:
-                _pause(ON_GPU)
-                r = tl.load(CTL, volatile=True)
-        r = tl.atomic_add(CTL, 0, sem="acquire", scope="gpu")
-        if r < 0:
-            running = 0
-        else:
-            my_round = r
-            # -- scan this program's rows: their top-K keys -------------------------------
-            # Wide row tiles (BLOCK_N x BLOCK_D, often all of D): one tile's loads are all in
-            # flight at once, since Triton does not software-pipeline a while loop. The masked
-            # scores go to S (L2: 4 bytes a row) and every RCHUNK rows one top-K selects.
-            top = tl.full([1, K], -9223372036854775808, tl.int64)
-            r0 = pid.to(tl.int64) * rows_per_prog
-            r1 = tl.minimum(n, r0 + rows_per_prog)
-            want = tl.load(CTL + 9)
-            c0 = r0
-            while c0 < r1:
-                c1 = tl.minimum(r1, c0 + RCHUNK)
-                if BLOCK_D >= D:
-                    # One tile spans whole rows: load the next tile before reducing this one,
-                    # so two tiles' loads are in flight per program.
-                    ds = tl.arange(0, BLOCK_D)
-                    qv = tl.load(DQ + ds, mask=ds < D, other=0.0)
-                    if HALF:
-                        qv = qv.to(X.dtype.element_ty).to(tl.float32)
-                    rows = c0 + tl.arange(0, BLOCK_N)
-                    x = tl.load(X + rows[:, None] * D + ds[None, :], mask=(rows < c1)[:, None] & (ds < D)[None, :],
-                                other=0.0)
-                    b0 = c0
-                    while b0 < c1:
-                        nxt = rows + BLOCK_N
-                        x_nxt = tl.load(X + nxt[:, None] * D + ds[None, :],
-                                        mask=(nxt < c1)[:, None] & (ds < D)[None, :], other=0.0)
-                        sc = tl.sum(x.to(tl.float32) * qv[None, :], axis=1)
-                        in_rng = rows < c1
-                        _park_scores(S, LIVE, NSC, rows, in_rng, sc, want)
-                        x = x_nxt
-                        rows = nxt
-                        b0 += BLOCK_N
-                else:
-                    b0 = c0
-                    while b0 < c1:
-                        rows = b0 + tl.arange(0, BLOCK_N)
-                        in_rng = rows < c1
-                        sc = _row_scores(X, DQ, rows, in_rng, D, BLOCK_N, BLOCK_D, HALF)
-                        _park_scores(S, LIVE, NSC, rows, in_rng, sc, want)
-                        b0 += BLOCK_N
-                tl.debug_barrier()  # this program's score stores, then its loads of them
-                rr = c0 + tl.arange(0, RCHUNK)
-                ok = rr < c1
-                s = tl.load(S + rr, mask=ok, other=float("-inf"))
-                keys = tl.where(ok & (s > float("-inf")), _pack(s, rr), -9223372036854775808)
-                top = _merge_sorted(top, tl.topk(tl.reshape(keys, [1, RCHUNK]), K))
-                c0 = c1
-            tl.store(KEYS + pid * K + tl.arange(0, K)[None, :], top)
-            tl.debug_barrier()
-            grp = pid // G
-            g_size = tl.minimum(G, n_progs - grp * G)
-            if tl.atomic_add(CTL + CTL_GROUPS + grp, 1, sem="acq_rel", scope="gpu") == g_size - 1:
-                # -- the group's last program merges the group --------------------------
-                tl.store(CTL + CTL_GROUPS + grp, 0)
-                gtop = tl.full([1, K], -9223372036854775808, tl.int64)
-                for m0 in range(0, GCHUNK, MCHUNK):  # MCHUNK keys at a time (registers)
-                    g_offs = m0 + tl.arange(0, MCHUNK)
-                    gk = tl.load(KEYS + grp * G * K + g_offs, mask=g_offs < g_size * K, other=-9223372036854775808)
-                    gtop = _merge_sorted(gtop, tl.topk(tl.reshape(gk, [1, MCHUNK]), K))
-                tl.store(GKEYS + grp * K + tl.arange(0, K)[None, :], gtop)
-                tl.debug_barrier()
-                if tl.atomic_add(CTL + 2, 1, sem="acq_rel", scope="gpu") == n_groups - 1:
-                    # -- the last group answers the request --------------------------------
-                    tl.store(CTL + 2, 0)
-                    f_best = tl.full([1, K], -9223372036854775808, tl.int64)
-                    for m0 in range(0, FCHUNK, MCHUNK):
-                        f_offs = m0 + tl.arange(0, MCHUNK)
-                        fk = tl.load(GKEYS + f_offs, mask=f_offs < n_groups * K, other=-9223372036854775808)
-                        f_best = _merge_sorted(f_best, tl.topk(tl.reshape(fk, [1, MCHUNK]), K))
-                    f_pick = tl.load(CTL + 4)
-                    f_seq = tl.load(CTL + 5)
-                    f_k = tl.load(CTL + 6)
-                    f_slot = tl.load(SLOT_AT + f_pick)
-                    if RESCORE:
-                        final, certified = _certified_rescore(
-                            f_best, tl.minimum(f_k, n), X32, DQ, x_norm, err_a, err_b, err_c, D, K, KOUT, FINAL_BLOCK_D
-                        )
-                        good = tl.sum(certified.to(tl.int32)) > 0
-                    else:
-                        final = f_best
-                        good = True
-                    if good:
-                        score, row, valid = _unpack(tl.reshape(final, [KOUT]))
-                        out_i = tl.load(IDS + row, mask=valid, other=-1)
-                        tl.store(SEG + f_slot + E_IDS + cols, out_i, mask=cols < f_k)
-                        tl.store(SEGF + f_slot * 2 + E_SC + cols, score, mask=cols < f_k)
-                    _publish(SEG, DSEEN, HANS, HHOF, HCTL, CTL + 7, f_slot, f_seq, f_pick, f_k, good, W_STATN, W_RESP,
-                             NS, ON_GPU)
-                    tl.store(HCTL + 2, my_round)
-                    tl.debug_barrier()
-                    tl.atomic_xchg(CTL + 1, my_round, sem="release", scope="gpu")
-            if pid == 0:  # the next round's query may only be staged once this one is answered
-                d = tl.load(CTL + 1, volatile=True)
-                while d != my_round:
-                    _pause(ON_GPU)
-                    d = tl.load(CTL + 1, volatile=True)
-                tl.atomic_add(CTL + 1, 0, sem="acquire", scope="gpu")  # then DSEEN as the round left it

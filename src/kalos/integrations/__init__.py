@@ -1,2 +1,2 @@
 """Adapters to agent frameworks, each an optional extra: ``kalos.integrations.langchain``
-(``pip install 'kalos[langchain]'``: langchain-core only)."""
+(``pip install 'kalos-recall[langchain]'``: langchain-core only)."""

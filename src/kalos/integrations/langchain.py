@@ -17,7 +17,7 @@ Each returned ``Document`` has ``id`` = the Kalos item id (as a string), ``page_
 memory's text and ``metadata`` = the stored metadata plus ``"kalos": {"id", "score",
 "namespace", "created_at"}`` (nested, so it never collides with keys of your own).
 
-Install with ``pip install 'kalos[langchain]'``; importing this module without langchain-core
+Install with ``pip install 'kalos-recall[langchain]'``; importing this module without langchain-core
 raises an ImportError naming that extra.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ try:
     from langchain_core.vectorstores import VectorStore
     from pydantic import ConfigDict
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(f"kalos.integrations.langchain needs langchain-core: pip install 'kalos[langchain]' ({exc})") from None
+    raise ImportError(f"kalos.integrations.langchain needs langchain-core: pip install 'kalos-recall[langchain]' ({exc})") from None
 
 import numpy as np
 

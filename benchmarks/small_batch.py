@@ -1,0 +1,101 @@
+"""The GPU engine at the crowd's pass sizes: Q = 1..64 queries per search, in process.
+
+A crowd of C agents sending single recalls becomes passes of 2 to 64 queries. A pass reads
+the rows once, so it should cost close to one scan, not Q single queries. This times
+``TorchEngine.search`` (host clock, p50 / p99, the H2D of the queries and the D2H of the
+answers included) for each Q and each tuning variant named below, checks every answer's
+ids against a float64 brute force, and prints a table with ``torch.topk(Q @ M.T)`` beside it.
+
+    PYTHONPATH=src python3 benchmarks/small_batch.py --n 65536 --dim 1024 --qs 1,2,4,8,16,32,64
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from kalos.engine.torch_engine import TorchEngine
+
+VARIANTS = {
+    "default": {},
+    "gemm>=2": {"gemm_min_q": 2},
+    "v2 scan<=64": {"scores_max_q": 64, "gemm_min_q": 65},
+    "v1 scan": {"scores_max_q": 0, "gemm_min_q": 65},
+}
+
+
+def _times(fn, repeats: int) -> np.ndarray:
+    for i in range(10):
+        fn(i)
+    out = np.empty(repeats)
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        fn(i)
+        out[i] = time.perf_counter() - t0
+    return out * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=65536)
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("-k", type=int, default=8)
+    ap.add_argument("--qs", default="1,2,4,8,16,32,64")
+    ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--precisions", default="exact,fast")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    qs = [int(q) for q in args.qs.split(",")]
+    rng = np.random.default_rng(7)
+    m = rng.standard_normal((args.n, args.dim), dtype=np.float32)
+    m /= np.linalg.norm(m, axis=1, keepdims=True)
+    queries = rng.standard_normal((512, args.dim), dtype=np.float32)
+    queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+    s64 = queries.astype(np.float64) @ m.astype(np.float64).T
+    ref = [set(np.argsort(-row)[: args.k].tolist()) for row in s64]
+    del s64
+    table = []
+    dev = torch.device(args.device)
+    md = torch.from_numpy(m).to(dev)
+    pinned = torch.from_numpy(queries)
+    pinned = pinned.pin_memory() if dev.type == "cuda" else pinned
+    for q in qs:  # baseline: cuBLAS float32 + torch.topk, host clock
+
+        def base(i: int, q: int = q) -> None:
+            lo = (i * q) % (512 - q + 1)
+            qd = pinned[lo : lo + q].to(dev, non_blocking=True)
+            torch.topk(qd @ md.T, args.k, dim=1).indices.cpu()
+
+        t = _times(base, args.repeats)
+        table.append(("torch mm+topk f32", "-", q, np.percentile(t, 50), np.percentile(t, 99), 0))
+    del md
+    for precision in args.precisions.split(","):
+        for name in args.variants.split(","):
+            eng = TorchEngine(args.dim, capacity=args.n, device=args.device, precision=precision, tune=VARIANTS[name])
+            eng.add(np.arange(args.n, dtype=np.int64), m, np.int32(1), 0.0)
+            for q in qs:
+                wrong = 0
+                for lo in range(0, 512 - q + 1, max(q, 16)):
+                    ids, _ = eng.search(queries[lo : lo + q], args.k)
+                    wrong += sum(set(ids[j].tolist()) != ref[lo + j] for j in range(q))
+
+                def run(i: int, q: int = q) -> None:
+                    lo = (i * q) % (512 - q + 1)
+                    eng.search(queries[lo : lo + q], args.k)
+
+                t = _times(run, args.repeats)
+                table.append((f"engine {precision}", name, q, np.percentile(t, 50), np.percentile(t, 99), wrong))
+                print(table[-1], flush=True)
+            del eng
+            torch.cuda.empty_cache()
+    print(f"\nN={args.n:,} x {args.dim}, k={args.k}, host clock per search (us)")
+    print(f"{'path':<20} {'variant':<14} {'Q':>3} {'p50':>9} {'p99':>9} {'wrong':>5} {'us/query':>9}")
+    for path, var, q, p50, p99, wrong in table:
+        print(f"{path:<20} {var:<14} {q:>3} {p50:>9.1f} {p99:>9.1f} {wrong:>5} {p50 / q:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,371 @@
+"""``kalos bench --crowd``: many client processes, each sending single recalls at once.
+
+This is the load Kalos exists for: an LLM host running many agents, each calling
+``Client.recall(q, k)`` one query at a time from its own process. For each crowd size C the
+run starts C client processes against one sidecar; every process connects (its connect time
+is recorded), waits for a common start, then recalls in a loop for ``--crowd-seconds``. While
+the crowd is hot, one more process connects and disconnects in a loop, so a connect under load
+is measured too. Every answer is checked against a float64 brute force of the same query (the
+ids as a set, the scores to 1e-4); a third of the clients recall in namespace "default" and a
+third with a time window, so one pass holds several filter groups. Reported per C: p50 / p99 / p99.9 per call, the aggregate
+recalls/s, connect p99 (the crowd's and the late connector's), errors, failed connects and
+wrong answers.
+
+``--colocated`` (CUDA) repeats chosen crowd sizes beside a process that keeps the GPU busy
+with bf16 matrix products (a stand-in for the LLM) and reports its rate alone and meanwhile.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["run_crowd", "parse_crowd", "add_crowd_arguments"]
+
+_QUERIES = 256
+# Generous: C processes importing NumPy and Kalos at once on a small machine.
+_SPAWN_MARGIN_S = 3.0
+
+
+def parse_crowd(spec: str) -> list[int]:
+    """``"1,2,4"`` as crowd sizes; SystemExit naming the bad part."""
+    sizes = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        if not part.isdigit() or int(part) < 1:
+            raise SystemExit(f"--crowd: {part!r} is not a positive number of client processes (e.g. 1,4,16)")
+        sizes.append(int(part))
+    if not sizes:
+        raise SystemExit("--crowd: give at least one crowd size, e.g. 1,2,4,8")
+    return sizes
+
+
+def add_crowd_arguments(parser: argparse.ArgumentParser) -> None:
+    """The crowd's options (``kalos bench --crowd ...``; the rest of ``kalos bench`` has --n, --dim,
+    -k, --device and --json)."""
+    parser.add_argument("--crowd", default="", metavar="C1,C2,...",
+                        help="instead of the suite: C client processes (for each comma-separated C) sending single "
+                        "recalls at once against one sidecar at --n x --dim; p50/p99/p99.9 per call, aggregate "
+                        "recalls/s, connect times, errors, and every answer checked against float64 "
+                        "(e.g. --crowd 1,2,4,8,16,32,64)")
+    parser.add_argument("--crowd-seconds", type=float, default=4.0,
+                        help="--crowd: seconds each crowd recalls for (default: %(default)s)")
+    parser.add_argument("--colocated", default="", metavar="C1,C2,...",
+                        help="--crowd on CUDA: also run these crowd sizes beside a process busy with bf16 GEMMs "
+                        "(the LLM's stand-in), with its rate alone and meanwhile")
+    parser.add_argument("--serve-arg", dest="serve_args", action="append", default=[], metavar="ARG",
+                        help="--crowd: an argument passed on to kalos serve (repeat it; e.g. --serve-arg=--precision "
+                        "--serve-arg=fast)")
+    parser.add_argument("--crowd-scopes", choices=sorted(SCOPES), default="default",
+                        help="--crowd: what the recalls are scoped to: namespace 'default' (what Client.recall "
+                        "uses), or 'mixed' (a third each: 'default', every namespace, a time window; three filter "
+                        "groups per pass) (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=20261201, help="--crowd: seed of the random rows and queries")
+
+
+def _unit(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
+    m = rng.standard_normal((n, dim), dtype=np.float32)
+    m /= np.linalg.norm(m, axis=1, keepdims=True)
+    return m
+
+
+def _reference(matrix: np.ndarray, queries: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Float64 brute-force top-k ids and scores of each query."""
+    m64 = matrix.astype(np.float64)
+    top_ids = np.empty((len(queries), k), np.int64)
+    top_scores = np.empty((len(queries), k), np.float64)
+    for lo in range(0, len(queries), 32):
+        scores = queries[lo : lo + 32].astype(np.float64) @ m64.T
+        part = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+        s = np.take_along_axis(scores, part, axis=1)
+        order = np.argsort(-s, axis=1)
+        top_ids[lo : lo + 32] = ids[np.take_along_axis(part, order, axis=1)]
+        top_scores[lo : lo + 32] = np.take_along_axis(s, order, axis=1)
+    return top_ids, top_scores
+
+
+#: What each crowd client's recalls are scoped to: "default" (the namespace an agent's
+#: Client.recall uses unless told otherwise), or "mixed": a third each in "default", in every
+#: namespace, and with a time window, so one pass holds three filter groups (every row is in
+#: "default" and newer than 0, so all three have the same answer).
+SCOPES = {
+    "default": ({"namespace": "default"},),
+    "mixed": ({"namespace": None}, {"namespace": "default"}, {"namespace": None, "since": 0.0}),
+}
+
+
+def _crowd_client(name: str, queries: np.ndarray, ref_ids: np.ndarray, ref_scores: np.ndarray, k: int,
+                  start: float, seconds: float, index: int, out: Any, scopes: str = "default") -> None:
+    """One agent: connect, wait for the start, recall single queries until the end."""
+    from kalos.client import Client
+    from kalos.errors import KalosError
+
+    result: dict[str, Any] = {"connect_s": None, "connect_error": None, "errors": 0, "wrong": 0, "error_text": ""}
+    samples = np.empty(2_000_000, np.float64)
+    done = 0
+    try:
+        began = time.perf_counter()
+        try:
+            client = Client(name)  # the default timeout, as agents use it
+            client.ping()
+        except KalosError as exc:
+            result["connect_error"] = f"{type(exc).__name__}: {exc}"
+            return
+        result["connect_s"] = time.perf_counter() - began
+        with client:
+            kinds = SCOPES[scopes]
+            scope = kinds[index % len(kinds)]
+            client.recall(queries[index % len(queries)], k=k, **scope)  # warm
+            while time.time() < start:
+                time.sleep(0.0005)
+            result["began"] = time.time()  # later than start for a process that came up late
+            end = start + seconds
+            clock = time.perf_counter
+            sets = [set(row.tolist()) for row in ref_ids]
+            i = index * 7
+            while time.time() < end and done < len(samples):
+                q = i % len(queries)
+                t0 = clock()
+                try:
+                    hits = client.recall(queries[q], k=k, **scope)
+                except Exception as exc:  # noqa: BLE001 - counted and shown, whatever it is
+                    result["errors"] += 1
+                    result["error_text"] = f"{type(exc).__name__}: {exc}"
+                    i += 1
+                    continue
+                samples[done] = clock() - t0
+                done += 1
+                if set(hits.ids.tolist()) != sets[q] or not np.allclose(hits.scores, ref_scores[q], atol=1e-4):
+                    result["wrong"] += 1
+                i += 1
+        result["end"] = time.time()
+    finally:
+        result["samples"] = samples[:done]
+        out.put((index, result))
+
+
+def _connector(name: str, start: float, seconds: float, out: Any) -> None:
+    """Connects, pings and disconnects in a loop while the crowd runs."""
+    from kalos.client import Client
+    from kalos.errors import KalosError
+
+    times, failures, last = [], 0, ""
+    while time.time() < start:
+        time.sleep(0.001)
+    end = start + seconds
+    while time.time() < end or len(times) + failures < 5:  # a few, even when started late
+        began = time.perf_counter()
+        try:
+            with Client(name) as client:
+                client.ping()
+            times.append(time.perf_counter() - began)
+        except KalosError as exc:
+            failures += 1
+            last = f"{type(exc).__name__}: {exc}"
+        time.sleep(0.01)
+    out.put((-1, {"connect_times": times, "failures": failures, "error_text": last}))
+
+
+def _passes(name: str) -> tuple[int, int]:
+    """(queries, passes) the sidecar has answered so far."""
+    from kalos.client import Client
+
+    with Client(name) as client:
+        stats = client.stats()
+    return int(stats["queries"]), int(stats["batches"])
+
+
+def _pct(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+def _one_crowd(name: str, queries: np.ndarray, ref_ids: np.ndarray, ref_scores: np.ndarray, k: int, clients: int,
+               seconds: float, scopes: str = "default") -> dict[str, Any]:
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    start = time.time() + _SPAWN_MARGIN_S + 0.05 * clients
+    procs = [ctx.Process(target=_crowd_client,
+                         args=(name, queries, ref_ids, ref_scores, k, start, seconds, c, out, scopes))
+             for c in range(clients)]
+    procs.append(ctx.Process(target=_connector, args=(name, start + 0.2 * seconds, 0.6 * seconds, out)))
+    for p in procs:
+        p.start()
+    results: dict[int, dict[str, Any]] = {}
+    deadline = time.time() + _SPAWN_MARGIN_S + 0.05 * clients + seconds + 120
+    while len(results) < len(procs) and time.time() < deadline:
+        try:
+            index, result = out.get(timeout=1.0)
+        except Exception:  # queue.Empty: a process may have died; keep waiting until the deadline
+            if all(not p.is_alive() for p in procs) and out.empty():
+                break
+            continue
+        results[index] = result
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    connector = results.pop(-1, {"connect_times": [], "failures": 1, "error_text": "the connector did not report"})
+    crowd = [results.get(c) for c in range(clients)]
+    lost = sum(r is None for r in crowd)
+    crowd = [r for r in crowd if r is not None]
+    samples = np.concatenate([r["samples"] for r in crowd]) * 1e6 if crowd else np.empty(0)
+    # The rate counts the window in which clients recalled: a process that came up after the
+    # start (many spawning at once on a small machine) recalled for less of it.
+    ends = [r["end"] for r in crowd if "end" in r]
+    late = sum(r.get("began", start) > start + 0.05 * seconds for r in crowd)
+    elapsed = max(1e-3, min(max(ends), start + seconds) - start) if ends else float("nan")
+    connects = np.array([r["connect_s"] for r in crowd if r["connect_s"] is not None]) * 1e3
+    late_ms = np.asarray(connector["connect_times"]) * 1e3
+    errors = [r["error_text"] or r["connect_error"] for r in crowd if r["error_text"] or r["connect_error"]]
+    return {
+        "clients": clients,
+        "recalls": int(len(samples)),
+        "p50_us": _pct(samples, 50), "p99_us": _pct(samples, 99), "p999_us": _pct(samples, 99.9),
+        "recalls_per_s": len(samples) / elapsed if ends else 0.0,
+        "connect_p99_ms": _pct(connects, 99),
+        "late_connect_p50_ms": _pct(late_ms, 50), "late_connect_p99_ms": _pct(late_ms, 99),
+        "late_connects": int(len(late_ms)), "late_connect_failures": int(connector["failures"]),
+        "failed_connects": sum(r["connect_error"] is not None for r in crowd) + lost,
+        "errors": sum(r["errors"] for r in crowd),
+        "wrong": sum(r["wrong"] for r in crowd),
+        "late_starters": int(late),
+        "fewest_by_one_client": min((len(r["samples"]) for r in crowd), default=0),
+        "first_error": (errors[0] if errors else connector["error_text"])[:300],
+    }
+
+
+def _print_rows(title: str, rows: list[dict[str, Any]]) -> None:
+    print(f"\n{title}")
+    print(f"{'C':>4} {'p50 us':>9} {'p99 us':>9} {'p99.9 us':>9} {'recalls/s':>11} {'conn p99 ms':>11} "
+          f"{'late conn p99 ms':>16} {'failed':>6} {'errors':>6} {'wrong':>6} {'checked':>9} {'q/pass':>6}")
+    for r in rows:
+        print(f"{r['clients']:>4} {r['p50_us']:>9.1f} {r['p99_us']:>9.1f} {r['p999_us']:>9.1f} "
+              f"{r['recalls_per_s']:>11,.0f} {r['connect_p99_ms']:>11.2f} {r['late_connect_p99_ms']:>16.2f} "
+              f"{r['failed_connects'] + r['late_connect_failures']:>6} {r['errors']:>6} {r['wrong']:>6} "
+              f"{r['recalls']:>9,} {r.get('queries_per_pass', float('nan')):>6.1f}")
+        if r["first_error"]:
+            print(f"     first error: {r['first_error']}")
+
+
+def run_crowd(args: argparse.Namespace) -> int:
+    from kalos.launcher import SidecarProcess
+    from kalos.store import Store
+
+    sizes = parse_crowd(args.crowd)
+    colocated = parse_crowd(args.colocated) if getattr(args, "colocated", "") else []
+    rng = np.random.default_rng(args.seed)
+    n, dim, k = args.n, args.dim, args.k
+    print(f"crowd bench: N={n:,} x dim {dim}, k={k}, device {args.device}, {os.cpu_count()} CPUs, "
+          f"crowds {sizes}, {args.crowd_seconds:g} s each; serve {' '.join(args.serve_args) or '(defaults)'}",
+          flush=True)
+    matrix = _unit(rng, n, dim)
+    queries = _unit(rng, _QUERIES, dim)
+    report: dict[str, Any] = {"n": n, "dim": dim, "k": k, "device": args.device, "cpus": os.cpu_count(),
+                              "serve_args": list(args.serve_args), "rows": [], "colocated": []}
+    name = f"crowd-{os.getpid()}"
+    with tempfile.TemporaryDirectory(prefix="kalos-crowd-") as tmp:
+        store_path = Path(tmp) / "crowd.db"
+        with Store.open(store_path, dim=dim) as store:
+            ids = np.concatenate([store.add(matrix[lo : lo + 16384], namespace="default")[0]
+                                  for lo in range(0, n, 16384)])
+        ref_ids, ref_scores = _reference(matrix, queries, ids, k)
+        del matrix
+        slots = max(sizes + colocated) + 8
+        extra = ["--slots", str(slots), *args.serve_args]
+        with SidecarProcess(store_path, name=name, device=args.device, extra_args=extra, ready_timeout=900) as sidecar:
+            print(f"  {sidecar.ready_line}", flush=True)
+            for c in sizes:
+                before = _passes(name)
+                row = _one_crowd(name, queries, ref_ids, ref_scores, k, c, args.crowd_seconds, args.crowd_scopes)
+                after = _passes(name)
+                row["queries_per_pass"] = (after[0] - before[0]) / max(1, after[1] - before[1])
+                report["rows"].append(row)
+                print(f"  C={c}: p50 {row['p50_us']:.1f} us, p99 {row['p99_us']:.1f}, "
+                      f"{row['recalls_per_s']:,.0f} recalls/s, failed {row['failed_connects']}, "
+                      f"errors {row['errors']}, wrong {row['wrong']}, {row['queries_per_pass']:.1f} queries per pass",
+                      flush=True)
+            if colocated:
+                report["colocated"] = _colocated(name, queries, ref_ids, ref_scores, k, colocated, args)
+            report["sidecar_log_tail"] = sidecar.log()[-4000:]
+            from kalos.client import Client
+
+            with Client(name) as client:
+                report["engine_stats"] = client.stats().get("engine_stats")
+    print(f"engine: {report['engine_stats']}")
+    _print_rows(f"crowd of single recalls (N={n:,} x {dim}, k={k}, {args.device}; serve "
+                f"{' '.join(args.serve_args) or 'defaults'})", report["rows"])
+    if report["colocated"]:
+        _print_rows("the same beside a process running bf16 GEMMs on the GPU (the LLM's stand-in)",
+                    report["colocated"])
+        for r in report["colocated"]:
+            print(f"  C={r['clients']}: GEMMs {r['gemm_tflops_alone']:.0f} TFLOP/s alone, "
+                  f"{r['gemm_tflops_during']:.0f} during the crowd")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2))
+    failures = sum(r["failed_connects"] + r["late_connect_failures"] + r["errors"] + r["wrong"]
+                   for r in report["rows"] + report["colocated"])
+    return 1 if failures else 0
+
+
+def _colocated(name: str, queries: np.ndarray, ref_ids: np.ndarray, ref_scores: np.ndarray, k: int,
+               sizes: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    from kalos.bench_gpu import _LOAD_SCRIPT
+
+    rows = []
+    for c in sizes:
+        hog = subprocess.Popen([sys.executable, "-c", _LOAD_SCRIPT, str(args.crowd_seconds + 60)],
+                               stdout=subprocess.PIPE, text=True)
+        try:
+            alone = hog.stdout.readline().split()
+            if hog.stdout.readline().strip() != "busy":
+                raise RuntimeError("the GEMM process did not start")
+            # Its rate is counted from the crowd's start (the signal marks it).
+            row = _one_crowd_marked(name, queries, ref_ids, ref_scores, k, c, args.crowd_seconds, hog, args.crowd_scopes)
+            shared = hog.stdout.readline().split()
+            row["gemm_tflops_alone"] = float(alone[1]) if alone else float("nan")
+            row["gemm_tflops_during"] = float(shared[1]) if shared else float("nan")
+            rows.append(row)
+        finally:
+            hog.kill()
+            hog.wait()
+    return rows
+
+
+def _one_crowd_marked(name: str, queries: np.ndarray, ref_ids: np.ndarray, ref_scores: np.ndarray, k: int,
+                      clients: int, seconds: float, hog: subprocess.Popen, scopes: str) -> dict[str, Any]:
+    """:func:`_one_crowd`, with the GEMM process told when the crowd starts and ends."""
+    import threading
+
+    lead = _SPAWN_MARGIN_S + 0.05 * clients
+
+    def mark() -> None:
+        time.sleep(lead)
+        hog.send_signal(signal.SIGUSR1)
+        time.sleep(seconds)
+        hog.terminate()
+
+    marker = threading.Thread(target=mark, daemon=True)
+    marker.start()
+    row = _one_crowd(name, queries, ref_ids, ref_scores, k, clients, seconds, scopes)
+    marker.join()
+    return row
+
+
+if __name__ == "__main__":  # python -m kalos.crowd: the same as kalos bench --crowd
+    _parser = argparse.ArgumentParser(description="kalos bench --crowd")
+    _parser.add_argument("--n", type=int, default=65536)
+    _parser.add_argument("--dim", type=int, default=1024)
+    _parser.add_argument("-k", type=int, default=8)
+    _parser.add_argument("--device", default="cpu")
+    _parser.add_argument("--json", type=Path, default=None)
+    add_crowd_arguments(_parser)
+    sys.exit(run_crowd(_parser.parse_args()))
