@@ -450,3 +450,89 @@ def test_fallback_search(pg: PgServer, url: str, rng: np.random.Generator) -> No
             assert_topk_matches(np.array([[i for i, _ in hits]]), np.array([[s for _, s in hits]]),
                                 all_ids, vecs.astype(np.float64), q, 7, eligible, context=f"pgvector ns={namespace}")
         assert cli.returncode == 0, cli.stderr
+
+
+# -- caller keys with upsert (issue 22) ------------------------------------------------------------
+
+
+def test_upsert_get_and_delete_by_keys_match_the_sqlite_store(url: str, store_dir: Path,
+                                                               rng: np.random.Generator) -> None:
+    first, second = _unit(rng, 3), _unit(rng, 2)
+    results = []
+    with PostgresStore.open(url, dim=DIM) as pg_store, Store.open(store_dir / "m.db", dim=DIM) as sqlite_store:
+        for store in (pg_store, sqlite_store):
+            ids, _, created, replaced = store.upsert(first, keys=["a", "b", "c"], namespace="n", created_at=100.0,
+                                                     texts=["a1", "b1", "c1"], request_id="r1")
+            assert not replaced.any()
+            again, _, kept, replaced = store.upsert(second, keys=["c", "d"], namespace="n", created_at=200.0,
+                                                    texts=["c2", "d2"], request_id="r2")
+            assert replaced.tolist() == [True, False] and again[0] == ids[2] and kept[0] == 100.0
+            assert store.find_request("r2").tolist() == again.tolist()
+            other, _, _, _ = store.upsert(second[:1], keys=["a"], namespace="elsewhere")
+            assert other[0] not in ids.tolist(), "the same key in another namespace is another item"
+            items = store.get_keys(["c", "a", "zz", "c"], "n")
+            assert [it and (it.key, it.text, it.created_at) for it in items] == [
+                ("c", "c2", 100.0), ("a", "a1", 100.0), None, ("c", "c2", 100.0)]
+            assert items[0].updated_at > 1e9 and items[1].updated_at is None
+            with pytest.raises(InvalidArgument, match="key 'x' appears twice"):
+                store.upsert(first, keys=["x", "y", "x"], namespace="n")
+            assert store.get_keys(["x", "y"], "n") == [None, None]
+            assert store.delete_keys(["a", "zz"], "n").tolist() == [ids[0]]
+            assert store.get_keys(["a"], "elsewhere")[0].id == other[0]
+            results.append(sorted((it.key, it.text) for it in store.get(list(_all_rows(store))) if it is not None))
+    assert results[0] == results[1]
+
+
+def test_a_pg_store_made_before_keys_is_migrated(url: str, rng: np.random.Generator) -> None:
+    with PostgresStore.open(url, dim=DIM) as store:
+        ids, _, _ = store.add(_unit(rng, 2), namespace="n", texts=["x", "y"])
+    with psycopg.connect(url, autocommit=True) as conn:  # back to the schema of the release before keys
+        conn.execute("DROP INDEX kalos_items_by_key")
+        conn.execute("ALTER TABLE kalos_items DROP COLUMN key, DROP COLUMN updated_at")
+        conn.execute("ALTER TABLE kalos_changes DROP CONSTRAINT kalos_changes_op_check,"
+                     " ADD CONSTRAINT kalos_changes_op_check CHECK (op IN ('add', 'delete'))")
+    with PostgresStore.open(url, readonly=True) as ro:
+        assert [it.key for it in ro.get(ids)] == [None, None]
+    with PostgresStore.open(url) as store:
+        assert [it.text for it in store.get(ids)] == ["x", "y"]
+        new, _, _, replaced = store.upsert(_unit(rng, 1), keys=["k"], namespace="n")
+        again, _, _, replaced = store.upsert(_unit(rng, 1), keys=["k"], namespace="n")
+        assert replaced.tolist() == [True] and again.tolist() == new.tolist()
+
+
+def test_a_follower_applies_upserts_and_never_serves_both_versions(url: str, sidecars: SidecarPool,
+                                                                   rng: np.random.Generator) -> None:
+    a = Host(sidecars, url, unique_name("a"))
+    b = Host(sidecars, url, unique_name("b"))
+    keys = [f"m{i}" for i in range(12)]
+    old = _unit(rng, 12)
+    ids = a.client.add(old, keys=keys, namespace="mem", texts=["old"] * 12)
+    model = {i: (v.astype(np.float64), "mem", 0.0) for i, v in zip(ids.tolist(), old)}
+    wait_until(lambda: b.ids() == set(model), "B to see A's keyed adds")
+    new = _unit(rng, 6)
+    again = a.client.add(new, keys=keys[::2], namespace="mem", texts=["new"] * 6)
+    assert again.tolist() == ids[::2].tolist()
+    for i, v in zip(again.tolist(), new):
+        model[i] = (v.astype(np.float64), "mem", 0.0)
+
+    def b_serves_the_new_vectors() -> bool:
+        hit = b.client.recall_many(new, k=1, namespace="mem")
+        return hit.ids[:, 0].tolist() == again.tolist() and bool(np.all(hit.scores[:, 0] > 1 - 1e-5))
+
+    wait_until(b_serves_the_new_vectors, "B to serve A's upserts")
+    assert b.ids() == set(model), "one row per key on B: the upsert added no second one"
+    for host in (a, b):
+        _check_recalls(host, model, rng, "mem")
+        # An old vector, recalled exactly, no longer finds its replaced item at score 1.
+        hit = host.client.recall_many(old[::2], k=1, namespace="mem")
+        assert np.all(hit.scores[:, 0] < 1 - 1e-4), f"{host.name} still serves an old version"
+    assert [it.text for it in b.client.get(keys=keys[:2], namespace="mem")] == ["new", "old"]
+    # Delete by key through B reaches A; a restarted B loads the upserted state.
+    assert b.client.delete(keys=keys[:3], namespace="mem") == 3
+    for i in ids[:3].tolist():
+        model.pop(i)
+    wait_until(lambda: a.ids() == set(model), "A to see B's delete by keys")
+    b.stop()
+    b.start()
+    assert b.ids() == set(model)
+    _check_recalls(b, model, rng, "mem")

@@ -28,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Client",
+    "AsyncClient",
     "Hit",
     "Item",
     "Recall",
@@ -45,3 +46,13 @@ __all__ = [
     "StoreLocked",
     "ServerError",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # kalos.AsyncClient is imported on first use: asyncio costs tens of milliseconds at import,
+    # which every sync user (and every `kalos` command) would otherwise pay.
+    if name == "AsyncClient":
+        from kalos.aio import AsyncClient
+
+        return AsyncClient
+    raise AttributeError(f"module 'kalos' has no attribute {name!r}")

@@ -283,9 +283,35 @@ class ClientChannel:
                 return
             self.check_alive()
 
-    def check_alive(self) -> None:
+    # -- for kalos.aio.AsyncClient, which waits with the same protocol as _block but on its
+    # -- event loop (loop.add_reader on these descriptors) instead of in poll().
+
+    @property
+    def wake_fd(self) -> int:
+        """The eventfd the sidecar rings when it answers while ``client_sleeping`` is set."""
+        return self._wake_fd
+
+    @property
+    def control_fd(self) -> int:
+        """The control socket's descriptor: readable (EOF) when the sidecar exits."""
+        return self._control_fd
+
+    @property
+    def poll_slice_s(self) -> float:
+        """How long one sleep lasts before the heartbeat is checked again."""
+        return self._slice_ms / 1000
+
+    def spin_budget_s(self) -> float:
+        """How long :meth:`wait` spins right now: none while the clients outnumber the cores."""
+        return self._spin_s if self.header.clients[0] <= self._spin_clients else 0.0
+
+    def check_epoch(self) -> None:
+        """SidecarUnavailable unless the segment is still the one this client's sidecar made."""
         if int(self.header.epoch[0]) != self._epoch:
             raise SidecarUnavailable("the sidecar restarted while this request was in flight")
+
+    def check_alive(self) -> None:
+        self.check_epoch()
         age_ns = time.monotonic_ns() - int(self.header.heartbeat_ns[0])
         if age_ns > self._timeout_ns:
             raise SidecarUnavailable(

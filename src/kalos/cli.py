@@ -13,6 +13,7 @@ import numpy as np
 
 from kalos.config import GPU_POLLING, default_store_path, settings
 from kalos.errors import InvalidArgument, KalosError
+from kalos.store import check_keys
 
 __all__ = ["main"]
 
@@ -78,7 +79,8 @@ def _build_parser() -> argparse.ArgumentParser:
     add = commands.add_parser(
         "add", help="add memories from a .npy or JSONL file",
         description="Add memories. FILE is a .npy matrix [n, dim] (float) or JSONL with one object per line: "
-        '{"vector": [...], "text": "...", "metadata": {...}, "namespace": "..."} (text, metadata, namespace optional).',
+        '{"vector": [...], "text": "...", "metadata": {...}, "namespace": "...", "key": "..."} (text, metadata, '
+        'namespace, key optional). A row whose key already exists in its namespace replaces that memory (upsert).',
     )
     add.add_argument("file", type=Path)
     _add_name(add)
@@ -300,9 +302,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _read_jsonl(path: Path, default_namespace: str,
-                dim: int) -> dict[str, list[tuple[list[float], str | None, dict | None]]]:
-    """The file's rows by namespace; InvalidArgument naming the line of the first bad one."""
-    groups: dict[str, list[tuple[list[float], str | None, dict | None]]] = {}
+                dim: int) -> dict[str, list[tuple[list[float], str | None, dict | None, str | None]]]:
+    """The file's rows ``(vector, text, metadata, key)`` by namespace; InvalidArgument naming the
+    line of the first bad one (a key repeated within a namespace too: nothing is sent then)."""
+    groups: dict[str, list[tuple[list[float], str | None, dict | None, str | None]]] = {}
+    key_lines: dict[tuple[str, str], int] = {}
     with path.open("rb") as f:
         for number, raw in enumerate(f, 1):
             try:
@@ -333,7 +337,16 @@ def _read_jsonl(path: Path, default_namespace: str,
             namespace = row.get("namespace", default_namespace)
             if not isinstance(namespace, str):
                 raise InvalidArgument(f"{path}:{number}: \"namespace\" must be a string")
-            groups.setdefault(namespace, []).append((row["vector"], text, metadata))
+            key = row.get("key")
+            if key is not None:
+                try:
+                    check_keys([key])
+                except InvalidArgument as exc:
+                    raise InvalidArgument(f"{path}:{number}: \"key\": {exc}") from None
+                first = key_lines.setdefault((namespace, key), number)
+                if first != number:
+                    raise InvalidArgument(f"{path}:{number}: key {key!r} is also on line {first} (namespace {namespace!r})")
+            groups.setdefault(namespace, []).append((row["vector"], text, metadata, key))
     return groups
 
 
@@ -363,12 +376,15 @@ def _add(args: argparse.Namespace) -> int:
             for start in range(0, len(matrix), args.batch):
                 total += len(client.add(matrix[start : start + args.batch], namespace=args.namespace))
         else:
-            for namespace, rows in _read_jsonl(args.file, args.namespace, client.dim).items():
-                for start in range(0, len(rows), args.batch):
-                    chunk = rows[start : start + args.batch]
-                    vectors = np.asarray([r[0] for r in chunk], dtype=np.float32)  # rows checked by _read_jsonl
-                    total += len(client.add(vectors, texts=[r[1] for r in chunk],
-                                            metadata=[r[2] for r in chunk], namespace=namespace))
+            for namespace, all_rows in _read_jsonl(args.file, args.namespace, client.dim).items():
+                # One add carries keys for all its rows or none: keyed and unkeyed rows apart.
+                for rows in ([r for r in all_rows if r[3] is None], [r for r in all_rows if r[3] is not None]):
+                    for start in range(0, len(rows), args.batch):
+                        chunk = rows[start : start + args.batch]
+                        vectors = np.asarray([r[0] for r in chunk], dtype=np.float32)  # rows checked by _read_jsonl
+                        keys = None if chunk[0][3] is None else [r[3] for r in chunk]
+                        total += len(client.add(vectors, texts=[r[1] for r in chunk], metadata=[r[2] for r in chunk],
+                                                namespace=namespace, keys=keys))
     print(f"added {total} memories from {args.file}")
     return 0
 

@@ -48,6 +48,7 @@ from kalos.protocol import NAMESPACE_BYTES, Layout, Op, RequestFlag
 from kalos.store import (
     Item,
     check_created_at,
+    check_keys,
     check_namespace,
     check_request_id,
     check_texts,
@@ -165,7 +166,10 @@ class _Connection:
                 self.segment, self.layout, int(reply["slot"]), doorbell_fd=self.doorbell_fd,
                 wake_fd=self.wake_fd, control=self.sock, epoch=self.epoch, timeout=timeout, spin_s=spin_s,
             )
-            self.channel.check_alive()
+            # The epoch only: the hello's reply has just shown the sidecar alive, while its
+            # heartbeat stamp may still be stale (a sidecar resumed after SIGSTOP answers the hello
+            # before its heartbeat thread runs again).
+            self.channel.check_epoch()
             # Timeout mode from here on: every control operation waits in steps of
             # _CONTROL_POLL_S and checks the sidecar's heartbeat between them (_control), so a
             # stopped sidecar cannot hold a send or a receive past the client's timeout.
@@ -357,7 +361,15 @@ class Client:
 
     def _round_trip(self, conn: _Connection, rows: np.ndarray, request: tuple[Any, ...], op: Op = Op.RECALL) -> None:
         channel = conn.channel
-        slot = channel.slot
+        self._write_request(conn, rows, request, op)
+        status = channel.wait(channel.submit())
+        if status:
+            raise error_from_code(status, channel.slot.read_message())
+
+    def _write_request(self, conn: _Connection, rows: np.ndarray, request: tuple[Any, ...], op: Op = Op.RECALL) -> None:
+        """Writes one request into the slot, not yet submitted (also :class:`kalos.aio.AsyncClient`'s,
+        which then waits without blocking its event loop)."""
+        slot = conn.channel.slot
         n = len(rows)
         slot.queries[:n] = rows
         # Request words are ours alone, so unchanged ones need not be written again.
@@ -373,9 +385,6 @@ class Client:
             slot.namespace[0] = namespace
             slot.namespace_len[0] = len(namespace)
             self._last_request = key
-        status = channel.wait(channel.submit())
-        if status:
-            raise error_from_code(status, slot.read_message())
 
     def ping(self) -> None:
         """One bare round trip through the slot (no search): a liveness and latency probe."""
@@ -392,9 +401,16 @@ class Client:
     def add(
         self, vectors: Any, texts: Sequence[str | None] | None = None,
         metadata: Sequence[dict[str, Any] | None] | None = None, namespace: str = "default",
-        *, created_at: float | Sequence[float] | None = None, request_id: str | None = None,
+        *, keys: Sequence[str] | None = None, created_at: float | Sequence[float] | None = None,
+        request_id: str | None = None,
     ) -> np.ndarray:
         """Stores memories; returns their ids (int64) once they are durable and recallable.
+
+        ``keys`` (one str of 1 to 256 UTF-8 bytes per vector, distinct) are the caller's own
+        ids, unique within ``namespace``: an add whose key is already there replaces that
+        memory's vector, text and metadata (upsert), keeping its id and ``created_at`` and
+        setting ``updated_at``; a recall sees the old version or the new, never both or
+        neither. A key repeated within one call is refused (InvalidArgument), storing nothing.
 
         ``vectors`` is ``[n, dim]`` (or one ``[dim]`` vector); ``texts`` and ``metadata``
         (JSON-serialisable dicts), when given, have one entry per vector. The whole add is one
@@ -420,27 +436,43 @@ class Client:
             check_namespace(namespace)
             texts_list = None if texts is None else check_texts(texts, n)
             encode_metadata(metadata, n)
+            key_list = None if keys is None else check_keys(keys, n)
             created = None if created_at is None else check_created_at(created_at, n).tolist()
             request_id = secrets.token_hex(16) if request_id is None else check_request_id(request_id)
             spec, blob = array_blob(matrix, "float32")
             message: dict[str, Any] = {"op": "add", "namespace": namespace, "vectors": spec, "texts": texts_list,
                                        "metadata": None if metadata is None else list(metadata), "created_at": created,
                                        "request_id": request_id}
+            if key_list is not None:  # only when given: a sidecar without keys then still takes plain adds
+                message["keys"] = key_list
             reply, reply_blob = self._control(message, blob)
             ids, _ = blob_array(reply["ids"], reply_blob)
             return ids
 
-    def delete(self, ids: Any) -> int:
-        """Deletes memories by id; returns how many existed. Unknown ids are ignored."""
-        return int(self._control({"op": "delete", "ids": _id_list(ids)})[0]["deleted"])
+    def delete(self, keys: Any = None, ids: Any = None, *, namespace: str = "default") -> int:
+        """Deletes memories by key (in ``namespace``) or by id (ids are global: ``namespace``
+        does not apply); returns how many existed. Unknown keys and ids are ignored.
 
-    def get(self, ids: Any) -> list[Item | None]:
-        """The stored memories for ``ids`` (text, metadata, namespace, created_at); None where absent."""
-        wanted = _id_list(ids)
+        ``delete([3, 4])``, a first argument of integers, is by id, as before keys existed.
+        """
+        message = _key_or_id_message("delete", keys, ids, namespace)
+        message.pop("wanted")
+        return int(self._control(message)[0]["deleted"])
+
+    def get(self, keys: Any = None, ids: Any = None, *, namespace: str = "default") -> list[Item | None]:
+        """The stored memories (text, metadata, namespace, created_at, key, updated_at) of ``keys``
+        in ``namespace``, or of ``ids`` (global: ``namespace`` does not apply), aligned with
+        them; None where absent. A key held only by another namespace is absent here.
+
+        ``get([3, 4])``, a first argument of integers, is by id, as before keys existed.
+        """
+        message = _key_or_id_message("get", keys, ids, namespace)
+        wanted = message.pop("wanted")
         # Each id travels once (the sidecar refuses repeats: each was a full copy in its reply)
         # and the answer is repeated here, where the caller asked for it.
         unique = list(dict.fromkeys(wanted))
-        reply, _ = self._control({"op": "get", "ids": unique})
+        message["keys" if "keys" in message else "ids"] = unique
+        reply, _ = self._control(message)
         items = reply["items"]
         if not isinstance(items, list) or len(items) != len(unique):
             raise ProtocolMismatch(f"get of {len(unique)} ids was answered with {len(items)} items")
@@ -544,9 +576,10 @@ class Client:
     def remember(
         self, texts: str | Sequence[str], namespace: str = "default",
         metadata: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
-        *, created_at: float | Sequence[float] | None = None,
+        *, keys: Sequence[str] | None = None, created_at: float | Sequence[float] | None = None,
     ) -> np.ndarray:
-        """Embeds ``texts`` and stores them as memories; returns their ids (int64).
+        """Embeds ``texts`` and stores them as memories; returns their ids (int64). ``keys``
+        upsert as in :meth:`add`.
 
         One text may be passed as a plain str (and its metadata as one dict). The whole call
         is one transaction: on any error nothing is stored. For files of many rows use
@@ -562,8 +595,10 @@ class Client:
         # Checked before the (slow) embedding, and again by add.
         encode_metadata(metadata, len(texts))
         check_namespace(namespace)
+        if keys is not None:
+            check_keys(keys, len(texts))
         vectors = self.embedder.embed(texts)
-        return self.add(vectors, texts=texts, metadata=metadata, namespace=namespace, created_at=created_at)
+        return self.add(vectors, texts=texts, metadata=metadata, namespace=namespace, keys=keys, created_at=created_at)
 
     def recall_text(
         self, text: str, k: int = 8, namespace: str | None = "default",
@@ -606,7 +641,8 @@ class Client:
 
 @dataclass(frozen=True)
 class Hit:
-    """One recalled text memory: ``id``, cosine ``score``, ``text``, ``metadata``, ``namespace``, ``created_at``."""
+    """One recalled text memory: ``id``, cosine ``score``, ``text``, ``metadata``, ``namespace``,
+    ``created_at``, ``key`` (None for an item added without one), ``updated_at`` (None until an upsert revised it)."""
 
     id: int
     score: float
@@ -614,10 +650,13 @@ class Hit:
     metadata: dict[str, Any] | None
     namespace: str
     created_at: float
+    key: str | None = None  # defaults: Hit(...) calls written before keys still build
+    updated_at: float | None = None
 
     @classmethod
     def from_item(cls, item: Item, score: float) -> "Hit":
-        return cls(item.id, float(score), item.text, item.metadata, item.namespace, item.created_at)
+        return cls(item.id, float(score), item.text, item.metadata, item.namespace, item.created_at,
+                   item.key, item.updated_at)
 
     def __repr__(self) -> str:
         text = (self.text or "").replace("\n", " ")
@@ -721,6 +760,38 @@ def _timestamps(created_at: Any) -> Any:
     if isinstance(created_at, (list, tuple)):
         return [c.timestamp() if isinstance(c, _dt.datetime) else c for c in created_at]
     return created_at
+
+
+def _key_or_id_message(op: str, keys: Any, ids: Any, namespace: str) -> dict[str, Any]:
+    """The control message of a get or delete by keys or by ids, checked before it travels.
+    Carries ``wanted`` (the checked keys or ids, repeats kept) for get."""
+    if keys is not None and ids is None and _looks_like_ids(keys):
+        keys, ids = None, keys  # get([3, 4]) / delete(ids[:10]): the positional ids of every release before keys
+    if (keys is None) == (ids is None):
+        raise InvalidArgument(f"{op}: pass keys or ids (one of them), got {'both' if keys is not None else 'neither'}")
+    if ids is not None:
+        wanted: list[Any] = _id_list(ids)
+        return {"op": op, "ids": wanted, "wanted": wanted}
+    check_namespace(namespace)
+    if isinstance(keys, (str, bytes)) or not hasattr(keys, "__len__"):
+        raise InvalidArgument(f"{op}: keys must be a sequence of str, got {type(keys).__name__} {keys!r:.80}")
+    wanted = list(keys)
+    for i, key in enumerate(wanted):
+        if not isinstance(key, str):
+            raise InvalidArgument(f"{op}: keys[{i}] must be a str, got {type(key).__name__} {key!r:.80}")
+    check_keys(list(dict.fromkeys(wanted)))  # length and Unicode, each distinct key once
+    return {"op": op, "keys": wanted, "namespace": namespace, "wanted": wanted}
+
+
+def _looks_like_ids(value: Any) -> bool:
+    """True for an int, an integer array or a non-empty sequence of ints (bool excluded)."""
+    if isinstance(value, np.ndarray):
+        return value.dtype.kind in "iu"
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return True
+    if isinstance(value, (list, tuple)) and value:
+        return all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value)
+    return False
 
 
 def _id_list(ids: Any) -> list[int]:

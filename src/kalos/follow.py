@@ -54,6 +54,14 @@ def apply_to_engine(engine: Any, namespaces: dict[bytes, int], batch: ChangeBatc
                 engine.add(change.ids[fresh], change.vectors[fresh], change.namespace_ids[fresh],
                            change.created_at[fresh])
                 added += int(fresh.sum())
+        elif change.op == "upsert":
+            # Each id's row swapped in one step (the caller holds the sidecar's state lock for
+            # the whole batch): tombstone whatever version the engine holds, add the one read.
+            # This sidecar's own upserts come back too; swapping in the same vector is harmless.
+            if len(change.ids):
+                deleted += int(engine.delete(change.ids))
+                engine.add(change.ids, change.vectors, change.namespace_ids, change.created_at)
+                added += len(change.ids)
         else:
             deleted += int(engine.delete(change.ids))
     return added, deleted

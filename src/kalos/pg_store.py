@@ -2,8 +2,8 @@
 
 ``kalos serve --store postgresql://user:password@host:port/db`` serves a :class:`PostgresStore`
 instead of the embedded SQLite :class:`kalos.store.Store`. The public surface is the same
-(open, add, delete, get, namespaces, namespace_counts, count, iter_rows, integrity_check,
-size_bytes, close), so the sidecar, ``kalos doctor`` and ``kalos stats`` use either. What is
+(open, add, upsert, delete, delete_keys, get, get_keys, namespaces, namespace_counts, count,
+iter_rows, integrity_check, size_bytes, close), so the sidecar, ``kalos doctor`` and ``kalos stats`` use either. What is
 new is that other sidecars write to the same database: every add and delete also appends to
 a change log, and each sidecar follows that log (:mod:`kalos.follow`) to keep its engine equal
 to the database.
@@ -22,7 +22,17 @@ PostgreSQL schema: ``?options=-csearch_path%3Dmine`` in the URL keeps a store in
                       vector bytea CHECK (length = 4 * dim)          little-endian float32, bit-exact
                       embedding vector(dim)                          only where pgvector was installable
                                                                      at creation: the fallback search
-    kalos_changes     seq bigint PRIMARY KEY, op 'add'|'delete', ids bigint[], at timestamptz
+                      key text, updated_at double precision          the caller's id (UNIQUE per namespace,
+                                                                     kalos_items_by_key) and the last upsert
+    kalos_changes     seq bigint PRIMARY KEY, op 'add'|'delete'|'upsert', ids bigint[], at timestamptz
+
+Keys (issue 22): a store made before them gets ``key``, ``updated_at``, the key index and the
+'upsert' op at the first writable open (one transaction under the writer lock). An upsert is
+one transaction like an add: new keys get new ids, existing keys keep theirs and have their
+row updated, and ONE 'upsert' entry lists every id of the call, so that a follower swaps each
+row in one engine step (tombstone + add under its state lock): a recall on another host sees
+the old version or the new, never both or neither. Every sidecar on a store must run a Kalos
+that knows 'upsert' before keys are used: an older follower read any op but 'add' as a delete.
 
 The change log and its ordering. A follower remembers the highest ``seq`` it applied (its
 mark) and reads ``seq > mark``. That is only correct if no row with a lower seq can become
@@ -69,8 +79,11 @@ from kalos.store import (
     FORMAT_NAME,
     SCHEMA_VERSION,
     Item,
+    Store,
     _check_dim,
     _check_ids,
+    _keys_for_lookup,
+    check_keys,
     check_add,
     check_request_id,
     check_namespace,
@@ -103,6 +116,9 @@ CHANNEL = "kalos_changes"  # NOTIFY channel; the payload (the seq) is informatio
 _WRITER_LOCK = 0x4B4C4F53_0000_0001
 _CONNECT_TIMEOUT_S = 10
 _IDS_PER_QUERY = 10000  # ids per = ANY(array) parameter in get
+_KEY_INDEX = ("CREATE UNIQUE INDEX IF NOT EXISTS kalos_items_by_key ON kalos_items (namespace_id, key)"
+              " WHERE key IS NOT NULL")
+_OP_CHECK = "CHECK (op IN ('add', 'delete', 'upsert'))"
 
 
 def is_postgres_url(spec: Any) -> bool:
@@ -151,7 +167,7 @@ def redact(message: str, url: str) -> str:
 def _require_psycopg() -> None:
     if psycopg is None:
         raise StoreError(
-            "a postgresql:// store needs the PostgreSQL driver: pip install 'kalos[postgres]' (psycopg 3)"
+            "a postgresql:// store needs the PostgreSQL driver: pip install 'kalos-recall[postgres]' (psycopg 3)"
         )
 
 
@@ -243,8 +259,8 @@ class Change:
     """One change-log entry. For an add, the arrays hold the items still present at the read."""
 
     seq: int
-    op: str  # "add" | "delete"
-    ids: np.ndarray  # int64: the ids the entry names (delete) or the present subset (add)
+    op: str  # "add" | "delete" | "upsert" (replace the rows of these ids, add the new ones)
+    ids: np.ndarray  # int64: the ids the entry names (delete) or the present subset (add, upsert)
     vectors: np.ndarray | None = None  # float32 [n, dim] (add)
     namespace_ids: np.ndarray | None = None  # int32 [n] (add)
     created_at: np.ndarray | None = None  # float64 [n] (add)
@@ -272,7 +288,7 @@ def fetch_changes(conn: "psycopg.Connection", dim: int, after: int, limit: int =
             entries = cur.fetchall()
             if not entries:
                 return ChangeBatch([], {}, after)
-            added = [i for seq, op, ids in entries if op == "add" for i in ids]
+            added = [i for seq, op, ids in entries if op in ("add", "upsert") for i in ids]
             present: dict[int, int] = {}
             arrays: tuple[np.ndarray, ...] = (np.empty(0, np.int64),) * 4
             if added:
@@ -290,9 +306,12 @@ def fetch_changes(conn: "psycopg.Connection", dim: int, after: int, limit: int =
         if op == "delete":
             changes.append(Change(int(seq), "delete", np.asarray(ids, dtype=np.int64)))
             continue
+        if op not in ("add", "upsert"):
+            raise StoreError(f"change log entry {seq} has op {op!r}, which this Kalos does not know (upgrade it)")
+        # An upserted id absent here was deleted later: that delete follows in the log.
         rows = np.asarray([present[i] for i in ids if i in present], dtype=np.int64)
         ids_arr, vecs, ns, times = arrays
-        changes.append(Change(int(seq), "add", ids_arr[rows], vecs[rows], ns[rows], times[rows]))
+        changes.append(Change(int(seq), op, ids_arr[rows], vecs[rows], ns[rows], times[rows]))
     return ChangeBatch(changes, namespaces, int(entries[-1][0]))
 
 
@@ -328,6 +347,7 @@ class PostgresStore:
     dim: int = 0
     readonly: bool = True
     has_vector: bool = False  # the pgvector column exists (server-side fallback search)
+    _keyed: bool = True  # key/updated_at exist (False only on a readonly open of an unmigrated store)
     _conn: Any = None
 
     def __init__(self) -> None:
@@ -393,6 +413,7 @@ class PostgresStore:
                 "SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass('kalos_items')"
                 " AND attname = 'embedding' AND NOT attisdropped"
             ).fetchone()[0])
+            self._keyed = self._has_key_columns()
         except psycopg.Error as e:
             raise self._error("open", e) from None
         if meta.get("format") != FORMAT_NAME:
@@ -413,6 +434,33 @@ class PostgresStore:
         if dim is not None and dim != meta_dim:
             raise DimensionMismatch(f"store {self.path} has dimension {meta_dim}, but dim={dim} was asked for")
         self.dim = meta_dim
+        if not self._keyed and not self.readonly:  # a store made before keys, checked above: migrate it
+            try:
+                self._migrate_keys()
+            except psycopg.Error as e:
+                raise self._error("open (adding the key columns)", e) from None
+            self._keyed = True
+
+    def _has_key_columns(self) -> bool:
+        return self._conn.execute(
+            "SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass('kalos_items')"
+            " AND attname IN ('key', 'updated_at') AND NOT attisdropped"
+        ).fetchone()[0] == 2
+
+    def _migrate_keys(self) -> None:
+        """Gives a store made before keys (issue 22) its key columns, index and 'upsert' op, in one
+        transaction under the writer lock (two sidecars migrating at once: the second finds it done)."""
+        conn = self._conn
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_WRITER_LOCK,))
+            if self._has_key_columns():
+                return
+            conn.execute("ALTER TABLE kalos_items ADD COLUMN IF NOT EXISTS key text,"
+                         " ADD COLUMN IF NOT EXISTS updated_at double precision")
+            conn.execute(_KEY_INDEX)
+            conn.execute("ALTER TABLE kalos_changes DROP CONSTRAINT IF EXISTS kalos_changes_op_check,"
+                         f" ADD CONSTRAINT kalos_changes_op_check {_OP_CHECK}")
+        log.info("store %s: added the key columns of issue 22 (key, updated_at)", self.path)
 
     def _create_schema(self, dim: int) -> None:
         conn = self._conn
@@ -444,14 +492,17 @@ class PostgresStore:
                 " created_at double precision NOT NULL,"
                 " text text,"
                 " metadata text,"
+                " key text,"
+                " updated_at double precision,"
                 f" vector bytea NOT NULL CHECK (length(vector) = {4 * dim})"
                 + (f", embedding vector({dim})" if has_vector else "") + ")"
             )
             conn.execute("CREATE INDEX kalos_items_by_namespace ON kalos_items (namespace_id)")
+            conn.execute(_KEY_INDEX)
             conn.execute(
                 "CREATE TABLE kalos_changes ("
                 " seq bigint PRIMARY KEY,"
-                " op text NOT NULL CHECK (op IN ('add', 'delete')),"
+                f" op text NOT NULL CONSTRAINT kalos_changes_op_check {_OP_CHECK},"
                 " ids bigint[] NOT NULL,"
                 " at timestamptz NOT NULL DEFAULT clock_timestamp())"
             )
@@ -552,6 +603,92 @@ class PostgresStore:
         ids, ns_id = self._run("add", body, write=True)
         return ids, ns_id, times
 
+    def upsert(
+        self,
+        vectors: np.ndarray,
+        *,
+        keys: Sequence[str],
+        namespace: str,
+        texts: Sequence[str | None] | None = None,
+        metadata: Sequence[dict | None] | None = None,
+        created_at: float | np.ndarray | None = None,
+        request_id: str | None = None,
+    ) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+        """As :meth:`kalos.store.Store.upsert`: one transaction, one 'upsert' change-log entry
+        naming every id of the call (the followers swap those rows)."""
+        request_id = check_request_id(request_id)
+        vecs, ns, text_col, meta_col, times = check_add(vectors, self.dim, namespace, texts, metadata, created_at)
+        n = len(vecs)
+        key_col = check_keys(keys, n)
+        for col in (text_col, meta_col, key_col):  # PostgreSQL text cannot hold NUL; SQLite can
+            for i, t in enumerate(col):
+                if t is not None and "\x00" in t:
+                    raise InvalidArgument(f"texts[{i}] / metadata[{i}] / keys[{i}] contains a NUL character, "
+                                          "which PostgreSQL text cannot store")
+        if not self._keyed:
+            raise StoreError(f"store {self.path} has no key columns (open it writable once to migrate it)")
+        blobs = [vecs[i].tobytes() for i in range(n)]
+        embeddings = [_vector_literal(v) for v in vecs] if self.has_vector else None
+        now = time.time()
+
+        def body(conn: Any) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+            ns_id = _namespace_id(conn, ns)
+            existing = {key: (item_id, created) for key, item_id, created in conn.execute(
+                "SELECT key, id, created_at FROM kalos_items WHERE namespace_id = %s AND key = ANY(%s)",
+                (ns_id, key_col)).fetchall()}
+            replaced = np.fromiter((k in existing for k in key_col), dtype=bool, count=n)
+            fresh = [r[0] for r in conn.execute(
+                "SELECT nextval('kalos_item_ids') FROM generate_series(1, %s)", (int(n - replaced.sum()),)).fetchall()]
+            ids = np.empty(n, dtype=np.int64)
+            out_times = times.copy()
+            inserts, updates = [], []
+            for i, key in enumerate(key_col):
+                if replaced[i]:
+                    ids[i], out_times[i] = existing[key]
+                    row = (text_col[i], meta_col[i], blobs[i], now)
+                    updates.append(row + ((embeddings[i],) if embeddings else ()) + (int(ids[i]),))
+                else:
+                    ids[i] = fresh.pop(0)
+                    row = (int(ids[i]), ns_id, float(times[i]), text_col[i], meta_col[i], key, blobs[i])
+                    inserts.append(row + ((embeddings[i],) if embeddings else ()))
+            if updates:
+                with conn.cursor() as cur:
+                    cur.executemany(
+                        "UPDATE kalos_items SET text = %s, metadata = %s, vector = %s, updated_at = %s"
+                        + (", embedding = %s" if embeddings else "") + " WHERE id = %s", updates)
+            if inserts:
+                columns = "id, namespace_id, created_at, text, metadata, key, vector" + (", embedding" if embeddings else "")
+                with conn.cursor() as cur, cur.copy(f"COPY kalos_items ({columns}) FROM STDIN") as copy:
+                    for row in inserts:
+                        copy.write_row(row)
+            _log_change(conn, "upsert", ids.tolist())
+            if request_id is not None:
+                _ensure_requests(conn)
+                conn.execute("INSERT INTO kalos_requests (request_id, ids) VALUES (%s, %s)", (request_id, ids.tolist()))
+                conn.execute("DELETE FROM kalos_requests WHERE at < now() - interval '1 day'")
+            return ids, ns_id, out_times, replaced
+
+        return self._run("upsert", body, write=True)
+
+    def delete_keys(self, keys: Sequence[str], namespace: str) -> np.ndarray:
+        """As :meth:`kalos.store.Store.delete_keys` (logged as a delete: followers drop the rows)."""
+        wanted = list(dict.fromkeys(_keys_for_lookup(keys)))
+        ns = check_namespace(namespace)
+        if not wanted or not self._keyed:
+            with self._lock:
+                self._connection(write=True)
+            return np.empty(0, dtype=np.int64)
+
+        def body(conn: Any) -> np.ndarray:
+            found = [r[0] for r in conn.execute(
+                "DELETE FROM kalos_items AS i USING kalos_namespaces AS n WHERE n.id = i.namespace_id"
+                " AND n.name = %s AND i.key = ANY(%s) RETURNING i.id", (ns, wanted)).fetchall()]
+            if found:
+                _log_change(conn, "delete", sorted(found))
+            return np.sort(np.asarray(found, dtype=np.int64))
+
+        return self._run("delete_keys", body, write=True)
+
     def find_request(self, request_id: str) -> np.ndarray | None:
         """The ids of the add made with ``request_id`` (within the last day), or None."""
         request_id = check_request_id(request_id)
@@ -606,18 +743,44 @@ class PostgresStore:
         def body(conn: Any) -> dict[int, Item]:
             found: dict[int, Item] = {}
             for start in range(0, len(unique), _IDS_PER_QUERY):
-                for item_id, name, text, meta, created in conn.execute(
-                    "SELECT i.id, n.name, i.text, i.metadata, i.created_at FROM kalos_items AS i"
+                for row in conn.execute(
+                    f"SELECT {self._item_columns()} FROM kalos_items AS i"
                     " JOIN kalos_namespaces AS n ON n.id = i.namespace_id WHERE i.id = ANY(%s)",
                     (unique[start : start + _IDS_PER_QUERY],),
                 ):
-                    found[item_id] = Item(id=item_id, namespace=name, text=text,
-                                          metadata=None if meta is None else json.loads(meta),
-                                          created_at=float(created))
+                    found[row[0]] = Store._item(row)
             return found
 
         found = self._run("get", body) if unique else {}
         return [found.get(i) for i in wanted.tolist()]
+
+    def _item_columns(self) -> str:
+        keyed = "i.key, i.updated_at" if self._keyed else "NULL, NULL"
+        return f"i.id, n.name, i.text, i.metadata, i.created_at, {keyed}"
+
+    def ids_of_keys(self, keys: Sequence[str], namespace: str) -> list[int | None]:
+        """As :meth:`kalos.store.Store.ids_of_keys`."""
+        wanted = _keys_for_lookup(keys)
+        ns = check_namespace(namespace)
+        if not wanted or not self._keyed:
+            with self._lock:
+                self._connection()
+            return [None] * len(wanted)
+
+        def body(conn: Any) -> dict[str, int]:
+            return dict(conn.execute(
+                "SELECT i.key, i.id FROM kalos_items AS i JOIN kalos_namespaces AS n ON n.id = i.namespace_id"
+                " WHERE n.name = %s AND i.key = ANY(%s)", (ns, list(dict.fromkeys(wanted)))).fetchall())
+
+        found = self._run("ids_of_keys", body)
+        return [found.get(k) for k in wanted]
+
+    def get_keys(self, keys: Sequence[str], namespace: str) -> list[Item | None]:
+        """As :meth:`kalos.store.Store.get_keys`."""
+        ids = self.ids_of_keys(keys, namespace)
+        present = [i for i in ids if i is not None]
+        by_id = {item.id: item for item in self.get(present) if item is not None} if present else {}
+        return [None if i is None else by_id.get(i) for i in ids]
 
     def namespaces(self) -> dict[str, int]:
         """Every namespace ever used (and "default"): name -> namespace id."""

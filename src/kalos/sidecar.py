@@ -64,11 +64,10 @@ from kalos.errors import (
     ProtocolMismatch,
     ServerError,
     SidecarAlreadyRunning,
-    UnknownNamespace,
 )
 from kalos.metrics import Metrics
 from kalos.protocol import Layout, Op, RequestFlag, SlotView
-from kalos.store import Store, bad_vector_rows, check_request_id, check_vectors
+from kalos.store import Store, bad_vector_rows, check_keys, check_namespace, check_request_id, check_vectors
 from kalos.stores import StoreSpec, open_store
 
 __all__ = ["SidecarConfig", "Sidecar", "normalise_rows", "row_scales"]
@@ -92,6 +91,10 @@ _CONTROL_POLL_S = 1.0
 GPU_CLIENT_SPIN_US = 1000.0
 
 _NO_FILTER = Filter()
+# The filter of a namespace that never held a memory (issue 22): answered with no hits, without
+# a search. Compared by identity, and never cached in _filters, so that the namespace's first
+# add (or a follower's) is seen by the next recall.
+_NOTHING = Filter(namespace=-1)
 _NO_ROWS = np.empty((0, 0), np.float32)
 _NO_SCALES = np.empty(0, np.float64)
 
@@ -774,6 +777,9 @@ class Sidecar:
                         for index in named[members].tolist():
                             self._answer_error(self.channel.slots[index], exc)
                         continue
+                if flt is _NOTHING:
+                    answered += self._answer_nothing(named[members])
+                    continue
                 groups.append((named[members], named_ks[members], flt))
         for members, member_ks, flt in groups:
             try:
@@ -787,6 +793,16 @@ class Sidecar:
             columns.status[members] = 0
             answered += len(members)
         return answered
+
+    def _answer_nothing(self, slots: np.ndarray) -> int:
+        """Answers single recalls in a namespace that holds nothing: 0 hits, no search. The rows
+        are padded (id -1, score -inf) because the client reads its hits up to the first -1."""
+        columns = self.channel.columns
+        columns.ids_row0[slots] = -1
+        columns.scores_row0[slots] = -np.inf
+        columns.n_results[slots] = 0
+        columns.status[slots] = 0
+        return len(slots)
 
     def _search_singles(self, slots: np.ndarray, ks: np.ndarray, flt: Filter) -> tuple[np.ndarray, np.ndarray]:
         """One pass over the rows for the single queries in ``slots``; the answers go into the
@@ -851,6 +867,13 @@ class Sidecar:
             if op == _PING:
                 view.status[0] = 0
                 view.n_results[0] = 0
+                continue
+            if flt is _NOTHING:  # a namespace that holds nothing: every query 0 hits, no search
+                view.ids[: len(rows), :k] = -1  # recall_many returns these as its padding rows
+                view.scores[: len(rows), :k] = -np.inf
+                view.n_results[0] = 0
+                view.status[0] = 0
+                n_queries += len(rows)
                 continue
             groups.setdefault(flt, []).append((view, k, rows, scales))
             n_queries += len(rows)
@@ -973,13 +996,23 @@ class Sidecar:
         if not flags & _ALL_NAMESPACES:
             namespace = self._namespaces.get(namespace_bytes)
             if namespace is None:
-                shown = namespace_bytes.decode("utf-8", "replace")
-                raise UnknownNamespace(f"namespace {shown!r} holds no memories")
+                # A name no add ever used: a valid one holds nothing yet (a new user's first
+                # recall), so it is answered with no hits (issue 22); a malformed one is still
+                # the caller's error, named.
+                try:
+                    check_namespace(namespace_bytes.decode("utf-8"))
+                except UnicodeDecodeError:
+                    shown = namespace_bytes.decode("utf-8", "replace")
+                    raise InvalidQuery(f"namespace {shown!r} is not valid UTF-8") from None
+                except InvalidArgument as exc:  # too long, control characters: a bad query
+                    raise InvalidQuery(str(exc)) from None
         for label, value in (("since", since), ("until", until)):
             if value is not None and not np.isfinite(value):
                 raise InvalidQuery(f"{label} must be a finite time, got {value}")
         if since is not None and until is not None and since >= until:
             raise InvalidQuery(f"empty time range: since={since} is not before until={until}")
+        if not flags & _ALL_NAMESPACES and namespace is None:
+            return _NOTHING
         if len(self._filters) >= 1024:  # clients sweeping time windows: keep the cache bounded
             self._filters.clear()
         flt = self._filters[(flags, namespace_bytes, since, until)] = Filter(namespace, since, until)
@@ -1144,6 +1177,9 @@ class Sidecar:
         namespace = message.get("namespace", "default")
         # The store's own checks (shape, dimension, NaN/inf, zero rows), before normalising.
         unit = normalise_rows(check_vectors(vectors, self.store.dim).copy(), what="vector", error=InvalidArgument)
+        keys = message.get("keys")
+        if keys is not None:
+            keys = check_keys(keys, len(unit))  # duplicates in the call refused here: nothing written
         with self._write_lock:
             if request_id is not None:
                 done = self.store.find_request(request_id)
@@ -1163,6 +1199,10 @@ class Sidecar:
             with self._state_lock:
                 self._pause_slot_server()
                 self.engine.reserve(len(unit))
+            if keys is not None:
+                ids = self._upsert(unit, keys, namespace, message, request_id)
+                spec, out = array_blob(ids, "int64")
+                return ok_reply(ids=spec), out
             ids, namespace_id, created_at = self.store.add(
                 unit, namespace=namespace, texts=message.get("texts"), metadata=message.get("metadata"),
                 created_at=message.get("created_at"), request_id=request_id,
@@ -1178,6 +1218,37 @@ class Sidecar:
             self._wrote.set()
         spec, out = array_blob(ids, "int64")
         return ok_reply(ids=spec), out
+
+    def _upsert(self, unit: np.ndarray, keys: list[str], namespace: str, message: dict[str, Any],
+                request_id: str | None) -> np.ndarray:
+        """A keyed add (``_write_lock`` held, room reserved): the store's upsert commits, then the
+        engine swaps each replaced row for its new vector under one ``_state_lock`` hold, so no
+        recall (the sweep holds that lock while it searches) sees both versions or neither.
+        A replaced item keeps its id: its row is tombstoned and the id added again."""
+        ids, namespace_id, created_at, replaced = self.store.upsert(
+            unit, keys=keys, namespace=namespace, texts=message.get("texts"), metadata=message.get("metadata"),
+            created_at=message.get("created_at"), request_id=request_id,
+        )
+        try:
+            with self._state_lock:
+                self._pause_slot_server()
+                if replaced.any():
+                    self.engine.delete(ids[replaced])
+                self.engine.add(ids, unit, np.int32(namespace_id), created_at)
+                self._namespaces[namespace.encode()] = namespace_id
+        except BaseException as exc:
+            if not replaced.any():
+                self._undo_add(ids, request_id, exc)  # only new rows: take them back, as an add does
+                raise
+            # The old versions are overwritten in the store and cannot be put back; the store
+            # holds exactly one (the new) version of each key, which a restart serves.
+            log.exception("upsert of %d rows committed but the engine failed", len(ids))
+            raise ServerError(
+                f"upsert committed ({len(ids)} rows) but the engine failed ({type(exc).__name__}: {exc}): "
+                "the new versions are stored and are served after the sidecar restarts"
+            ) from exc
+        self._wrote.set()
+        return ids
 
     def _undo_add(self, ids: np.ndarray, request_id: str | None, exc: BaseException) -> None:
         """Takes a committed add back out of the store after the engine refused it, so that the
@@ -1209,9 +1280,13 @@ class Sidecar:
             apply_to_engine(self.engine, self._namespaces, batch)
 
     def _op_delete(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
-        ids = _int_list(message.get("ids"), "ids")
+        keys = message.get("keys")
+        if keys is not None:
+            namespace = check_namespace(message.get("namespace", "default"))
+        else:
+            ids = _int_list(message.get("ids"), "ids")
         with self._write_lock:
-            deleted = self.store.delete(ids)
+            deleted = self.store.delete_keys(keys, namespace) if keys is not None else self.store.delete(ids)
             with self._state_lock:
                 self._pause_slot_server()
                 self.engine.delete(deleted)
@@ -1219,13 +1294,18 @@ class Sidecar:
         return ok_reply(deleted=len(deleted)), b""
 
     def _op_get(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
-        ids = _int_list(message.get("ids"), "ids")
-        if len(set(ids)) != len(ids):
+        keys = message.get("keys")
+        wanted = keys if keys is not None else _int_list(message.get("ids"), "ids")
+        if isinstance(wanted, list) and len(set(map(repr, wanted))) != len(wanted):
             # Each repeat was a full copy in the reply: get([id] * 100) of a 1 MiB text cost the
-            # sidecar 108 MiB (issue 19). Client.get sends each id once and repeats locally.
-            dup, times = collections.Counter(ids).most_common(1)[0]
-            raise InvalidArgument(f"get: ids must be distinct; id {dup} appears {times} times")
-        items = self.store.get(ids)
+            # sidecar 108 MiB (issue 19). Client.get sends each id (key) once and repeats locally.
+            dup, times = collections.Counter(map(repr, wanted)).most_common(1)[0]
+            what = "key" if keys is not None else "id"
+            raise InvalidArgument(f"get: {what}s must be distinct; {what} {dup} appears {times} times")
+        if keys is not None:
+            items = self.store.get_keys(keys, check_namespace(message.get("namespace", "default")))
+        else:
+            items = self.store.get(wanted)
         size = sum(len(item.text or "") + len(json.dumps(item.metadata)) for item in items if item is not None)
         limit = settings().max_message_bytes
         if size > limit:

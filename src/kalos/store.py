@@ -20,11 +20,20 @@ Schema (version 1)::
                 created_at REAL NOT NULL               unix seconds
                 text TEXT                               NULL: none
                 metadata TEXT                           compact JSON object, NULL: none
+                key TEXT                                the caller's id (NULL: none), unique per namespace
+                updated_at REAL                         unix seconds of the last upsert, NULL: never
                 vector BLOB NOT NULL                    dim little-endian float32, CHECKed length
     items_by_namespace  index on items(namespace_id): counts without reading the vectors
-    requests    seq INTEGER PRIMARY KEY, request_id TEXT UNIQUE, first_id, n
+    items_by_key        UNIQUE index on items(namespace_id, key) WHERE key IS NOT NULL
+    requests    seq INTEGER PRIMARY KEY, request_id TEXT UNIQUE, first_id, n, ids
                   the last REQUEST_WINDOW adds' client request ids (created by the first
-                  writable open): a retried add finds its ids instead of adding twice
+                  writable open): a retried add finds its ids instead of adding twice; ``ids``
+                  (int64 blob) holds an upsert's ids, which need not be one consecutive range
+
+``key`` and ``updated_at`` (issue 22) are added by the first writable open of a store made
+before them (``ALTER TABLE ... ADD COLUMN``, so they follow ``vector`` there; a new store has
+them before it). The schema version stays 1: a Kalos that predates keys still reads and writes
+such a store correctly, it just does not see the keys.
 
 The header's ``application_id`` is ``0x4B4C4F53`` ("KLOS"), which lets :meth:`Store.open`
 reject someone else's SQLite file from its first 100 bytes, without letting SQLite touch it.
@@ -85,12 +94,15 @@ __all__ = [
     "encode_metadata",
     "check_add",
     "check_created_at",
+    "check_keys",
+    "MAX_KEY_BYTES",
 ]
 
 FORMAT_NAME = "kalos-store"
 SCHEMA_VERSION = 1
 DEFAULT_NAMESPACE = "default"
 MAX_NAMESPACE_BYTES = 63
+MAX_KEY_BYTES = 256
 APPLICATION_ID = 0x4B4C4F53  # b"KLOS"
 
 log = logging.getLogger("kalos.store")
@@ -109,6 +121,8 @@ _MMAP_BYTES = 1 << 40
 _IDS_PER_QUERY = 500
 _MAX_ID = (1 << 63) - 1
 _MAX_NAMESPACE_ID = (1 << 31) - 1  # engines keep namespace ids as int32
+# Partial: unkeyed items (NULL key, today's adds) are not in it and cost nothing.
+_KEY_INDEX = "CREATE UNIQUE INDEX IF NOT EXISTS items_by_key ON items (namespace_id, key) WHERE key IS NOT NULL"
 
 
 @dataclass(frozen=True)
@@ -120,6 +134,9 @@ class Item:
     text: str | None
     metadata: dict | None
     created_at: float
+    # Defaults, so that every Item(...) built before keys existed still builds.
+    key: str | None = None  # the caller's id, when the item was added with one
+    updated_at: float | None = None  # unix seconds of the last upsert that replaced it; None: never revised
 
 
 # -- the per-process table of store files --------------------------------------------------
@@ -347,6 +364,46 @@ def check_add(
             check_created_at(created_at, n))
 
 
+def check_keys(keys: Any, n: int | None = None) -> list[str]:
+    """``keys`` as a list of distinct str of 1 to MAX_KEY_BYTES UTF-8 bytes (``n`` of them when
+    given), or InvalidArgument naming the bad key: before anything is written."""
+    if isinstance(keys, (str, bytes, AbstractSet, Mapping)) or not hasattr(keys, "__len__"):
+        # A str is a sequence of one-letter keys; a set or dict has no order to pair with the vectors.
+        raise InvalidArgument(f"keys must be an ordered sequence (list, tuple) of str, got {type(keys).__name__}")
+    if n is not None and len(keys) != n:
+        raise InvalidArgument(f"keys has {len(keys)} entries for {n} vectors")
+    out: list[str] = []
+    seen: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        if not isinstance(key, str):
+            raise InvalidArgument(f"keys[{i}] must be a str, got {type(key).__name__} {key!r:.80}")
+        if not key:
+            raise InvalidArgument(f"keys[{i}] is empty; a key is 1 to {MAX_KEY_BYTES} UTF-8 bytes")
+        try:
+            size = len(key.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise InvalidArgument(f"keys[{i}] {key!r:.80} is not valid Unicode (lone surrogate)") from None
+        if size > MAX_KEY_BYTES:
+            raise InvalidArgument(f"keys[{i}] {key[:40]!r}... is {size} UTF-8 bytes; the limit is {MAX_KEY_BYTES}")
+        if key in seen:
+            raise InvalidArgument(f"key {key!r} appears twice in one call (keys[{seen[key]}] and keys[{i}])")
+        seen[key] = i
+        out.append(key)
+    return out
+
+
+def _keys_for_lookup(keys: Any) -> list[str]:
+    """Keys of a get or delete: checked like an add's, repeats allowed (each is looked up once)."""
+    if isinstance(keys, (str, bytes, Mapping)) or not hasattr(keys, "__len__"):
+        raise InvalidArgument(f"keys must be a sequence of str, got {type(keys).__name__}")
+    keys = list(keys)
+    for i, key in enumerate(keys):
+        if not isinstance(key, str):
+            raise InvalidArgument(f"keys[{i}] must be a str, got {type(key).__name__} {key!r:.80}")
+    check_keys(list(dict.fromkeys(keys)))  # length and Unicode of each distinct key
+    return keys
+
+
 def _check_ids(ids: Any, what: str) -> np.ndarray:
     if isinstance(ids, (str, bytes)):
         raise InvalidArgument(f"{what} ids must be a sequence of ints, got {type(ids).__name__}")
@@ -498,6 +555,7 @@ class Store:
     _created: float = 0.0
     _write_seq: int = 0
     _last_id: int = 0
+    _keyed: bool = True
 
     def __init__(self) -> None:
         # Private: Store.open() builds instances, so a half-open store is never handed out.
@@ -607,6 +665,9 @@ class Store:
                 raise StoreError(f"store {path} was replaced by another file while being opened")
             if not readonly:
                 self._open_ack(conn)
+            # A readonly open of a store no writer has migrated yet has no key columns: its
+            # items simply have no keys (see _item_columns).
+            self._keyed = "key" in {r[1] for r in conn.execute("PRAGMA table_info(items)")}
         except sqlite3.Error as e:
             raise _wrap(e, "open", path) from None
 
@@ -623,8 +684,9 @@ class Store:
         conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('write_seq', 0)")
         conn.execute(
             "CREATE TABLE IF NOT EXISTS requests (seq INTEGER PRIMARY KEY, request_id TEXT NOT NULL UNIQUE,"
-            " first_id INTEGER NOT NULL, n INTEGER NOT NULL)"
+            " first_id INTEGER NOT NULL, n INTEGER NOT NULL, ids BLOB)"
         )
+        self._migrate_keys(conn)
         created, seq, last_id = self._written_state(conn)
         record_path = ack_path(self.path)
         try:
@@ -645,6 +707,43 @@ class Store:
         self._ack_fd = fd
         self._created, self._write_seq, self._last_id = created, seq, last_id
         self._record_ack()
+
+    @staticmethod
+    def _migrate_keys(conn: sqlite3.Connection) -> None:
+        """Gives a store made before caller keys (issue 22) its key columns, in one transaction:
+        a crash leaves the store as it was or migrated, never half of it. Existing items keep
+        no key and no updated_at (NULL), which is what they would have got as unkeyed adds."""
+        items = {r[1] for r in conn.execute("PRAGMA table_info(items)")}
+        requests = {r[1] for r in conn.execute("PRAGMA table_info(requests)")}
+        if {"key", "updated_at"} <= items and "ids" in requests:
+            conn.execute(_KEY_INDEX)  # IF NOT EXISTS: a no-op on every store but a damaged one
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            if "key" not in items:
+                conn.execute("ALTER TABLE items ADD COLUMN key TEXT")
+            if "updated_at" not in items:
+                conn.execute("ALTER TABLE items ADD COLUMN updated_at REAL")
+            if "ids" not in requests:
+                conn.execute("ALTER TABLE requests ADD COLUMN ids BLOB")
+            conn.execute(_KEY_INDEX)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        log.info("store: added the key columns of issue 22 (key, updated_at)")
+
+    def _item_columns(self) -> str:
+        # The SELECT list of get/get_keys: name, text, metadata, created_at, key, updated_at.
+        keyed = "i.key, i.updated_at" if self._keyed else "NULL, NULL"
+        return f"i.id, n.name, i.text, i.metadata, i.created_at, {keyed}"
+
+    @staticmethod
+    def _item(row: tuple) -> Item:
+        item_id, name, text, meta, created, key, updated = row
+        return Item(id=item_id, namespace=name, text=text, metadata=None if meta is None else json.loads(meta),
+                    created_at=float(created), key=key, updated_at=None if updated is None else float(updated))
 
     def _record_ack(self) -> None:
         """Writes the current write_seq and last id to <db>-ack and syncs it (after a commit)."""
@@ -865,10 +964,140 @@ class Store:
         with self._lock:
             conn = self._connection(write=True)
             try:
-                row = conn.execute("SELECT first_id, n FROM requests WHERE request_id = ?", (request_id,)).fetchone()
+                row = conn.execute("SELECT first_id, n, ids FROM requests WHERE request_id = ?", (request_id,)).fetchone()
             except sqlite3.Error as e:
                 raise _wrap(e, "find_request", self.path) from None
-        return None if row is None else np.arange(row[0], row[0] + row[1], dtype=np.int64)
+        if row is None:
+            return None
+        if row[2] is not None:  # an upsert: its ids, in the order of its keys
+            return np.frombuffer(row[2], dtype="<i8").astype(np.int64)
+        return np.arange(row[0], row[0] + row[1], dtype=np.int64)
+
+    def upsert(
+        self,
+        vectors: np.ndarray,
+        *,
+        keys: Sequence[str],
+        namespace: str,
+        texts: Sequence[str | None] | None = None,
+        metadata: Sequence[dict | None] | None = None,
+        created_at: float | np.ndarray | None = None,
+        request_id: str | None = None,
+    ) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+        """Adds or replaces ``n`` keyed items in one transaction.
+
+        Returns ``(ids int64[n], namespace_id, created_at float64[n], replaced bool[n])``. A
+        key already in ``namespace`` keeps its item id and its ``created_at``; its vector, text
+        and metadata are replaced and ``updated_at`` set to now (same id: the sidecar swaps the
+        engine's row for that id, and an id a caller holds keeps naming the same memory). A new
+        key gets a new id, like :meth:`add`. Keys in other namespaces are other items. Bad
+        input (a duplicate key in the call too) raises before anything is written.
+        """
+        request_id = check_request_id(request_id)
+        vecs, ns, text_col, meta_col, times = check_add(vectors, self.dim, namespace, texts, metadata, created_at)
+        n = len(vecs)
+        key_col = check_keys(keys, n)
+        if not self._keyed:
+            raise StoreError(f"store {self.path} has no key columns (open it writable once to migrate it)")
+        row_bytes = 4 * self.dim
+        blob = memoryview(vecs.reshape(-1).view(np.uint8))
+        now = time.time()
+        with self._write_transaction("upsert") as conn:
+            ns_id = self._namespace_id(conn, ns)
+            existing: dict[str, tuple[int, float]] = {}
+            for start in range(0, n, _IDS_PER_QUERY):
+                chunk = key_col[start : start + _IDS_PER_QUERY]
+                existing.update(
+                    (key, (item_id, created)) for key, item_id, created in conn.execute(
+                        "SELECT key, id, created_at FROM items WHERE namespace_id = ?"
+                        f" AND key IN ({','.join('?' * len(chunk))})", (ns_id, *chunk),
+                    )
+                )
+            replaced = np.fromiter((key in existing for key in key_col), dtype=bool, count=n)
+            fresh = int(n - replaced.sum())
+            seq = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'items'").fetchone()
+            top = conn.execute("SELECT max(id) FROM items").fetchone()[0]
+            first = max(seq[0] if seq else 0, top or 0) + 1
+            if first + fresh - 1 > _MAX_ID:
+                raise StoreError(f"store {self.path}: item ids are exhausted")
+            ids = np.empty(n, dtype=np.int64)
+            out_times = times.copy()
+            next_id = first
+            inserts, updates = [], []
+            for i, key in enumerate(key_col):
+                vector = blob[i * row_bytes : (i + 1) * row_bytes]
+                if replaced[i]:
+                    ids[i], out_times[i] = existing[key]
+                    updates.append((text_col[i], meta_col[i], vector, now, int(ids[i])))
+                else:
+                    ids[i] = next_id
+                    next_id += 1
+                    inserts.append((int(ids[i]), ns_id, float(times[i]), text_col[i], meta_col[i], key, vector))
+            if updates:
+                conn.executemany("UPDATE items SET text = ?, metadata = ?, vector = ?, updated_at = ? WHERE id = ?", updates)
+            if inserts:
+                conn.executemany(
+                    "INSERT INTO items (id, namespace_id, created_at, text, metadata, key, vector)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?)", inserts,
+                )
+            if request_id is not None:
+                conn.execute("INSERT INTO requests (request_id, first_id, n, ids) VALUES (?, ?, ?, ?)",
+                             (request_id, int(ids[0]), n, ids.astype("<i8").tobytes()))
+                conn.execute("DELETE FROM requests WHERE seq <= (SELECT max(seq) FROM requests) - ?", (REQUEST_WINDOW,))
+            self._last_id = max(self._last_id, next_id - 1)
+        return ids, ns_id, out_times, replaced
+
+    def ids_of_keys(self, keys: Sequence[str], namespace: str) -> list[int | None]:
+        """The item id of each key in ``namespace`` (None where the key is not there)."""
+        wanted = _keys_for_lookup(keys)
+        key_list = list(dict.fromkeys(wanted))  # each key looked up once
+        ns = check_namespace(namespace)
+        found: dict[str, int] = {}
+        with self._lock:
+            conn = self._connection()
+            if not self._keyed:
+                return [None] * len(key_list)
+            try:
+                for start in range(0, len(key_list), _IDS_PER_QUERY):
+                    chunk = key_list[start : start + _IDS_PER_QUERY]
+                    found.update(conn.execute(
+                        "SELECT i.key, i.id FROM items AS i JOIN namespaces AS n ON n.id = i.namespace_id"
+                        f" WHERE n.name = ? AND i.key IN ({','.join('?' * len(chunk))})", (ns, *chunk),
+                    ))
+            except sqlite3.Error as e:
+                raise _wrap(e, "ids_of_keys", self.path) from None
+        return [found.get(key) for key in wanted]
+
+    def get_keys(self, keys: Sequence[str], namespace: str) -> list[Item | None]:
+        """The items of ``keys`` in ``namespace``, aligned with them: None where a key is absent."""
+        ids = self.ids_of_keys(keys, namespace)
+        items = self.get([i for i in ids if i is not None])
+        by_id = {item.id: item for item in items if item is not None}
+        return [None if i is None else by_id.get(i) for i in ids]
+
+    def delete_keys(self, keys: Sequence[str], namespace: str) -> np.ndarray:
+        """Deletes the items of ``keys`` in ``namespace`` in one transaction; returns their ids.
+        Keys not in ``namespace`` (absent, or only in another namespace) are ignored."""
+        key_list = list(dict.fromkeys(_keys_for_lookup(keys)))
+        ns = check_namespace(namespace)
+        if not key_list:  # no transaction (and no write_seq) for nothing, as delete([])
+            with self._lock:
+                self._connection(write=True)
+            return np.empty(0, dtype=np.int64)
+        found: list[int] = []
+        with self._write_transaction("delete_keys") as conn:
+            if not self._keyed:
+                return np.empty(0, dtype=np.int64)
+            for start in range(0, len(key_list), _IDS_PER_QUERY):
+                chunk = key_list[start : start + _IDS_PER_QUERY]
+                ids = [r[0] for r in conn.execute(
+                    "SELECT i.id FROM items AS i JOIN namespaces AS n ON n.id = i.namespace_id"
+                    f" WHERE n.name = ? AND i.key IN ({','.join('?' * len(chunk))})", (ns, *chunk),
+                )]
+                if ids:
+                    conn.execute(f"DELETE FROM items WHERE id IN ({','.join('?' * len(ids))})", ids)
+                found += ids
+        return np.sort(np.asarray(found, dtype=np.int64))
 
     @contextlib.contextmanager
     def _write_transaction(self, what: str) -> Iterator[sqlite3.Connection]:
@@ -960,19 +1189,13 @@ class Store:
                 for chunk in _chunks(unique):
                     marks = ",".join("?" * len(chunk))
                     rows = conn.execute(
-                        "SELECT i.id, n.name, i.text, i.metadata, i.created_at"
+                        f"SELECT {self._item_columns()}"
                         " FROM items AS i JOIN namespaces AS n ON n.id = i.namespace_id"
                         f" WHERE i.id IN ({marks})",
                         chunk,
                     ).fetchall()
-                    for item_id, name, text, meta, created in rows:
-                        found[item_id] = Item(
-                            id=item_id,
-                            namespace=name,
-                            text=text,
-                            metadata=None if meta is None else json.loads(meta),
-                            created_at=float(created),
-                        )
+                    for row in rows:
+                        found[row[0]] = self._item(row)
             except sqlite3.Error as e:
                 raise _wrap(e, "get", self.path) from None
         return [found.get(i) for i in wanted.tolist()]
@@ -1237,9 +1460,12 @@ def _build_schema(tmp: Path, dim: int) -> None:
             " created_at REAL NOT NULL,"
             " text TEXT,"
             " metadata TEXT,"
+            " key TEXT,"
+            " updated_at REAL,"
             f" vector BLOB NOT NULL CHECK (typeof(vector) = 'blob' AND length(vector) = {4 * dim}))"
         )
         conn.execute("CREATE INDEX items_by_namespace ON items (namespace_id)")
+        conn.execute(_KEY_INDEX)
         conn.execute("COMMIT")
         # Switched last (it cannot run inside a transaction); closing the last connection
         # checkpoints and removes the temp file's -wal, so the file is complete on its own.

@@ -49,8 +49,9 @@ from hypothesis import strategies as st
 from conftest import DEADLINE_S, _seed_value, unique_name
 from kalos import Client
 from kalos.control import PROTOCOL_VERSION
-from kalos.errors import ErrorCode
+from kalos.errors import ErrorCode, InvalidArgument
 from kalos.protocol import HEADER_DTYPE, MESSAGE_BYTES, NAMESPACE_BYTES, REQUEST_DTYPE, Layout, Op, SlotView
+from kalos.store import check_namespace
 from reliability._support import ItemTable, check_row, honest, raw_connection, tracebacks
 
 DIM = 8
@@ -59,8 +60,7 @@ MAX_BATCH = 4
 NAMESPACES = {"honest": 400, "other": 60}  # "default" exists too, empty
 REQUEST_BYTES = REQUEST_DTYPE.itemsize
 _PREFIX = struct.Struct("<IQ")
-IQ, UNS, PROTO, INTERNAL = (int(ErrorCode.INVALID_QUERY), int(ErrorCode.UNKNOWN_NAMESPACE),
-                            int(ErrorCode.PROTOCOL), int(ErrorCode.INTERNAL))
+IQ, PROTO, INTERNAL = int(ErrorCode.INVALID_QUERY), int(ErrorCode.PROTOCOL), int(ErrorCode.INTERNAL)
 
 
 def _fuzz_settings(examples: int) -> settings:
@@ -159,7 +159,12 @@ def allowed_statuses(view: SlotView, layout: Layout, known: set[bytes]) -> set[i
     if not 1 <= n <= layout.max_batch or not 1 <= k <= layout.max_k or flags & ~7:
         errors.add(IQ)
     if not flags & 1 and view.read_namespace() not in known:
-        errors.add(UNS)
+        # A valid name that never held a memory is answered with no hits (issue 22); bytes that
+        # are no namespace name (not UTF-8, control characters, empty, too long) are refused.
+        try:
+            check_namespace(view.read_namespace().decode("utf-8"))
+        except (UnicodeDecodeError, InvalidArgument):
+            errors.add(IQ)
     since = float(view.since[0]) if flags & 2 else None
     until = float(view.until[0]) if flags & 4 else None
     if any(t is not None and not np.isfinite(t) for t in (since, until)):

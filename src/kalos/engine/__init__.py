@@ -41,7 +41,7 @@ def make_engine(device: str, dim: int, *, capacity: int = 1024, precision: str =
     try:
         from kalos.engine.torch_engine import TorchEngine  # torch and triton load only here
     except ImportError as exc:
-        raise InvalidArgument(f"device {device!r} needs PyTorch with CUDA (pip install 'kalos[gpu]'): {exc}") from None
+        raise InvalidArgument(f"device {device!r} needs PyTorch with CUDA (pip install 'kalos-recall[gpu]'): {exc}") from None
     if len(devices) == 1:
         return TorchEngine(dim, capacity=capacity, device=devices[0], precision=precision)
     per_shard = max(1024, -(-capacity // len(devices)))

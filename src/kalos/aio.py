@@ -1,0 +1,534 @@
+"""The asyncio client: :class:`AsyncClient`, the whole :class:`~kalos.client.Client` API as coroutines.
+
+Recalls (``recall``, ``recall_many``, ``recall_text``, ``recall_texts``, ``ping``) are native:
+the request is written into the slot and submitted exactly as the sync client does (its own
+validation and request building, :meth:`Client._write_request`), then the answer is waited
+for without blocking the event loop: a short, bounded spin on ``resp_seq`` (an answer that
+comes within tens of microseconds is read with no system call and no trip through the loop;
+a longer spin would hold every other coroutine of the loop), then the same
+Dekker handshake as :meth:`kalos.channel.ClientChannel._block` (``client_sleeping = 1``, full
+fence, re-read ``resp_seq``) and an await on the wake eventfd through ``loop.add_reader``. The
+slot's control socket is watched the same way, so a sidecar that dies wakes the waiter at
+once (:class:`SidecarUnavailable`), and the heartbeat is checked every poll slice, so a hung
+one is noticed within ``timeout``, as with :class:`Client`.
+
+Control operations (``add``, ``delete``, ``get``, ``stats``, ``compact``, ``remember``, and any
+method added to :class:`Client` later) are not on the hot path: they run the sync client's own
+implementation in a worker thread (``asyncio.to_thread``), with the same arguments (forwarded
+as they are) and the same errors.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import math
+import os
+import time
+from typing import Any, Callable, Sequence, TypeVar
+
+import numpy as np
+
+from kalos.channel import SidecarExited
+from kalos.client import (
+    Client,
+    Hit,
+    Item,
+    Recall,
+    RecallBatch,
+    TimeLike,
+    _as_matrix,
+    _Connection,
+    _filter_words,
+    _request_words,
+)
+from kalos.engine.base import MISSING_ID
+from kalos.errors import InvalidArgument, InvalidQuery, KalosError, SidecarUnavailable, error_from_code
+from kalos.protocol import Layout, Op
+from kalos.sync import full_fence
+
+__all__ = ["AsyncClient", "DEFAULT_MAX_SPIN_US"]
+
+#: The longest a recall busy-polls its slot on the event loop before it sleeps on the wake
+#: eventfd. Spinning holds the loop (no other coroutine runs meanwhile), so it stays far below
+#: the sync client's 100 us (CPU sidecar) or 1 ms (GPU sidecar): only answers that are
+#: practically there already are caught by it.
+DEFAULT_MAX_SPIN_US = 50.0
+
+_T = TypeVar("_T")
+_WAKE = "wake"
+_CONTROL = "control"
+_PING_REQUEST = (1, 0, 0.0, 0.0, b"")
+
+
+def _resolve(waiter: asyncio.Future, what: str | None) -> None:
+    if not waiter.done():
+        waiter.set_result(what)
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """Marks a background task's exception as retrieved: whoever awaits it sees it; if nobody
+    does (its caller was cancelled), asyncio must not log it as lost."""
+    if not task.cancelled():
+        task.exception()
+
+
+class AsyncClient:
+    """A connection to the sidecar called ``name`` for asyncio code; an async context manager.
+
+    ``async with AsyncClient("default", timeout=1.0) as memory: hits = await memory.recall(q)``.
+    Every method of :class:`Client` is a coroutine here, with the same arguments, results and
+    errors. ``timeout`` and the other keyword arguments (``spin_us``, ``embedder``, ...) are
+    :class:`Client`'s, passed on as they are. ``max_spin_us`` caps the busy-poll on the event
+    loop before a recall sleeps (:data:`DEFAULT_MAX_SPIN_US`).
+
+    Constructing one does not connect: ``async with``, :meth:`connect` or the first call does,
+    in a worker thread (the hello is a blocking socket exchange).
+
+    **One slot, one request at a time.** The recalls of every coroutine of the process go
+    through one slot, queued on an :class:`asyncio.Lock` (first come, first served). A pool of
+    slots was not chosen: slots are a host-wide resource (``KALOS_SLOTS``) shared with every
+    other client, a waiting coroutine costs nothing while it queues, and batching belongs to
+    :meth:`recall_many` (one request, one engine pass), which is what many queries at once
+    should use. Open several ``AsyncClient`` objects for recalls that must overlap.
+
+    **Two connections.** Control operations run in worker threads on a second, sync
+    :class:`Client`, opened on the first one: sharing the recall connection with threads would
+    need a thread lock on the event loop's hot path, and its control socket could then carry
+    replies, while the recall connection's socket stays silent, so that any readiness of it
+    means that the sidecar is gone.
+
+    **Cancellation.** A recall cancelled while its request is in flight leaves that request's
+    sequence number outstanding; the next request on the slot first waits for (and discards)
+    its answer before it writes into the slot, so the sidecar never reads a half-rewritten
+    request and nobody reads a stale answer (answers are also matched to their exact sequence
+    number). A cancelled control operation cannot stop its worker thread: it runs to its end
+    (a cancelled ``add`` may still be stored; pass ``request_id`` to retry it safely).
+
+    Use it from one event loop at a time (it rebinds to the running loop, so a second
+    ``asyncio.run`` works).
+    """
+
+    def __init__(
+        self, name: str = "default", timeout: float = 1.0, *, max_spin_us: float = DEFAULT_MAX_SPIN_US,
+        **client_kwargs: Any,
+    ) -> None:
+        if (not isinstance(max_spin_us, (int, float)) or isinstance(max_spin_us, bool)
+                or not math.isfinite(max_spin_us) or not max_spin_us >= 0):
+            raise InvalidArgument(f"max_spin_us must be a finite number >= 0, got {max_spin_us!r}")
+        self.name = name
+        self.timeout = timeout
+        self._client_kwargs = client_kwargs
+        self._max_spin_s = max_spin_us / 1e6
+        # Owns the recall slot; touched only on the event loop with the slot lock held.
+        self._recaller: Client | None = None
+        # Control operations, called in worker threads (the sync Client is thread-safe).
+        self._control: Client | None = None
+        self._layout: Layout | None = None
+        # (connection, seq) of a request submitted and not yet answered (its waiter was cancelled).
+        self._outstanding: tuple[_Connection, int] | None = None
+        # Connections being opened in worker threads, shared by every caller until done.
+        self._opening: dict[str, asyncio.Task] = {}
+        self._locks_loop: asyncio.AbstractEventLoop | None = None
+        self._slot_lock_: asyncio.Lock | None = None
+
+    # -- connection ------------------------------------------------------------------------
+
+    def _slot_lock(self) -> asyncio.Lock:
+        """The slot's lock, for the running loop (an asyncio.Lock belongs to the first loop
+        that waits on it; a later ``asyncio.run`` gets a new one)."""
+        loop = asyncio.get_running_loop()
+        if self._locks_loop is not loop:
+            self._locks_loop = loop
+            self._slot_lock_ = asyncio.Lock()
+        return self._slot_lock_  # type: ignore[return-value]
+
+    async def _opened(self, key: str, open_: Callable[[], _T]) -> _T:
+        """``open_()`` in a worker thread, as one task that every caller shares until it ends.
+
+        Cancelling a caller does not cancel the task (the thread could not be stopped anyway):
+        what it opens is kept, and the next caller takes it instead of opening another one.
+        """
+        loop = asyncio.get_running_loop()
+        task = self._opening.get(key)
+        if task is not None and task.done() and (task.cancelled() or task.exception() is not None):
+            task = None  # it failed while nobody was waiting: try afresh
+        elif task is not None and not task.done() and task.get_loop() is not loop:
+            task = None  # left running by a loop that is gone (its thread ended with it)
+        if task is None:
+            task = loop.create_task(asyncio.to_thread(open_))
+            task.add_done_callback(_retrieve)
+            self._opening[key] = task
+        if task.done():
+            self._opening.pop(key, None)
+            return task.result()
+        try:
+            result = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():  # the task itself, not only this caller, was cancelled
+                self._opening.pop(key, None)
+            raise
+        except BaseException:
+            self._opening.pop(key, None)
+            raise
+        self._opening.pop(key, None)
+        return result
+
+    def _open_recaller(self, recaller: Client | None) -> Client:
+        """(worker thread) A connected client for the recall slot."""
+        if recaller is None:
+            return Client(self.name, self.timeout, **self._client_kwargs)
+        with recaller._lock:
+            recaller._connection()  # reconnects (or, after a fork, drops the parent's slot first)
+        return recaller
+
+    async def _slot_connection(self) -> _Connection:
+        """The recall connection, connected now (slot lock held)."""
+        recaller = self._recaller
+        if recaller is not None and recaller._conn is not None and recaller._pid == os.getpid():
+            return recaller._conn
+        recaller = await self._opened("recall", functools.partial(self._open_recaller, recaller))
+        if self._recaller is None:
+            self._recaller = recaller
+            self.timeout = recaller.timeout
+        elif recaller is not self._recaller:  # (cannot happen with the lock held; never keep two)
+            recaller.close()
+            recaller = self._recaller
+        conn = recaller._conn
+        if conn is None:  # dropped meanwhile by a caller that took the lock first
+            return await self._slot_connection()
+        if self._outstanding is not None and self._outstanding[0] is not conn:
+            self._outstanding = None  # that request died with its connection
+        self._layout = conn.layout
+        return conn
+
+    def _drop_slot(self) -> None:
+        """Closes the recall connection (slot lock held); the next call connects again."""
+        if self._recaller is not None:
+            self._recaller._drop()
+        self._outstanding = None
+
+    async def _control_client(self) -> Client:
+        if self._control is None:
+            control = await self._opened(
+                "control", functools.partial(Client, self.name, self.timeout, **self._client_kwargs)
+            )
+            if self._control is None:
+                self._control = control
+            elif control is not self._control:
+                control.close()
+        return self._control
+
+    async def _in_thread(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        """``Client.<method>(*args, **kwargs)`` of the control client, in a worker thread."""
+        control = await self._control_client()
+        return await asyncio.to_thread(getattr(control, method), *args, **kwargs)
+
+    async def connect(self) -> "AsyncClient":
+        """Connects now (else the first call does); SidecarUnavailable if no sidecar answers."""
+        async with self._slot_lock():
+            await self._slot_connection()
+        return self
+
+    async def aclose(self) -> None:
+        """Frees this client's slots. The client reconnects if used again."""
+        loop = asyncio.get_running_loop()
+        async with self._slot_lock():
+            for key in ("recall", "control"):
+                # A connection still being opened for a caller that was cancelled (or opened
+                # and not yet taken): closed too, not left holding a slot.
+                task = self._opening.pop(key, None)
+                if task is None:
+                    continue
+                if task.done():
+                    if task.cancelled() or task.exception() is not None:
+                        continue
+                    opened = task.result()
+                elif task.get_loop() is loop:
+                    try:
+                        opened = await asyncio.shield(task)
+                    except Exception:  # noqa: BLE001 - nothing was opened
+                        continue
+                else:
+                    continue
+                if opened is not self._recaller and opened is not self._control:
+                    await asyncio.to_thread(opened.close)
+            recaller, self._recaller = self._recaller, None
+            self._outstanding = None
+            if recaller is not None:
+                recaller.close()
+        control, self._control = self._control, None
+        if control is not None:
+            await asyncio.to_thread(control.close)  # waits for its control calls in flight
+
+    close = aclose
+
+    async def __aenter__(self) -> "AsyncClient":
+        return await self.connect()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    @property
+    def dim(self) -> int:
+        """The store's vector dimension (known once connected)."""
+        return self._connected_layout().dim
+
+    @property
+    def max_k(self) -> int:
+        return self._connected_layout().max_k
+
+    def _connected_layout(self) -> Layout:
+        if self._layout is None:
+            raise KalosError("AsyncClient has not connected yet: use `async with` or `await client.connect()` first")
+        return self._layout
+
+    def __repr__(self) -> str:
+        recaller = self._recaller
+        state = "connected" if recaller is not None and recaller._conn is not None else "disconnected"
+        return f"AsyncClient(name={self.name!r}, {state})"
+
+    def __getattr__(self, name: str) -> Any:
+        """A method of :class:`Client` that has no version here yet (added to Client later)
+        is a coroutine here too, running the sync method in a worker thread."""
+        method = getattr(Client, name, None) if not name.startswith("_") else None
+        if not inspect.isfunction(method):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+        @functools.wraps(method)
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return await self._in_thread(name, *args, **kwargs)
+
+        signature = inspect.signature(method)  # Client's, less self
+        call.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])  # type: ignore[attr-defined]
+        return call
+
+    # -- recall (shared memory, waited for on the event loop) ------------------------------
+
+    async def recall(
+        self, vector: Any, k: int = 8, namespace: str | None = "default",
+        since: TimeLike | None = None, until: TimeLike | None = None, **kwargs: Any,
+    ) -> Recall:
+        """:meth:`Client.recall`: the ``k`` memories most similar to ``vector``, best first.
+
+        Keyword arguments not listed here (added to :meth:`Client.recall` later) are passed to
+        the sync client in a worker thread: they work at once, only without the native wait.
+        """
+        if kwargs:
+            return await self._in_thread("recall", vector, k, namespace, since, until, **kwargs)
+        return await self._recall(vector, k, namespace, since, until, single=True)
+
+    async def recall_many(
+        self, matrix: Any, k: int = 8, namespace: str | None = "default",
+        since: TimeLike | None = None, until: TimeLike | None = None, **kwargs: Any,
+    ) -> RecallBatch:
+        """:meth:`Client.recall_many`: one recall per row of ``matrix`` ``[Q, dim]``, in batches of
+        the sidecar's max_batch (the slot stays this call's until the last one is answered)."""
+        if kwargs:
+            return await self._in_thread("recall_many", matrix, k, namespace, since, until, **kwargs)
+        return await self._recall(matrix, k, namespace, since, until, single=False)
+
+    async def _recall(
+        self, queries: Any, k: int, namespace: str | None, since: Any, until: Any, *, single: bool
+    ) -> Recall | RecallBatch:
+        """:meth:`Client._recall` with the wait on the event loop."""
+        async with self._slot_lock():
+            conn = await self._slot_connection()
+            layout = conn.layout
+            rows = _as_matrix(queries, layout.dim, single=single)
+            if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= layout.max_k:
+                raise InvalidQuery(f"k={k!r} is out of range: 1 <= k <= {layout.max_k}")
+            k = int(k)
+            request = _request_words(k, namespace, since, until)
+            q = len(rows)
+            if not single:
+                ids = np.empty((q, k), np.int64)
+                scores = np.empty((q, k), np.float32)
+            step = layout.max_batch
+            start = 0
+            retried = False
+            while start < q:
+                stop = min(q, start + step)
+                try:
+                    await self._round_trip(conn, rows[start:stop], request)
+                except SidecarUnavailable as exc:
+                    # As the sync client: a recall changes nothing, so after the sidecar exited
+                    # it is asked again, once, of a sidecar that is back already; a hung one has
+                    # used up the timeout, and the caller hears of it.
+                    self._drop_slot()
+                    if retried or not isinstance(exc, SidecarExited):
+                        raise
+                    retried = True
+                    conn = await self._slot_connection()
+                    if conn.layout.dim != layout.dim or conn.layout.max_k < k:
+                        raise SidecarUnavailable("the sidecar came back with another dimension or max_k") from None
+                    step = conn.layout.max_batch
+                    continue
+                slot = conn.channel.slot
+                if single:  # straight from the slot: the hits, without the -1 / -inf padding
+                    hits = slot.ids[0, :k].copy()
+                    hit_scores = slot.scores[0, :k].copy()
+                    if hits[k - 1] == MISSING_ID:
+                        n = int(np.argmax(hits == MISSING_ID))
+                        hits, hit_scores = hits[:n], hit_scores[:n]
+                    return Recall(hits, hit_scores)
+                ids[start:stop] = slot.ids[: stop - start, :k]
+                scores[start:stop] = slot.scores[: stop - start, :k]
+                start = stop
+            return RecallBatch(ids, scores)
+
+    async def ping(self) -> None:
+        """:meth:`Client.ping`: one bare round trip through the slot (no search)."""
+        async with self._slot_lock():
+            conn = await self._slot_connection()
+            try:
+                await self._round_trip(conn, conn.channel.slot.queries[:0], _PING_REQUEST, op=Op.PING)
+            except SidecarUnavailable:
+                self._drop_slot()
+                raise
+
+    async def _round_trip(
+        self, conn: _Connection, rows: np.ndarray, request: tuple[Any, ...], op: Op = Op.RECALL
+    ) -> None:
+        """One request through the slot (slot lock held)."""
+        if self._outstanding is not None:
+            # A cancelled recall's request is still in the sidecar's hands: the slot is not
+            # ours to rewrite until it is answered. Its answer is waited for and discarded.
+            _, seq = self._outstanding
+            await self._wait(conn, seq)
+            self._outstanding = None
+        self._recaller._write_request(conn, rows, request, op)  # type: ignore[union-attr]
+        channel = conn.channel
+        seq = channel.submit()
+        self._outstanding = (conn, seq)
+        status = await self._wait(conn, seq)
+        self._outstanding = None
+        if status:
+            raise error_from_code(status, channel.slot.read_message())
+
+    async def _wait(self, conn: _Connection, seq: int) -> int:
+        """:meth:`ClientChannel.wait` without blocking the loop: the answer's status (0: in the slot)."""
+        channel = conn.channel
+        slot = channel.slot
+        resp_seq = slot.resp_seq
+        if resp_seq[0] != seq:
+            spin_s = min(channel.spin_budget_s(), self._max_spin_s)
+            if spin_s > 0:
+                clock = time.perf_counter
+                spin_until = clock() + spin_s
+                while resp_seq[0] != seq and clock() < spin_until:
+                    pass
+            if resp_seq[0] != seq:
+                await self._sleep(conn, seq)
+        full_fence()  # acquire: resp_seq is read before the response fields and result rows
+        return int(slot.status[0])
+
+    @staticmethod
+    async def _sleep(conn: _Connection, seq: int) -> None:
+        """:meth:`ClientChannel._block` on the event loop: the same Dekker handshake, then the
+        wake eventfd (rung by the sidecar) and the control socket (its death) awaited through
+        ``loop.add_reader``, in slices after which the heartbeat is checked."""
+        loop = asyncio.get_running_loop()
+        channel = conn.channel
+        slot = channel.slot
+        wake_fd, control_fd, slice_s = channel.wake_fd, channel.control_fd, channel.poll_slice_s
+        while True:
+            slot.client_sleeping[0] = 1
+            full_fence()  # store client_sleeping, then load resp_seq (Dekker, see kalos.sync)
+            if slot.resp_seq[0] == seq:
+                slot.client_sleeping[0] = 0
+                return
+            waiter = loop.create_future()
+            loop.add_reader(wake_fd, _resolve, waiter, _WAKE)
+            loop.add_reader(control_fd, _resolve, waiter, _CONTROL)
+            timer = loop.call_later(slice_s, _resolve, waiter, None)
+            try:
+                event = await waiter
+            finally:  # cancelled too: nothing of this wait stays registered on the loop
+                timer.cancel()
+                loop.remove_reader(wake_fd)
+                loop.remove_reader(control_fd)
+                slot.client_sleeping[0] = 0
+            if event == _CONTROL:
+                raise SidecarExited("the sidecar closed the connection (it exited or was killed)")
+            if event == _WAKE:
+                try:
+                    os.eventfd_read(wake_fd)
+                except BlockingIOError:
+                    pass
+            if slot.resp_seq[0] == seq:
+                return
+            channel.check_alive()
+
+    # -- text memories ----------------------------------------------------------------------
+
+    async def embedder(self) -> Any:
+        """:attr:`Client.embedder` (a coroutine here: loading the model takes seconds)."""
+        control = await self._control_client()
+        return await asyncio.to_thread(lambda: control.embedder)
+
+    async def recall_text(
+        self, text: str, k: int = 8, namespace: str | None = "default",
+        since: TimeLike | None = None, until: TimeLike | None = None, **kwargs: Any,
+    ) -> list[Hit]:
+        """:meth:`Client.recall_text`: embeds in a worker thread, recalls natively, then fetches the
+        hits' texts in one control round trip."""
+        if kwargs:
+            return await self._in_thread("recall_text", text, k, namespace, since, until, **kwargs)
+        if not isinstance(text, str):
+            raise InvalidArgument(f"recall_text takes one str, got {type(text).__name__}; use recall_texts for several")
+        return (await self.recall_texts([text], k, namespace, since, until))[0]
+
+    async def recall_texts(
+        self, texts: Sequence[str], k: int = 8, namespace: str | None = "default",
+        since: TimeLike | None = None, until: TimeLike | None = None, **kwargs: Any,
+    ) -> list[list[Hit]]:
+        """:meth:`Client.recall_texts`: one embedding batch, one recall batch, one fetch."""
+        if kwargs:
+            return await self._in_thread("recall_texts", texts, k, namespace, since, until, **kwargs)
+        if isinstance(texts, str):
+            raise InvalidArgument("recall_texts takes a sequence of texts; use recall_text for one")
+        texts = list(texts)
+        if not texts:
+            return []
+        async with self._slot_lock():
+            max_k = (await self._slot_connection()).layout.max_k
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= max_k:
+            raise InvalidQuery(f"k={k!r} is out of range: 1 <= k <= {max_k}")
+        _filter_words(namespace, since, until)  # bad filters fail before the (slow) embedding
+        embedder = await self.embedder()
+        vectors = await asyncio.to_thread(embedder.embed, texts)
+        batch = await self.recall_many(vectors, k=k, namespace=namespace, since=since, until=until)
+        hits = [batch[i] for i in range(len(texts))]
+        wanted = np.concatenate([h.ids for h in hits])
+        items = dict(zip(wanted.tolist(), await self.get(wanted))) if len(wanted) else {}
+        return [
+            [Hit.from_item(items[i], s) for i, s in hit if items.get(i) is not None]
+            for hit in hits
+        ]
+
+    async def remember(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        """:meth:`Client.remember` (embedding and add) in a worker thread."""
+        return await self._in_thread("remember", *args, **kwargs)
+
+    # -- writes and lookups (control socket, the sync implementation in a worker thread) ------
+
+    async def add(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        """:meth:`Client.add`: stores memories; their ids once durable and recallable."""
+        return await self._in_thread("add", *args, **kwargs)
+
+    async def delete(self, *args: Any, **kwargs: Any) -> int:
+        """:meth:`Client.delete`: how many of the ids existed."""
+        return await self._in_thread("delete", *args, **kwargs)
+
+    async def get(self, *args: Any, **kwargs: Any) -> list[Item | None]:
+        """:meth:`Client.get`: the stored memories (None where absent)."""
+        return await self._in_thread("get", *args, **kwargs)
+
+    async def stats(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """:meth:`Client.stats`: the sidecar's live counts and percentiles."""
+        return await self._in_thread("stats", *args, **kwargs)
+
+    async def compact(self, *args: Any, **kwargs: Any) -> int:
+        """:meth:`Client.compact`: squeezes deleted rows out of the engine now."""
+        return await self._in_thread("compact", *args, **kwargs)

@@ -1,0 +1,601 @@
+"""kalos.AsyncClient against real CPU sidecars.
+
+Answers equal the float64 top-k (single, batched past max_batch, filtered, on the spin path and
+on the sleep path); 64 concurrent coroutines of one process each get their own answer; the
+event loop keeps running while a recall waits on a stopped (SIGSTOP) sidecar; a recall
+cancelled in flight leaves the slot usable and its answer is never read by the next one;
+SidecarUnavailable when the sidecar is killed or hangs, and recovery once one is back; every
+control operation works as the sync Client's does, with the same errors; arguments the async
+client does not know are passed through to the sync client. No timing assertions: deadlines
+only turn a hang into a failure. Every random test prints its seed (KALOS_TEST_SEED replays it).
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import inspect
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterator
+
+import numpy as np
+import pytest
+
+import kalos
+from kalos import AsyncClient, Client, Recall, RecallBatch
+from kalos.errors import DimensionMismatch, InvalidArgument, InvalidQuery, SidecarUnavailable
+
+from conftest import DEADLINE_S, SidecarPool, _seed_value, short_tempdir, unique_name, wait_until
+from reference import assert_topk_matches, eligible_mask, model_arrays
+
+DIM = 16
+MAX_BATCH = 8  # small, so that recall_many splits into several round trips
+
+
+def run(scenario: Callable[[], Awaitable[Any]]) -> Any:
+    """Runs ``scenario()`` in a fresh event loop; fails on a hang and on anything the loop
+    reports (a callback that raised, a task whose exception was never retrieved, ...)."""
+    reported: list[dict[str, Any]] = []
+
+    async def main() -> Any:
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, context: reported.append(context))
+        result = await asyncio.wait_for(scenario(), DEADLINE_S)
+        gc.collect()  # lost task exceptions are reported when the task is collected
+        await asyncio.sleep(0)
+        return result
+
+    result = asyncio.run(main())
+    assert not reported, f"the event loop reported: {reported}"
+    return result
+
+
+class Model:
+    """What the sidecar holds, in float64, for the reference."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, tuple[np.ndarray, str, float]] = {}
+
+    def record(self, ids: np.ndarray, vectors: np.ndarray, namespace: str, created_at: np.ndarray) -> None:
+        for j, i in enumerate(ids.tolist()):
+            self.rows[i] = (vectors[j].astype(np.float64), namespace, float(created_at[j]))
+
+    def check(self, got: Recall | RecallBatch, queries: np.ndarray, k: int, *, namespace: str | None = "default",
+              since: float | None = None, until: float | None = None, context: str = "") -> None:
+        ids, vectors, namespaces, created = model_arrays(self.rows)
+        eligible = eligible_mask(namespaces, created, namespace=namespace, since=since, until=until)
+        if isinstance(got, Recall):
+            assert_topk_matches(got.ids[None], got.scores[None], ids, vectors, queries, k, eligible, padded=False,
+                                context=context)
+        else:
+            assert_topk_matches(got.ids, got.scores, ids, vectors, queries, k, eligible, context=context)
+
+
+class Served:
+    def __init__(self, name: str, pool: SidecarPool, store: Path, rng: np.random.Generator) -> None:
+        self.name, self.pool, self.store, self.rng = name, pool, store, rng
+        self.model = Model()
+        self.proc = pool.start(store, name=name, dim=DIM, extra_args=["--max-batch", str(MAX_BATCH)])
+
+    def fill(self) -> None:
+        with Client(self.name, timeout=10.0) as client:
+            for namespace, n in (("default", 1200), ("alpha", 300), ("beta", 5)):
+                vectors = self.rng.standard_normal((n, DIM)).astype(np.float32)
+                created = self.rng.uniform(1_000, 1_200, size=n)
+                ids = client.add(vectors, namespace=namespace, created_at=created)
+                self.model.record(ids, vectors, namespace, created)
+
+    def queries(self, n: int) -> np.ndarray:
+        return self.rng.standard_normal((n, DIM)).astype(np.float32)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    """One filled sidecar for the tests that only recall (each leaves it running)."""
+    seed = _seed_value()
+    print(f"module sidecar data seed: {seed} (replay with KALOS_TEST_SEED={seed})")
+    runtime, store_dir = short_tempdir("k"), short_tempdir("ks")
+    pool = SidecarPool()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KALOS_RUNTIME_DIR", runtime)
+        try:
+            s = Served(unique_name("aio"), pool, Path(store_dir) / "m.db", np.random.default_rng(seed))
+            s.fill()
+            yield s
+        finally:
+            pool.cleanup()
+            shutil.rmtree(runtime, ignore_errors=True)
+            shutil.rmtree(store_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def fresh(sidecars: SidecarPool, store_dir: Path, rng: np.random.Generator) -> Served:
+    """A sidecar of this test's own (to kill, stop, or write to)."""
+    s = Served(unique_name("aio"), sidecars, store_dir / "m.db", rng)
+    s.fill()
+    return s
+
+
+def stopped(pid: int) -> "_Stopped":
+    return _Stopped(pid)
+
+
+class _Stopped:
+    """SIGSTOPs a sidecar for a ``with`` block; SIGCONT on the way out, whatever happens."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def __enter__(self) -> "_Stopped":
+        os.kill(self.pid, signal.SIGSTOP)
+        # Stopped for sure before the block runs (the signal takes effect when it is scheduled).
+        wait_until(lambda: Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "Tt",
+                   "the sidecar to stop", interval=0.001)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            os.kill(self.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+async def eventually(predicate: Callable[[], Any], what: str) -> None:
+    """Polls ``predicate`` while the loop runs; fails after DEADLINE_S (a hang guard)."""
+    deadline = asyncio.get_running_loop().time() + DEADLINE_S
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def until_sleeping(client: AsyncClient, task: asyncio.Task) -> None:
+    """Lets the loop run until ``task``'s recall sleeps on its doorbell (the sidecar is stopped,
+    so it can only get there); fails if the task ends instead."""
+    slot = None
+    while slot is None or not slot.client_sleeping[0]:
+        assert not task.done(), f"the recall ended while the sidecar was stopped: {task!r}"
+        await asyncio.sleep(0.001)
+        conn = client._recaller._conn if client._recaller is not None else None
+        slot = conn.channel.slot if conn is not None else None
+
+
+# -- exact answers ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_spin_us", [0.0, 50.0, 5000.0], ids=["sleep-path", "default-spin", "long-spin"])
+def test_recalls_equal_the_float64_reference(served: Served, max_spin_us: float) -> None:
+    cases = [("default", 1, None, None), ("default", 10, None, None), ("alpha", 37, None, None),
+             (None, 64, None, None), ("beta", 20, None, None), ("default", 25, 1_050.0, 1_120.0),
+             (None, 9, 1_150.0, None)]
+
+    async def scenario() -> None:
+        async with AsyncClient(served.name, timeout=10.0, max_spin_us=max_spin_us) as client:
+            assert client.dim == DIM
+            await client.ping()
+            for namespace, k, since, until in cases:
+                where = f"ns={namespace} k={k} since={since} until={until} spin={max_spin_us}"
+                for q in served.queries(3):
+                    hit = await client.recall(q, k=k, namespace=namespace, since=since, until=until)
+                    assert isinstance(hit, Recall)
+                    served.model.check(hit, q, k, namespace=namespace, since=since, until=until, context=where)
+                queries = served.queries(MAX_BATCH * 3 + 2)  # four round trips through the slot
+                batch = await client.recall_many(queries, k=k, namespace=namespace, since=since, until=until)
+                assert isinstance(batch, RecallBatch) and batch.ids.shape == (len(queries), k)
+                served.model.check(batch, queries, k, namespace=namespace, since=since, until=until,
+                                   context=f"batch {where}")
+            # The sync client answers the same.
+            q = served.queries(1)[0]
+            with Client(served.name, timeout=10.0) as sync:
+                want = sync.recall(q, k=12, namespace=None)
+            got = await client.recall(q, k=12, namespace=None)
+            assert got.ids.tolist() == want.ids.tolist()
+            np.testing.assert_array_equal(got.scores, want.scores)
+
+    run(scenario)
+
+
+def test_bad_input_raises_what_the_sync_client_raises(served: Served) -> None:
+    q = served.queries(1)[0]
+    bad = [
+        (dict(vector=q, k=0), InvalidQuery), (dict(vector=q, k=10**6), InvalidQuery),
+        (dict(vector=q, k=True), InvalidQuery), (dict(vector=q[:5]), DimensionMismatch),
+        (dict(vector=np.stack([q, q])), InvalidQuery), (dict(vector=["a"] * DIM), InvalidQuery),
+        (dict(vector=q, namespace=""), InvalidQuery), (dict(vector=q, namespace=3), InvalidQuery),
+        (dict(vector=q, since=5.0, until=4.0), InvalidQuery), (dict(vector=q, since=float("nan")), InvalidQuery),
+        (dict(vector=np.zeros(DIM, np.float32)), InvalidQuery),  # refused by the sidecar, through the slot
+    ]
+
+    async def scenario() -> None:
+        async with AsyncClient(served.name, timeout=10.0) as client:
+            with Client(served.name, timeout=10.0) as sync:
+                for kwargs, error in bad:
+                    with pytest.raises(error) as want:
+                        sync.recall(**kwargs)
+                    with pytest.raises(error) as got:
+                        await client.recall(**kwargs)
+                    assert str(got.value) == str(want.value), kwargs
+                with pytest.raises(InvalidQuery):
+                    await client.recall_many(np.empty((0, DIM), np.float32))
+            # After every refusal the slot still answers right.
+            hit = await client.recall(q, k=5)
+            served.model.check(hit, q, 5, context="after bad input")
+
+    run(scenario)
+    with pytest.raises(InvalidArgument):
+        AsyncClient(served.name, max_spin_us=-1)
+    with pytest.raises(InvalidArgument):  # the sync client's own check, on connecting
+        run(lambda: AsyncClient(served.name, timeout=0).connect())
+
+
+def test_sixty_four_concurrent_coroutines_each_get_their_own_answer(served: Served) -> None:
+    jobs = []
+    for i in range(64):
+        namespace = ("default", "alpha", None, "beta")[i % 4]
+        jobs.append((i, namespace, 1 + (i * 7) % 40, "many" if i % 5 == 0 else "one"))
+    queries = {i: served.queries(MAX_BATCH + 3 if kind == "many" else 1) for i, _, _, kind in jobs}
+
+    async def one(client: AsyncClient, i: int, namespace: str | None, k: int, kind: str) -> tuple[int, Any]:
+        await asyncio.sleep(0)  # all start before any finishes
+        for _ in range(3):  # several rounds each, so that the queue on the slot stays long
+            if kind == "many":
+                got = await client.recall_many(queries[i], k=k, namespace=namespace)
+            else:
+                got = await client.recall(queries[i][0], k=k, namespace=namespace)
+            served.model.check(got, queries[i] if kind == "many" else queries[i][0], k, namespace=namespace,
+                               context=f"coroutine {i} ns={namespace} k={k}")
+            await client.ping()
+        return i, got
+
+    async def scenario() -> None:
+        for max_spin_us in (0.0, 50.0):
+            async with AsyncClient(served.name, timeout=10.0, max_spin_us=max_spin_us) as client:
+                results = await asyncio.gather(*(one(client, *job) for job in jobs))
+                assert sorted(i for i, _ in results) == list(range(64))
+
+    run(scenario)
+
+
+def test_one_client_serves_several_event_loops_in_turn(served: Served) -> None:
+    client = AsyncClient(served.name, timeout=10.0)
+    q = served.queries(1)[0]
+    try:
+        for round_ in range(3):  # a second asyncio.run must not find the first loop's lock
+            hit = run(lambda: client.recall(q, k=4))
+            served.model.check(hit, q, 4, context=f"loop {round_}")
+    finally:
+        run(client.aclose)
+
+
+# -- the event loop while recalls wait -----------------------------------------------------------------
+
+
+def test_the_event_loop_keeps_running_while_a_recall_waits(served: Served) -> None:
+    q = served.queries(1)[0]
+
+    async def scenario() -> None:
+        async with AsyncClient(served.name, timeout=30.0) as client:
+            await client.ping()
+            ticks = 0
+
+            async def ticker() -> None:
+                nonlocal ticks
+                while True:
+                    await asyncio.sleep(0.002)
+                    ticks += 1
+
+            ticking = asyncio.ensure_future(ticker())
+            with stopped(served.pid):  # no answer can come while it is stopped
+                task = asyncio.ensure_future(client.recall(q, k=6))
+                await until_sleeping(client, task)
+                seen = ticks
+                while ticks < seen + 20:  # the ticker goes on while the recall waits
+                    assert not task.done()
+                    await asyncio.sleep(0.001)
+                # A second recall queues behind the first one without blocking the loop either.
+                second = asyncio.ensure_future(client.recall(q, k=3))
+                seen = ticks
+                while ticks < seen + 5:
+                    await asyncio.sleep(0.001)
+                assert not task.done() and not second.done()
+            hit, hit2 = await task, await second
+            ticking.cancel()
+            served.model.check(hit, q, 6, context="after the stop")
+            served.model.check(hit2, q, 3, context="queued behind it")
+
+    run(scenario)
+
+
+# -- cancellation ------------------------------------------------------------------------------------
+
+
+def test_a_recall_cancelled_in_flight_leaves_the_slot_usable(served: Served) -> None:
+    qa, qb, qc = served.queries(3)
+
+    async def cancelled_recall(client: AsyncClient, q: np.ndarray, k: int) -> None:
+        task = asyncio.ensure_future(client.recall(q, k=k, namespace=None))
+        await until_sleeping(client, task)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        channel = client._recaller._conn.channel
+        loop = asyncio.get_running_loop()
+        # Nothing of the cancelled wait stays behind: no reader on the loop, no sleeping flag.
+        assert not loop.remove_reader(channel.wake_fd) and not loop.remove_reader(channel.control_fd)
+        assert channel.slot.client_sleeping[0] == 0
+
+    async def scenario() -> None:
+        async with AsyncClient(served.name, timeout=30.0) as client:
+            # Cancelled while the sidecar is stopped; the next recall comes after it answered.
+            with stopped(served.pid):
+                await cancelled_recall(client, qa, 2)
+            await asyncio.sleep(0.05)
+            hit = await client.recall(qb, k=7)
+            served.model.check(hit, qb, 7, context="after a cancelled recall")
+            # The next recall comes while the cancelled one is still unanswered.
+            with stopped(served.pid):
+                await cancelled_recall(client, qa, 2)
+                nxt = asyncio.ensure_future(client.recall(qb, k=9, namespace="alpha"))
+                for _ in range(10):
+                    await asyncio.sleep(0.002)
+                assert not nxt.done()
+            hit = await nxt
+            served.model.check(hit, qb, 9, namespace="alpha", context="submitted behind a cancelled recall")
+            # A batch of several round trips, cancelled in its first.
+            with stopped(served.pid):
+                many = asyncio.ensure_future(client.recall_many(served.queries(MAX_BATCH * 4), k=5))
+                await until_sleeping(client, many)
+                many.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await many
+            batch = await client.recall_many(np.stack([qc] * (MAX_BATCH + 1)), k=11, namespace=None)
+            served.model.check(batch, np.stack([qc] * (MAX_BATCH + 1)), 11, namespace=None,
+                               context="after a cancelled batch")
+
+    run(scenario)
+
+
+def test_recalls_cancelled_at_random_points_never_disturb_the_others(served: Served) -> None:
+    rng = served.rng
+
+    async def scenario() -> None:
+        async with AsyncClient(served.name, timeout=10.0, max_spin_us=0.0) as client:
+            for round_ in range(150):
+                victims = [asyncio.ensure_future(client.recall(q, k=int(rng.integers(1, 30)), namespace=None))
+                           for q in served.queries(int(rng.integers(1, 4)))]
+                checked_q = served.queries(1)[0]
+                k = int(rng.integers(1, 30))
+                checked = asyncio.ensure_future(client.recall(checked_q, k=k))
+                for _ in range(int(rng.integers(0, 4))):
+                    await asyncio.sleep(0)
+                if rng.random() < 0.3:
+                    await asyncio.sleep(float(rng.uniform(0, 0.002)))
+                for victim in victims:
+                    victim.cancel()
+                hit = await checked
+                served.model.check(hit, checked_q, k, context=f"round {round_}")
+                for victim in victims:  # each one either finished (right) or was cancelled
+                    if not victim.cancelled():
+                        victim.result()
+
+    run(scenario)
+
+
+# -- a sidecar that dies or hangs ------------------------------------------------------------------------
+
+
+def test_a_killed_sidecar_raises_sidecar_unavailable_and_a_new_one_is_found(fresh: Served) -> None:
+    q = fresh.queries(1)[0]
+
+    async def scenario() -> None:
+        async with AsyncClient(fresh.name, timeout=2.0) as client:
+            served_before = await client.recall(q, k=5)
+            fresh.model.check(served_before, q, 5, context="before the kill")
+            # Killed while a recall waits for it.
+            with stopped(fresh.pid):
+                task = asyncio.ensure_future(client.recall(q, k=5))
+                await until_sleeping(client, task)
+                fresh.proc.kill()
+            with pytest.raises(SidecarUnavailable):
+                await task
+            # None running: every call says so, recalls and control operations alike.
+            for call in (lambda: client.recall(q), lambda: client.ping(), lambda: client.stats()):
+                with pytest.raises(SidecarUnavailable):
+                    await call()
+            # A new sidecar on the same store: the client finds it by itself.
+            fresh.proc = fresh.pool.start(fresh.store, name=fresh.name, extra_args=["--max-batch", str(MAX_BATCH)])
+            hit = await client.recall(q, k=5)
+            fresh.model.check(hit, q, 5, context="after the restart")
+            assert (await client.stats())["count"] == len(fresh.model.rows)
+
+    run(scenario)
+
+
+def test_a_hung_sidecar_raises_sidecar_unavailable_then_serves_again(fresh: Served) -> None:
+    q = fresh.queries(1)[0]
+
+    async def scenario() -> None:
+        async with AsyncClient(fresh.name, timeout=0.5) as client:
+            await client.ping()
+            await client.stats()
+            with stopped(fresh.pid):  # longer than the timeout: its heartbeat goes stale
+                with pytest.raises(SidecarUnavailable, match="heartbeat"):
+                    await client.recall(q, k=3)
+                with pytest.raises(SidecarUnavailable):  # a control operation too (in its thread)
+                    await client.stats()
+            hit = await client.recall(q, k=3)
+            fresh.model.check(hit, q, 3, context="after the hang")
+            assert (await client.stats())["count"] == len(fresh.model.rows)
+
+    run(scenario)
+
+
+# -- control operations ------------------------------------------------------------------------------------
+
+
+def _embed(texts: list[str]) -> np.ndarray:
+    """A deterministic stand-in embedder: a vector seeded by each text."""
+    return np.stack([np.random.default_rng(abs(hash(t)) % (1 << 32)).standard_normal(DIM) for t in texts]).astype(np.float32)
+
+
+def test_every_control_operation_works_as_the_sync_clients(fresh: Served) -> None:
+    rng = fresh.rng
+
+    async def scenario() -> None:
+        async with AsyncClient(fresh.name, timeout=10.0, embedder=_embed) as client, \
+                AsyncClient(fresh.name, timeout=10.0) as plain:
+            sync = Client(fresh.name, timeout=10.0, embedder=_embed)
+            try:
+                vectors = rng.standard_normal((20, DIM)).astype(np.float32)
+                texts = [f"memory {i}" for i in range(20)]
+                metadata = [{"i": i} for i in range(20)]
+                created = np.full(20, 1_100.0)
+                ids = await client.add(vectors, texts, metadata=metadata, namespace="gamma",
+                                       created_at=created.tolist(), request_id="req-async-1")
+                fresh.model.record(ids, vectors, "gamma", created)
+                assert ids.dtype == np.int64 and len(ids) == 20
+                # The same request id stores nothing twice (the sync client's retry contract).
+                again = await client.add(vectors, texts, metadata=metadata, namespace="gamma",
+                                         created_at=created.tolist(), request_id="req-async-1")
+                assert again.tolist() == ids.tolist()
+                hit = await client.recall(vectors[3], k=4, namespace="gamma")
+                assert int(hit.ids[0]) == int(ids[3])
+                fresh.model.check(hit, vectors[3], 4, namespace="gamma", context="after add")
+
+                wanted = [int(ids[0]), 10**12, int(ids[5]), int(ids[0])]
+                got = await client.get(wanted)
+                assert got == sync.get(wanted)
+                assert got[1] is None and got[0] == got[3]
+                assert got[0].text == "memory 0" and got[2].metadata == {"i": 5} and got[2].namespace == "gamma"
+
+                stats = await client.stats()
+                assert stats["count"] == len(fresh.model.rows) == sync.stats()["count"]
+                assert stats["namespaces"]["gamma"] == 20
+
+                assert await client.delete(ids[:5].tolist() + [10**12]) == 5
+                for i in ids[:5].tolist():
+                    fresh.model.rows.pop(i)
+                assert await client.delete(ids[:5]) == 0
+                assert (await client.get(ids[:1]))[0] is None
+                assert isinstance(await client.compact(), int)
+                hit = await client.recall(vectors[7], k=20, namespace="gamma")
+                fresh.model.check(hit, vectors[7], 20, namespace="gamma", context="after delete and compact")
+
+                # Text memories: embedding in a worker thread, recall through the slot.
+                notes = ["window seats", "vegetarian meals", "late check-out"]
+                note_ids = await client.remember(notes, namespace="notes", metadata=[{"n": i} for i in range(3)])
+                for i, note in enumerate(notes):
+                    hits = await client.recall_text(note, k=2, namespace="notes")
+                    assert hits == sync.recall_text(note, k=2, namespace="notes")
+                    assert hits[0].id == int(note_ids[i]) and hits[0].text == note and hits[0].metadata == {"n": i}
+                both = await client.recall_texts(notes[:2], k=1, namespace="notes")
+                assert [h[0].id for h in both] == note_ids[:2].tolist()
+                assert await client.recall_texts([]) == []
+                assert (await client.embedder()).dim == DIM
+
+                # Errors are the sync client's, message for message.
+                count = (await plain.stats())["count"]
+                failing = [
+                    ("add", (vectors[:, :5],), {}), ("add", (vectors,), {"texts": ["one"]}),
+                    ("add", (vectors,), {"metadata": [{1: object()}] * 20}), ("add", (vectors,), {"namespace": ""}),
+                    ("add", (vectors,), {"request_id": 5}), ("get", ([1.5],), {}), ("delete", ([[1, 2]],), {}),
+                    ("add", (vectors,), {"no_such_argument": 1}), ("stats", (), {"no_such_argument": 1}),
+                    ("recall_text", (["a", "b"],), {}), ("recall_texts", ("a",), {}),
+                    ("recall_texts", (["a"],), {"k": 0}), ("remember", ([],), {}),
+                ]
+                for method, args, kwargs in failing:
+                    with pytest.raises(Exception) as want:
+                        getattr(sync, method)(*args, **kwargs)
+                    with pytest.raises(type(want.value)) as got_exc:
+                        await getattr(client, method)(*args, **kwargs)
+                    assert str(got_exc.value) == str(want.value), (method, kwargs)
+                with pytest.raises(DimensionMismatch):
+                    await plain.add(vectors[:, :5])
+                assert (await plain.stats())["count"] == count  # nothing half-added
+            finally:
+                sync.close()
+
+    run(scenario)
+
+
+def test_the_whole_client_api_is_there_as_coroutines(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    public = [n for n, f in inspect.getmembers(Client, inspect.isfunction) if not n.startswith("_")]
+    properties = [n for n, p in inspect.getmembers(Client, lambda m: isinstance(m, property))]
+    client = AsyncClient(served.name, timeout=10.0)
+    for name in public:
+        assert inspect.iscoroutinefunction(getattr(client, name)), name
+    for name in properties:
+        assert hasattr(AsyncClient, name), name
+    assert kalos.AsyncClient is AsyncClient and "AsyncClient" in kalos.__all__
+    with pytest.raises(AttributeError):
+        client.no_such_method  # noqa: B018
+
+    # A method added to Client later is a coroutine here at once (in a worker thread)...
+    def count_plus(self: Client, n: int, *, times: int = 1) -> int:
+        return self.stats()["count"] * times + n
+
+    monkeypatch.setattr(Client, "count_plus", count_plus, raising=False)
+    # ...and so is a keyword argument added to a recall: passed to the sync client as it is.
+    sync_recall = Client.recall
+
+    def recall_with_tag(self: Client, *args: Any, tag: str | None = None, **kwargs: Any) -> Any:
+        return tag, sync_recall(self, *args, **kwargs)
+
+    monkeypatch.setattr(Client, "recall", recall_with_tag)
+    q = served.queries(1)[0]
+
+    async def scenario() -> None:
+        async with client:
+            assert await client.count_plus(3, times=2) == 2 * len(served.model.rows) + 3
+            tag, hit = await client.recall(q, k=5, tag="passed")
+            assert tag == "passed"
+            served.model.check(hit, q, 5, context="passed through")
+            native = await client.recall(q, k=5)  # without it: the native path (not the patched method)
+            assert isinstance(native, Recall) and native.ids.tolist() == hit.ids.tolist()
+
+    run(scenario)
+
+
+def test_aclose_frees_the_slots_and_a_closed_client_reconnects(served: Served) -> None:
+    q = served.queries(1)[0]
+
+    async def scenario() -> None:
+        with Client(served.name, timeout=10.0) as observer:
+            base = observer.stats()["clients"]
+            client = AsyncClient(served.name, timeout=10.0)
+            assert "disconnected" in repr(client)
+            with pytest.raises(Exception, match="not connected"):
+                client.dim  # noqa: B018
+            async with client:
+                await client.recall(q)
+                assert observer.stats()["clients"] == base + 1  # recall slot only, until a control op
+                await client.stats()
+                assert observer.stats()["clients"] == base + 2
+                assert "connected" in repr(client)
+            await eventually(lambda: observer.stats()["clients"] == base, "both slots to be freed")
+            hit = await client.recall(q, k=3)  # used again: connects again
+            served.model.check(hit, q, 3, context="after aclose")
+            await client.close()
+            await eventually(lambda: observer.stats()["clients"] == base, "the slot to be freed again")
+
+            # A connect cancelled while its worker thread opens the connection: the next call
+            # takes that connection (one slot, not two), and aclose frees it.
+            for then_close in (False, True):
+                other = AsyncClient(served.name, timeout=10.0)
+                connecting = asyncio.ensure_future(other.connect())
+                await asyncio.sleep(0)  # the thread has started
+                connecting.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await connecting
+                if not then_close:
+                    hit = await other.recall(q, k=3)
+                    served.model.check(hit, q, 3, context="after a cancelled connect")
+                    assert observer.stats()["clients"] == base + 1
+                await other.aclose()
+                await eventually(lambda: observer.stats()["clients"] == base, "the cancelled connect's slot to go")
+
+    run(scenario)
