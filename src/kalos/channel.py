@@ -425,6 +425,9 @@ class SidecarChannel:
         if not len(slots):
             return
         full_fence()  # release: response fields and result rows before resp_seq
+        if len(slots) == 1:
+            self._publish_one(int(slots[0]), int(seqs[0]), None if generations is None else int(generations[0]))
+            return
         with self._lock:
             if generations is not None:
                 same = self.generation[slots] == generations
@@ -435,6 +438,18 @@ class SidecarChannel:
             self._woken[slots] = seqs
             full_fence()  # store resp_seq, then load client_sleeping (Dekker, see kalos.sync)
             self._wake(slots)
+
+    def _publish_one(self, slot: int, seq: int, generation: int | None) -> None:
+        """:meth:`publish` of one slot with scalar stores (the fence before it is done)."""
+        with self._lock:
+            if generation is not None and int(self.generation[slot]) != generation:
+                return  # the client left (and maybe another came) while its pass ran
+            self.slots[slot].resp_seq[0] = seq
+            self.answered[slot] = seq
+            self._woken[slot] = seq
+            full_fence()  # store resp_seq, then load client_sleeping (Dekker, see kalos.sync)
+            if self.slots[slot].client_sleeping[0]:
+                self._ring([slot])
 
     def wake_answered(self) -> None:
         """Wakes the sleeping clients of answers written by someone else (a GPU kernel that
@@ -451,8 +466,8 @@ class SidecarChannel:
         if len(sleeping):
             self._ring(sleeping)
 
-    def _ring(self, slots: np.ndarray) -> None:  # (self._lock held)
-        for slot in slots.tolist():
+    def _ring(self, slots: np.ndarray | list[int]) -> None:  # (self._lock held)
+        for slot in (slots.tolist() if isinstance(slots, np.ndarray) else slots):
             fd = self.wake_fds[slot]
             if fd >= 0:
                 try:
