@@ -784,7 +784,7 @@ class Sidecar:
                             self._answer_error(self.channel.slots[index], exc)
                         continue
                 if flt is _NOTHING:
-                    answered += self._answer_nothing(named[members])
+                    answered += self._answer_nothing(named[members], named_ks[members])
                     continue
                 groups.append((named[members], named_ks[members], flt))
         for members, member_ks, flt in groups:
@@ -800,13 +800,13 @@ class Sidecar:
             answered += len(members)
         return answered
 
-    def _answer_nothing(self, slots: np.ndarray) -> int:
-        """Answers single recalls in a namespace that holds nothing: 0 hits, no search. The rows
-        are padded (id -1, score -inf) because the client reads its hits up to the first -1."""
+    def _answer_nothing(self, slots: np.ndarray, ks: np.ndarray) -> int:
+        """Answers single recalls in a namespace that holds nothing: no search, every one of the
+        k results padding (id -1, score -inf), as for a filter that no row passes."""
         columns = self.channel.columns
         columns.ids_row0[slots] = -1
         columns.scores_row0[slots] = -np.inf
-        columns.n_results[slots] = 0
+        columns.n_results[slots] = ks
         columns.status[slots] = 0
         return len(slots)
 
@@ -877,7 +877,7 @@ class Sidecar:
             if flt is _NOTHING:  # a namespace that holds nothing: every query 0 hits, no search
                 view.ids[: len(rows), :k] = -1  # recall_many returns these as its padding rows
                 view.scores[: len(rows), :k] = -np.inf
-                view.n_results[0] = 0
+                view.n_results[0] = k  # k results, all padding: as for a filter no row passes
                 view.status[0] = 0
                 n_queries += len(rows)
                 continue
