@@ -37,13 +37,13 @@ from kalos.client import (
     Recall,
     RecallBatch,
     TimeLike,
-    _as_matrix,
+    _check_k,
     _Connection,
     _filter_words,
-    _request_words,
+    _recall_request,
+    _single_hits,
 )
-from kalos.engine.base import MISSING_ID
-from kalos.errors import InvalidArgument, InvalidQuery, KalosError, SidecarUnavailable, error_from_code
+from kalos.errors import InvalidArgument, KalosError, SidecarUnavailable, error_from_code
 from kalos.protocol import Layout, Op
 from kalos.sync import full_fence
 
@@ -335,11 +335,7 @@ class AsyncClient:
         async with self._slot_lock():
             conn = await self._slot_connection()
             layout = conn.layout
-            rows = _as_matrix(queries, layout.dim, single=single)
-            if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= layout.max_k:
-                raise InvalidQuery(f"k={k!r} is out of range: 1 <= k <= {layout.max_k}")
-            k = int(k)
-            request = _request_words(k, namespace, since, until)
+            rows, k, request = _recall_request(queries, k, namespace, since, until, layout, single=single)
             q = len(rows)
             if not single:
                 ids = np.empty((q, k), np.int64)
@@ -365,13 +361,8 @@ class AsyncClient:
                     step = conn.layout.max_batch
                     continue
                 slot = conn.channel.slot
-                if single:  # straight from the slot: the hits, without the -1 / -inf padding
-                    hits = slot.ids[0, :k].copy()
-                    hit_scores = slot.scores[0, :k].copy()
-                    if hits[k - 1] == MISSING_ID:
-                        n = int(np.argmax(hits == MISSING_ID))
-                        hits, hit_scores = hits[:n], hit_scores[:n]
-                    return Recall(hits, hit_scores)
+                if single:
+                    return _single_hits(slot, k)
                 ids[start:stop] = slot.ids[: stop - start, :k]
                 scores[start:stop] = slot.scores[: stop - start, :k]
                 start = stop
@@ -433,10 +424,7 @@ class AsyncClient:
         slot = channel.slot
         wake_fd, control_fd, slice_s = channel.wake_fd, channel.control_fd, channel.poll_slice_s
         while True:
-            slot.client_sleeping[0] = 1
-            full_fence()  # store client_sleeping, then load resp_seq (Dekker, see kalos.sync)
-            if slot.resp_seq[0] == seq:
-                slot.client_sleeping[0] = 0
+            if channel.going_to_sleep(seq):
                 return
             waiter = loop.create_future()
             loop.add_reader(wake_fd, _resolve, waiter, _WAKE)
@@ -452,10 +440,7 @@ class AsyncClient:
             if event == _CONTROL:
                 raise SidecarExited("the sidecar closed the connection (it exited or was killed)")
             if event == _WAKE:
-                try:
-                    os.eventfd_read(wake_fd)
-                except BlockingIOError:
-                    pass
+                channel.drain_wake()
             if slot.resp_seq[0] == seq:
                 return
             channel.check_alive()
@@ -493,8 +478,7 @@ class AsyncClient:
             return []
         async with self._slot_lock():
             max_k = (await self._slot_connection()).layout.max_k
-        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= max_k:
-            raise InvalidQuery(f"k={k!r} is out of range: 1 <= k <= {max_k}")
+        _check_k(k, max_k)
         _filter_words(namespace, since, until)  # bad filters fail before the (slow) embedding
         embedder = await self.embedder()
         vectors = await asyncio.to_thread(embedder.embed, texts)

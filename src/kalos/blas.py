@@ -4,14 +4,14 @@ NumPy's OpenBLAS runs a mat-vec of more than ~9,000 elements on every core; when
 done its worker threads busy-wait (``sched_yield`` in a loop) for 2^28 CPU cycles, about
 0.1 s, before they sleep. A sidecar that answers one recall therefore burns ~100 ms of a core
 afterwards, which on a small machine is the core the client needs next, to embed its next
-query, say (issue #20: ``recall_text`` p50 36.5 ms against 14.5 with one BLAS thread).
+query, say (issue #20; BENCHMARKS.md has the figures).
 
 OpenBLAS reads how long to spin (``OPENBLAS_THREAD_TIMEOUT``: 2^N cycles, N from 4 to 30) only
 when the library loads, and ``kalos serve`` has NumPy loaded before it parses its arguments.
 So :func:`settle_blas_threads` replaces the process by itself (``execve``, same pid) with the
 spin cut short, once. The worker threads are kept: limiting BLAS to one thread instead
 (``OPENBLAS_NUM_THREADS=1``) also stops the spinning, but makes large scans slower on an idle
-machine (65,536 x 1024: 16.6 against 11.3 ms p50 on 2 cores, ``benchmarks/blas_spin.py``).
+machine (``benchmarks/blas_spin.py`` measures the three side by side; BENCHMARKS.md).
 OpenMP runtimes spin too, for NumPy builds on MKL or an OpenMP OpenBLAS: they get the
 equivalent settings. A variable the user set is left as it is.
 """

@@ -253,8 +253,7 @@ class ClientChannel:
         slot = self.slot
         resp_seq = slot.resp_seq
         clock = time.perf_counter
-        spin_s = self._spin_s if self.header.clients[0] <= self._spin_clients else 0.0
-        spin_until = clock() + spin_s
+        spin_until = clock() + self.spin_budget_s()
         while resp_seq[0] != seq:
             if clock() >= spin_until:
                 self._block(seq)
@@ -265,23 +264,36 @@ class ClientChannel:
     def _block(self, seq: int) -> None:
         slot = self.slot
         while True:
-            slot.client_sleeping[0] = 1
-            full_fence()  # store client_sleeping, then load resp_seq (Dekker, see kalos.sync)
-            if slot.resp_seq[0] == seq:
-                slot.client_sleeping[0] = 0
+            if self.going_to_sleep(seq):
                 return
             events = self._poller.poll(self._slice_ms)
             slot.client_sleeping[0] = 0
             for fd, _event in events:
                 if fd == self._control_fd:
                     raise SidecarExited("the sidecar closed the connection (it exited or was killed)")
-                try:
-                    os.eventfd_read(self._wake_fd)
-                except BlockingIOError:
-                    pass
+                self.drain_wake()
             if slot.resp_seq[0] == seq:
                 return
             self.check_alive()
+
+    def going_to_sleep(self, seq: int) -> bool:
+        """Announces a sleep in ``client_sleeping``, then looks at ``resp_seq`` once more (Dekker:
+        the sidecar stores resp_seq, then loads this word). True: ``seq`` is answered already
+        (the word is cleared again); False: sleep, and clear the word on waking."""
+        slot = self.slot
+        slot.client_sleeping[0] = 1
+        full_fence()  # store client_sleeping, then load resp_seq (Dekker, see kalos.sync)
+        if slot.resp_seq[0] == seq:
+            slot.client_sleeping[0] = 0
+            return True
+        return False
+
+    def drain_wake(self) -> None:
+        """Empties the wake eventfd after a wake-up (rung already: nothing to read is fine)."""
+        try:
+            os.eventfd_read(self._wake_fd)
+        except BlockingIOError:
+            pass
 
     # -- for kalos.aio.AsyncClient, which waits with the same protocol as _block but on its
     # -- event loop (loop.add_reader on these descriptors) instead of in poll().

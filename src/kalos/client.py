@@ -44,7 +44,7 @@ from kalos.errors import (
     SidecarUnavailable,
     error_from_code,
 )
-from kalos.protocol import NAMESPACE_BYTES, Layout, Op, RequestFlag
+from kalos.protocol import NAMESPACE_BYTES, Layout, Op, RequestFlag, SlotView
 from kalos.store import (
     Item,
     check_created_at,
@@ -317,11 +317,7 @@ class Client:
         with self._lock:
             conn = self._connection()
             layout = conn.layout
-            rows = _as_matrix(queries, layout.dim, single=single)
-            if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= layout.max_k:
-                raise InvalidQuery(f"k={k!r} is out of range: 1 <= k <= {layout.max_k}")
-            k = int(k)
-            request = _request_words(k, namespace, since, until)
+            rows, k, request = _recall_request(queries, k, namespace, since, until, layout, single=single)
             q = len(rows)
             if not single:
                 ids = np.empty((q, k), np.int64)
@@ -347,13 +343,8 @@ class Client:
                     step = conn.layout.max_batch
                     continue
                 slot = conn.channel.slot
-                if single:  # straight from the slot: the hits, without the -1 / -inf padding
-                    hits = slot.ids[0, :k].copy()
-                    hit_scores = slot.scores[0, :k].copy()
-                    if hits[k - 1] == MISSING_ID:  # fewer than k matched: the padding trails the hits
-                        n = int(np.argmax(hits == MISSING_ID))
-                        hits, hit_scores = hits[:n], hit_scores[:n]
-                    return Recall(hits, hit_scores)
+                if single:
+                    return _single_hits(slot, k)
                 ids[start:stop] = slot.ids[: stop - start, :k]
                 scores[start:stop] = slot.scores[: stop - start, :k]
                 start = stop
@@ -624,9 +615,7 @@ class Client:
         texts = list(texts)
         if not texts:
             return []
-        max_k = self.max_k
-        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= max_k:
-            raise InvalidQuery(f"k={k!r} is out of range: 1 <= k <= {max_k}")
+        _check_k(k, self.max_k)
         _filter_words(namespace, since, until)  # bad filters fail before the (slow) embedding
         vectors = self.embedder.embed(texts)
         batch = self.recall_many(vectors, k=k, namespace=namespace, since=since, until=until)
@@ -698,6 +687,32 @@ def _as_matrix(
 
 
 _REQUESTS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+
+def _recall_request(
+    queries: Any, k: Any, namespace: str | None, since: Any, until: Any, layout: Layout, *, single: bool
+) -> tuple[np.ndarray, int, tuple[Any, ...]]:
+    """A recall's query rows, its k and its request words, validated (Client and AsyncClient)."""
+    rows = _as_matrix(queries, layout.dim, single=single)
+    k = _check_k(k, layout.max_k)
+    return rows, k, _request_words(k, namespace, since, until)
+
+
+def _check_k(k: Any, max_k: int) -> int:
+    """``k`` as an int; InvalidQuery unless it is an integer (not a bool) in [1, max_k]."""
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= max_k:
+        raise InvalidQuery(f"k={k!r} is out of range: 1 <= k <= {max_k}")
+    return int(k)
+
+
+def _single_hits(slot: SlotView, k: int) -> Recall:
+    """A single recall's answer straight from its slot: the hits, without the -1 / -inf padding."""
+    hits = slot.ids[0, :k].copy()
+    hit_scores = slot.scores[0, :k].copy()
+    if hits[k - 1] == MISSING_ID:  # fewer than k matched: the padding trails the hits
+        n = int(np.argmax(hits == MISSING_ID))
+        hits, hit_scores = hits[:n], hit_scores[:n]
+    return Recall(hits, hit_scores)
 
 
 def _request_words(k: int, namespace: str | None, since: Any, until: Any) -> tuple[Any, ...]:

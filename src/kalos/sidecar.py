@@ -739,20 +739,15 @@ class Sidecar:
         started = time.perf_counter()
         if len(slots) == 1:  # one client: scalar reads cost less than the columns' NumPy calls
             n_queries = self._answer_each(slots)
-            self.channel.publish(slots, seqs, generations)
-            if n_queries:
-                self.metrics.record(n_queries, time.perf_counter() - started)
-            return
-        columns = self.channel.columns
-        ks = columns.k[slots]
-        flags = columns.flags[slots]
-        single = (columns.op[slots] == _RECALL) & (columns.n_queries[slots] == 1) & (ks >= 1) & (ks <= self.layout.max_k)
-        single &= (flags | _ALL_NAMESPACES) == _ALL_NAMESPACES
-        n_queries = 0
-        if single.any():
-            n_queries += self._answer_singles(slots[single], ks[single], flags[single])
-        if not single.all():
-            n_queries += self._answer_each(slots[~single])
+        else:
+            columns = self.channel.columns
+            ks = columns.k[slots]
+            flags = columns.flags[slots]
+            single = (columns.op[slots] == _RECALL) & (columns.n_queries[slots] == 1)
+            single &= (ks >= 1) & (ks <= self.layout.max_k) & ((flags | _ALL_NAMESPACES) == _ALL_NAMESPACES)
+            n_queries = self._answer_singles(slots[single], ks[single], flags[single]) if single.any() else 0
+            if not single.all():
+                n_queries += self._answer_each(slots[~single])
         self.channel.publish(slots, seqs, generations)
         if n_queries:
             self.metrics.record(n_queries, time.perf_counter() - started)

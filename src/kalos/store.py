@@ -439,7 +439,7 @@ def bad_vector_rows(vectors: np.ndarray) -> np.ndarray:
     One flipped exponent bit made a row the top-1 of half of all recalls (score 4e36) and a NaN
     component put a row into every answer (issue 19): such rows must never reach an engine.
     """
-    # In float32 (a sixth of the float64 cost at load: 22 vs 126 ms per 65,536 x 1,024 batch):
+    # In float32 (a fraction of the float64 cost at load):
     # its rounding (~1e-6) is far inside the tolerance, and what overflows it is damage anyway.
     with np.errstate(over="ignore", invalid="ignore"):
         squared = np.einsum("ij,ij->i", vectors, vectors)

@@ -12,8 +12,8 @@ whose first kernel (one program) waits for a request and stages it; the engine's
 single-query kernels follow (the scan over the whole GPU, the selection, the final kernel,
 which publishes). The sweep keeps a few replays queued. Only one program spins while waiting,
 so the sweep's own work (handed-over requests) runs beside it at full speed. (A ``resident``
-mode, one kernel on every SM, was removed because the graph server beat it on every measured
-figure: BENCHMARKS.md.)
+mode, one kernel on every SM, was removed: the graph server now beats every figure it
+recorded, BENCHMARKS.md.)
 
 What it serves. A single query (``n_queries == 1``) with ``k <= max_k``, all namespaces or one
 named, no time window, and a query that is finite and non-zero. Anything else (batches, time
