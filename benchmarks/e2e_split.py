@@ -9,7 +9,7 @@ GPU polling server, and this process as its client, timing the same recall four 
 * ``raw slot, gap``.
 
 ``client`` minus ``raw slot`` is the client's Python; ``raw slot`` against the in-process
-round trip of ``slot_server_diag.py`` is what a second process costs; ``gap`` against
+round trip of ``diagnostics.py slot-server`` is what a second process costs; ``gap`` against
 back to back is what pacing costs (a request landing before the next round waits for it).
 
     PYTHONPATH=src python3 benchmarks/e2e_split.py --n 65536 --dim 1024 --repeats 2000

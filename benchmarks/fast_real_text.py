@@ -36,7 +36,7 @@ def same_topk(ids: np.ndarray, scores64: np.ndarray, k: int, tie: float = 2e-6) 
 
 
 def run(rows: np.ndarray, queries: np.ndarray, k: int, device: str, single_scan: str) -> dict:
-    from kalos.engine.torch_engine import TorchEngine
+    from kalos.engine.gpu import TorchEngine
 
     n, dim = rows.shape
     eng = TorchEngine(dim, device=device, precision="fast", capacity=n, tune={"single_scan": single_scan})
@@ -48,10 +48,10 @@ def run(rows: np.ndarray, queries: np.ndarray, k: int, device: str, single_scan:
         ids, _scores = eng.search(q[None, :], k)
         wrong += not same_topk(ids[0], ref[i], k)
     seconds = time.perf_counter() - t0
-    return {"single_scan": single_scan, "kind": eng._scan_kind(1, k, "fast"), "rows": n, "dim": dim,
+    return {"single_scan": single_scan, "kind": eng.scan_kind(1, k, "fast"), "rows": n, "dim": dim,
             "queries": len(queries), "k": k, "wrong": wrong, "fallbacks": eng.stats["fallbacks"],
             "fallback_rate": round(eng.stats["fallbacks"] / len(queries), 4),
-            "max_resid8": eng._max_resid8, "seconds": round(seconds, 2)}
+            "max_resid8": eng.columns.max_resid8, "seconds": round(seconds, 2)}
 
 
 def main() -> None:

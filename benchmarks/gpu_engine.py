@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from kalos.engine import Filter, NumpyEngine
-from kalos.engine.torch_engine import ScanConfig, TorchEngine
+from kalos.engine.gpu import ScanConfig, TorchEngine
 
 RESULTS: list[dict] = []
 LOG = None
@@ -272,9 +272,9 @@ def timing(dev, n: int, dim: int, k: int, batches, iters: int) -> None:
     torch.cuda.empty_cache()
     mem = torch.cuda.memory_allocated(dev) - m0
     record(part="memory", n=n, dim=dim, allocated_mib=mem / 2**20, fp32_matrix_mib=n * dim * 4 / 2**20,
-           fp16_matrix_mib=n * dim * 2 / 2**20, engine_vector_bytes_mib=eng._vector_bytes() / 2**20)
-    M = eng._x32[:n]
-    M16 = eng._x16[:n]
+           fp16_matrix_mib=n * dim * 2 / 2**20, engine_vector_bytes_mib=eng.columns.nbytes() / 2**20)
+    M = eng.columns.x32[:n]
+    M16 = eng.columns.x16[:n]
     stream = eng.stream
     flush = Flusher(dev)
     rot = 8
@@ -307,7 +307,7 @@ def timing(dev, n: int, dim: int, k: int, batches, iters: int) -> None:
         # the engine: graph replays (device time) and search_into end to end
         oi = torch.empty((qn, k), dtype=torch.int64, pin_memory=True)
         os_ = torch.empty((qn, k), dtype=torch.float32, pin_memory=True)
-        h_q = eng._h_q
+        h_q = eng.staging.h_q
         for prec in ("exact", "fast"):
             eng.search_into(qpin[0], k, out_ids=oi, out_scores=os_, precision=prec)  # compile + capture
             graph = graph_of(eng, prec, qn, k)
@@ -340,14 +340,12 @@ def timing(dev, n: int, dim: int, k: int, batches, iters: int) -> None:
                 except Exception as e:  # report, go on with the rest
                     record(part="timing", n=n, q=qn, variant=f"engine_graph_{prec}_{label}", error=repr(e)[:300])
                     continue
-                kind = "f16" if prec == "fast" else ("tf32" if label == "tf32" else "f32")
-                key = eng._key(kind, qn, k, Filter(), True, True, False)
                 hq = [t.numpy() for t in qpin]
 
                 def prep_h(i, hq=hq):
                     h_q[:qn] = hq[i % rot]
 
-                p50, p99 = time_events(eng._graphs[key].replay, it, stream, prep_h, flush)
+                p50, p99 = time_events(eng.graph_of(qn, k, prec).replay, it, stream, prep_h, flush)
                 record(part="timing", n=n, q=qn, variant=f"engine_graph_{prec}_{label}", p50_us=p50, p99_us=p99)
             eng.retune({"scores_max_q": 0, "exact_batch_scan": "ieee"})
     del eng, M, M16
@@ -356,11 +354,7 @@ def timing(dev, n: int, dim: int, k: int, batches, iters: int) -> None:
 
 def graph_of(eng, prec: str, qn: int, k: int):
     """The CUDA graph a search of qn unit host queries (no filter) replays."""
-    if prec == "fast":
-        kind = "f16"
-    else:
-        kind = "tf32" if qn > 1 and eng._tune["exact_batch_scan"] == "tf32" else "f32"
-    return eng._graphs[eng._key(kind, qn, k, Filter(), True, True, False)]
+    return eng.graph_of(qn, k, prec)
 
 
 def sweep(dev, n: int, dim: int, k: int, iters: int) -> None:
@@ -384,11 +378,11 @@ SWEEP = {
 
 def sweep_tiles(eng, qn, k, qpin, it, stream, flush) -> None:
     batched = qn > 1
-    h_q = eng._h_q
+    h_q = eng.staging.h_q
     hq = [t.numpy() for t in qpin]
     oi = torch.empty((qn, k), dtype=torch.int64, pin_memory=True)
     os_ = torch.empty((qn, k), dtype=torch.float32, pin_memory=True)
-    default = dict(eng._tune)
+    default = eng.tuning
     for fast in (False, True):
         prec = "fast" if fast else "exact"
         for tile in SWEEP[(fast, batched)]:

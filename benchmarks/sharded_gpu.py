@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kalos.engine import make_engine
-from kalos.engine.torch_engine import TorchEngine
+from kalos.engine.gpu import TorchEngine
 
 
 def copy_bandwidth(device: str) -> float:

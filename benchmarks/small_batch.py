@@ -7,6 +7,7 @@ answers included) for each Q and each tuning variant named below, checks every a
 ids against a float64 brute force, and prints a table with ``torch.topk(Q @ M.T)`` beside it.
 
     PYTHONPATH=src python3 benchmarks/small_batch.py --n 65536 --dim 1024 --qs 1,2,4,8,16,32,64
+    PYTHONPATH=src python3 benchmarks/small_batch.py --device cpu --numpy --precisions '' --dim 384
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from kalos.engine.torch_engine import TorchEngine
+from kalos.engine.gpu import TorchEngine
 
 VARIANTS = {
     "default": {},
@@ -47,6 +48,7 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--precisions", default="exact,fast")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--numpy", action="store_true", help="also time the CPU engine (NumpyEngine) at each Q")
     args = ap.parse_args()
     qs = [int(q) for q in args.qs.split(",")]
     rng = np.random.default_rng(7)
@@ -72,7 +74,24 @@ def main() -> None:
         t = _times(base, args.repeats)
         table.append(("torch mm+topk f32", "-", q, np.percentile(t, 50), np.percentile(t, 99), 0))
     del md
-    for precision in args.precisions.split(","):
+    if args.numpy:
+        from kalos.engine.numpy_engine import NumpyEngine
+
+        cpu = NumpyEngine(args.dim, capacity=args.n)
+        cpu.add(np.arange(args.n, dtype=np.int64), m, np.ones(args.n, np.int32), np.zeros(args.n))
+        for q in qs:
+            ids, _ = cpu.search(queries[:q], args.k)
+            wrong = sum(set(ids[j].tolist()) != ref[j] for j in range(q))
+
+            def run_cpu(i: int, q: int = q) -> None:
+                lo = (i * q) % (512 - q + 1)
+                cpu.search(queries[lo : lo + q], args.k)
+
+            t = _times(run_cpu, max(5, args.repeats // 20))
+            table.append(("numpy engine", "-", q, np.percentile(t, 50), np.percentile(t, 99), wrong))
+            print(table[-1], flush=True)
+        del cpu
+    for precision in filter(None, args.precisions.split(",")):
         for name in args.variants.split(","):
             eng = TorchEngine(args.dim, capacity=args.n, device=args.device, precision=precision, tune=VARIANTS[name])
             eng.add(np.arange(args.n, dtype=np.int64), m, np.int32(1), 0.0)

@@ -329,7 +329,7 @@ BAD_INPUTS: list[tuple[str, Callable[[Client], Any], type[Exception]]] = [
     ("empty-batch", lambda c: c.recall_many(np.empty((0, DIM), np.float32)), InvalidQuery),
     ("add-empty", lambda c: c.add(np.empty((0, DIM), np.float32)), InvalidArgument),
     # (A namespace that never held a memory is answered with no hits: test_keys.py, issue 22.)
-    ("namespace-too-long", lambda c: c.recall(_one(1.0), namespace="x" * 65), InvalidQuery),
+    ("namespace-too-long", lambda c: c.recall(_one(1.0), namespace="x" * 256), InvalidQuery),
     ("namespace-empty", lambda c: c.recall(_one(1.0), namespace=""), InvalidQuery),
     ("texts-too-few", lambda c: c.add(_vecs(3), texts=["a", "b"]), InvalidArgument),
     ("metadata-too-many", lambda c: c.add(_vecs(2), metadata=[{}, {}, {}]), InvalidArgument),
@@ -417,7 +417,7 @@ def test_created_at_accepts_a_datetime_like_since_and_until_do(served):
 
 
 def test_non_ascii_and_longest_namespaces_round_trip(served):
-    longest = "n" * 61 + "é"  # 63 UTF-8 bytes: the store's limit
+    longest = "n" * 253 + "é"  # 255 UTF-8 bytes: the store's limit
     for namespace in ("café-東京", longest):
         vectors = served.rng.standard_normal((4, DIM)).astype(np.float32)
         ids = served.add(vectors, namespace, np.full(4, 1_100.0))
@@ -425,9 +425,9 @@ def test_non_ascii_and_longest_namespaces_round_trip(served):
         served.check(namespace=namespace, k=6, context=f"namespace {namespace!r}")
         assert served.client.stats()["namespaces"][namespace] == 4
     with pytest.raises(InvalidArgument):
-        served.client.add(_vecs(1), namespace="n" * 64)  # 64 bytes: over the limit
-    with pytest.raises(InvalidQuery, match="64 UTF-8 bytes"):  # fits the slot's 64 bytes, not the store's 63
-        served.client.recall(_one(1.0), namespace="n" * 64)
+        served.client.add(_vecs(1), namespace="n" * 256)  # 256 bytes: over the limit
+    with pytest.raises(InvalidQuery, match="255 UTF-8 bytes"):  # would fill the slot's 256 bytes: over the store's 255
+        served.client.recall(_one(1.0), namespace="n" * 256)
 
 
 def test_one_client_shared_by_threads(served):

@@ -195,8 +195,8 @@ def test_a_namespace_that_never_held_a_memory_answers_with_no_hits(keyed):
     assert len(keyed.client.recall(q, k=1, namespace="present")) == 1
     assert len(keyed.client.recall(q, k=1, namespace="never-used")) == 0
     # Malformed names are still errors, naming the problem.
-    with pytest.raises(InvalidQuery, match="64 UTF-8 bytes"):
-        keyed.client.recall(q, namespace="n" * 64)
+    with pytest.raises(InvalidQuery, match="255 UTF-8 bytes"):
+        keyed.client.recall(q, namespace="n" * 256)
     with pytest.raises(InvalidQuery):
         keyed.client.recall(q, namespace="")
     # The first add to the namespace makes it recallable at once (the empty answer is not cached).

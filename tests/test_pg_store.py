@@ -24,7 +24,7 @@ from kalos.store import Store
 
 psycopg = pytest.importorskip("psycopg", reason="the postgres extra (psycopg) is not installed")
 
-from kalos.follow import ChangeFollower, apply_to_engine  # noqa: E402  (needs psycopg)
+from kalos.follow import apply_to_engine  # noqa: E402  (needs psycopg)
 from kalos.pg_store import PostgresStore, mask_url  # noqa: E402
 
 from conftest import DEADLINE_S, SidecarPool, unique_name, wait_until  # noqa: E402
@@ -234,7 +234,7 @@ def test_concurrent_writers_leave_no_gap(url: str, children: Any, seed: int) -> 
     must end with exactly the union of their live items, each vector as stored."""
     with PostgresStore.open(url, dim=DIM) as store:
         got = _Collected()
-        follower = ChangeFollower(url, DIM, store.change_mark(), apply=got.apply, poll_interval_s=0.005).start()
+        follower = store.follower(store.change_mark(), apply=got.apply, poll_interval_s=0.005).start()
         try:
             out = children.queue()
             procs = [children.start(_writer, url, seed + i, 150, out) for i in range(3)]

@@ -21,7 +21,7 @@ from test_torch_engine import (  # noqa: E402  (_interpreter_env: the autouse fi
 from kalos import Client  # noqa: E402
 from kalos.engine import Engine, Filter, make_engine  # noqa: E402
 from kalos.engine.sharded import ShardedEngine, merge_topk  # noqa: E402
-from kalos.engine.torch_engine import TorchEngine  # noqa: E402
+from kalos.engine.gpu import TorchEngine  # noqa: E402
 from kalos.errors import InvalidArgument  # noqa: E402
 
 cuda = pytest.mark.cuda
@@ -111,6 +111,24 @@ def test_a_failing_shard_does_not_leave_the_others_pending(rng):
     with pytest.raises(RuntimeError, match="shard 0 failed"):
         eng.search(unit_queries(rng, 1, 8), 3)
     assert started == [True]  # the healthy shard was awaited all the same
+
+
+def test_capabilities_are_declared_and_shards_are_checked_by_them():
+    """What an engine can do beyond search is declared on its class (kalos.engine.base) and read
+    once: a NumPy shard, which cannot queue a search, is refused by name."""
+    from kalos.engine import NumpyEngine
+
+    cpu = NumpyEngine(8)
+    assert not (cpu.supports_search_start or cpu.supports_attached_host or cpu.supports_streams
+                or cpu.supports_gpu_polling) and cpu.max_k is None
+    gpu_engine = TorchEngine(8, device="cpu", backend="torch")
+    assert gpu_engine.supports_search_start and gpu_engine.supports_attached_host and gpu_engine.supports_streams
+    assert not gpu_engine.supports_gpu_polling  # the slot server runs the Triton kernels on CUDA only
+    with pytest.raises(InvalidArgument, match="search_start"):
+        ShardedEngine([gpu_engine, cpu])
+    sharded = cpu_shards(2, 8)
+    assert sharded.max_k == TorchEngine.max_k and sharded.supports_streams
+    assert not (sharded.supports_attached_host or sharded.supports_gpu_polling or sharded.supports_search_start)
 
 
 def test_merge_topk_keeps_order_ties_and_padding():

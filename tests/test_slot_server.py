@@ -1,4 +1,4 @@
-"""The slot server (kalos.engine.slot_server.SlotGraphServer): GPU kernels that answer
+"""The slot server (kalos.engine.gpu.slot_server.SlotGraphServer): GPU kernels that answer
 recalls from the shared segment by themselves.
 
 Without a GPU the rounds run under Triton's interpreter, synchronously: ``start`` serves
@@ -24,8 +24,9 @@ pytest.importorskip("torch")
 # seeded rng and the markers are test_torch_engine's, as in test_sharded.
 from test_torch_engine import HAVE_CUDA, _interpreter_env, needs_interpreter, rng  # noqa: E402,F401
 
-from kalos.engine.slot_server import _NAME_PROBE, SlotGraphServer, name_home  # noqa: E402
-from kalos.engine.torch_engine import TorchEngine  # noqa: E402
+from kalos.engine.gpu.slot_server import _NAME_PROBE, SlotGraphServer, name_home  # noqa: E402
+from kalos.engine.gpu import TorchEngine  # noqa: E402
+from kalos.engine.gpu.layout import HOST_CONTROL  # noqa: E402
 from kalos.errors import InvalidArgument  # noqa: E402
 from kalos.protocol import Layout, Op, RequestFlag, SlotView  # noqa: E402
 from reference import assert_topk_matches  # noqa: E402
@@ -129,6 +130,8 @@ def test_hands_over_what_it_must_not_answer(make_rig, rng):
         "an unknown namespace": dict(query=q, k=4, flags=0, namespace=b"c"),
         "a namespace that only starts like a known one": dict(query=q, k=4, flags=0, namespace=b"ab"),
         "a time window": dict(query=q, k=4, flags=ALL | int(RequestFlag.HAS_SINCE)),
+        "a where clause": dict(query=q, k=4, flags=ALL | int(RequestFlag.HAS_WHERE)),
+        "a where clause in a namespace": dict(query=q, k=4, flags=int(RequestFlag.HAS_WHERE), namespace=b"a"),
         "a zero query": dict(query=q * 0, k=4),
         "a NaN query": dict(query=np.full(dim, np.nan, np.float32), k=4),
         "an infinite query": dict(query=np.full(dim, np.inf, np.float32), k=4),
@@ -346,7 +349,7 @@ def test_graph_server_queues_rounds_until_stopped_and_reloads_on_start(make_rig,
     # With no requests the waiting round stops by itself (idle_polls); the queue drains.
     while server.running():
         server.step()
-    assert int(server._hctl[4]) == 1 and server.served == 7
+    assert int(server._hctl[HOST_CONTROL.stopped]) == 1 and server.served == 7
 
 
 @needs_interpreter

@@ -1,4 +1,4 @@
-"""The GPU engine (kalos.engine.torch_engine) against a float64 brute force and NumpyEngine.
+"""The GPU engine (kalos.engine.gpu) against a float64 brute force and NumpyEngine.
 
 Runs without a GPU: the engine on PyTorch's CPU device with the plain torch backend, and the
 Triton kernels themselves under Triton's interpreter (``TRITON_INTERPRET=1``, set here before
@@ -12,6 +12,7 @@ import math
 import mmap
 import os
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ if not HAVE_CUDA and "triton" not in sys.modules:
     _saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        import kalos.engine.triton_kernels  # noqa: F401
+        import kalos.engine.gpu.kernels  # noqa: F401
     except ImportError:  # no triton: the interpreter tests skip
         pass
     finally:
@@ -37,14 +38,17 @@ if not HAVE_CUDA and "triton" not in sys.modules:
 
 from kalos.engine import Filter, NumpyEngine  # noqa: E402
 from kalos.engine.base import as_unit_rows  # noqa: E402
-from kalos.engine import torch_engine as te  # noqa: E402
-from kalos.engine.torch_engine import (  # noqa: E402
+from kalos.engine.gpu import (  # noqa: E402
     MAX_K, TorchEngine, fast_error_terms, int8_error_terms, register_host_buffer,
 )
+from kalos.engine.gpu.bounds import quantize_rows  # noqa: E402
+from kalos.engine.gpu.engine import load_kernels  # noqa: E402
+from kalos.engine.gpu.layout import HDR_WORDS, HEADER, HEADER_DTYPE, check_kernel_layout, kernel_constants  # noqa: E402
+from kalos.engine.gpu.planner import next_pow2  # noqa: E402
 from kalos.errors import InvalidArgument, InvalidQuery  # noqa: E402
 from kalos.sidecar import normalise_rows, row_scales  # noqa: E402
 
-HAVE_INTERPRETER = not HAVE_CUDA and te._triton_kernels(require_interpreter=True) is not None
+HAVE_INTERPRETER = not HAVE_CUDA and load_kernels(require_interpreter=True) is not None
 
 
 @pytest.fixture(autouse=True)
@@ -432,20 +436,43 @@ def test_triton_growth_compaction_and_fallback(rng):
 def int8_scores(x32: torch.Tensor, q: np.ndarray) -> tuple[np.ndarray, float]:
     """int8_scores_kernel's scores of the rows ``x32`` for one query (no masks), and the
     largest residual norm of their 8-bit copy."""
-    tk = te._triton_kernels(require_interpreter=not HAVE_CUDA)
+    tk = load_kernels(require_interpreter=not HAVE_CUDA)
     n, dim = x32.shape
     dev = x32.device
-    codes, scale, resid = te._quantize_rows(x32)
-    hdr = torch.zeros(16, dtype=torch.int64, device=dev)
-    hdr[0], hdr[1] = n, 1
+    codes, scale, resid = quantize_rows(x32)
+    hdr = torch.zeros(HDR_WORDS, dtype=torch.int64, device=dev)
+    hdr[HEADER.n], hdr[HEADER.nq] = n, 1
     out = torch.empty(n, dtype=torch.float32, device=dev)
     live = torch.ones(n, dtype=torch.uint8, device=dev)
-    block_d = max(32, min(128, te._next_pow2(dim)))
+    block_d = max(32, min(128, next_pow2(dim)))
     tk.int8_scores_kernel[(-(-n // 64),)](
         codes, scale, torch.from_numpy(q.astype(np.float32)).to(dev), hdr, hdr.view(torch.float64), live,
-        live, live, out, D=dim, D_POW2=te._next_pow2(dim), BLOCK_N=64, BLOCK_D=block_d, FILTER=False,
+        live, live, out, D=dim, D_POW2=next_pow2(dim), BLOCK_N=64, BLOCK_D=block_d, FILTER=False,
     )
     return out.cpu().numpy().astype(np.float64), resid
+
+
+@pytest.mark.skipif(not (HAVE_INTERPRETER or HAVE_CUDA), reason="needs the Triton interpreter or a CUDA GPU")
+def test_kernels_and_host_agree_on_the_header_layout():
+    """Every word offset the kernels use is the host's declaration (kalos.engine.gpu.layout), the
+    loader's check refuses kernels that disagree, and the host writes each field where the
+    declaration puts it."""
+    tk = load_kernels(require_interpreter=not HAVE_CUDA)
+    consts = kernel_constants()
+    assert {"H_N", "H_ROW_ERR8", "T_SCALE", "HCTL_STOPPED", "CTL_TURN"} <= set(consts)
+    assert {name: getattr(tk.common, name).value for name in consts} == consts
+    check_kernel_layout(tk.common)
+    off_by_one = types.SimpleNamespace(**{name: tk.common.__dict__[name] for name in consts})
+    off_by_one.H_SEQ = consts["H_SEQ"] + 1
+    with pytest.raises(AssertionError, match="H_SEQ"):
+        check_kernel_layout(off_by_one)
+    eng = TorchEngine(8, device="cpu", backend="triton", precision="fast")
+    eng.columns.max_norm, eng.columns.max_resid8 = 1.25, 0.5
+    eng.fill_header(100, 3, 7, Filter(namespace=4, since=-2.5, until=9.0))
+    h = np.frombuffer(eng.staging.h_hdr.tobytes(), HEADER_DTYPE)[0]
+    assert (h["n"], h["nq"], h["k"], h["has_ns"], h["ns"], h["k_out"]) == (100, 3, 7, 1, 4, 7)
+    assert (h["since"], h["until"], h["max_norm"]) == (-2.5, 9.0, 1.25)
+    assert h["row_err8"] == 0.5 * int8_error_terms(8)[1]
 
 
 @pytest.mark.skipif(not (HAVE_INTERPRETER or HAVE_CUDA), reason="needs the Triton interpreter or a CUDA GPU")
@@ -459,7 +486,7 @@ def test_int8_error_bound_holds(rng, dim):
     x[:60] *= np.exp(rng.uniform(-30, 0, (60, dim)))
     x[60:90, 0] *= 40.0
     x32 = torch.from_numpy(as_unit_rows(x)).to("cuda" if HAVE_CUDA else "cpu")
-    codes, scale, _ = te._quantize_rows(x32)
+    codes, scale, _ = quantize_rows(x32)
     err_rows = (x32.double() - codes.double() * scale.double()[:, None]).cpu().numpy()
     queries = [unit_queries(rng, 1, dim)[0], as_unit_rows(err_rows[70:71])[0], as_unit_rows(err_rows[5:6])[0]]
     spiky = rng.standard_normal(dim)
@@ -487,7 +514,7 @@ def test_single_query_scans_the_8bit_copy_and_falls_back_on_near_ties(rng):
     bound it would pass with the wrong rows) and the exact scan answers."""
     d = 32
     eng = triton_engine(d, precision="fast", capacity=4)
-    assert eng.plan(1, 8).rescore_k and eng._scan_kind(1, 8, "fast") == "i8"
+    assert eng.plan(1, 8).rescore_k and eng.scan_kind(1, 8, "fast") == "i8"
     m = Mirror(eng, rng)
     m.add(300)
     base = as_unit_rows(rng.standard_normal((1, d)))[0]
@@ -501,8 +528,8 @@ def test_single_query_scans_the_8bit_copy_and_falls_back_on_near_ties(rng):
     for _ in range(3):
         m.check(as_unit_rows(base[None, :] + 1e-4 * rng.standard_normal((1, d))), 8, same_as_numpy=False)
     assert eng.stats["fallbacks"] == 3
-    eng._fill_header(1, 1, 1, Filter())
-    assert eng._h_hdrf[12] == eng._max_resid8 * int8_error_terms(d)[1] > 0
+    eng.fill_header(1, 1, 1, Filter())
+    assert eng.staging.h_hdrf[HEADER.row_err8] == eng.columns.max_resid8 * int8_error_terms(d)[1] > 0
 
 
 @needs_interpreter
@@ -510,7 +537,7 @@ def test_single_scan_f16_holds_no_8bit_copy(rng):
     eight = triton_engine(24, precision="fast", capacity=64)
     sixteen = triton_engine(24, precision="fast", capacity=64, tune={"single_scan": "f16"})
     assert eight.memory_bytes() - sixteen.memory_bytes() == 64 * (24 + 4)
-    assert sixteen._scan_kind(1, 8, "fast") == "f16"
+    assert sixteen.scan_kind(1, 8, "fast") == "f16"
     m = Mirror(sixteen, rng)
     m.add(100)
     m.check(unit_queries(rng, 1, 24), 5)

@@ -8,7 +8,7 @@ answers top-k cosine recalls through POSIX shared memory::
         ids = memory.add(vectors, texts=["..."] * len(vectors))
         hits = memory.recall(query, k=8)
 """
-from kalos.client import Client, Hit, Item, Recall, RecallBatch
+from kalos.client import Client, Hit, Item, Page, Recall, RecallBatch
 from kalos.errors import (
     DimensionMismatch,
     InvalidArgument,
@@ -21,6 +21,8 @@ from kalos.errors import (
     SidecarUnavailable,
     StoreError,
     StoreLocked,
+    UnknownFilter,
+    UnknownKey,
     UnknownNamespace,
 )
 
@@ -31,6 +33,7 @@ __all__ = [
     "AsyncClient",
     "Hit",
     "Item",
+    "Page",
     "Recall",
     "RecallBatch",
     "KalosError",
@@ -38,6 +41,8 @@ __all__ = [
     "InvalidQuery",
     "DimensionMismatch",
     "UnknownNamespace",
+    "UnknownKey",
+    "UnknownFilter",
     "SidecarUnavailable",
     "SidecarAlreadyRunning",
     "ProtocolMismatch",

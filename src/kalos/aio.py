@@ -12,7 +12,8 @@ slot's control socket is watched the same way, so a sidecar that dies wakes the 
 once (:class:`SidecarUnavailable`), and the heartbeat is checked every poll slice, so a hung
 one is noticed within ``timeout``, as with :class:`Client`.
 
-Control operations (``add``, ``delete``, ``get``, ``stats``, ``compact``, ``remember``, and any
+Control operations (``add``, ``update``, ``delete``, ``get``, ``list``, ``count``, ``drop_namespace``,
+``stats``, ``compact``, ``remember``, and any
 method added to :class:`Client` later) are not on the hot path: they run the sync client's own
 implementation in a worker thread (``asyncio.to_thread``), with the same arguments (forwarded
 as they are) and the same errors.
@@ -34,6 +35,7 @@ from kalos.client import (
     Client,
     Hit,
     Item,
+    Page,
     Recall,
     RecallBatch,
     TimeLike,
@@ -41,9 +43,12 @@ from kalos.client import (
     _Connection,
     _filter_words,
     _recall_request,
+    _register_where,
     _single_hits,
+    _where_clause,
+    _with_where,
 )
-from kalos.errors import InvalidArgument, KalosError, SidecarUnavailable, error_from_code
+from kalos.errors import InvalidArgument, KalosError, SidecarUnavailable, UnknownFilter, error_from_code
 from kalos.protocol import Layout, Op
 from kalos.sync import full_fence
 
@@ -127,6 +132,8 @@ class AsyncClient:
         self._layout: Layout | None = None
         # (connection, seq) of a request submitted and not yet answered (its waiter was cancelled).
         self._outstanding: tuple[_Connection, int] | None = None
+        # Where clauses registered with the sidecar: canonical JSON -> (its epoch, handle).
+        self._where_handles: dict[str, tuple[int, int]] = {}
         # Connections being opened in worker threads, shared by every caller until done.
         self._opening: dict[str, asyncio.Task] = {}
         self._locks_loop: asyncio.AbstractEventLoop | None = None
@@ -307,7 +314,8 @@ class AsyncClient:
 
     async def recall(
         self, vector: Any, k: int = 8, namespace: str | None = "default",
-        since: TimeLike | None = None, until: TimeLike | None = None, **kwargs: Any,
+        since: TimeLike | None = None, until: TimeLike | None = None, *, where: dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> Recall:
         """:meth:`Client.recall`: the ``k`` memories most similar to ``vector``, best first.
 
@@ -315,38 +323,62 @@ class AsyncClient:
         the sync client in a worker thread: they work at once, only without the native wait.
         """
         if kwargs:
-            return await self._in_thread("recall", vector, k, namespace, since, until, **kwargs)
-        return await self._recall(vector, k, namespace, since, until, single=True)
+            return await self._in_thread("recall", vector, k, namespace, since, until, where=where, **kwargs)
+        return await self._recall(vector, k, namespace, since, until, single=True, where=where)
 
     async def recall_many(
         self, matrix: Any, k: int = 8, namespace: str | None = "default",
-        since: TimeLike | None = None, until: TimeLike | None = None, **kwargs: Any,
+        since: TimeLike | None = None, until: TimeLike | None = None, *, where: dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> RecallBatch:
         """:meth:`Client.recall_many`: one recall per row of ``matrix`` ``[Q, dim]``, in batches of
         the sidecar's max_batch (the slot stays this call's until the last one is answered)."""
         if kwargs:
-            return await self._in_thread("recall_many", matrix, k, namespace, since, until, **kwargs)
-        return await self._recall(matrix, k, namespace, since, until, single=False)
+            return await self._in_thread("recall_many", matrix, k, namespace, since, until, where=where, **kwargs)
+        return await self._recall(matrix, k, namespace, since, until, single=False, where=where)
+
+    async def _where_request(self, conn: _Connection, request: tuple[Any, ...], clause: Any) -> tuple[Any, ...]:
+        """:meth:`Client._where_request`: the clause registered through the control client (in a
+        worker thread) on first use with this sidecar."""
+        cached = self._where_handles.get(clause.key)
+        if cached is None or cached[0] != conn.epoch:
+            control = await self._control_client()
+            if len(self._where_handles) >= 4096:
+                self._where_handles.clear()
+            cached = self._where_handles[clause.key] = await asyncio.to_thread(_register_where, control, clause)
+        return _with_where(request, cached[1])
 
     async def _recall(
-        self, queries: Any, k: int, namespace: str | None, since: Any, until: Any, *, single: bool
+        self, queries: Any, k: int, namespace: str | None, since: Any, until: Any, *, single: bool,
+        where: Any = None,
     ) -> Recall | RecallBatch:
         """:meth:`Client._recall` with the wait on the event loop."""
+        clause = _where_clause(where)
         async with self._slot_lock():
             conn = await self._slot_connection()
             layout = conn.layout
             rows, k, request = _recall_request(queries, k, namespace, since, until, layout, single=single)
+            plain = request
+            if clause is not None:
+                request = await self._where_request(conn, plain, clause)
             q = len(rows)
             if not single:
                 ids = np.empty((q, k), np.int64)
                 scores = np.empty((q, k), np.float32)
             step = layout.max_batch
             start = 0
-            retried = False
+            retried = where_retried = False
             while start < q:
                 stop = min(q, start + step)
                 try:
                     await self._round_trip(conn, rows[start:stop], request)
+                except UnknownFilter:  # evicted from the sidecar's table: registered again, once
+                    if where_retried or clause is None:
+                        raise
+                    where_retried = True
+                    self._where_handles.pop(clause.key, None)
+                    request = await self._where_request(conn, plain, clause)
+                    continue
                 except SidecarUnavailable as exc:
                     # As the sync client: a recall changes nothing, so after the sidecar exited
                     # it is asked again, once, of a sidecar that is back already; a hung one has
@@ -356,6 +388,8 @@ class AsyncClient:
                         raise
                     retried = True
                     conn = await self._slot_connection()
+                    if clause is not None:  # a new sidecar: its own handles
+                        request = await self._where_request(conn, plain, clause)
                     if conn.layout.dim != layout.dim or conn.layout.max_k < k:
                         raise SidecarUnavailable("the sidecar came back with another dimension or max_k") from None
                     step = conn.layout.max_batch
@@ -454,23 +488,25 @@ class AsyncClient:
 
     async def recall_text(
         self, text: str, k: int = 8, namespace: str | None = "default",
-        since: TimeLike | None = None, until: TimeLike | None = None, **kwargs: Any,
+        since: TimeLike | None = None, until: TimeLike | None = None, *, where: dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> list[Hit]:
         """:meth:`Client.recall_text`: embeds in a worker thread, recalls natively, then fetches the
         hits' texts in one control round trip."""
         if kwargs:
-            return await self._in_thread("recall_text", text, k, namespace, since, until, **kwargs)
+            return await self._in_thread("recall_text", text, k, namespace, since, until, where=where, **kwargs)
         if not isinstance(text, str):
             raise InvalidArgument(f"recall_text takes one str, got {type(text).__name__}; use recall_texts for several")
-        return (await self.recall_texts([text], k, namespace, since, until))[0]
+        return (await self.recall_texts([text], k, namespace, since, until, where=where))[0]
 
     async def recall_texts(
         self, texts: Sequence[str], k: int = 8, namespace: str | None = "default",
-        since: TimeLike | None = None, until: TimeLike | None = None, **kwargs: Any,
+        since: TimeLike | None = None, until: TimeLike | None = None, *, where: dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> list[list[Hit]]:
         """:meth:`Client.recall_texts`: one embedding batch, one recall batch, one fetch."""
         if kwargs:
-            return await self._in_thread("recall_texts", texts, k, namespace, since, until, **kwargs)
+            return await self._in_thread("recall_texts", texts, k, namespace, since, until, where=where, **kwargs)
         if isinstance(texts, str):
             raise InvalidArgument("recall_texts takes a sequence of texts; use recall_text for one")
         texts = list(texts)
@@ -480,9 +516,10 @@ class AsyncClient:
             max_k = (await self._slot_connection()).layout.max_k
         _check_k(k, max_k)
         _filter_words(namespace, since, until)  # bad filters fail before the (slow) embedding
+        clause = _where_clause(where)
         embedder = await self.embedder()
         vectors = await asyncio.to_thread(embedder.embed, texts)
-        batch = await self.recall_many(vectors, k=k, namespace=namespace, since=since, until=until)
+        batch = await self.recall_many(vectors, k=k, namespace=namespace, since=since, until=until, where=clause)
         hits = [batch[i] for i in range(len(texts))]
         wanted = np.concatenate([h.ids for h in hits])
         items = dict(zip(wanted.tolist(), await self.get(wanted))) if len(wanted) else {}
@@ -508,6 +545,22 @@ class AsyncClient:
     async def get(self, *args: Any, **kwargs: Any) -> list[Item | None]:
         """:meth:`Client.get`: the stored memories (None where absent)."""
         return await self._in_thread("get", *args, **kwargs)
+
+    async def list(self, *args: Any, **kwargs: Any) -> Page:
+        """:meth:`Client.list`: one page of memories and the cursor of the next."""
+        return await self._in_thread("list", *args, **kwargs)
+
+    async def count(self, *args: Any, **kwargs: Any) -> int:
+        """:meth:`Client.count`: how many memories pass the namespace and ``where``."""
+        return await self._in_thread("count", *args, **kwargs)
+
+    async def drop_namespace(self, *args: Any, **kwargs: Any) -> int:
+        """:meth:`Client.drop_namespace`: how many memories went."""
+        return await self._in_thread("drop_namespace", *args, **kwargs)
+
+    async def update(self, *args: Any, **kwargs: Any) -> int:
+        """:meth:`Client.update`: changes one memory in place; its id."""
+        return await self._in_thread("update", *args, **kwargs)
 
     async def stats(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """:meth:`Client.stats`: the sidecar's live counts and percentiles."""

@@ -21,6 +21,7 @@ import numpy as np
 
 from kalos.client import Client
 from kalos.launcher import SidecarProcess
+from kalos.timing import percentiles, time_calls  # noqa: F401 - also kalos.bench's, for its users
 
 __all__ = ["run_bench", "percentiles", "time_calls", "cpu_seconds", "cpu_after_recalls"]
 
@@ -28,24 +29,6 @@ TINY_N, TINY_DIM = 1024, 128
 #: The window after a recall in which the sidecar's CPU time is measured: long enough to see
 #: BLAS worker threads that busy-wait after their work (OpenBLAS's default spins ~0.1 s).
 AFTER_RECALL_S = 0.2
-
-
-def percentiles(samples_s: list[float] | np.ndarray) -> dict[str, float]:
-    us = np.asarray(samples_s, dtype=np.float64) * 1e6
-    return {"p50_us": float(np.percentile(us, 50)), "p99_us": float(np.percentile(us, 99)), "n": int(len(us))}
-
-
-def time_calls(fn: Callable[[int], Any], repeats: int, warmup: int = 100) -> list[float]:
-    """Per-call wall time of ``fn(i)`` over ``repeats`` calls after ``warmup`` untimed ones."""
-    for i in range(warmup):
-        fn(i)
-    clock = time.perf_counter
-    samples = []
-    for i in range(repeats):
-        start = clock()
-        fn(i)
-        samples.append(clock() - start)
-    return samples
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from kalos.bench import percentiles, time_calls
+from kalos.timing import percentiles, time_calls
 from kalos.client import Client
 from kalos.config import GPU_POLLING
 from kalos.engine import Filter
@@ -106,7 +106,7 @@ def _row(rows: list[dict[str, Any]], path: str, n: int, batch: int, samples: lis
 def run_gpu_bench(args: argparse.Namespace) -> int:
     import torch
 
-    from kalos.engine.torch_engine import TorchEngine
+    from kalos.engine.gpu import TorchEngine
 
     device = torch.device(args.device if args.device != "cuda" else "cuda:0")
     torch.cuda.set_device(device)

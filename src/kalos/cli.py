@@ -1,4 +1,4 @@
-"""The ``kalos`` command: serve, add, import, recall, stats, demo, bench, doctor."""
+"""The ``kalos`` command: serve, add, import, recall, stats, list, count, demo, bench, doctor."""
 from __future__ import annotations
 
 import argparse
@@ -57,8 +57,10 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--spin-us", type=float, default=s.sidecar_spin_us,
                        help="microseconds to keep sweeping after the last request before sleeping (default: %(default)s)")
     serve.add_argument("--gather-us", type=float, default=s.sidecar_gather_us,
-                       help="microseconds a pass that found fewer requests than connected clients waits for more "
-                       "before searching (trades a little latency for larger passes; default: %(default)s)")
+                       help="microseconds after a pass during which the next one waits for that pass's clients "
+                       "to send their next request, if they came back that quickly before: a crowd recalling back to "
+                       "back shares one pass instead of taking turns; an agent that thinks between recalls is not "
+                       "waited for (0: search at once; default: %(default)s)")
     serve.add_argument("--no-zero-copy", dest="zero_copy", action="store_false",
                        help="GPU engine: pass queries and answers through host copies instead of letting the "
                        "kernels read and write the page-locked shared segment directly (for comparisons)")
@@ -66,10 +68,9 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="GPU engine: a kernel polls the slots and answers single recalls (k <= 16, all "
                        "namespaces or one, no time window) by itself while traffic lasts, with no Python on the "
                        "way; it stops after --spin-us without a request. 'graph' (the value when none is given): "
-                       "a CUDA graph that waits for a request, then scans with the whole GPU. It answers in ~90 us exact, "
-                       "~55 fast (p50) beside another process's GPU work instead of waiting ms for a time slice, but "
-                       "takes that process's time slices while it waits. (The former 'resident' mode was removed: graph "
-                       "now beats every figure it recorded.) Default: %(default)s (BENCHMARKS.md)")
+                       "a CUDA graph that waits for a request, then scans with the whole GPU. Beside another "
+                       "process's GPU work it answers without waiting for a time slice, but takes that process's "
+                       "time slices while it waits. Default: %(default)s (figures: BENCHMARKS.md)")
     serve.add_argument("--seed-compat", action="store_true",
                        help="also serve the seed article's recall_shm_t protocol (top-8 over all namespaces)")
     serve.add_argument("--seed-compat-shm", default="/kalos_recall_shm",
@@ -86,6 +87,8 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_name(add)
     add.add_argument("--namespace", default="default", help="namespace for rows that name none (default: %(default)s)")
     add.add_argument("--batch", type=int, default=4096, help="rows per add request (default: %(default)s)")
+    add.add_argument("--ttl", type=float, default=None, metavar="SECONDS",
+                     help="the memories expire this many seconds after the add (default: never)")
 
     imp = commands.add_parser(
         "import", help="import text memories from a JSONL, CSV/TSV, plain-text or Parquet file (validated, batched, "
@@ -149,15 +152,39 @@ def _build_parser() -> argparse.ArgumentParser:
     recall.add_argument("--all-namespaces", action="store_true", help="search every namespace")
     recall.add_argument("--since", type=float, default=None, help="only memories created at or after (unix seconds)")
     recall.add_argument("--until", type=float, default=None, help="only memories created before (unix seconds)")
+    recall.add_argument("--where", default=None, metavar="JSON",
+                        help='only memories whose metadata passes this filter, e.g. \'{"user_id": "alice"}\' '
+                        "(operators and combinators as for kalos list), applied inside the scan")
     recall.add_argument("--json", action="store_true", help="print JSON")
     recall.add_argument("--store", default=None, metavar="postgresql://...",
                         help="no sidecar: search this PostgreSQL store on the server (exact cosine; needs the "
-                        "pgvector extension; --vector or --npy only, no --since/--until)")
+                        "pgvector extension; --vector or --npy only, no --since/--until/--where)")
 
     stats = commands.add_parser("stats", help="print a sidecar's live statistics",
                                 description="Print counts, namespaces, device, QPS and latency percentiles.")
     _add_name(stats)
     stats.add_argument("--json", action="store_true", help="print JSON")
+
+    listing = commands.add_parser(
+        "list", help="list stored memories (a page at a time, in the order they were added)",
+        description="Print the stored memories of a namespace (or of all) whose metadata passes --where: id, "
+        "key, namespace and text, one per line, then the cursor of the next page (pass it as --cursor).",
+    )
+    _add_name(listing)
+    listing.add_argument("--namespace", default=None, help="only this namespace (default: every namespace)")
+    listing.add_argument("--where", default=None, metavar="JSON",
+                         help='a metadata filter, e.g. \'{"user_id": "alice"}\' (operators $eq $ne $in $nin $gt '
+                         "$gte $lt $lte $exists, $and $or $not)")
+    listing.add_argument("--limit", type=int, default=100, help="memories per page, 1 to 1000 (default: %(default)s)")
+    listing.add_argument("--cursor", default=None, help="the cursor a previous page printed")
+    listing.add_argument("--all", action="store_true", help="every page, not only the first")
+    listing.add_argument("--json", action="store_true", help="one JSON object per memory (and {\"next_cursor\": ...})")
+
+    counting = commands.add_parser("count", help="count stored memories",
+                                   description="Print how many stored memories pass --namespace and --where.")
+    _add_name(counting)
+    counting.add_argument("--namespace", default=None, help="only this namespace (default: every namespace)")
+    counting.add_argument("--where", default=None, metavar="JSON", help="a metadata filter (as for kalos list)")
 
     demo = commands.add_parser(
         "demo", help="start (or find) a sidecar on the default store and run a demo client",
@@ -365,6 +392,10 @@ def _add(args: argparse.Namespace) -> int:
 
     if args.batch < 1:
         raise InvalidArgument("--batch must be >= 1")
+    if args.ttl is not None:
+        from kalos.store import check_ttl
+
+        check_ttl(args.ttl, 1)  # before anything is sent: a bad --ttl adds nothing
     if not args.file.exists():
         raise InvalidArgument(f"{args.file} does not exist")
     with Client(args.name) as client:
@@ -374,7 +405,7 @@ def _add(args: argparse.Namespace) -> int:
             if matrix.ndim == 1:
                 matrix = matrix[None, :]
             for start in range(0, len(matrix), args.batch):
-                total += len(client.add(matrix[start : start + args.batch], namespace=args.namespace))
+                total += len(client.add(matrix[start : start + args.batch], namespace=args.namespace, ttl=args.ttl))
         else:
             for namespace, all_rows in _read_jsonl(args.file, args.namespace, client.dim).items():
                 # One add carries keys for all its rows or none: keyed and unkeyed rows apart.
@@ -384,7 +415,7 @@ def _add(args: argparse.Namespace) -> int:
                         vectors = np.asarray([r[0] for r in chunk], dtype=np.float32)  # rows checked by _read_jsonl
                         keys = None if chunk[0][3] is None else [r[3] for r in chunk]
                         total += len(client.add(vectors, texts=[r[1] for r in chunk], metadata=[r[2] for r in chunk],
-                                                namespace=namespace, keys=keys))
+                                                namespace=namespace, keys=keys, ttl=args.ttl))
     print(f"added {total} memories from {args.file}")
     return 0
 
@@ -406,9 +437,10 @@ def _recall(args: argparse.Namespace) -> int:
         vector = matrix if matrix.ndim == 1 else matrix[args.row]
     if args.store is not None:
         return _recall_on_server(args, vector)
+    where = _where_arg(args.where)
     with Client(args.name) as client:
         hits = client.recall(vector, k=args.k, namespace=None if args.all_namespaces else args.namespace,
-                             since=args.since, until=args.until)
+                             since=args.since, until=args.until, where=where)
         items = client.get(hits.ids) if len(hits) else []
     rows = [
         {"id": int(i), "score": float(s), "namespace": it.namespace if it else None, "text": it.text if it else None}
@@ -423,8 +455,8 @@ def _recall_on_server(args: argparse.Namespace, vector: np.ndarray) -> int:
 
     if not is_store_url(args.store):
         raise InvalidArgument("--store takes a postgresql:// URL (a SQLite store is searched by its sidecar)")
-    if args.since is not None or args.until is not None:
-        raise InvalidArgument("--since/--until need a sidecar; the server search filters by namespace only")
+    if args.since is not None or args.until is not None or args.where is not None:
+        raise InvalidArgument("--since/--until/--where need a sidecar; the server search filters by namespace only")
     from kalos.pg_store import PostgresStore
 
     with PostgresStore.open(args.store, readonly=True) as store:
@@ -454,9 +486,10 @@ def _recall_text(args: argparse.Namespace) -> int:
     from kalos.client import Client
     from kalos.embed import load_progress
 
+    where = _where_arg(args.where)
     with Client(args.name) as client, load_progress(sys.stderr):  # the model's load takes seconds: show it
         hits = client.recall_text(args.text, k=args.k, namespace=None if args.all_namespaces else args.namespace,
-                                  since=args.since, until=args.until)
+                                  since=args.since, until=args.until, where=where)
     rows = [{"id": h.id, "score": h.score, "namespace": h.namespace, "text": h.text, "metadata": h.metadata,
              "created_at": h.created_at} for h in hits]
     return _print_hits(rows, as_json=args.json)
@@ -512,6 +545,47 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _where_arg(text: str | None) -> dict | None:
+    from kalos.where import Where
+
+    return None if text is None else Where.from_json(text).to_dict()
+
+
+def _list(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from kalos.client import Client
+
+    where = _where_arg(args.where)
+    cursor = args.cursor
+    with Client(args.name) as client:
+        while True:
+            page = client.list(namespace=args.namespace, where=where, limit=args.limit, cursor=cursor)
+            for item in page:
+                if args.json:
+                    row = {k: v for k, v in dataclasses.asdict(item).items() if k != "vector"}
+                    print(json.dumps(row, ensure_ascii=False))
+                else:
+                    text = (item.text or "").replace("\n", " ")
+                    print(f"{item.id}\t{item.key or '-'}\t{item.namespace}\t{text[:80]}")
+            cursor = page.next_cursor
+            if cursor is None or not args.all:
+                break
+    if args.json:
+        print(json.dumps({"next_cursor": cursor}))
+    elif cursor is not None:
+        print(f"more: --cursor {cursor}", file=sys.stderr)
+    return 0
+
+
+def _count(args: argparse.Namespace) -> int:
+    from kalos.client import Client
+
+    with Client(args.name) as client:
+        print(client.count(namespace=args.namespace, where=_where_arg(args.where)))
+    return 0
+
+
 def format_stats(stats: dict[str, Any]) -> str:
     def us(value: Any) -> str:
         return "-" if value is None else f"{value:,.1f} us"
@@ -546,4 +620,4 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {"serve": _serve, "add": _add, "import": _import, "recall": _recall, "stats": _stats, "demo": _demo,
-             "bench": _bench, "doctor": _doctor}
+             "bench": _bench, "doctor": _doctor, "list": _list, "count": _count}

@@ -28,10 +28,11 @@ class Settings:
     client_spin_us: float = 100.0
     # How long the sidecar keeps sweeping the slots after the last request before it sleeps.
     sidecar_spin_us: float = 2000.0
-    # How long a pass that found fewer requests than connected clients waits for more before it
-    # searches: the clients of a crowd resubmit a few microseconds apart, and one pass serves
-    # them all for the price of one. 0 searches at once.
-    sidecar_gather_us: float = 0.0
+    # How long after a pass the next one may wait for that pass's clients to send their next
+    # request (kalos.cohort: only clients that came back quickly before are waited for). A crowd
+    # recalling back to back then shares one pass instead of splitting into cohorts that take
+    # turns. 0 searches at once.
+    sidecar_gather_us: float = 200.0
     # Largest k a recall may ask for; fixes the size of each slot's result area.
     max_k: int = 256
     # Most query rows one slot carries per request; recall_many splits larger batches.

@@ -3,13 +3,15 @@
 This is the load Kalos exists for: an LLM host running many agents, each calling
 ``Client.recall(q, k)`` one query at a time from its own process. For each crowd size C the
 run starts C client processes against one sidecar; every process connects (its connect time
-is recorded), waits for a common start, then recalls in a loop for ``--crowd-seconds``. While
-the crowd is hot, one more process connects and disconnects in a loop, so a connect under load
-is measured too. Every answer is checked against a float64 brute force of the same query (the
-ids as a set, the scores to 1e-4); a third of the clients recall in namespace "default" and a
-third with a time window, so one pass holds several filter groups. Reported per C: p50 / p99 / p99.9 per call, the aggregate
-recalls/s, connect p99 (the crowd's and the late connector's), errors, failed connects and
-wrong answers.
+is recorded) and warms up, and the crowd starts once all of them are in (a barrier), so that C
+clients really recall at once; each then recalls in a loop for ``--crowd-seconds``. While the
+crowd is hot, one more process connects and disconnects in a loop, so a connect under load is
+measured too. Every answer is checked against a float64 brute force of the same query (the ids
+as a set, the scores to 1e-4). ``--crowd-scopes mixed``: a third of the clients recall in all
+namespaces, a third in namespace "default" and a third with a time window, so one pass holds
+several filter groups. Reported per C: p50 / p99 / p99.9 per call, the aggregate recalls/s,
+connect p99 (the crowd's and the late connector's), errors, failed connects, wrong answers, and
+the sweep's queries per pass, time per pass and share of the crowd's time spent answering.
 
 ``--colocated`` (CUDA) repeats chosen crowd sizes beside a process that keeps the GPU busy
 with bf16 matrix products (a stand-in for the LLM) and reports its rate alone and meanwhile.
@@ -24,9 +26,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -34,7 +37,7 @@ __all__ = ["run_crowd", "parse_crowd", "add_crowd_arguments"]
 
 _QUERIES = 256
 # Generous: C processes importing NumPy and Kalos at once on a small machine.
-_SPAWN_MARGIN_S = 3.0
+_READY_TIMEOUT_S = 120.0
 
 
 def parse_crowd(spec: str) -> list[int]:
@@ -103,38 +106,43 @@ SCOPES = {
 }
 
 
-def _crowd_client(name: str, queries: np.ndarray, ref_ids: np.ndarray, ref_scores: np.ndarray, k: int,
-                  start: float, seconds: float, index: int, out: Any, scopes: str = "default") -> None:
-    """One agent: connect, wait for the start, recall single queries until the end."""
+def _crowd_client(name: str, data: str, k: int, seconds: float, index: int, ready: Any, out: Any,
+                  scopes: str = "default") -> None:
+    """One agent: connect, warm up, wait at the barrier with the others, recall single queries
+    for ``seconds``."""
     from kalos.client import Client
     from kalos.errors import KalosError
 
+    arrays = np.load(data, allow_pickle=False)
+    queries, ref_ids, ref_scores = arrays["queries"], arrays["ref_ids"], arrays["ref_scores"]
     result: dict[str, Any] = {"connect_s": None, "connect_error": None, "errors": 0, "wrong": 0, "error_text": ""}
     samples = np.empty(2_000_000, np.float64)
     done = 0
+    client = None
     try:
         began = time.perf_counter()
         try:
             client = Client(name)  # the default timeout, as agents use it
             client.ping()
-        except KalosError as exc:
-            result["connect_error"] = f"{type(exc).__name__}: {exc}"
-            return
-        result["connect_s"] = time.perf_counter() - began
-        with client:
+            result["connect_s"] = time.perf_counter() - began
             kinds = SCOPES[scopes]
             scope = kinds[index % len(kinds)]
             client.recall(queries[index % len(queries)], k=k, **scope)  # warm
-            while time.time() < start:
-                time.sleep(0.0005)
-            result["began"] = time.time()  # later than start for a process that came up late
-            end = start + seconds
+        except KalosError as exc:
+            result["connect_error"] = f"{type(exc).__name__}: {exc}"
+        _wait(ready)  # everyone, failed or not: the crowd starts when all are in
+        if client is None or result["connect_error"]:
+            return
+        with client:
             clock = time.perf_counter
+            end = clock() + seconds
             sets = [set(row.tolist()) for row in ref_ids]
             i = index * 7
-            while time.time() < end and done < len(samples):
+            while done < len(samples):
                 q = i % len(queries)
                 t0 = clock()
+                if t0 >= end:
+                    break
                 try:
                     hits = client.recall(queries[q], k=k, **scope)
                 except Exception as exc:  # noqa: BLE001 - counted and shown, whatever it is
@@ -147,22 +155,28 @@ def _crowd_client(name: str, queries: np.ndarray, ref_ids: np.ndarray, ref_score
                 if set(hits.ids.tolist()) != sets[q] or not np.allclose(hits.scores, ref_scores[q], atol=1e-4):
                     result["wrong"] += 1
                 i += 1
-        result["end"] = time.time()
     finally:
         result["samples"] = samples[:done]
         out.put((index, result))
 
 
-def _connector(name: str, start: float, seconds: float, out: Any) -> None:
-    """Connects, pings and disconnects in a loop while the crowd runs."""
+def _wait(barrier: Any) -> None:
+    try:
+        barrier.wait(timeout=_READY_TIMEOUT_S)
+    except threading.BrokenBarrierError:
+        pass  # someone never arrived: the parent reports the crowd as incomplete
+
+
+def _connector(name: str, seconds: float, ready: Any, out: Any) -> None:
+    """Connects, pings and disconnects in a loop while the crowd runs (from 20% of its time to 80%)."""
     from kalos.client import Client
     from kalos.errors import KalosError
 
     times, failures, last = [], 0, ""
-    while time.time() < start:
-        time.sleep(0.001)
-    end = start + seconds
-    while time.time() < end or len(times) + failures < 5:  # a few, even when started late
+    _wait(ready)
+    time.sleep(0.2 * seconds)
+    end = time.perf_counter() + 0.6 * seconds
+    while time.perf_counter() < end or len(times) + failures < 5:  # a few, even when the crowd is short
         began = time.perf_counter()
         try:
             with Client(name) as client:
@@ -175,32 +189,43 @@ def _connector(name: str, start: float, seconds: float, out: Any) -> None:
     out.put((-1, {"connect_times": times, "failures": failures, "error_text": last}))
 
 
-def _passes(name: str) -> tuple[int, int]:
-    """(queries, passes) the sidecar has answered so far."""
+def _passes(name: str) -> tuple[int, int, float]:
+    """(queries, passes, seconds spent answering) of the sidecar so far."""
     from kalos.client import Client
 
     with Client(name) as client:
         stats = client.stats()
-    return int(stats["queries"]), int(stats["batches"])
+    return int(stats["queries"]), int(stats["batches"]), float(stats.get("busy_s", 0.0))
 
 
 def _pct(values: np.ndarray, q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else float("nan")
 
 
-def _one_crowd(name: str, queries: np.ndarray, ref_ids: np.ndarray, ref_scores: np.ndarray, k: int, clients: int,
-               seconds: float, scopes: str = "default") -> dict[str, Any]:
+def _one_crowd(name: str, data: str, k: int, clients: int, seconds: float, scopes: str = "default",
+               on_start: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Runs C client processes (and the late connector) once all of them are connected and warm.
+
+    The arrays go to the children in a file: pickled into ``Process`` arguments, they made each
+    ``start()`` wait until that child had imported Kalos, so that the processes of a large crowd
+    came up one after another, and many after the crowd was over."""
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    start = time.time() + _SPAWN_MARGIN_S + 0.05 * clients
-    procs = [ctx.Process(target=_crowd_client,
-                         args=(name, queries, ref_ids, ref_scores, k, start, seconds, c, out, scopes))
+    ready = ctx.Barrier(clients + 2)  # the clients, the connector, and this process
+    procs = [ctx.Process(target=_crowd_client, args=(name, data, k, seconds, c, ready, out, scopes))
              for c in range(clients)]
-    procs.append(ctx.Process(target=_connector, args=(name, start + 0.2 * seconds, 0.6 * seconds, out)))
+    procs.append(ctx.Process(target=_connector, args=(name, seconds, ready, out)))
     for p in procs:
         p.start()
+    complete = True
+    try:
+        ready.wait(timeout=_READY_TIMEOUT_S)
+    except threading.BrokenBarrierError:
+        complete = False
+    if complete and on_start is not None:
+        on_start()
     results: dict[int, dict[str, Any]] = {}
-    deadline = time.time() + _SPAWN_MARGIN_S + 0.05 * clients + seconds + 120
+    deadline = time.time() + seconds + 120
     while len(results) < len(procs) and time.time() < deadline:
         try:
             index, result = out.get(timeout=1.0)
@@ -218,11 +243,6 @@ def _one_crowd(name: str, queries: np.ndarray, ref_ids: np.ndarray, ref_scores: 
     lost = sum(r is None for r in crowd)
     crowd = [r for r in crowd if r is not None]
     samples = np.concatenate([r["samples"] for r in crowd]) * 1e6 if crowd else np.empty(0)
-    # The rate counts the window in which clients recalled: a process that came up after the
-    # start (many spawning at once on a small machine) recalled for less of it.
-    ends = [r["end"] for r in crowd if "end" in r]
-    late = sum(r.get("began", start) > start + 0.05 * seconds for r in crowd)
-    elapsed = max(1e-3, min(max(ends), start + seconds) - start) if ends else float("nan")
     connects = np.array([r["connect_s"] for r in crowd if r["connect_s"] is not None]) * 1e3
     late_ms = np.asarray(connector["connect_times"]) * 1e3
     errors = [r["error_text"] or r["connect_error"] for r in crowd if r["error_text"] or r["connect_error"]]
@@ -230,28 +250,31 @@ def _one_crowd(name: str, queries: np.ndarray, ref_ids: np.ndarray, ref_scores: 
         "clients": clients,
         "recalls": int(len(samples)),
         "p50_us": _pct(samples, 50), "p99_us": _pct(samples, 99), "p999_us": _pct(samples, 99.9),
-        "recalls_per_s": len(samples) / elapsed if ends else 0.0,
+        "recalls_per_s": len(samples) / seconds if complete else 0.0,
         "connect_p99_ms": _pct(connects, 99),
         "late_connect_p50_ms": _pct(late_ms, 50), "late_connect_p99_ms": _pct(late_ms, 99),
         "late_connects": int(len(late_ms)), "late_connect_failures": int(connector["failures"]),
         "failed_connects": sum(r["connect_error"] is not None for r in crowd) + lost,
         "errors": sum(r["errors"] for r in crowd),
         "wrong": sum(r["wrong"] for r in crowd),
-        "late_starters": int(late),
+        "complete": complete,  # every process connected and warm before the crowd started
         "fewest_by_one_client": min((len(r["samples"]) for r in crowd), default=0),
-        "first_error": (errors[0] if errors else connector["error_text"])[:300],
+        "first_error": (errors[0] if errors else connector["error_text"]
+                        or ("" if complete else "not every process came up in time"))[:300],
     }
 
 
 def _print_rows(title: str, rows: list[dict[str, Any]]) -> None:
     print(f"\n{title}")
     print(f"{'C':>4} {'p50 us':>9} {'p99 us':>9} {'p99.9 us':>9} {'recalls/s':>11} {'conn p99 ms':>11} "
-          f"{'late conn p99 ms':>16} {'failed':>6} {'errors':>6} {'wrong':>6} {'checked':>9} {'q/pass':>6}")
+          f"{'late conn p99 ms':>16} {'failed':>6} {'errors':>6} {'wrong':>6} {'checked':>9} {'q/pass':>6} "
+          f"{'pass us':>7} {'busy':>5}")
     for r in rows:
         print(f"{r['clients']:>4} {r['p50_us']:>9.1f} {r['p99_us']:>9.1f} {r['p999_us']:>9.1f} "
               f"{r['recalls_per_s']:>11,.0f} {r['connect_p99_ms']:>11.2f} {r['late_connect_p99_ms']:>16.2f} "
               f"{r['failed_connects'] + r['late_connect_failures']:>6} {r['errors']:>6} {r['wrong']:>6} "
-              f"{r['recalls']:>9,} {r.get('queries_per_pass', float('nan')):>6.1f}")
+              f"{r['recalls']:>9,} {r.get('queries_per_pass', float('nan')):>6.1f} "
+              f"{r.get('pass_us', float('nan')):>7.1f} {r.get('sweep_busy', float('nan')):>5.0%}")
         if r["first_error"]:
             print(f"     first error: {r['first_error']}")
 
@@ -278,6 +301,8 @@ def run_crowd(args: argparse.Namespace) -> int:
             ids = np.concatenate([store.add(matrix[lo : lo + 16384], namespace="default")[0]
                                   for lo in range(0, n, 16384)])
         ref_ids, ref_scores = _reference(matrix, queries, ids, k)
+        data = str(Path(tmp) / "queries.npz")
+        np.savez(data, queries=queries, ref_ids=ref_ids, ref_scores=ref_scores)
         del matrix
         slots = max(sizes + colocated) + 8
         extra = ["--slots", str(slots), *args.serve_args]
@@ -285,21 +310,28 @@ def run_crowd(args: argparse.Namespace) -> int:
             print(f"  {sidecar.ready_line}", flush=True)
             for c in sizes:
                 before = _passes(name)
-                row = _one_crowd(name, queries, ref_ids, ref_scores, k, c, args.crowd_seconds, args.crowd_scopes)
+                row = _one_crowd(name, data, k, c, args.crowd_seconds, args.crowd_scopes)
                 after = _passes(name)
-                row["queries_per_pass"] = (after[0] - before[0]) / max(1, after[1] - before[1])
+                passes = max(1, after[1] - before[1])
+                row["queries_per_pass"] = (after[0] - before[0]) / passes
+                # What one pass costs the sweep, and how much of the crowd's time it was answering
+                # (near 100%: the sweep is the bottleneck; well below: the clients are).
+                row["pass_us"] = (after[2] - before[2]) / passes * 1e6
+                row["sweep_busy"] = (after[2] - before[2]) / args.crowd_seconds
                 report["rows"].append(row)
                 print(f"  C={c}: p50 {row['p50_us']:.1f} us, p99 {row['p99_us']:.1f}, "
                       f"{row['recalls_per_s']:,.0f} recalls/s, failed {row['failed_connects']}, "
                       f"errors {row['errors']}, wrong {row['wrong']}, {row['queries_per_pass']:.1f} queries per pass",
                       flush=True)
             if colocated:
-                report["colocated"] = _colocated(name, queries, ref_ids, ref_scores, k, colocated, args)
+                report["colocated"] = _colocated(name, data, k, colocated, args)
             report["sidecar_log_tail"] = sidecar.log()[-4000:]
             from kalos.client import Client
 
             with Client(name) as client:
-                report["engine_stats"] = client.stats().get("engine_stats")
+                stats = client.stats()
+                report["engine_stats"] = {**(stats.get("engine_stats") or {}),
+                                          **{key: value for key, value in stats.items() if key.startswith("gather_")}}
     print(f"engine: {report['engine_stats']}")
     _print_rows(f"crowd of single recalls (N={n:,} x {dim}, k={k}, {args.device}; serve "
                 f"{' '.join(args.serve_args) or 'defaults'})", report["rows"])
@@ -316,8 +348,7 @@ def run_crowd(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def _colocated(name: str, queries: np.ndarray, ref_ids: np.ndarray, ref_scores: np.ndarray, k: int,
-               sizes: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+def _colocated(name: str, data: str, k: int, sizes: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
     from kalos.bench_gpu import _LOAD_SCRIPT
 
     rows = []
@@ -329,7 +360,7 @@ def _colocated(name: str, queries: np.ndarray, ref_ids: np.ndarray, ref_scores: 
             if hog.stdout.readline().strip() != "busy":
                 raise RuntimeError("the GEMM process did not start")
             # Its rate is counted from the crowd's start (the signal marks it).
-            row = _one_crowd_marked(name, queries, ref_ids, ref_scores, k, c, args.crowd_seconds, hog, args.crowd_scopes)
+            row = _one_crowd_marked(name, data, k, c, args.crowd_seconds, hog, args.crowd_scopes)
             shared = hog.stdout.readline().split()
             row["gemm_tflops_alone"] = float(alone[1]) if alone else float("nan")
             row["gemm_tflops_during"] = float(shared[1]) if shared else float("nan")
@@ -340,24 +371,19 @@ def _colocated(name: str, queries: np.ndarray, ref_ids: np.ndarray, ref_scores: 
     return rows
 
 
-def _one_crowd_marked(name: str, queries: np.ndarray, ref_ids: np.ndarray, ref_scores: np.ndarray, k: int,
-                      clients: int, seconds: float, hog: subprocess.Popen, scopes: str) -> dict[str, Any]:
+def _one_crowd_marked(name: str, data: str, k: int, clients: int, seconds: float, hog: subprocess.Popen,
+                      scopes: str) -> dict[str, Any]:
     """:func:`_one_crowd`, with the GEMM process told when the crowd starts and ends."""
-    import threading
-
-    lead = _SPAWN_MARGIN_S + 0.05 * clients
 
     def mark() -> None:
-        time.sleep(lead)
-        hog.send_signal(signal.SIGUSR1)
         time.sleep(seconds)
         hog.terminate()
 
-    marker = threading.Thread(target=mark, daemon=True)
-    marker.start()
-    row = _one_crowd(name, queries, ref_ids, ref_scores, k, clients, seconds, scopes)
-    marker.join()
-    return row
+    def started() -> None:
+        hog.send_signal(signal.SIGUSR1)
+        threading.Thread(target=mark, daemon=True).start()
+
+    return _one_crowd(name, data, k, clients, seconds, scopes, on_start=started)
 
 
 if __name__ == "__main__":  # python -m kalos.crowd: the same as kalos bench --crowd

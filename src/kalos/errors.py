@@ -16,6 +16,8 @@ __all__ = [
     "InvalidQuery",
     "DimensionMismatch",
     "UnknownNamespace",
+    "UnknownKey",
+    "UnknownFilter",
     "SidecarUnavailable",
     "SidecarAlreadyRunning",
     "ProtocolMismatch",
@@ -36,6 +38,8 @@ class ErrorCode(enum.IntEnum):
     PROTOCOL = 5
     STORE = 6
     INTERNAL = 7
+    UNKNOWN_KEY = 8
+    UNKNOWN_FILTER = 9
 
 
 class KalosError(Exception):
@@ -66,6 +70,27 @@ class UnknownNamespace(InvalidArgument):
     """A recall named a namespace that holds no memories and never did."""
 
     code = ErrorCode.UNKNOWN_NAMESPACE
+
+
+class UnknownKey(KalosError, KeyError):
+    """An update named a key (or id) that holds no memory in that namespace; nothing was changed.
+
+    A KeyError too, so ``except KeyError`` catches it like a missing dict key.
+    """
+
+    code = ErrorCode.UNKNOWN_KEY
+
+    def __str__(self) -> str:
+        # KeyError's own __str__ shows the repr of its argument (quotes and escapes): the
+        # message reads as written instead.
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
+
+class UnknownFilter(InvalidArgument):
+    """A recall named a where-clause handle the sidecar does not hold (it restarted, or the
+    handle was evicted from its bounded table): the client registers the clause again."""
+
+    code = ErrorCode.UNKNOWN_FILTER
 
 
 class ProtocolMismatch(KalosError):
@@ -107,6 +132,8 @@ _BY_CODE: dict[int, type[KalosError]] = {
     ErrorCode.INVALID_QUERY: InvalidQuery,
     ErrorCode.DIMENSION_MISMATCH: DimensionMismatch,
     ErrorCode.UNKNOWN_NAMESPACE: UnknownNamespace,
+    ErrorCode.UNKNOWN_KEY: UnknownKey,
+    ErrorCode.UNKNOWN_FILTER: UnknownFilter,
     ErrorCode.PROTOCOL: ProtocolMismatch,
     ErrorCode.STORE: StoreError,
     ErrorCode.INTERNAL: ServerError,

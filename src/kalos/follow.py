@@ -2,7 +2,7 @@
 
 A :class:`ChangeFollower` is one thread with two connections: a *listener* (autocommit,
 ``LISTEN kalos_changes``) that only waits for notifications, and a *reader* that fetches the
-changes after its mark with :func:`kalos.pg_store.fetch_changes` (one repeatable-read snapshot
+changes after its mark (the log's ``fetch``: :func:`kalos.pg_store.fetch_changes`, one repeatable-read snapshot
 per batch) and hands them to ``apply``. The mark advances only after ``apply`` returned, so
 every change is applied at least once; :func:`apply_to_engine` makes applying twice harmless
 (an add of an id the engine holds and a delete of an id it does not are skipped).
@@ -19,13 +19,11 @@ import logging
 import threading
 import time
 from contextlib import nullcontext
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from kalos.pg_store import CHANNEL, ChangeBatch, connect, fetch_changes, mask_url, redact
-
-__all__ = ["ChangeFollower", "apply_to_engine"]
+__all__ = ["ChangeFollower", "ChangeLog", "apply_to_engine"]
 
 log = logging.getLogger("kalos.follow")
 
@@ -35,8 +33,27 @@ _BACKOFF_MIN_S = 0.1
 _BACKOFF_MAX_S = 5.0
 
 
-def apply_to_engine(engine: Any, namespaces: dict[bytes, int], batch: ChangeBatch) -> tuple[int, int]:
-    """Applies ``batch`` to ``engine`` in log order; returns (rows added, rows deleted).
+class ChangeLog(Protocol):
+    """What a follower reads (:class:`kalos.pg_store.ChangeLog` for PostgreSQL): the rows'
+    ``dim``, ``where`` (the log's address, password masked), the NOTIFY ``channel``."""
+
+    dim: int
+    where: str
+    channel: str
+
+    def connect(self, *, autocommit: bool = True) -> Any:
+        """A new connection to the log's database."""
+
+    def fetch(self, conn: Any, after: int, limit: int) -> Any:
+        """Up to ``limit`` changes after ``after``, as a ``kalos.pg_store.ChangeBatch``."""
+
+    def redact(self, message: str) -> str:
+        """``message`` with the password masked."""
+
+
+def apply_to_engine(engine: Any, namespaces: dict[bytes, int], batch: Any) -> tuple[int, int]:
+    """Applies ``batch`` (a ``kalos.pg_store.ChangeBatch``) to ``engine`` in log order; returns
+    (rows added, rows deleted).
 
     Ids the engine already holds (this sidecar's own writes, or a batch applied before a
     reconnect) are not added again; deletes of ids it does not hold are ignored by the engine.
@@ -51,16 +68,18 @@ def apply_to_engine(engine: Any, namespaces: dict[bytes, int], batch: ChangeBatc
                 continue
             fresh = np.fromiter((int(i) not in engine for i in change.ids.tolist()), dtype=bool, count=len(change.ids))
             if fresh.any():
+                meta = None if change.metadata is None else [m for m, f in zip(change.metadata, fresh) if f]
                 engine.add(change.ids[fresh], change.vectors[fresh], change.namespace_ids[fresh],
-                           change.created_at[fresh])
+                           change.created_at[fresh], meta)
                 added += int(fresh.sum())
-        elif change.op == "upsert":
+        elif change.op in ("upsert", "update"):
             # Each id's row swapped in one step (the caller holds the sidecar's state lock for
             # the whole batch): tombstone whatever version the engine holds, add the one read.
             # This sidecar's own upserts come back too; swapping in the same vector is harmless.
+            # An update's row is swapped the same way (its vector may or may not have changed).
             if len(change.ids):
                 deleted += int(engine.delete(change.ids))
-                engine.add(change.ids, change.vectors, change.namespace_ids, change.created_at)
+                engine.add(change.ids, change.vectors, change.namespace_ids, change.created_at, change.metadata)
                 added += len(change.ids)
         else:
             deleted += int(engine.delete(change.ids))
@@ -68,20 +87,21 @@ def apply_to_engine(engine: Any, namespaces: dict[bytes, int], batch: ChangeBatc
 
 
 class ChangeFollower:
-    """Applies every change after ``mark`` in ``url``'s change log through ``apply(batch)``.
+    """Applies every change after ``mark`` in ``log`` through ``apply(batch)``
+    (:meth:`kalos.pg_store.PostgresStore.follower` makes one).
 
     ``lock`` (optional) is held while a batch is read *and* applied: the sidecar passes its
     write lock, so a local add/delete never interleaves with a batch (a local delete cannot be
     overtaken by the remote add of the same item read just before it).
     """
 
-    def __init__(self, url: str, dim: int, mark: int, *, apply: Callable[[ChangeBatch], None],
+    def __init__(self, log: ChangeLog, mark: int, *, apply: Callable[[Any], None],
                  lock: Any = None, poll_interval_s: float = 2.0) -> None:
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
-        self._url = url
-        self._where = mask_url(url)
-        self.dim = dim
+        self._log = log
+        self._where = log.where
+        self.dim = log.dim
         self.mark = int(mark)
         self._apply = apply
         self._lock = lock if lock is not None else nullcontext()
@@ -108,9 +128,9 @@ class ChangeFollower:
         while not self._stop.is_set():
             listener = reader = None
             try:
-                listener = connect(self._url, follower=True)
-                listener.execute(f"LISTEN {CHANNEL}")
-                reader = connect(self._url, autocommit=False, follower=True)
+                listener = self._log.connect()
+                listener.execute(f"LISTEN {self._log.channel}")
+                reader = self._log.connect(autocommit=False)
                 if self.reconnects:
                     log.warning("following %s again from change %d", self._where, self.mark)
                 self.connected.set()
@@ -122,7 +142,7 @@ class ChangeFollower:
                     break
                 self.reconnects += 1
                 log.warning("following %s failed (%s: %s); retrying from change %d in %.1f s", self._where,
-                            type(exc).__name__, redact(str(exc).strip(), self._url), self.mark, backoff)
+                            type(exc).__name__, self._log.redact(str(exc).strip()), self.mark, backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)
             finally:
@@ -151,7 +171,7 @@ class ChangeFollower:
     def _catch_up(self, reader: Any) -> None:
         while not self._stop.is_set():
             with self._lock:
-                batch = fetch_changes(reader, self.dim, self.mark, limit=_BATCH)
+                batch = self._log.fetch(reader, self.mark, _BATCH)
                 if batch.changes:
                     self._apply(batch)
             self.mark = batch.mark

@@ -20,12 +20,14 @@ class Metrics:
         self.queries = 0
         self.batches = 0
         self.errors = 0
+        self.busy_s = 0.0  # time spent answering: with a crowd's wall time, how loaded the sweep is
         self.started = time.time()
 
     def record(self, n_queries: int, service_s: float) -> None:
         with self._lock:
             self.queries += n_queries
             self.batches += 1
+            self.busy_s += service_s
             self._service_s.append(service_s)
             self._stamps.append((time.monotonic(), n_queries))
 
@@ -43,6 +45,7 @@ class Metrics:
                 "queries": self.queries,
                 "batches": self.batches,
                 "errors": self.errors,
+                "busy_s": round(self.busy_s, 6),
                 "uptime_s": round(time.time() - self.started, 3),
                 "qps": round(recent / span, 1) if recent else 0.0,
                 "service_p50_us": round(float(np.percentile(service, 50)) * 1e6, 1) if len(service) else None,

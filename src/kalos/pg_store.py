@@ -2,8 +2,9 @@
 
 ``kalos serve --store postgresql://user:password@host:port/db`` serves a :class:`PostgresStore`
 instead of the embedded SQLite :class:`kalos.store.Store`. The public surface is the same
-(open, add, upsert, delete, delete_keys, get, get_keys, namespaces, namespace_counts, count,
-iter_rows, integrity_check, size_bytes, close), so the sidecar, ``kalos doctor`` and ``kalos stats`` use either. What is
+(open, add, upsert, update, delete, delete_keys, delete_where, delete_expired, get, get_keys,
+list_items, count_items, expiries, namespaces, namespace_counts, count, iter_rows,
+integrity_check, size_bytes, close), so the sidecar, ``kalos doctor`` and ``kalos stats`` use either. What is
 new is that other sidecars write to the same database: every add and delete also appends to
 a change log, and each sidecar follows that log (:mod:`kalos.follow`) to keep its engine equal
 to the database.
@@ -24,7 +25,9 @@ PostgreSQL schema: ``?options=-csearch_path%3Dmine`` in the URL keeps a store in
                                                                      at creation: the fallback search
                       key text, updated_at double precision          the caller's id (UNIQUE per namespace,
                                                                      kalos_items_by_key) and the last upsert
-    kalos_changes     seq bigint PRIMARY KEY, op 'add'|'delete'|'upsert', ids bigint[], at timestamptz
+                      expires_at double precision                    the ttl's end (NULL: never;
+                                                                     kalos_items_by_expiry)
+    kalos_changes     seq bigint PRIMARY KEY, op 'add'|'delete'|'upsert'|'update', ids bigint[], at timestamptz
 
 Keys (issue 22): a store made before them gets ``key``, ``updated_at``, the key index and the
 'upsert' op at the first writable open (one transaction under the writer lock). An upsert is
@@ -33,6 +36,10 @@ row updated, and ONE 'upsert' entry lists every id of the call, so that a follow
 row in one engine step (tombstone + add under its state lock): a recall on another host sees
 the old version or the new, never both or neither. Every sidecar on a store must run a Kalos
 that knows 'upsert' before keys are used: an older follower read any op but 'add' as a delete.
+An update (one row, in place) is one 'update' entry, which followers apply like an upsert; a
+delete by ``where``, a dropped namespace and the expiry sweep are 'delete' entries. The
+``expires_at`` column, its index and the 'update' op are added at the first writable open of
+a store made before them, in the same migration.
 
 The change log and its ordering. A follower remembers the highest ``seq`` it applied (its
 mark) and reads ``seq > mark``. That is only correct if no row with a lower seq can become
@@ -73,16 +80,22 @@ from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsp
 
 import numpy as np
 
-from kalos.errors import DimensionMismatch, InvalidArgument, NotAKalosStore, StoreError
+from kalos.errors import DimensionMismatch, InvalidArgument, NotAKalosStore, StoreError, UnknownKey
+from kalos.follow import ChangeFollower
 from kalos.store import (
+    UNSET,
     DEFAULT_NAMESPACE,
     FORMAT_NAME,
     SCHEMA_VERSION,
     Item,
     Store,
+    Update,
     _check_dim,
     _check_ids,
+    _check_list_args,
+    _expiry_column,
     _keys_for_lookup,
+    _merged_metadata,
     check_keys,
     check_add,
     check_request_id,
@@ -118,7 +131,9 @@ _CONNECT_TIMEOUT_S = 10
 _IDS_PER_QUERY = 10000  # ids per = ANY(array) parameter in get
 _KEY_INDEX = ("CREATE UNIQUE INDEX IF NOT EXISTS kalos_items_by_key ON kalos_items (namespace_id, key)"
               " WHERE key IS NOT NULL")
-_OP_CHECK = "CHECK (op IN ('add', 'delete', 'upsert'))"
+_EXPIRY_INDEX = ("CREATE INDEX IF NOT EXISTS kalos_items_by_expiry ON kalos_items (expires_at)"
+                 " WHERE expires_at IS NOT NULL")
+_OP_CHECK = "CHECK (op IN ('add', 'delete', 'upsert', 'update'))"
 
 
 def is_postgres_url(spec: Any) -> bool:
@@ -259,11 +274,12 @@ class Change:
     """One change-log entry. For an add, the arrays hold the items still present at the read."""
 
     seq: int
-    op: str  # "add" | "delete" | "upsert" (replace the rows of these ids, add the new ones)
+    op: str  # "add" | "delete" | "upsert" (replace the rows of these ids, add the new ones) | "update" (as upsert)
     ids: np.ndarray  # int64: the ids the entry names (delete) or the present subset (add, upsert)
     vectors: np.ndarray | None = None  # float32 [n, dim] (add)
     namespace_ids: np.ndarray | None = None  # int32 [n] (add)
     created_at: np.ndarray | None = None  # float64 [n] (add)
+    metadata: list | None = None  # [dict | None] * n (add): what where filters read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +287,10 @@ class ChangeBatch:
     changes: list[Change]
     namespaces: dict[str, int]  # every namespace, read in the same snapshot
     mark: int  # the highest seq in ``changes`` (or the caller's mark when empty)
+
+
+#: The change-log ops whose ids' rows a follower reads (and adds, or swaps in).
+_READS_ROWS = ("add", "upsert", "update")
 
 
 def fetch_changes(conn: "psycopg.Connection", dim: int, after: int, limit: int = 1000) -> ChangeBatch:
@@ -288,7 +308,7 @@ def fetch_changes(conn: "psycopg.Connection", dim: int, after: int, limit: int =
             entries = cur.fetchall()
             if not entries:
                 return ChangeBatch([], {}, after)
-            added = [i for seq, op, ids in entries if op in ("add", "upsert") for i in ids]
+            added = [i for seq, op, ids in entries if op in _READS_ROWS for i in ids]
             present: dict[int, int] = {}
             arrays: tuple[np.ndarray, ...] = (np.empty(0, np.int64),) * 4
             if added:
@@ -299,6 +319,11 @@ def fetch_changes(conn: "psycopg.Connection", dim: int, after: int, limit: int =
                 if parts:
                     arrays = tuple(np.concatenate(col) for col in zip(*parts))
                     present = {int(i): row for row, i in enumerate(arrays[0].tolist())}
+                cur.execute("SELECT id, metadata FROM kalos_items WHERE id = ANY(%s) AND metadata IS NOT NULL",
+                            (added,))
+                meta_of = {int(i): json.loads(m) for i, m in cur.fetchall()}
+            else:
+                meta_of = {}
             cur.execute("SELECT name, id FROM kalos_namespaces")
             namespaces = dict(cur.fetchall())
     changes: list[Change] = []
@@ -306,12 +331,13 @@ def fetch_changes(conn: "psycopg.Connection", dim: int, after: int, limit: int =
         if op == "delete":
             changes.append(Change(int(seq), "delete", np.asarray(ids, dtype=np.int64)))
             continue
-        if op not in ("add", "upsert"):
+        if op not in _READS_ROWS:
             raise StoreError(f"change log entry {seq} has op {op!r}, which this Kalos does not know (upgrade it)")
         # An upserted id absent here was deleted later: that delete follows in the log.
         rows = np.asarray([present[i] for i in ids if i in present], dtype=np.int64)
         ids_arr, vecs, ns, times = arrays
-        changes.append(Change(int(seq), op, ids_arr[rows], vecs[rows], ns[rows], times[rows]))
+        changes.append(Change(int(seq), op, ids_arr[rows], vecs[rows], ns[rows], times[rows],
+                              [meta_of.get(i) for i in ids_arr[rows].tolist()]))
     return ChangeBatch(changes, namespaces, int(entries[-1][0]))
 
 
@@ -331,6 +357,28 @@ class RowSnapshot:
             self._conn.close()  # read-only: nothing to commit
 
 
+class ChangeLog:
+    """A database's change log as a :class:`kalos.follow.ChangeFollower` reads it: connections
+    (the follower's, which never retry a lost server in place), :func:`fetch_changes`, the
+    NOTIFY channel, and messages with the password masked."""
+
+    channel = CHANNEL
+
+    def __init__(self, url: str, dim: int) -> None:
+        self._url = url
+        self.dim = dim
+        self.where = mask_url(url)
+
+    def connect(self, *, autocommit: bool = True) -> "psycopg.Connection":
+        return connect(self._url, autocommit=autocommit, follower=True)
+
+    def fetch(self, conn: "psycopg.Connection", after: int, limit: int) -> ChangeBatch:
+        return fetch_changes(conn, self.dim, after, limit=limit)
+
+    def redact(self, message: str) -> str:
+        return redact(message, self._url)
+
+
 # -- the store -----------------------------------------------------------------------------------
 
 
@@ -348,6 +396,7 @@ class PostgresStore:
     readonly: bool = True
     has_vector: bool = False  # the pgvector column exists (server-side fallback search)
     _keyed: bool = True  # key/updated_at exist (False only on a readonly open of an unmigrated store)
+    _expiring: bool = True  # expires_at exists (False only on a readonly open of an unmigrated store)
     _conn: Any = None
 
     def __init__(self) -> None:
@@ -434,12 +483,17 @@ class PostgresStore:
         if dim is not None and dim != meta_dim:
             raise DimensionMismatch(f"store {self.path} has dimension {meta_dim}, but dim={dim} was asked for")
         self.dim = meta_dim
-        if not self._keyed and not self.readonly:  # a store made before keys, checked above: migrate it
+        try:
+            behind = not self._keyed or self._lacks_issue22()
+        except psycopg.Error as e:
+            raise self._error("open", e) from None
+        if behind and not self.readonly:  # a store made before keys (or expiries), checked above: migrate it
             try:
                 self._migrate_keys()
             except psycopg.Error as e:
                 raise self._error("open (adding the key columns)", e) from None
             self._keyed = True
+        self._expiring = self._has_column("expires_at")
 
     def _has_key_columns(self) -> bool:
         return self._conn.execute(
@@ -447,17 +501,32 @@ class PostgresStore:
             " AND attname IN ('key', 'updated_at') AND NOT attisdropped"
         ).fetchone()[0] == 2
 
+    def _has_column(self, name: str) -> bool:
+        return bool(self._conn.execute(
+            "SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass('kalos_items')"
+            " AND attname = %s AND NOT attisdropped", (name,)).fetchone()[0])
+
+    def _lacks_issue22(self) -> bool:
+        """True for a store without the expires_at column or the 'update' op (made before them)."""
+        check = self._conn.execute(
+            "SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conrelid = to_regclass('kalos_changes')"
+            " AND conname = 'kalos_changes_op_check'").fetchone()
+        return not self._has_column("expires_at") or check is None or "'update'" not in check[0]
+
     def _migrate_keys(self) -> None:
-        """Gives a store made before keys (issue 22) its key columns, index and 'upsert' op, in one
-        transaction under the writer lock (two sidecars migrating at once: the second finds it done)."""
+        """Gives a store made before keys (issue 22) its key and expiry columns, indexes and the
+        'upsert' and 'update' ops, in one transaction under the writer lock (two sidecars
+        migrating at once: the second finds it done)."""
         conn = self._conn
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (_WRITER_LOCK,))
-            if self._has_key_columns():
+            if self._has_key_columns() and not self._lacks_issue22():
                 return
             conn.execute("ALTER TABLE kalos_items ADD COLUMN IF NOT EXISTS key text,"
-                         " ADD COLUMN IF NOT EXISTS updated_at double precision")
+                         " ADD COLUMN IF NOT EXISTS updated_at double precision,"
+                         " ADD COLUMN IF NOT EXISTS expires_at double precision")
             conn.execute(_KEY_INDEX)
+            conn.execute(_EXPIRY_INDEX)
             conn.execute("ALTER TABLE kalos_changes DROP CONSTRAINT IF EXISTS kalos_changes_op_check,"
                          f" ADD CONSTRAINT kalos_changes_op_check {_OP_CHECK}")
         log.info("store %s: added the key columns of issue 22 (key, updated_at)", self.path)
@@ -494,11 +563,13 @@ class PostgresStore:
                 " metadata text,"
                 " key text,"
                 " updated_at double precision,"
+                " expires_at double precision,"
                 f" vector bytea NOT NULL CHECK (length(vector) = {4 * dim})"
                 + (f", embedding vector({dim})" if has_vector else "") + ")"
             )
             conn.execute("CREATE INDEX kalos_items_by_namespace ON kalos_items (namespace_id)")
             conn.execute(_KEY_INDEX)
+            conn.execute(_EXPIRY_INDEX)
             conn.execute(
                 "CREATE TABLE kalos_changes ("
                 " seq bigint PRIMARY KEY,"
@@ -569,6 +640,7 @@ class PostgresStore:
         metadata: Sequence[dict | None] | None = None,
         created_at: float | np.ndarray | None = None,
         request_id: str | None = None,
+        expires_at: np.ndarray | None = None,
     ) -> tuple[np.ndarray, int, np.ndarray]:
         """As :meth:`kalos.store.Store.add`: ``(ids int64[n], namespace_id, created_at float64[n])``,
         returned after COMMIT. Bad input raises before anything is sent to the server.
@@ -583,15 +655,21 @@ class PostgresStore:
                                           "which PostgreSQL text cannot store")
         blobs = [vecs[i].tobytes() for i in range(n)]
         embeddings = [_vector_literal(v) for v in vecs] if self.has_vector else None
+        expiry_col = _expiry_column(expires_at, n)
+        if expires_at is not None and not self._expiring:
+            raise StoreError(f"store {self.path} has no expires_at column (open it writable once to migrate it)")
 
         def body(conn: Any) -> tuple[np.ndarray, int]:
             ns_id = _namespace_id(conn, ns)
             ids = [r[0] for r in conn.execute(
                 "SELECT nextval('kalos_item_ids') FROM generate_series(1, %s)", (n,)).fetchall()]
-            columns = "id, namespace_id, created_at, text, metadata, vector" + (", embedding" if embeddings else "")
+            columns = ("id, namespace_id, created_at, text, metadata, vector" + (", expires_at" if expires_at is not None else "")
+                       + (", embedding" if embeddings else ""))
             with conn.cursor() as cur, cur.copy(f"COPY kalos_items ({columns}) FROM STDIN") as copy:
                 for i in range(n):
                     row = (ids[i], ns_id, float(times[i]), text_col[i], meta_col[i], blobs[i])
+                    if expires_at is not None:
+                        row += (expiry_col[i],)
                     copy.write_row(row + (embeddings[i],) if embeddings else row)
             _log_change(conn, "add", ids)
             if request_id is not None:
@@ -613,6 +691,7 @@ class PostgresStore:
         metadata: Sequence[dict | None] | None = None,
         created_at: float | np.ndarray | None = None,
         request_id: str | None = None,
+        expires_at: np.ndarray | None = None,
     ) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
         """As :meth:`kalos.store.Store.upsert`: one transaction, one 'upsert' change-log entry
         naming every id of the call (the followers swap those rows)."""
@@ -629,13 +708,20 @@ class PostgresStore:
             raise StoreError(f"store {self.path} has no key columns (open it writable once to migrate it)")
         blobs = [vecs[i].tobytes() for i in range(n)]
         embeddings = [_vector_literal(v) for v in vecs] if self.has_vector else None
+        expiry_col = _expiry_column(expires_at, n)
+        if not self._expiring:
+            raise StoreError(f"store {self.path} has no expires_at column (open it writable once to migrate it)")
         now = time.time()
 
         def body(conn: Any) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
             ns_id = _namespace_id(conn, ns)
-            existing = {key: (item_id, created) for key, item_id, created in conn.execute(
-                "SELECT key, id, created_at FROM kalos_items WHERE namespace_id = %s AND key = ANY(%s)",
-                (ns_id, key_col)).fetchall()}
+            existing, expired = {}, set()
+            for key, item_id, created, expiry in conn.execute(
+                    "SELECT key, id, created_at, expires_at FROM kalos_items WHERE namespace_id = %s AND key = ANY(%s)",
+                    (ns_id, key_col)).fetchall():
+                existing[key] = (item_id, created)
+                if expiry is not None and expiry <= now:
+                    expired.add(key)
             replaced = np.fromiter((k in existing for k in key_col), dtype=bool, count=n)
             fresh = [r[0] for r in conn.execute(
                 "SELECT nextval('kalos_item_ids') FROM generate_series(1, %s)", (int(n - replaced.sum()),)).fetchall()]
@@ -645,19 +731,23 @@ class PostgresStore:
             for i, key in enumerate(key_col):
                 if replaced[i]:
                     ids[i], out_times[i] = existing[key]
-                    row = (text_col[i], meta_col[i], blobs[i], now)
+                    if key in expired:  # gone already: a new memory, under the id its key had
+                        out_times[i] = times[i]
+                    row = (text_col[i], meta_col[i], blobs[i], None if key in expired else now, expiry_col[i],
+                           float(out_times[i]))
                     updates.append(row + ((embeddings[i],) if embeddings else ()) + (int(ids[i]),))
                 else:
                     ids[i] = fresh.pop(0)
-                    row = (int(ids[i]), ns_id, float(times[i]), text_col[i], meta_col[i], key, blobs[i])
+                    row = (int(ids[i]), ns_id, float(times[i]), text_col[i], meta_col[i], key, blobs[i], expiry_col[i])
                     inserts.append(row + ((embeddings[i],) if embeddings else ()))
             if updates:
                 with conn.cursor() as cur:
                     cur.executemany(
-                        "UPDATE kalos_items SET text = %s, metadata = %s, vector = %s, updated_at = %s"
-                        + (", embedding = %s" if embeddings else "") + " WHERE id = %s", updates)
+                        "UPDATE kalos_items SET text = %s, metadata = %s, vector = %s, updated_at = %s, expires_at = %s,"
+                        " created_at = %s" + (", embedding = %s" if embeddings else "") + " WHERE id = %s", updates)
             if inserts:
-                columns = "id, namespace_id, created_at, text, metadata, key, vector" + (", embedding" if embeddings else "")
+                columns = ("id, namespace_id, created_at, text, metadata, key, vector, expires_at"
+                           + (", embedding" if embeddings else ""))
                 with conn.cursor() as cur, cur.copy(f"COPY kalos_items ({columns}) FROM STDIN") as copy:
                     for row in inserts:
                         copy.write_row(row)
@@ -669,6 +759,170 @@ class PostgresStore:
             return ids, ns_id, out_times, replaced
 
         return self._run("upsert", body, write=True)
+
+    def update(self, change: Update) -> tuple[int, int, float]:
+        """As :meth:`kalos.store.Store.update`: one transaction and one 'update' change-log entry
+        naming the id (a follower swaps the row in, as for an upsert)."""
+        if change.key is not None and not self._keyed:
+            raise StoreError(f"store {self.path} has no key columns (open it writable once to migrate it)")
+        for label, value in (("text", change.text), ("key", change.key)):
+            if isinstance(value, str) and "\x00" in value:
+                raise InvalidArgument(f"update: {label} contains a NUL character, which PostgreSQL text cannot store")
+        if change.metadata is not UNSET and "\x00" in json.dumps(change.metadata):
+            raise InvalidArgument("update: metadata contains a NUL character, which PostgreSQL text cannot store")
+        now = time.time()
+
+        def body(conn: Any) -> tuple[int, int, float]:
+            live, live_params = self._live_clause("i"), self._live_params(now)
+            if change.key is not None:
+                row = conn.execute(
+                    "SELECT i.id, i.namespace_id, i.created_at, i.metadata FROM kalos_items AS i JOIN kalos_namespaces"
+                    " AS n ON n.id = i.namespace_id WHERE n.name = %s AND i.key = %s" + live + " FOR UPDATE OF i",
+                    (change.namespace, change.key, *live_params)).fetchone()
+            else:
+                row = conn.execute(
+                    "SELECT i.id, i.namespace_id, i.created_at, i.metadata FROM kalos_items AS i WHERE i.id = %s"
+                    + live + " FOR UPDATE", (change.id, *live_params)).fetchone()
+            if row is None:
+                raise UnknownKey(f"update: no memory has {change.describe()}")
+            item_id, ns_id, created, stored_meta = row
+            sets, params = ["updated_at = %s"], [now]
+            if change.text is not UNSET:
+                sets.append("text = %s")
+                params.append(change.text)
+            if change.metadata is not UNSET:
+                sets.append("metadata = %s")
+                params.append(_merged_metadata(change, stored_meta))
+            if change.vector is not None:
+                vec = np.ascontiguousarray(change.vector, dtype="<f4")
+                sets.append("vector = %s")
+                params.append(vec.tobytes())
+                if self.has_vector:
+                    sets.append("embedding = %s::vector")
+                    params.append(_vector_literal(vec))
+            conn.execute(f"UPDATE kalos_items SET {', '.join(sets)} WHERE id = %s", (*params, item_id))
+            _log_change(conn, "update", [int(item_id)])
+            return int(item_id), int(ns_id), float(created)
+
+        return self._run("update", body, write=True)
+
+    def delete_expired(self, now: float | None = None) -> np.ndarray:
+        """As :meth:`kalos.store.Store.delete_expired`: one transaction and one 'delete' change-log
+        entry (every sidecar on the store sweeps; a row is deleted, and logged, once)."""
+        now = time.time() if now is None else float(now)
+        if not self._expiring:
+            return np.empty(0, dtype=np.int64)
+        due = self._run("delete_expired", lambda conn: conn.execute(
+            "SELECT 1 FROM kalos_items WHERE expires_at <= %s LIMIT 1", (now,)).fetchone())
+        if due is None:
+            return np.empty(0, dtype=np.int64)
+
+        def body(conn: Any) -> np.ndarray:
+            ids = [r[0] for r in conn.execute(
+                "DELETE FROM kalos_items WHERE expires_at <= %s RETURNING id", (now,)).fetchall()]
+            if ids:
+                _log_change(conn, "delete", sorted(ids))
+            return np.sort(np.asarray(ids, dtype=np.int64))
+
+        return self._run("delete_expired", body, write=True)
+
+    def expiries(self, ids: Sequence[int] | np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """As :meth:`kalos.store.Store.expiries`."""
+        if not self._expiring:
+            return np.empty(0, np.int64), np.empty(0)
+        if ids is None:
+            rows = self._run("expiries", lambda conn: conn.execute(
+                "SELECT id, expires_at FROM kalos_items WHERE expires_at IS NOT NULL").fetchall())
+        else:
+            wanted = np.unique(_check_ids(ids, "expiries")).tolist()
+            rows = self._run("expiries", lambda conn: conn.execute(
+                "SELECT id, expires_at FROM kalos_items WHERE id = ANY(%s) AND expires_at IS NOT NULL",
+                (wanted,)).fetchall()) if wanted else []
+        return (np.fromiter((r[0] for r in rows), np.int64, len(rows)),
+                np.fromiter((r[1] for r in rows), np.float64, len(rows)))
+
+    def list_items(self, *, namespace: str | None = None, where: Any = None, limit: int = 100,
+                   after: int = 0) -> tuple[list[Item], int | None]:
+        """As :meth:`kalos.store.Store.list_items` (one transaction per page)."""
+        ns, limit, after = _check_list_args(namespace, limit, after)
+        now = time.time()
+
+        def body(conn: Any) -> list[Item]:
+            out: list[Item] = []
+            cursor = after
+            ns_clause, ns_params = ("", ()) if ns is None else (
+                " AND i.namespace_id = (SELECT id FROM kalos_namespaces WHERE name = %s)", (ns,))
+            chunk = limit + 1 if where is None else max(limit + 1, 1024)
+            while len(out) <= limit:
+                rows = conn.execute(
+                    f"SELECT {self._item_columns()} FROM kalos_items AS i JOIN kalos_namespaces AS n"
+                    f" ON n.id = i.namespace_id WHERE i.id > %s{ns_clause}{self._live_clause('i')} ORDER BY i.id LIMIT %s",
+                    (cursor, *ns_params, *self._live_params(now), chunk)).fetchall()
+                for row in rows:
+                    item = Store._item(row)
+                    if where is None or where.matches(item.metadata):
+                        out.append(item)
+                        if len(out) > limit:
+                            break
+                if len(rows) < chunk:
+                    break
+                cursor = rows[-1][0]
+            return out
+
+        out = self._run("list", body)
+        if len(out) > limit:
+            return out[:limit], out[limit - 1].id
+        return out, None
+
+    def count_items(self, *, namespace: str | None = None, where: Any = None) -> int:
+        """As :meth:`kalos.store.Store.count_items`."""
+        ns = None if namespace is None else check_namespace(namespace)
+        now = time.time()
+
+        def body(conn: Any) -> int:
+            if where is not None:
+                return len(self._matching(conn, ns, where, now))
+            return int(conn.execute(
+                "SELECT count(*) FROM kalos_items AS i WHERE true" + _namespace_clause(ns) + self._live_clause("i"),
+                (*(() if ns is None else (ns,)), *self._live_params(now))).fetchone()[0])
+
+        return self._run("count", body)
+
+    def delete_where(self, *, namespace: str | None, where: Any = None) -> np.ndarray:
+        """As :meth:`kalos.store.Store.delete_where`: one transaction, one 'delete' change-log
+        entry (the followers drop the rows)."""
+        ns = None if namespace is None else check_namespace(namespace)
+
+        def body(conn: Any) -> np.ndarray:
+            if where is None:
+                ids = [r[0] for r in conn.execute(
+                    "SELECT i.id FROM kalos_items AS i WHERE true" + _namespace_clause(ns) + " FOR UPDATE",
+                    () if ns is None else (ns,)).fetchall()]
+            else:
+                ids = self._matching(conn, ns, where, None)
+            if ids:
+                conn.execute("DELETE FROM kalos_items WHERE id = ANY(%s)", (ids,))
+                _log_change(conn, "delete", sorted(ids))
+            return np.sort(np.asarray(ids, dtype=np.int64))
+
+        return self._run("delete_where", body, write=True)
+
+    def _matching(self, conn: Any, ns: str | None, where: Any, now: float | None) -> list[int]:
+        live = "" if now is None else self._live_clause("i")
+        params = (*(() if ns is None else (ns,)), *(() if now is None else self._live_params(now)))
+        return [item_id for item_id, meta in conn.execute(
+            "SELECT i.id, i.metadata FROM kalos_items AS i WHERE true" + _namespace_clause(ns) + live, params)
+            if where.matches(None if meta is None else json.loads(meta))]
+
+    def _live_clause(self, alias: str | None) -> str:
+        """`` AND <not expired>`` for a query over kalos_items (empty on a store without expiries)."""
+        if not self._expiring:
+            return ""
+        column = f"{alias}.expires_at" if alias else "expires_at"
+        return f" AND ({column} IS NULL OR {column} > %s)"
+
+    def _live_params(self, now: float) -> tuple[float, ...]:
+        return (now,) if self._expiring else ()
 
     def delete_keys(self, keys: Sequence[str], namespace: str) -> np.ndarray:
         """As :meth:`kalos.store.Store.delete_keys` (logged as a delete: followers drop the rows)."""
@@ -739,14 +993,15 @@ class PostgresStore:
         """The items of ``ids``, aligned with them: None where an id is absent."""
         wanted = _check_ids(ids, "get")
         unique = np.unique(wanted).tolist()
+        now = time.time()  # an expired item is absent from that moment, before the sweep deletes it
 
         def body(conn: Any) -> dict[int, Item]:
             found: dict[int, Item] = {}
             for start in range(0, len(unique), _IDS_PER_QUERY):
                 for row in conn.execute(
                     f"SELECT {self._item_columns()} FROM kalos_items AS i"
-                    " JOIN kalos_namespaces AS n ON n.id = i.namespace_id WHERE i.id = ANY(%s)",
-                    (unique[start : start + _IDS_PER_QUERY],),
+                    f" JOIN kalos_namespaces AS n ON n.id = i.namespace_id WHERE i.id = ANY(%s){self._live_clause('i')}",
+                    (unique[start : start + _IDS_PER_QUERY], *self._live_params(now)),
                 ):
                     found[row[0]] = Store._item(row)
             return found
@@ -754,9 +1009,25 @@ class PostgresStore:
         found = self._run("get", body) if unique else {}
         return [found.get(i) for i in wanted.tolist()]
 
+    def vectors(self, ids: Sequence[int] | np.ndarray) -> dict[int, np.ndarray]:
+        """The stored (normalised float32) vectors of those ``ids`` that exist: id -> ``[dim]``."""
+        unique = np.unique(_check_ids(ids, "vectors")).tolist()
+
+        def body(conn: Any) -> dict[int, np.ndarray]:
+            found: dict[int, np.ndarray] = {}
+            for start in range(0, len(unique), _IDS_PER_QUERY):
+                for item_id, blob in conn.execute(
+                    "SELECT id, vector FROM kalos_items WHERE id = ANY(%s)", (unique[start : start + _IDS_PER_QUERY],),
+                ):
+                    found[item_id] = np.frombuffer(bytes(blob), dtype="<f4").astype(np.float32)
+            return found
+
+        return self._run("vectors", body) if unique else {}
+
     def _item_columns(self) -> str:
         keyed = "i.key, i.updated_at" if self._keyed else "NULL, NULL"
-        return f"i.id, n.name, i.text, i.metadata, i.created_at, {keyed}"
+        expiry = "i.expires_at" if self._expiring else "NULL"
+        return f"i.id, n.name, i.text, i.metadata, i.created_at, {keyed}, {expiry}"
 
     def ids_of_keys(self, keys: Sequence[str], namespace: str) -> list[int | None]:
         """As :meth:`kalos.store.Store.ids_of_keys`."""
@@ -767,10 +1038,13 @@ class PostgresStore:
                 self._connection()
             return [None] * len(wanted)
 
+        now = time.time()
+
         def body(conn: Any) -> dict[str, int]:
             return dict(conn.execute(
                 "SELECT i.key, i.id FROM kalos_items AS i JOIN kalos_namespaces AS n ON n.id = i.namespace_id"
-                " WHERE n.name = %s AND i.key = ANY(%s)", (ns, list(dict.fromkeys(wanted)))).fetchall())
+                f" WHERE n.name = %s AND i.key = ANY(%s){self._live_clause('i')}",
+                (ns, list(dict.fromkeys(wanted)), *self._live_params(now))).fetchall())
 
         found = self._run("ids_of_keys", body)
         return [found.get(k) for k in wanted]
@@ -842,12 +1116,33 @@ class PostgresStore:
         consistent snapshot (in storage order, not id order)."""
         return iter(self.snapshot_rows(batch))
 
+    def iter_metadata(self, batch: int = 65536) -> Iterator[tuple[np.ndarray, list[dict]]]:
+        """The metadata of every item that has some, in id order, ``batch`` at a time:
+        ``(ids int64[b], [dict] * b)``, for the sidecar's ``where`` index. Read after the rows'
+        snapshot, so a change made in between may show here already; the follower replays
+        it from the log anyway (its rows carry their metadata), which ends in the same state."""
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise InvalidArgument(f"batch must be an integer >= 1, got {batch!r}")
+
+        def pages() -> Iterator[tuple[np.ndarray, list[dict]]]:
+            after = 0
+            while True:
+                rows = self._run("iter_metadata", lambda conn: conn.execute(
+                    "SELECT id, metadata FROM kalos_items WHERE id > %s AND metadata IS NOT NULL ORDER BY id LIMIT %s",
+                    (after, batch),
+                ).fetchall())
+                if not rows:
+                    return
+                yield np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows)), [json.loads(r[1]) for r in rows]
+                after = int(rows[-1][0])
+
+        return pages()
+
     def follower(self, mark: int, *, apply: Callable[[ChangeBatch], None],
                  lock: Any = None, poll_interval_s: float = 2.0) -> Any:
         """A :class:`kalos.follow.ChangeFollower` of this store's change log from ``mark`` (not started)."""
-        from kalos.follow import ChangeFollower
-
-        return ChangeFollower(self._url, self.dim, mark, apply=apply, lock=lock, poll_interval_s=poll_interval_s)
+        return ChangeFollower(ChangeLog(self._url, self.dim), mark, apply=apply, lock=lock,
+                              poll_interval_s=poll_interval_s)
 
     def search(self, query: np.ndarray, k: int, namespace: str | None = None) -> list[tuple[int, float]]:
         """Server-side exact cosine top-k with pgvector, for when no sidecar runs: ``[(id, score)]``
@@ -921,6 +1216,10 @@ def _namespace_id(conn: Any, name: str) -> int:
         raise StoreError("namespace ids are exhausted")
     conn.execute("INSERT INTO kalos_namespaces (id, name) VALUES (%s, %s)", (ns_id, name))
     return int(ns_id)
+
+
+def _namespace_clause(ns: str | None) -> str:
+    return "" if ns is None else " AND i.namespace_id = (SELECT id FROM kalos_namespaces WHERE name = %s)"
 
 
 def _ensure_requests(conn: Any) -> None:

@@ -7,12 +7,13 @@ one writer and no compare-and-swap is ever needed::
     offset 0              +--------------------------------------------------+
                           | header (HEADER_DTYPE), padded to one page         |
                           |   magic, version, sizes, epoch, heartbeat,       |
-                          |   sidecar_sleeping, clients                       |
+                          |   sidecar_sleeping, clients, wake_seq             |
     header_size           +--------------------------------------------------+
     + i * slot_size       | slot i                                           |
                           |   request  (REQUEST_DTYPE, written by the client) |
                           |     req_seq, op, k, n_queries, flags, since,     |
-                          |     until, client_sleeping, namespace            |
+                          |     until, client_sleeping, namespace,           |
+                          |     where_handle                                 |
                           |   response (RESPONSE_DTYPE, written by sidecar)  |
                           |     resp_seq, status, n_results, message         |
                           |   queries  float32[max_batch, dim]   (client)    |
@@ -44,6 +45,7 @@ __all__ = [
     "VERSION",
     "Op",
     "RequestFlag",
+    "Sleep",
     "NAMESPACE_BYTES",
     "MESSAGE_BYTES",
     "HEADER_DTYPE",
@@ -57,11 +59,17 @@ __all__ = [
 ]
 
 MAGIC = int.from_bytes(b"KALOSSHM", "little")
-VERSION = 1
-NAMESPACE_BYTES = 64
+# 3: the namespace field grew from 64 to 256 bytes (names of up to 255 UTF-8 bytes, issue 22),
+# the request's where_handle, and the header's wake_seq futex word.
+VERSION = 3
+NAMESPACE_BYTES = 256
 MESSAGE_BYTES = 192
 _LINE = 64
 _PAGE = mmap.PAGESIZE
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
 
 
 class Op(enum.IntEnum):
@@ -69,20 +77,31 @@ class Op(enum.IntEnum):
     PING = 2  # answered without touching the engine: the bare channel round trip
 
 
+class Sleep(enum.IntEnum):
+    """A waiting client's ``client_sleeping`` word: how the sidecar must wake it."""
+
+    AWAKE = 0
+    ON_EVENTFD = 1  # ring its wake eventfd (kalos.aio's event loop, or no futex on this system)
+    ON_FUTEX = 2  # bump the header's wake_seq and FUTEX_WAKE it (once for every such client)
+
+
 class RequestFlag(enum.IntFlag):
     ALL_NAMESPACES = 1
     HAS_SINCE = 2
     HAS_UNTIL = 4
+    # ``where_handle`` names a where clause the client registered over the control socket
+    # (the clause itself, JSON of any length, never crosses the slot).
+    HAS_WHERE = 8
 
 
 HEADER_DTYPE = np.dtype(
     {
         "names": [
             "magic", "version", "header_size", "slot_size", "n_slots", "dim", "max_k",
-            "max_batch", "epoch", "heartbeat_ns", "sidecar_pid", "sidecar_sleeping", "clients",
+            "max_batch", "epoch", "heartbeat_ns", "sidecar_pid", "sidecar_sleeping", "clients", "wake_seq",
         ],
-        "formats": ["<u8", "<u4", "<u4", "<u8", "<u4", "<u4", "<u4", "<u4", "<u8", "<u8", "<u4", "<u4", "<u4"],
-        "offsets": [0, 8, 12, 16, 24, 28, 32, 36, 40, 48, 56, 64, 68],
+        "formats": ["<u8", "<u4", "<u4", "<u8", "<u4", "<u4", "<u4", "<u4", "<u8", "<u8", "<u4", "<u4", "<u4", "<u4"],
+        "offsets": [0, 8, 12, 16, 24, 28, 32, 36, 40, 48, 56, 64, 68, 72],
         "itemsize": 128,
     }
 )
@@ -90,10 +109,10 @@ HEADER_DTYPE = np.dtype(
 REQUEST_DTYPE = np.dtype(
     {
         "names": ["req_seq", "op", "k", "n_queries", "flags", "since", "until", "client_sleeping",
-                  "namespace_len", "namespace"],
-        "formats": ["<u8", "<u4", "<u4", "<u4", "<u4", "<f8", "<f8", "<u4", "<u4", f"S{NAMESPACE_BYTES}"],
-        "offsets": [0, 8, 12, 16, 20, 24, 32, 40, 44, 48],
-        "itemsize": 128,
+                  "namespace_len", "namespace", "where_handle"],
+        "formats": ["<u8", "<u4", "<u4", "<u4", "<u4", "<f8", "<f8", "<u4", "<u4", f"S{NAMESPACE_BYTES}", "<u8"],
+        "offsets": [0, 8, 12, 16, 20, 24, 32, 40, 44, 48, _align(48 + NAMESPACE_BYTES, 8)],
+        "itemsize": _align(_align(48 + NAMESPACE_BYTES, 8) + 8, _LINE),
     }
 )
 
@@ -105,10 +124,6 @@ RESPONSE_DTYPE = np.dtype(
         "itemsize": 64 + MESSAGE_BYTES,
     }
 )
-
-
-def _align(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +280,9 @@ class HeaderView:
         # Slots in use, kept by the sidecar: a waiting client spins only while the clients and
         # the sidecar's sweep fit on the cores (ClientChannel.wait).
         self.clients = fields["clients"]
+        # The futex word sleeping clients wait on (kalos.futex): the sidecar bumps it, then
+        # wakes them all, after a pass that answered any of them.
+        self.wake_seq = fields["wake_seq"]
 
 
 class SlotView:
@@ -285,6 +303,7 @@ class SlotView:
         self.client_sleeping = request["client_sleeping"]
         self.namespace_len = request["namespace_len"]
         self.namespace = request["namespace"]
+        self.where_handle = request["where_handle"]
         self.resp_seq = response["resp_seq"]
         self.status = response["status"]
         self.n_results = response["n_results"]
@@ -343,6 +362,7 @@ class SlotColumns:
         self.flags = column(REQUEST_DTYPE, request, "flags")
         self.namespace_len = column(REQUEST_DTYPE, request, "namespace_len")
         self.namespace = column(REQUEST_DTYPE, request, "namespace")
+        self.where_handle = column(REQUEST_DTYPE, request, "where_handle")
         self.client_sleeping = column(REQUEST_DTYPE, request, "client_sleeping")
         self.resp_seq = column(RESPONSE_DTYPE, response, "resp_seq")
         self.status = column(RESPONSE_DTYPE, response, "status")

@@ -9,7 +9,9 @@ Threads:
     delete, get, stats. A connection's slot is freed when the connection closes, which
     the kernel does for a client that dies;
   * the heartbeat: stamps the segment header every ``heartbeat_interval_s``;
-  * the checkpointer (SQLite stores): copies the WAL into the db file once writes pause.
+  * the checkpointer (SQLite stores): copies the WAL into the db file once writes pause;
+  * the expirer: tombstones rows whose ``ttl`` ran out when no recall pass did it first, and
+    deletes expired rows from the store (see ``_expire_due``).
 
 Control connections are bounded: at most ``slots + spare_connections`` at once; one stuck
 mid-frame, or one without a slot that stays silent, is dropped (``control_stall_s``,
@@ -26,6 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import errno
+import heapq
 import json
 import fcntl
 import logging
@@ -43,6 +46,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kalos.channel import Endpoint, Segment, SidecarChannel
+from kalos.cohort import Cohort
 from kalos.config import GPU_POLLING, RuntimeDir, open_runtime_dir, settings
 from kalos.control import (
     PROTOCOL_VERSION,
@@ -64,11 +68,24 @@ from kalos.errors import (
     ProtocolMismatch,
     ServerError,
     SidecarAlreadyRunning,
+    UnknownFilter,
 )
 from kalos.metrics import Metrics
 from kalos.protocol import Layout, Op, RequestFlag, SlotView
-from kalos.store import Store, bad_vector_rows, check_keys, check_namespace, check_request_id, check_vectors
+from kalos.store import (
+    UNSET,
+    Store,
+    bad_vector_rows,
+    check_keys,
+    check_namespace,
+    check_request_id,
+    check_ttl,
+    check_update,
+    check_vectors,
+)
 from kalos.stores import StoreSpec, open_store
+from kalos.where import Where
+from kalos.where import compile_where
 
 __all__ = ["SidecarConfig", "Sidecar", "normalise_rows", "row_scales"]
 
@@ -79,7 +96,12 @@ _SOCKET_CHECK_S = 1.0  # how often the heartbeat checks that the control socket'
 _ALL_NAMESPACES = int(RequestFlag.ALL_NAMESPACES)
 _HAS_SINCE = int(RequestFlag.HAS_SINCE)
 _HAS_UNTIL = int(RequestFlag.HAS_UNTIL)
-_KNOWN_FLAGS = _ALL_NAMESPACES | _HAS_SINCE | _HAS_UNTIL
+_HAS_WHERE = int(RequestFlag.HAS_WHERE)
+_KNOWN_FLAGS = _ALL_NAMESPACES | _HAS_SINCE | _HAS_UNTIL | _HAS_WHERE
+# The flags a single recall may carry and still take the columns' path (_answer_singles).
+_SINGLE_FLAGS = _ALL_NAMESPACES | _HAS_WHERE
+# Registered where clauses a sidecar keeps (op "where"); the oldest registration goes first.
+_MAX_WHERE_HANDLES = 4096
 _RECALL = int(Op.RECALL)
 _PING = int(Op.PING)
 # How often a control connection's thread wakes from a silent socket to check its deadlines.
@@ -89,6 +111,11 @@ _CONTROL_POLL_S = 1.0
 #: How long the clients of a GPU sidecar busy-poll for an answer before sleeping (advised in
 #: the hello reply; a client's own spin_us or KALOS_CLIENT_SPIN_US wins).
 GPU_CLIENT_SPIN_US = 1000.0
+
+#: The expirer's longest sleep (it also wakes for each next expiry), and how often at most it
+#: deletes expired rows from the store (recall, get and list skip them from their expiry on).
+_EXPIRY_POLL_S = 0.5
+_EXPIRY_STORE_S = 1.0
 
 _NO_FILTER = Filter()
 # The filter of a namespace that never held a memory (issue 22): answered with no hits, without
@@ -277,6 +304,15 @@ class Sidecar:
         self._slot_server: Any = None  # kalos.engine.slot_server.SlotServer, when the GPU polls
         self.quarantined: list[int] = []  # ids of stored items with damaged vectors (not served)
         self._wrote = threading.Event()  # set by every write: the checkpointer waits for a pause
+        # TTL (issue 22), under _state_lock: id -> expires_at of every served row that expires, and
+        # a heap of (expires_at, id) whose entries are stale unless they agree with the dict.
+        self._expiry: dict[int, float] = {}
+        self._expiry_heap: list[tuple[float, int]] = []
+        self._expiry_wake = threading.Event()  # an earlier expiry was noted: the expirer re-plans
+        # Rows may have expired in the store while these differ (they do at start): _expire_due
+        # counts each round that tombstoned rows, the expirer the rounds it swept from the store.
+        self._expiry_rounds = 1
+        self._swept_rounds = 0
         self._user_lock: _UserNameLock | None = None
         self._name_lock: _NameLock | None = None
         # Resolved and checked once; the lock file and the socket are made relative to it.
@@ -290,7 +326,7 @@ class Sidecar:
                 lambda device, dim, capacity: make_engine(device, dim, capacity=capacity, precision=config.precision)
             )
             self.engine = factory(config.device, self.store.dim, max(1024, self.store.count()))
-            engine_max_k = getattr(self.engine, "max_k", None)
+            engine_max_k = self.engine.max_k
             if engine_max_k is not None and config.max_k > engine_max_k:
                 raise InvalidArgument(
                     f"max_k {config.max_k} exceeds what the {self.engine.name} engine serves ({engine_max_k}); "
@@ -311,12 +347,17 @@ class Sidecar:
                     keep[bad] = False
                     ids, vectors, namespace_ids, created_at = ids[keep], vectors[keep], namespace_ids[keep], created_at[keep]
                 self.engine.add(ids, vectors, namespace_ids, created_at)
+            # The metadata where filters read, indexed beside the rows (kalos.where.MetaColumns).
+            for meta_ids, metas in self.store.iter_metadata():
+                self.engine.set_metadata(meta_ids, metas)
             if self.quarantined:
                 log.warning(
                     "quarantined %d stored item(s) whose vectors are not finite unit vectors (damaged), e.g. ids %s; "
                     "they are not served: delete them, or re-add them from their source (kalos doctor lists them)",
                     len(self.quarantined), self.quarantined[:10],
                 )
+            self._note_expiries(*self.store.expiries())
+            self._expire_due()  # rows that expired while no sidecar ran are never served
             if shared:
                 self._follower = self.store.follower(rows.mark, apply=self._apply_followed, lock=self._write_lock)
             self.load_seconds = time.perf_counter() - started
@@ -327,12 +368,22 @@ class Sidecar:
                 GPU_CLIENT_SPIN_US if str(self.engine.device).startswith("cuda") else settings().client_spin_us
             )
             self._namespaces = {name.encode(): ns for name, ns in self.store.namespaces().items()}
-            self._filters: dict[tuple[int, bytes, float | None, float | None], Filter] = {}
+            # (flags, namespace, since, until, where handle) of a request -> its engine filter.
+            self._filters: dict[tuple[int, bytes, float | None, float | None, int], Filter] = {}
+            # Where clauses registered over the control socket (op "where"): handle -> clause and
+            # canonical JSON -> handle, oldest first (the table is bounded: _MAX_WHERE_HANDLES).
+            # Handles are never reused and start at random, so a stale handle (evicted, or from
+            # before a restart) is refused as unknown, never read as another clause.
+            self._wheres: dict[int, Where] = {}
+            self._where_handles: collections.OrderedDict[str, int] = collections.OrderedDict()
+            self._next_where_handle = secrets.randbits(48) | 1
+            self._where_lock = threading.Lock()
             self.layout = Layout(config.slots, self.store.dim, config.max_k, config.max_batch)
             self._segment = Segment.create(self.endpoint.segment_name, self.layout.size)
             self.layout.write_header(self._segment.buf, epoch=self.epoch, pid=os.getpid())
             self.channel = SidecarChannel(self._segment, self.layout, epoch=self.epoch)
             self.channel.stamp_heartbeat()
+            self.cohort = Cohort(self.layout.n_slots, config.gather_us / 1e6)
             self.zero_copy = self._attach_segment()
             if self.zero_copy and str(self.engine.device).startswith("cuda"):
                 try:
@@ -378,11 +429,10 @@ class Sidecar:
 
     def _attach_segment(self) -> bool:
         """Lets a GPU engine read the queries in the slots and write the answers into them."""
-        attach = getattr(self.engine, "attach_host", None)
-        if attach is None or not self.config.zero_copy:
+        if not self.engine.supports_attached_host or not self.config.zero_copy:
             return False
         try:
-            attach(self._segment.buf)
+            self.engine.attach_host(self._segment.buf)
         except Exception as exc:  # noqa: BLE001 - serving through host copies still works
             log.warning("zero-copy off: the GPU engine could not attach the shared segment (%s)", exc)
             return False
@@ -425,10 +475,10 @@ class Sidecar:
         mode = self.config.gpu_polling
         if not (self.zero_copy and mode != "off" and str(self.engine.device).startswith("cuda")):
             return None
-        if getattr(self.engine, "backend", None) != "triton":
+        if not self.engine.supports_gpu_polling:
             return None
         try:
-            from kalos.engine.slot_server import SlotGraphServer
+            from kalos.engine.gpu.slot_server import SlotGraphServer
 
             server = SlotGraphServer(self.engine, self.layout, self.channel.answered, idle_s=self.config.spin_us / 1e6)
             server.warm()
@@ -478,6 +528,7 @@ class Sidecar:
         self._start_thread(self._accept, "kalos-accept")
         if settings().checkpoint_idle_s > 0 and callable(getattr(self.store, "checkpoint", None)):
             self._start_thread(self._checkpointer, "kalos-checkpoint")
+        self._start_thread(self._expirer, "kalos-expire")
         if self._follower is not None:
             self._follower.start()
         if self._seed is not None:
@@ -640,19 +691,18 @@ class Sidecar:
 
     def _sweep(self) -> None:
         channel = self.channel
-        bind_stream = getattr(self.engine, "bind_stream", None)
-        if bind_stream is not None:
-            bind_stream()  # this thread's GPU work all goes to the engine's stream
+        streams = self.engine.supports_streams
+        if streams:
+            self.engine.bind_stream()  # this thread's GPU work all goes to the engine's stream
         try:
             self._sweep_until_stopped(channel)
         finally:
-            unbind_stream = getattr(self.engine, "unbind_stream", None)
-            if unbind_stream is not None:
-                unbind_stream()
+            if streams:
+                self.engine.unbind_stream()
 
     def _sweep_until_stopped(self, channel: SidecarChannel) -> None:
         spin_s = self.config.spin_us / 1e6
-        gather_s = self.config.gather_us / 1e6
+        cohort = self.cohort
         clock = time.perf_counter
         last_work = clock()
         while not self._stopping.is_set():
@@ -662,10 +712,11 @@ class Sidecar:
                 # hands over, and wakes the clients of its answers that slept.
                 serving = server is not None and self._slot_server_running(server)
                 slots, seqs = channel.pending(server.handed if serving else None)
-                if gather_s and not serving and 0 < len(slots) < channel.n_clients:
-                    slots, seqs = self._gather(channel, gather_s)
+                if len(slots) and not serving:
+                    slots, seqs = cohort.gather(slots, seqs, channel.pending, channel.requested, channel.active)
                 if len(slots):
                     self._answer(slots, seqs, channel.pending_generations)
+                    cohort.answered(slots)
                 if serving:
                     channel.wake_answered()
                 elif self._slot_server is not None and len(slots):
@@ -680,19 +731,6 @@ class Sidecar:
             else:
                 channel.sleep(timeout_s=0.5)
                 last_work = clock() - spin_s  # spin again only once a request has arrived
-
-    @staticmethod
-    def _gather(channel: SidecarChannel, gather_s: float) -> tuple[np.ndarray, np.ndarray]:
-        """Waits up to ``gather_s`` for the requests of more of the connected clients; returns
-        what is pending then."""
-        clock = time.perf_counter
-        until = clock() + gather_s
-        while clock() < until:
-            slots, seqs = channel.pending()
-            if len(slots) >= channel.n_clients:
-                return slots, seqs
-            os.sched_yield()  # the GIL for a control thread meanwhile
-        return channel.pending()
 
     def _change_slots(self, change: Callable[[], Any]) -> Any:
         """Runs a change of the slot table. Without GPU polling it takes the channel's lock alone
@@ -736,6 +774,7 @@ class Sidecar:
         namespace, so a pass costs about the same whether 1 or 64 clients are waiting. Anything
         else (batches, time windows, pings, malformed requests) is read slot by slot.
         """
+        self._expire_due()
         started = time.perf_counter()
         if len(slots) == 1:  # one client: scalar reads cost less than the columns' NumPy calls
             n_queries = self._answer_each(slots)
@@ -744,7 +783,7 @@ class Sidecar:
             ks = columns.k[slots]
             flags = columns.flags[slots]
             single = (columns.op[slots] == _RECALL) & (columns.n_queries[slots] == 1)
-            single &= (ks >= 1) & (ks <= self.layout.max_k) & ((flags | _ALL_NAMESPACES) == _ALL_NAMESPACES)
+            single &= (ks >= 1) & (ks <= self.layout.max_k) & ((flags | _SINGLE_FLAGS) == _SINGLE_FLAGS)
             n_queries = self._answer_singles(slots[single], ks[single], flags[single]) if single.any() else 0
             if not single.all():
                 n_queries += self._answer_each(slots[~single])
@@ -752,28 +791,54 @@ class Sidecar:
         if n_queries:
             self.metrics.record(n_queries, time.perf_counter() - started)
 
-    def _answer_singles(self, slots: np.ndarray, ks: np.ndarray, flags: np.ndarray) -> int:
-        """Single recalls grouped by namespace, one engine pass per group; returns how many."""
+    def _answer_singles(self, slots: np.ndarray, ks: np.ndarray, flags: np.ndarray, handle: int | None = None) -> int:
+        """Single recalls grouped by where clause (``handle``: the one of these slots) and
+        namespace, one engine pass per group; returns how many."""
         columns = self.channel.columns
+        if handle is None:
+            with_where = (flags & _HAS_WHERE) != 0
+            if with_where.any():  # one group per where handle, each grouped by namespace below
+                answered = 0
+                where_at = np.flatnonzero(with_where)
+                handles = columns.where_handle[slots[where_at]]
+                for h in np.unique(handles).tolist():
+                    sub = where_at[handles == h]
+                    answered += self._answer_singles(slots[sub], ks[sub], flags[sub], int(h))
+                if not with_where.all():
+                    plain = ~with_where
+                    answered += self._answer_singles(slots[plain], ks[plain], flags[plain])
+                return answered
+        wflags, wkey = (0, 0) if handle is None else (_HAS_WHERE, handle)
         everywhere = (flags & _ALL_NAMESPACES) != 0
         groups: list[tuple[np.ndarray, np.ndarray, Filter]] = []
-        if everywhere.any():
-            groups.append((slots[everywhere], ks[everywhere], _NO_FILTER))
-        named, named_ks = slots[~everywhere], ks[~everywhere]
         answered = 0
+        if everywhere.any():
+            if handle is None:
+                groups.append((slots[everywhere], ks[everywhere], _NO_FILTER))
+            else:
+                key = (_ALL_NAMESPACES | _HAS_WHERE, b"", None, None, handle)
+                try:
+                    groups.append((slots[everywhere], ks[everywhere], self._filters.get(key) or self._filter_for(*key)))
+                except KalosError as exc:
+                    for index in slots[everywhere].tolist():
+                        self._answer_error(self.channel.slots[index], exc)
+        named, named_ks = slots[~everywhere], ks[~everywhere]
         if len(named):
             names = columns.namespace[named]  # bytes, trailing NULs dropped
             odd = columns.namespace_len[named] != np.char.str_len(names)
             if odd.any():  # a length word that disagrees with the bytes: read as the slot says
                 answered += self._answer_each(named[odd])
                 named, named_ks, names = named[~odd], named_ks[~odd], names[~odd]
-            unique, inverse = np.unique(names, return_inverse=True)
+            if (names == names[0]).all():  # the usual crowd: one namespace, no sort needed
+                unique, inverse = names[:1], np.zeros(len(names), dtype=np.intp)
+            else:
+                unique, inverse = np.unique(names, return_inverse=True)
             for group, name in enumerate(unique.tolist()):
                 members = inverse == group
-                flt = self._filters.get((0, name, None, None))
+                flt = self._filters.get((wflags, name, None, None, wkey))
                 if flt is None:
                     try:
-                        flt = self._filter_for(0, name, None, None)
+                        flt = self._filter_for(wflags, name, None, None, wkey)
                     except KalosError as exc:
                         for index in named[members].tolist():
                             self._answer_error(self.channel.slots[index], exc)
@@ -982,7 +1047,8 @@ class Sidecar:
             raise InvalidQuery(f"unknown request flags {flags & ~_KNOWN_FLAGS:#x}")
         key = (flags, view.read_namespace() if not flags & _ALL_NAMESPACES else b"",
                float(view.since[0]) if flags & _HAS_SINCE else None,
-               float(view.until[0]) if flags & _HAS_UNTIL else None)
+               float(view.until[0]) if flags & _HAS_UNTIL else None,
+               int(view.where_handle[0]) if flags & _HAS_WHERE else 0)
         flt = self._filters.get(key)
         if flt is None:
             flt = self._filter_for(*key)
@@ -991,8 +1057,17 @@ class Sidecar:
             return op, k, flt, rows, _NO_SCALES  # the GPU engine normalises batches (_search_in_place)
         return op, k, flt, rows, row_scales(rows, what="query", error=InvalidQuery)
 
-    def _filter_for(self, flags: int, namespace_bytes: bytes, since: float | None, until: float | None) -> Filter:
+    def _filter_for(self, flags: int, namespace_bytes: bytes, since: float | None, until: float | None,
+                    where_handle: int = 0) -> Filter:
         """The engine filter a request's words describe (validated, then cached)."""
+        where = None
+        if flags & _HAS_WHERE:
+            where = self._wheres.get(where_handle)
+            if where is None:
+                raise UnknownFilter(
+                    f"where handle {where_handle} is not registered with this sidecar (it restarted, or the "
+                    "handle was evicted): register the clause again"
+                )
         namespace = None
         if not flags & _ALL_NAMESPACES:
             namespace = self._namespaces.get(namespace_bytes)
@@ -1016,12 +1091,101 @@ class Sidecar:
             return _NOTHING
         if len(self._filters) >= 1024:  # clients sweeping time windows: keep the cache bounded
             self._filters.clear()
-        flt = self._filters[(flags, namespace_bytes, since, until)] = Filter(namespace, since, until)
+        flt = Filter(namespace, since, until, where)
+        self._filters[(flags, namespace_bytes, since, until, where_handle)] = flt
         return flt
+
+    # -- expiry (TTL) ------------------------------------------------------------------
+
+    def _note_expiries(self, ids: np.ndarray, expires_at: np.ndarray | None) -> None:
+        """Records when the rows of ``ids`` expire (NaN or None: never; ``_state_lock`` held, or
+        before serving). A row whose expiry is already past is tombstoned by the next
+        :meth:`_expire_due`, before any recall."""
+        if expires_at is None:
+            if self._expiry:
+                for i in np.asarray(ids).tolist():
+                    self._expiry.pop(i, None)
+            return
+        earliest = self._expiry_heap[0][0] if self._expiry_heap else math.inf
+        for i, t in zip(np.asarray(ids).tolist(), np.asarray(expires_at, dtype=np.float64).tolist()):
+            if math.isnan(t):
+                self._expiry.pop(i, None)
+                continue
+            self._expiry[i] = t
+            heapq.heappush(self._expiry_heap, (t, i))
+        if len(self._expiry_heap) > 2 * len(self._expiry) + 1024:  # upserts left many stale entries
+            self._expiry_heap = [(t, i) for i, t in self._expiry.items()]
+            heapq.heapify(self._expiry_heap)
+        if self._expiry_heap and self._expiry_heap[0][0] < earliest:
+            self._expiry_wake.set()
+
+    def _forget_expiries(self, ids: np.ndarray) -> None:
+        """Deleted rows expire no more (``_state_lock`` held); their heap entries go stale."""
+        if self._expiry:
+            for i in np.asarray(ids).tolist():
+                self._expiry.pop(i, None)
+
+    def _expire_due(self) -> None:
+        """Tombstones in the engine every row whose expiry has come (``_state_lock`` held). Called
+        before each answering pass, so no recall returns a row after its ``expires_at``; the
+        cost when nothing is due is one look at the heap's top. The expirer thread deletes the
+        rows from the store afterwards (get and list skip them meanwhile)."""
+        heap = self._expiry_heap
+        if not heap or heap[0][0] > time.time():
+            return
+        now = time.time()
+        due = []
+        while heap and heap[0][0] <= now:
+            t, i = heapq.heappop(heap)
+            if self._expiry.get(i) == t:
+                del self._expiry[i]
+                due.append(i)
+        if due:
+            self._pause_slot_server()
+            self.engine.delete(np.asarray(due, dtype=np.int64))
+            self._expiry_rounds += 1
+            self._expiry_wake.set()
+
+    def _expirer(self) -> None:
+        """Tombstones rows when they expire while no recall comes (the GPU's polling answers
+        without a sweep pass), and deletes expired rows from the store, durably, at most once
+        per ``_EXPIRY_STORE_S``."""
+        next_store = 0.0
+        while not self._stopping.is_set():
+            with self._state_lock:
+                self._expire_due()
+                top = self._expiry_heap[0][0] if self._expiry_heap else None
+            now = time.time()
+            if self._swept_rounds != self._expiry_rounds and now >= next_store:
+                next_store = now + _EXPIRY_STORE_S
+                rounds = self._expiry_rounds  # read first: a round counted meanwhile is swept next time
+                try:
+                    self._delete_expired_rows()
+                    self._swept_rounds = rounds
+                except Exception as exc:  # noqa: BLE001 - the next round tries again; get/list skip them meanwhile
+                    log.warning("deleting expired memories from the store failed (%s); trying again", exc)
+            waits = [_EXPIRY_POLL_S]
+            if top is not None:
+                waits.append(top - now)
+            if self._swept_rounds != self._expiry_rounds:
+                waits.append(next_store - now)
+            self._expiry_wake.wait(max(0.0, min(waits)))
+            self._expiry_wake.clear()
+
+    def _delete_expired_rows(self) -> None:
+        with self._write_lock:
+            deleted = self.store.delete_expired(time.time())
+            if len(deleted):
+                with self._state_lock:
+                    self._pause_slot_server()
+                    self.engine.delete(deleted)  # rows the heap did not know of (a follower's, say)
+                    self._forget_expiries(deleted)
+                self._wrote.set()
 
     def _search_all(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Search over every namespace (the seed-compat protocol has no filters)."""
         with self._state_lock:
+            self._expire_due()
             return self.engine.search(queries, k, Filter())
 
     # -- the control path ----------------------------------------------------------------
@@ -1151,6 +1315,8 @@ class Sidecar:
             )
         wake_fd = recv_fd(conn)
         slot = self._change_slots(lambda: self.channel.take_slot(wake_fd))
+        if slot is not None:
+            self.cohort.forget(slot)  # a new client: quick until it shows otherwise
         if slot is None:
             os.close(wake_fd)
             raise InvalidArgument(f"all {self.layout.n_slots} slots are in use; restart the sidecar with more --slots")
@@ -1181,6 +1347,7 @@ class Sidecar:
         keys = message.get("keys")
         if keys is not None:
             keys = check_keys(keys, len(unit))  # duplicates in the call refused here: nothing written
+        ttl = check_ttl(message.get("ttl"), len(unit))
         with self._write_lock:
             if request_id is not None:
                 done = self.store.find_request(request_id)
@@ -1200,19 +1367,22 @@ class Sidecar:
             with self._state_lock:
                 self._pause_slot_server()
                 self.engine.reserve(len(unit))
+            # The sidecar's clock sets the expiry: the one its recalls, gets and lists compare with.
+            expires_at = None if ttl is None else time.time() + ttl
             if keys is not None:
-                ids = self._upsert(unit, keys, namespace, message, request_id)
+                ids = self._upsert(unit, keys, namespace, message, request_id, expires_at)
                 spec, out = array_blob(ids, "int64")
                 return ok_reply(ids=spec), out
             ids, namespace_id, created_at = self.store.add(
                 unit, namespace=namespace, texts=message.get("texts"), metadata=message.get("metadata"),
-                created_at=message.get("created_at"), request_id=request_id,
+                created_at=message.get("created_at"), request_id=request_id, expires_at=expires_at,
             )
             try:
                 with self._state_lock:
                     self._pause_slot_server()
-                    self.engine.add(ids, unit, np.int32(namespace_id), created_at)
+                    self.engine.add(ids, unit, np.int32(namespace_id), created_at, message.get("metadata"))
                     self._namespaces[namespace.encode()] = namespace_id
+                    self._note_expiries(ids, expires_at)
             except BaseException as exc:
                 self._undo_add(ids, request_id, exc)
                 raise
@@ -1221,22 +1391,24 @@ class Sidecar:
         return ok_reply(ids=spec), out
 
     def _upsert(self, unit: np.ndarray, keys: list[str], namespace: str, message: dict[str, Any],
-                request_id: str | None) -> np.ndarray:
+                request_id: str | None, expires_at: np.ndarray | None = None) -> np.ndarray:
         """A keyed add (``_write_lock`` held, room reserved): the store's upsert commits, then the
         engine swaps each replaced row for its new vector under one ``_state_lock`` hold, so no
         recall (the sweep holds that lock while it searches) sees both versions or neither.
         A replaced item keeps its id: its row is tombstoned and the id added again."""
         ids, namespace_id, created_at, replaced = self.store.upsert(
             unit, keys=keys, namespace=namespace, texts=message.get("texts"), metadata=message.get("metadata"),
-            created_at=message.get("created_at"), request_id=request_id,
+            created_at=message.get("created_at"), request_id=request_id, expires_at=expires_at,
         )
         try:
             with self._state_lock:
                 self._pause_slot_server()
                 if replaced.any():
                     self.engine.delete(ids[replaced])
-                self.engine.add(ids, unit, np.int32(namespace_id), created_at)
+                self.engine.add(ids, unit, np.int32(namespace_id), created_at, message.get("metadata"))
                 self._namespaces[namespace.encode()] = namespace_id
+                # The call's expiry replaces the stored one (None: these rows never expire).
+                self._note_expiries(ids, expires_at if expires_at is not None else np.full(len(ids), np.nan))
         except BaseException as exc:
             if not replaced.any():
                 self._undo_add(ids, request_id, exc)  # only new rows: take them back, as an add does
@@ -1260,6 +1432,7 @@ class Sidecar:
                 # tombstone them, or recall could return what the store no longer has.
                 self._pause_slot_server()
                 self.engine.delete(ids)
+                self._forget_expiries(ids)
             self.store.undo_add(ids, request_id)
         except Exception:
             log.exception("add of %d rows (ids %d-%d) committed, the engine failed (%s: %s), and taking it back "
@@ -1276,23 +1449,136 @@ class Sidecar:
         ``_write_lock`` held, like _op_add)."""
         from kalos.follow import apply_to_engine
 
+        written = [c.ids for c in batch.changes if c.op != "delete" and len(c.ids)]
+        touched = np.unique(np.concatenate(written)) if written else np.empty(0, np.int64)
+        # Their expiries as the store has them now (a later change in the log may move them
+        # again; it is applied after this one).
+        expiring, expires_at = self.store.expiries(touched) if len(touched) else (touched, np.empty(0))
         with self._state_lock:
             self._pause_slot_server()
             apply_to_engine(self.engine, self._namespaces, batch)
+            for change in batch.changes:
+                if change.op == "delete":
+                    self._forget_expiries(change.ids)
+            # Written rows expire only if the store says so (an upsert may have dropped a ttl).
+            self._note_expiries(touched, np.full(len(touched), np.nan))
+            self._note_expiries(expiring, expires_at)
+            self._expire_due()  # a replayed row that has expired meanwhile goes again at once
 
     def _op_delete(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
-        keys = message.get("keys")
+        """Deletes by ``keys`` (in ``namespace``), by ``ids``, or by ``where`` (in ``namespace``,
+        None: every namespace; one store transaction, so a crash leaves all of them or none)."""
+        keys, where = message.get("keys"), message.get("where")
+        if sum(value is not None for value in (keys, message.get("ids"), where)) > 1:
+            raise InvalidArgument("delete: give keys, ids or where (exactly one)")
         if keys is not None:
             namespace = check_namespace(message.get("namespace", "default"))
+            delete = lambda: self.store.delete_keys(keys, namespace)  # noqa: E731
+        elif where is not None:
+            clause = compile_where(where)
+            namespace = _optional_namespace(message.get("namespace", "default"))
+            delete = lambda: self.store.delete_where(namespace=namespace, where=clause)  # noqa: E731
         else:
             ids = _int_list(message.get("ids"), "ids")
+            delete = lambda: self.store.delete(ids)  # noqa: E731
+        return ok_reply(deleted=len(self._delete_committed(delete))), b""
+
+    def _delete_committed(self, delete: Callable[[], np.ndarray]) -> np.ndarray:
+        """Runs a store delete, then tombstones what it deleted in the engine (``_write_lock``
+        keeps the two in the store's order); returns the ids deleted."""
         with self._write_lock:
-            deleted = self.store.delete_keys(keys, namespace) if keys is not None else self.store.delete(ids)
+            deleted = delete()
             with self._state_lock:
                 self._pause_slot_server()
                 self.engine.delete(deleted)
+                self._forget_expiries(deleted)
             self._wrote.set()
+        return deleted
+
+    def _op_drop_namespace(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        """Deletes every memory of one namespace (one transaction). The name stays registered
+        with its id, so no other namespace can ever take that id (an engine row or a follower's
+        map that still names it could then leak one namespace's memories into another's)."""
+        namespace = check_namespace(message.get("namespace"))
+        deleted = self._delete_committed(lambda: self.store.delete_where(namespace=namespace, where=None))
         return ok_reply(deleted=len(deleted)), b""
+
+    def _op_list(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        """One page of items in id order after ``after``: ``items`` and ``next`` (the id to page
+        on from, None on the last page)."""
+        where = message.get("where")
+        items, after = self.store.list_items(
+            namespace=_optional_namespace(message.get("namespace")),
+            where=None if where is None else compile_where(where),
+            limit=message.get("limit", 100), after=message.get("after", 0),
+        )
+        size = sum(len(item.text or "") + len(json.dumps(item.metadata)) for item in items)
+        limit = settings().max_message_bytes
+        if size > limit:
+            raise InvalidArgument(f"list: the page would be too large: about {size} bytes > limit {limit} "
+                                  f"(KALOS_MAX_MESSAGE_BYTES); ask for a smaller limit")
+        return ok_reply(items=[dataclasses.asdict(item) for item in items], next=after), b""
+
+    def _op_count(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        where = message.get("where")
+        count = self.store.count_items(namespace=_optional_namespace(message.get("namespace")),
+                                       where=None if where is None else compile_where(where))
+        return ok_reply(count=count), b""
+
+    def _op_update(self, message: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        """Changes what the message carries of one memory (``text``, ``metadata``, a vector in the
+        blob; a field absent from the message is kept). A new vector replaces the engine's row
+        under one ``_state_lock`` hold, after the store's commit, as an upsert does: a recall
+        sees the old vector or the new, never both or neither."""
+        if ("key" in message) == ("id" in message):
+            raise InvalidArgument("update: the message names a key or an id (exactly one)")
+        item = message["key"] if "key" in message else message["id"]
+        vector: Any = UNSET
+        if message.get("vector") is not None:
+            vector, _ = blob_array(message["vector"], blob)
+            if vector.dtype != np.float32:
+                raise InvalidArgument(f"vector must be float32, got {vector.dtype}")
+        change = check_update(
+            item, self.store.dim, namespace=message.get("namespace", "default"),
+            text=message["text"] if "text" in message else UNSET,
+            metadata=message["metadata"] if "metadata" in message else UNSET,
+            vector=vector, merge=message.get("merge", False),
+        )
+        if change.vector is not None:
+            unit = normalise_rows(change.vector[None].copy(), what="vector", error=InvalidArgument)
+            change = dataclasses.replace(change, vector=unit[0])
+        with self._write_lock:
+            if change.vector is not None:
+                with self._state_lock:  # room first, as an add: an allocation failure stores nothing
+                    self._pause_slot_server()
+                    self.engine.reserve(1)
+            item_id, namespace_id, created_at = self.store.update(change)
+            indexed = None
+            if change.vector is not None or change.metadata is not UNSET:
+                # What where filters see from now on: the stored metadata (merged or replaced).
+                stored = self.store.get([item_id])[0]
+                indexed = [stored.metadata if stored is not None else None]
+                if change.vector is None:
+                    with self._state_lock:
+                        self._pause_slot_server()
+                        self.engine.set_metadata(np.array([item_id], dtype=np.int64), indexed)
+            if change.vector is not None:
+                try:
+                    with self._state_lock:
+                        self._pause_slot_server()
+                        ids = np.array([item_id], dtype=np.int64)
+                        self.engine.delete(ids)
+                        self.engine.add(ids, unit, np.int32(namespace_id), np.array([created_at]), indexed)
+                    if item_id in self.quarantined:  # a damaged vector replaced: served again
+                        self.quarantined.remove(item_id)
+                except BaseException as exc:
+                    log.exception("update of id %d committed but the engine failed", item_id)
+                    raise ServerError(
+                        f"update of id {item_id} committed but the engine failed ({type(exc).__name__}: {exc}): "
+                        "the new vector is stored and is served after the sidecar restarts"
+                    ) from exc
+            self._wrote.set()
+        return ok_reply(id=item_id), b""
 
     def _op_get(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
         keys = message.get("keys")
@@ -1307,12 +1593,30 @@ class Sidecar:
             items = self.store.get_keys(keys, check_namespace(message.get("namespace", "default")))
         else:
             items = self.store.get(wanted)
+        with_vectors = message.get("with_vectors", False)
+        if not isinstance(with_vectors, bool):
+            raise InvalidArgument(f"get: with_vectors must be true or false, got {with_vectors!r}")
         size = sum(len(item.text or "") + len(json.dumps(item.metadata)) for item in items if item is not None)
+        if with_vectors:
+            size += 4 * self.store.dim * sum(item is not None for item in items)
         limit = settings().max_message_bytes
         if size > limit:
             raise InvalidArgument(f"get: the reply would be too large: about {size} bytes > limit {limit} "
                                   f"(KALOS_MAX_MESSAGE_BYTES); ask for fewer ids at a time")
-        return ok_reply(items=[dataclasses.asdict(item) if item is not None else None for item in items]), b""
+        if not with_vectors:
+            return ok_reply(items=[_item_fields(item) for item in items]), b""
+        found = [item.id for item in items if item is not None]
+        by_id = self.store.vectors(found) if found else {}
+        # An item deleted between the two reads is absent, not an item without its vector.
+        items = [item if item is not None and item.id in by_id else None for item in items]
+        present = [item.id for item in items if item is not None]
+        # One row per item present, in the order of the items.
+        matrix = np.zeros((len(present), self.store.dim), np.float32)
+        for row, item_id in enumerate(present):
+            matrix[row] = by_id[item_id]
+        spec, blob = array_blob(matrix, "float32")
+        return ok_reply(items=[_item_fields(item) for item in items],
+                        vectors=spec), blob
 
     def _op_stats(self, _message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
         with self._state_lock:
@@ -1325,6 +1629,7 @@ class Sidecar:
                 # The engine's own counters (searches, fallbacks, graph captures and errors).
                 "engine_stats": {key: value for key, value in getattr(self.engine, "stats", {}).items()
                                  if isinstance(value, (int, float, str))},
+                **self.cohort.stats(),
             }
         return ok_reply(
             name=self.config.name, pid=os.getpid(), epoch=self.epoch, dim=self.store.dim,
@@ -1342,12 +1647,53 @@ class Sidecar:
             self.engine.compact()
         return ok_reply(removed=before), b""
 
+    def _op_where(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        """Registers a where clause (JSON text) for recalls: its handle, which a slot's request
+        carries (``where_handle`` with the HAS_WHERE flag), and its canonical form."""
+        text = message.get("where")
+        if not isinstance(text, str):
+            raise InvalidArgument(f"where: the clause travels as JSON text, got {type(text).__name__}")
+        where = Where.from_json(text)
+        with self._where_lock:
+            handle = self._where_handles.get(where.key)
+            if handle is not None:
+                self._where_handles.move_to_end(where.key)
+            else:
+                handle = self._next_where_handle
+                self._next_where_handle += 1
+                self._wheres[handle] = where
+                self._where_handles[where.key] = handle
+                while len(self._where_handles) > _MAX_WHERE_HANDLES:
+                    _key, old = self._where_handles.popitem(last=False)
+                    del self._wheres[old]
+        return ok_reply(handle=handle, key=where.key), b""
+
+    def _rows_where(self, namespace: str | None, where: Where | None) -> np.ndarray:
+        """Ids (int64, ascending) of the rows the engine serves in ``namespace`` (None: every
+        namespace) whose metadata passes ``where`` (None: all): the same index and cached mask
+        a filtered recall uses. Rows the engine does not serve (quarantined) are not counted."""
+        flt_where = None if where is None or where.is_trivial else where
+        with self._state_lock:
+            if namespace is not None:
+                ns = self._namespaces.get(namespace.encode())
+                if ns is None:
+                    return np.empty(0, np.int64)
+            else:
+                ns = None
+            ids = self.engine.ids_where(Filter(namespace=ns, where=flt_where))
+        return np.sort(ids)
+
     _handlers: dict[str, Callable[["Sidecar", dict[str, Any], bytearray], tuple[dict[str, Any], bytes]]] = {
         "add": _op_add,
         "delete": _op_delete,
         "get": _op_get,
+        "update": _op_update,
+        "list": _op_list,
+        "count": _op_count,
+        "drop_namespace": _op_drop_namespace,
         "stats": _op_stats,
         "compact": _op_compact,
+        "where": _op_where,
     }
 
 
@@ -1387,9 +1733,24 @@ def row_scales(rows: np.ndarray, *, what: str, error: type[KalosError]) -> np.nd
     return 1.0 / np.sqrt(squared)
 
 
+def _optional_namespace(value: Any) -> str | None:
+    """A namespace name, or None for every namespace."""
+    return None if value is None else check_namespace(value)
+
+
 def _int_list(value: Any, label: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise InvalidArgument(f"{label} must be a list of integers")
     if any(not -(2**63) <= v < 2**63 for v in value):
         raise InvalidArgument(f"{label} must fit in int64")
     return value
+
+
+def _item_fields(item: Any) -> dict[str, Any] | None:
+    """An Item of a get's reply as JSON fields; its vector travels in the blob, never here (a
+    client from before ``Item.vector`` builds ``Item(**fields)`` and knows no such field)."""
+    if item is None:
+        return None
+    fields = dataclasses.asdict(item)
+    fields.pop("vector", None)
+    return fields

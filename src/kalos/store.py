@@ -22,15 +22,17 @@ Schema (version 1)::
                 metadata TEXT                           compact JSON object, NULL: none
                 key TEXT                                the caller's id (NULL: none), unique per namespace
                 updated_at REAL                         unix seconds of the last upsert, NULL: never
+                expires_at REAL                         unix seconds after which it is gone (ttl), NULL: never
                 vector BLOB NOT NULL                    dim little-endian float32, CHECKed length
     items_by_namespace  index on items(namespace_id): counts without reading the vectors
     items_by_key        UNIQUE index on items(namespace_id, key) WHERE key IS NOT NULL
+    items_by_expiry     index on items(expires_at) WHERE expires_at IS NOT NULL
     requests    seq INTEGER PRIMARY KEY, request_id TEXT UNIQUE, first_id, n, ids
                   the last REQUEST_WINDOW adds' client request ids (created by the first
                   writable open): a retried add finds its ids instead of adding twice; ``ids``
                   (int64 blob) holds an upsert's ids, which need not be one consecutive range
 
-``key`` and ``updated_at`` (issue 22) are added by the first writable open of a store made
+``key``, ``updated_at`` and ``expires_at`` (issue 22) are added by the first writable open of a store made
 before them (``ALTER TABLE ... ADD COLUMN``, so they follow ``vector`` there; a new store has
 them before it). The schema version stays 1: a Kalos that predates keys still reads and writes
 such a store correctly, it just does not see the keys.
@@ -58,6 +60,7 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import numbers
 import os
 import sqlite3
@@ -70,14 +73,14 @@ import unicodedata
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 import numpy as np
 
-from kalos.errors import DimensionMismatch, InvalidArgument, NotAKalosStore, StoreError, StoreLocked
+from kalos.errors import DimensionMismatch, InvalidArgument, NotAKalosStore, StoreError, StoreLocked, UnknownKey
 
 __all__ = [
     "Item",
@@ -95,13 +98,18 @@ __all__ = [
     "check_add",
     "check_created_at",
     "check_keys",
+    "check_update",
+    "check_ttl",
     "MAX_KEY_BYTES",
+    "MAX_LIST_LIMIT",
+    "UNSET",
+    "Update",
 ]
 
 FORMAT_NAME = "kalos-store"
 SCHEMA_VERSION = 1
 DEFAULT_NAMESPACE = "default"
-MAX_NAMESPACE_BYTES = 63
+MAX_NAMESPACE_BYTES = 255  # the slot's field holds 256 (kalos.protocol.NAMESPACE_BYTES)
 MAX_KEY_BYTES = 256
 APPLICATION_ID = 0x4B4C4F53  # b"KLOS"
 
@@ -122,12 +130,14 @@ _IDS_PER_QUERY = 500
 _MAX_ID = (1 << 63) - 1
 _MAX_NAMESPACE_ID = (1 << 31) - 1  # engines keep namespace ids as int32
 # Partial: unkeyed items (NULL key, today's adds) are not in it and cost nothing.
+# Partial too: only the rows that expire, in expiry order, for the sweeper and the sidecar's load.
+_EXPIRY_INDEX = "CREATE INDEX IF NOT EXISTS items_by_expiry ON items (expires_at) WHERE expires_at IS NOT NULL"
 _KEY_INDEX = "CREATE UNIQUE INDEX IF NOT EXISTS items_by_key ON items (namespace_id, key) WHERE key IS NOT NULL"
 
 
 @dataclass(frozen=True)
 class Item:
-    """One memory as :meth:`Store.get` returns it (the vector stays in the engine)."""
+    """One memory as :meth:`Store.get` returns it (without its vector: see :meth:`Store.vectors`)."""
 
     id: int
     namespace: str
@@ -137,6 +147,54 @@ class Item:
     # Defaults, so that every Item(...) built before keys existed still builds.
     key: str | None = None  # the caller's id, when the item was added with one
     updated_at: float | None = None  # unix seconds of the last upsert that replaced it; None: never revised
+    expires_at: float | None = None  # unix seconds after which it is gone (an add's ttl); None: never
+    # Only from Client.get(..., with_vectors=True): the stored, normalised float32 vector.
+    vector: Any = field(default=None, compare=False, repr=False)
+
+
+class _Unset:
+    """The type of :data:`UNSET`."""
+
+    _instance: "_Unset | None" = None
+
+    def __new__(cls) -> "_Unset":  # one instance, so ``is UNSET`` holds after a copy or pickle too
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+    def __reduce__(self) -> str:
+        return "UNSET"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+#: "Not given" for :meth:`Store.update` and ``Client.update`` (None is a value there: no text,
+#: no metadata).
+UNSET: Any = _Unset()
+
+
+@dataclass(frozen=True)
+class Update:
+    """One checked update: which item (by ``key`` in ``namespace``, or by ``id``) and what to set.
+
+    ``text``/``metadata`` are UNSET when not given; ``metadata`` is a dict or None, merged into
+    the stored one when ``merge``; ``vector`` is float32 ``[dim]`` or None (not given).
+    """
+
+    key: str | None
+    id: int | None
+    namespace: str
+    text: Any
+    metadata: Any
+    vector: np.ndarray | None
+    merge: bool
+
+    def describe(self) -> str:
+        return f"key {self.key!r} in namespace {self.namespace!r}" if self.key is not None else f"id {self.id}"
 
 
 # -- the per-process table of store files --------------------------------------------------
@@ -364,6 +422,46 @@ def check_add(
             check_created_at(created_at, n))
 
 
+def check_ttl(ttl: Any, n: int) -> np.ndarray | None:
+    """An add's ``ttl`` as float64 seconds ``[n]`` (NaN: never expires), or None when nothing
+    expires: a number of seconds for every row, or a sequence of n numbers or None. Each must be
+    finite and > 0 (InvalidArgument naming the bad entry)."""
+    if ttl is None:
+        return None
+    if isinstance(ttl, (str, bytes, Mapping, AbstractSet)):
+        raise InvalidArgument(f"ttl must be seconds (a number) or a sequence of n={n} numbers or None, "
+                              f"got {type(ttl).__name__}")
+    scalar = not hasattr(ttl, "__len__")
+    values = [ttl] * n if scalar else list(ttl)
+    if len(values) != n:
+        raise InvalidArgument(f"ttl has {len(values)} entries for {n} vectors")
+    out = np.full(n, np.nan)
+    for i, value in enumerate(values):
+        if value is None and not scalar:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (numbers.Real, np.floating, np.integer)):
+            where = "ttl" if scalar else f"ttl[{i}]"
+            raise InvalidArgument(f"{where} must be seconds (a number), got {type(value).__name__} {value!r:.80}")
+        seconds = float(value)
+        if not (math.isfinite(seconds) and seconds > 0):
+            where = "ttl" if scalar else f"ttl[{i}]"
+            raise InvalidArgument(f"{where} must be a finite number of seconds > 0, got {value!r}")
+        out[i] = seconds
+    return None if np.isnan(out).all() else out
+
+
+def _expiry_column(expires_at: Any, n: int) -> list[float | None]:
+    """The expires_at column of an add: unix seconds or None (NaN means never, as check_ttl)."""
+    if expires_at is None:
+        return [None] * n
+    e = np.asarray(expires_at, dtype=np.float64)
+    if e.shape != (n,):
+        raise InvalidArgument(f"expires_at must have shape ({n},), got {e.shape}")
+    if np.isinf(e).any():
+        raise InvalidArgument("expires_at must be finite (NaN: never)")
+    return [None if math.isnan(x) else x for x in e.tolist()]
+
+
 def check_keys(keys: Any, n: int | None = None) -> list[str]:
     """``keys`` as a list of distinct str of 1 to MAX_KEY_BYTES UTF-8 bytes (``n`` of them when
     given), or InvalidArgument naming the bad key: before anything is written."""
@@ -390,6 +488,74 @@ def check_keys(keys: Any, n: int | None = None) -> list[str]:
         seen[key] = i
         out.append(key)
     return out
+
+
+def check_update(item: Any, dim: int, *, namespace: Any = DEFAULT_NAMESPACE, text: Any = UNSET,
+                 metadata: Any = UNSET, vector: Any = UNSET, merge: Any = False) -> Update:
+    """An update's arguments checked (InvalidArgument naming the bad one) before anything is written.
+
+    ``item`` is a key (str, looked up in ``namespace``) or an item id (int, global like get's
+    ids). At least one of text, metadata, vector must be given; None clears text or metadata,
+    a vector cannot be cleared. ``merge=True`` merges ``metadata`` (a dict) into the stored one.
+    """
+    if not isinstance(merge, bool):
+        raise InvalidArgument(f"merge must be True or False, got {merge!r:.80}")
+    key = item_id = None
+    if isinstance(item, str):
+        key = check_keys([item])[0]
+        namespace = check_namespace(namespace)
+    elif isinstance(item, (int, np.integer)) and not isinstance(item, bool):
+        if not 0 <= int(item) <= _MAX_ID:
+            raise InvalidArgument(f"update: id {int(item)} is not an item id (0 to 2**63 - 1)")
+        item_id = int(item)
+        namespace = check_namespace(namespace)  # checked although an id is global: a typo still says so
+    else:
+        raise InvalidArgument(f"update takes a key (str) or an id (int), got {type(item).__name__} {item!r:.80}")
+    if text is UNSET and metadata is UNSET and vector is UNSET:
+        raise InvalidArgument("update: nothing to change; give text=, metadata= or vector=")
+    if text is not UNSET:
+        text = check_texts([text], 1)[0]
+    if metadata is not UNSET:
+        if merge and not isinstance(metadata, dict):
+            raise InvalidArgument(
+                f"update: merge=True merges a dict into the stored metadata, got {type(metadata).__name__}")
+        encode_metadata([metadata], 1)  # JSON-serialisable, str keys, valid Unicode
+    elif merge:
+        raise InvalidArgument("update: merge=True needs metadata= (the dict to merge)")
+    unit = None
+    if vector is not UNSET:
+        if vector is None:
+            raise InvalidArgument("update: vector=None; a memory always has a vector (leave vector out to keep it)")
+        v = np.asarray(vector) if not isinstance(vector, np.ndarray) else vector
+        unit = check_vectors(v[None, :] if getattr(v, "ndim", 0) == 1 else v, dim)
+        if len(unit) != 1:
+            raise InvalidArgument(f"update takes one vector of shape ({dim},), got {len(unit)} rows")
+        unit = unit[0]
+    return Update(key, item_id, namespace, text, metadata, unit, merge)
+
+
+#: The most items one page of :meth:`Store.list_items` (and ``Client.list``) holds.
+MAX_LIST_LIMIT = 1000
+
+
+def _check_list_args(namespace: Any, limit: Any, after: Any) -> tuple[str | None, int, int]:
+    ns = None if namespace is None else check_namespace(namespace)
+    if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or not 1 <= limit <= MAX_LIST_LIMIT:
+        raise InvalidArgument(f"limit must be an integer from 1 to {MAX_LIST_LIMIT}, got {limit!r:.80}")
+    if isinstance(after, bool) or not isinstance(after, (int, np.integer)) or not 0 <= after <= _MAX_ID:
+        raise InvalidArgument(f"after must be an item id (an integer >= 0), got {after!r:.80}")
+    return ns, int(limit), int(after)
+
+
+def _merged_metadata(update: Update, stored: str | None) -> str | None:
+    """The JSON text to store for ``update``'s metadata, given the stored JSON text."""
+    if not update.merge:
+        return encode_metadata([update.metadata], 1)[0]
+    merged = {} if stored is None else json.loads(stored)
+    if not isinstance(merged, dict):  # a foreign tool wrote a non-object: replaced, not merged
+        merged = {}
+    merged.update(update.metadata)
+    return encode_metadata([merged], 1)[0]
 
 
 def _keys_for_lookup(keys: Any) -> list[str]:
@@ -556,6 +722,7 @@ class Store:
     _write_seq: int = 0
     _last_id: int = 0
     _keyed: bool = True
+    _expiring: bool = True  # expires_at exists (False only on a readonly open of an unmigrated store)
 
     def __init__(self) -> None:
         # Private: Store.open() builds instances, so a half-open store is never handed out.
@@ -667,7 +834,9 @@ class Store:
                 self._open_ack(conn)
             # A readonly open of a store no writer has migrated yet has no key columns: its
             # items simply have no keys (see _item_columns).
-            self._keyed = "key" in {r[1] for r in conn.execute("PRAGMA table_info(items)")}
+            columns = {r[1] for r in conn.execute("PRAGMA table_info(items)")}
+            self._keyed = "key" in columns
+            self._expiring = "expires_at" in columns
         except sqlite3.Error as e:
             raise _wrap(e, "open", path) from None
 
@@ -715,8 +884,9 @@ class Store:
         no key and no updated_at (NULL), which is what they would have got as unkeyed adds."""
         items = {r[1] for r in conn.execute("PRAGMA table_info(items)")}
         requests = {r[1] for r in conn.execute("PRAGMA table_info(requests)")}
-        if {"key", "updated_at"} <= items and "ids" in requests:
+        if {"key", "updated_at", "expires_at"} <= items and "ids" in requests:
             conn.execute(_KEY_INDEX)  # IF NOT EXISTS: a no-op on every store but a damaged one
+            conn.execute(_EXPIRY_INDEX)
             return
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -724,26 +894,31 @@ class Store:
                 conn.execute("ALTER TABLE items ADD COLUMN key TEXT")
             if "updated_at" not in items:
                 conn.execute("ALTER TABLE items ADD COLUMN updated_at REAL")
+            if "expires_at" not in items:
+                conn.execute("ALTER TABLE items ADD COLUMN expires_at REAL")
             if "ids" not in requests:
                 conn.execute("ALTER TABLE requests ADD COLUMN ids BLOB")
             conn.execute(_KEY_INDEX)
+            conn.execute(_EXPIRY_INDEX)
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
-        log.info("store: added the key columns of issue 22 (key, updated_at)")
+        log.info("store: added the columns of issue 22 (key, updated_at, expires_at)")
 
     def _item_columns(self) -> str:
         # The SELECT list of get/get_keys: name, text, metadata, created_at, key, updated_at.
         keyed = "i.key, i.updated_at" if self._keyed else "NULL, NULL"
-        return f"i.id, n.name, i.text, i.metadata, i.created_at, {keyed}"
+        expiry = "i.expires_at" if self._expiring else "NULL"
+        return f"i.id, n.name, i.text, i.metadata, i.created_at, {keyed}, {expiry}"
 
     @staticmethod
     def _item(row: tuple) -> Item:
-        item_id, name, text, meta, created, key, updated = row
+        item_id, name, text, meta, created, key, updated, expires = row
         return Item(id=item_id, namespace=name, text=text, metadata=None if meta is None else json.loads(meta),
-                    created_at=float(created), key=key, updated_at=None if updated is None else float(updated))
+                    created_at=float(created), key=key, updated_at=None if updated is None else float(updated),
+                    expires_at=None if expires is None else float(expires))
 
     def _record_ack(self) -> None:
         """Writes the current write_seq and last id to <db>-ack and syncs it (after a commit)."""
@@ -913,8 +1088,11 @@ class Store:
         metadata: Sequence[dict | None] | None = None,
         created_at: float | np.ndarray | None = None,
         request_id: str | None = None,
+        expires_at: np.ndarray | None = None,
     ) -> tuple[np.ndarray, int, np.ndarray]:
         """Adds ``n`` items in one transaction; returns ``(ids int64[n], namespace_id, created_at float64[n])``.
+        ``expires_at`` (float64 unix seconds ``[n]``, NaN: never; None: nothing expires) is when
+        each item is gone: get, list and count skip it from that moment on.
 
         ``vectors`` are stored bit-exactly as little-endian float32 (the caller normalises).
         Returns only after the commit is on disk. Any bad input raises before anything is
@@ -925,6 +1103,9 @@ class Store:
         request_id = check_request_id(request_id)
         vecs, ns, text_col, meta_col, times = check_add(vectors, self.dim, namespace, texts, metadata, created_at)
         n = len(vecs)
+        expiry_col = _expiry_column(expires_at, n)
+        if expires_at is not None and not self._expiring:
+            raise StoreError(f"store {self.path} has no expires_at column (open it writable once to migrate it)")
 
         row_bytes = 4 * self.dim
         # One buffer, sliced per row: no per-row copy before SQLite copies the blob.
@@ -944,14 +1125,25 @@ class Store:
             if start + n - 1 > _MAX_ID:
                 raise StoreError(f"store {self.path}: item ids are exhausted")
             ids = range(start, start + n)
-            conn.executemany(
-                "INSERT INTO items (id, namespace_id, created_at, text, metadata, vector)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (
-                    (ids[i], ns_id, time_col[i], text_col[i], meta_col[i], blob[i * row_bytes : (i + 1) * row_bytes])
-                    for i in range(n)
-                ),
-            )
+            if expires_at is None:
+                conn.executemany(
+                    "INSERT INTO items (id, namespace_id, created_at, text, metadata, vector)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    (
+                        (ids[i], ns_id, time_col[i], text_col[i], meta_col[i], blob[i * row_bytes : (i + 1) * row_bytes])
+                        for i in range(n)
+                    ),
+                )
+            else:
+                conn.executemany(
+                    "INSERT INTO items (id, namespace_id, created_at, text, metadata, expires_at, vector)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        (ids[i], ns_id, time_col[i], text_col[i], meta_col[i], expiry_col[i],
+                         blob[i * row_bytes : (i + 1) * row_bytes])
+                        for i in range(n)
+                    ),
+                )
             if request_id is not None:
                 conn.execute("INSERT INTO requests (request_id, first_id, n) VALUES (?, ?, ?)", (request_id, start, n))
                 conn.execute("DELETE FROM requests WHERE seq <= (SELECT max(seq) FROM requests) - ?", (REQUEST_WINDOW,))
@@ -983,6 +1175,7 @@ class Store:
         metadata: Sequence[dict | None] | None = None,
         created_at: float | np.ndarray | None = None,
         request_id: str | None = None,
+        expires_at: np.ndarray | None = None,
     ) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
         """Adds or replaces ``n`` keyed items in one transaction.
 
@@ -992,11 +1185,18 @@ class Store:
         engine's row for that id, and an id a caller holds keeps naming the same memory). A new
         key gets a new id, like :meth:`add`. Keys in other namespaces are other items. Bad
         input (a duplicate key in the call too) raises before anything is written.
+
+        ``expires_at`` as for :meth:`add`: the call's expiry replaces the stored one (None: the
+        items never expire). A key whose item has expired (and awaits the sweep) is a new
+        memory under the same id: ``created_at`` is the call's, ``updated_at`` none.
         """
         request_id = check_request_id(request_id)
         vecs, ns, text_col, meta_col, times = check_add(vectors, self.dim, namespace, texts, metadata, created_at)
         n = len(vecs)
         key_col = check_keys(keys, n)
+        expiry_col = _expiry_column(expires_at, n)
+        if not self._expiring:
+            raise StoreError(f"store {self.path} has no expires_at column (open it writable once to migrate it)")
         if not self._keyed:
             raise StoreError(f"store {self.path} has no key columns (open it writable once to migrate it)")
         row_bytes = 4 * self.dim
@@ -1005,14 +1205,16 @@ class Store:
         with self._write_transaction("upsert") as conn:
             ns_id = self._namespace_id(conn, ns)
             existing: dict[str, tuple[int, float]] = {}
+            expired: set[str] = set()
             for start in range(0, n, _IDS_PER_QUERY):
                 chunk = key_col[start : start + _IDS_PER_QUERY]
-                existing.update(
-                    (key, (item_id, created)) for key, item_id, created in conn.execute(
-                        "SELECT key, id, created_at FROM items WHERE namespace_id = ?"
-                        f" AND key IN ({','.join('?' * len(chunk))})", (ns_id, *chunk),
-                    )
-                )
+                for key, item_id, created, expiry in conn.execute(
+                    "SELECT key, id, created_at, expires_at FROM items WHERE namespace_id = ?"
+                    f" AND key IN ({','.join('?' * len(chunk))})", (ns_id, *chunk),
+                ):
+                    existing[key] = (item_id, created)
+                    if expiry is not None and expiry <= now:
+                        expired.add(key)
             replaced = np.fromiter((key in existing for key in key_col), dtype=bool, count=n)
             fresh = int(n - replaced.sum())
             seq = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'items'").fetchone()
@@ -1028,17 +1230,23 @@ class Store:
                 vector = blob[i * row_bytes : (i + 1) * row_bytes]
                 if replaced[i]:
                     ids[i], out_times[i] = existing[key]
-                    updates.append((text_col[i], meta_col[i], vector, now, int(ids[i])))
+                    if key in expired:  # gone already: a new memory, under the id its key had
+                        out_times[i] = times[i]
+                        updates.append((text_col[i], meta_col[i], vector, None, expiry_col[i], float(times[i]), int(ids[i])))
+                    else:
+                        updates.append((text_col[i], meta_col[i], vector, now, expiry_col[i], out_times[i], int(ids[i])))
                 else:
                     ids[i] = next_id
                     next_id += 1
-                    inserts.append((int(ids[i]), ns_id, float(times[i]), text_col[i], meta_col[i], key, vector))
+                    inserts.append((int(ids[i]), ns_id, float(times[i]), text_col[i], meta_col[i], key, expiry_col[i],
+                                    vector))
             if updates:
-                conn.executemany("UPDATE items SET text = ?, metadata = ?, vector = ?, updated_at = ? WHERE id = ?", updates)
+                conn.executemany("UPDATE items SET text = ?, metadata = ?, vector = ?, updated_at = ?, expires_at = ?,"
+                                 " created_at = ? WHERE id = ?", updates)
             if inserts:
                 conn.executemany(
-                    "INSERT INTO items (id, namespace_id, created_at, text, metadata, key, vector)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?)", inserts,
+                    "INSERT INTO items (id, namespace_id, created_at, text, metadata, key, expires_at, vector)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)", inserts,
                 )
             if request_id is not None:
                 conn.execute("INSERT INTO requests (request_id, first_id, n, ids) VALUES (?, ?, ?, ?)",
@@ -1053,6 +1261,7 @@ class Store:
         key_list = list(dict.fromkeys(wanted))  # each key looked up once
         ns = check_namespace(namespace)
         found: dict[str, int] = {}
+        now = time.time()
         with self._lock:
             conn = self._connection()
             if not self._keyed:
@@ -1062,7 +1271,8 @@ class Store:
                     chunk = key_list[start : start + _IDS_PER_QUERY]
                     found.update(conn.execute(
                         "SELECT i.key, i.id FROM items AS i JOIN namespaces AS n ON n.id = i.namespace_id"
-                        f" WHERE n.name = ? AND i.key IN ({','.join('?' * len(chunk))})", (ns, *chunk),
+                        f" WHERE n.name = ? AND i.key IN ({','.join('?' * len(chunk))}){self._live_clause('i')}",
+                        (ns, *chunk, *self._live_params(now)),
                     ))
             except sqlite3.Error as e:
                 raise _wrap(e, "ids_of_keys", self.path) from None
@@ -1098,6 +1308,182 @@ class Store:
                     conn.execute(f"DELETE FROM items WHERE id IN ({','.join('?' * len(ids))})", ids)
                 found += ids
         return np.sort(np.asarray(found, dtype=np.int64))
+
+    def update(self, change: Update) -> tuple[int, int, float]:
+        """Applies one checked :class:`Update` (:func:`check_update`) in one transaction; returns
+        ``(id, namespace_id, created_at)`` of the item. Only what was given changes;
+        ``updated_at`` is set to now. :class:`UnknownKey` (nothing written) when no live item
+        has that key in that namespace, or that id. The caller normalises ``change.vector``.
+        """
+        if change.key is not None and not self._keyed:
+            raise StoreError(f"store {self.path} has no key columns (open it writable once to migrate it)")
+        now = time.time()
+        with self._write_transaction("update") as conn:
+            if change.key is not None:
+                row = conn.execute(
+                    "SELECT i.id, i.namespace_id, i.created_at, i.metadata FROM items AS i JOIN namespaces AS n"
+                    " ON n.id = i.namespace_id WHERE n.name = ? AND i.key = ?" + self._live_clause("i"),
+                    (change.namespace, change.key, *self._live_params(now)),
+                ).fetchone()
+            else:
+                row = conn.execute(
+                    "SELECT id, namespace_id, created_at, metadata FROM items WHERE id = ?" + self._live_clause(None),
+                    (change.id, *self._live_params(now)),
+                ).fetchone()
+            if row is None:
+                raise UnknownKey(f"update: no memory has {change.describe()}")
+            item_id, ns_id, created, stored_meta = row
+            sets, params = ["updated_at = ?"], [now]
+            if change.text is not UNSET:
+                sets.append("text = ?")
+                params.append(change.text)
+            if change.metadata is not UNSET:
+                sets.append("metadata = ?")
+                params.append(_merged_metadata(change, stored_meta))
+            if change.vector is not None:
+                sets.append("vector = ?")
+                params.append(np.ascontiguousarray(change.vector, dtype="<f4").tobytes())
+            conn.execute(f"UPDATE items SET {', '.join(sets)} WHERE id = ?", (*params, item_id))
+        return int(item_id), int(ns_id), float(created)
+
+    def delete_expired(self, now: float | None = None) -> np.ndarray:
+        """Deletes every item whose ``expires_at`` is at or before ``now`` (default: the clock) in
+        one transaction; returns their ids (int64, ascending). No transaction when none is due."""
+        now = time.time() if now is None else float(now)
+        with self._lock:
+            conn = self._connection(write=True)
+            if not self._expiring:
+                return np.empty(0, dtype=np.int64)
+            try:
+                due = conn.execute("SELECT 1 FROM items WHERE expires_at <= ? LIMIT 1", (now,)).fetchone()
+            except sqlite3.Error as e:
+                raise _wrap(e, "delete_expired", self.path) from None
+        if due is None:
+            return np.empty(0, dtype=np.int64)
+        with self._write_transaction("delete_expired") as conn:
+            ids = [r[0] for r in conn.execute("SELECT id FROM items WHERE expires_at <= ?", (now,))]
+            conn.execute("DELETE FROM items WHERE expires_at <= ?", (now,))
+        return np.sort(np.asarray(ids, dtype=np.int64))
+
+    def expiries(self, ids: Sequence[int] | np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids int64, expires_at float64)`` of the items that expire (of ``ids``, or of all)."""
+        with self._lock:
+            conn = self._connection()
+            if not self._expiring:
+                return np.empty(0, np.int64), np.empty(0)
+            try:
+                if ids is None:
+                    rows = conn.execute("SELECT id, expires_at FROM items WHERE expires_at IS NOT NULL").fetchall()
+                else:
+                    rows = []
+                    for chunk in _chunks(np.unique(_check_ids(ids, "expiries"))):
+                        rows += conn.execute(f"SELECT id, expires_at FROM items WHERE id IN ({','.join('?' * len(chunk))})"
+                                             " AND expires_at IS NOT NULL", chunk).fetchall()
+            except sqlite3.Error as e:
+                raise _wrap(e, "expiries", self.path) from None
+        return (np.fromiter((r[0] for r in rows), np.int64, len(rows)),
+                np.fromiter((r[1] for r in rows), np.float64, len(rows)))
+
+    def list_items(self, *, namespace: str | None = None, where: Any = None, limit: int = 100,
+                   after: int = 0) -> tuple[list[Item], int | None]:
+        """One page of live items in id order: those with id > ``after`` in ``namespace`` (None:
+        every namespace) whose metadata passes ``where`` (a :class:`kalos.where.Where`; None: all),
+        at most ``limit``. Returns ``(items, next_after)``; ``next_after`` is None on the last page.
+
+        Paging by id is stable under concurrent writes: an item present throughout is on exactly
+        one page (an upsert keeps its id), items added meanwhile come on later pages or not at all.
+        """
+        ns, limit, after = _check_list_args(namespace, limit, after)
+        now = time.time()
+        out: list[Item] = []
+        with self._lock:
+            conn = self._connection()
+            try:
+                ns_clause: tuple[str, tuple] = ("", ())
+                if ns is not None:
+                    row = conn.execute("SELECT id FROM namespaces WHERE name = ?", (ns,)).fetchone()
+                    if row is None:
+                        return [], None
+                    ns_clause = (" AND i.namespace_id = ?", (row[0],))
+                # Without a filter, one query answers; with one, rows are read a chunk at a time
+                # until the page is full (a selective filter reads further, never more than once).
+                chunk = limit + 1 if where is None else max(limit + 1, 1024)
+                while len(out) <= limit:
+                    rows = conn.execute(
+                        f"SELECT {self._item_columns()} FROM items AS i JOIN namespaces AS n ON n.id = i.namespace_id"
+                        f" WHERE i.id > ?{ns_clause[0]}{self._live_clause('i')} ORDER BY i.id LIMIT ?",
+                        (after, *ns_clause[1], *self._live_params(now), chunk),
+                    ).fetchall()
+                    for row in rows:
+                        item = self._item(row)
+                        if where is None or where.matches(item.metadata):
+                            out.append(item)
+                            if len(out) > limit:
+                                break
+                    if len(rows) < chunk:
+                        break
+                    after = rows[-1][0]
+            except sqlite3.Error as e:
+                raise _wrap(e, "list", self.path) from None
+        if len(out) > limit:
+            return out[:limit], out[limit - 1].id
+        return out, None
+
+    def count_items(self, *, namespace: str | None = None, where: Any = None) -> int:
+        """Live items in ``namespace`` (None: all) whose metadata passes ``where`` (None: all)."""
+        ns = None if namespace is None else check_namespace(namespace)
+        now = time.time()
+        with self._lock:
+            conn = self._connection()
+            try:
+                return len(self._matching(conn, ns, where, now)) if where is not None else int(conn.execute(
+                    "SELECT count(*) FROM items AS i WHERE 1" + self._namespace_clause(ns) + self._live_clause("i"),
+                    (*(() if ns is None else (ns,)), *self._live_params(now)),
+                ).fetchone()[0])
+            except sqlite3.Error as e:
+                raise _wrap(e, "count", self.path) from None
+
+    def delete_where(self, *, namespace: str | None, where: Any = None) -> np.ndarray:
+        """Deletes, in one transaction, every item of ``namespace`` (None: of all) whose metadata
+        passes ``where`` (None: every item); returns their ids (int64, ascending). The rows are
+        chosen and deleted inside the transaction: a crash leaves all of them or none."""
+        ns = None if namespace is None else check_namespace(namespace)
+        with self._write_transaction("delete_where") as conn:
+            if where is None:
+                ids = [r[0] for r in conn.execute(
+                    "SELECT i.id FROM items AS i WHERE 1" + self._namespace_clause(ns), () if ns is None else (ns,))]
+            else:
+                ids = self._matching(conn, ns, where, None)
+            for chunk in _chunks(np.asarray(ids, dtype=np.int64)):
+                conn.execute(f"DELETE FROM items WHERE id IN ({','.join('?' * len(chunk))})", chunk)
+        return np.sort(np.asarray(ids, dtype=np.int64))
+
+    @staticmethod
+    def _namespace_clause(ns: str | None) -> str:
+        return "" if ns is None else " AND i.namespace_id = (SELECT id FROM namespaces WHERE name = ?)"
+
+    def _matching(self, conn: sqlite3.Connection, ns: str | None, where: Any, now: float | None) -> list[int]:
+        """Ids of the items of ``ns`` (None: all) whose metadata passes ``where``; live ones only
+        unless ``now`` is None. Reads the small columns only (metadata is before the vector)."""
+        live = "" if now is None else self._live_clause("i")
+        params = (*(() if ns is None else (ns,)), *(() if now is None else self._live_params(now)))
+        found = []
+        for item_id, meta in conn.execute(
+            "SELECT i.id, i.metadata FROM items AS i WHERE 1" + self._namespace_clause(ns) + live, params,
+        ):
+            if where.matches(None if meta is None else json.loads(meta)):
+                found.append(item_id)
+        return found
+
+    def _live_clause(self, alias: str | None) -> str:
+        """`` AND <not expired>`` for a query over items (empty on a store without expiries)."""
+        if not self._expiring:
+            return ""
+        column = f"{alias}.expires_at" if alias else "expires_at"
+        return f" AND ({column} IS NULL OR {column} > ?)"
+
+    def _live_params(self, now: float) -> tuple[float, ...]:
+        return (now,) if self._expiring else ()
 
     @contextlib.contextmanager
     def _write_transaction(self, what: str) -> Iterator[sqlite3.Connection]:
@@ -1183,6 +1569,7 @@ class Store:
         wanted = _check_ids(ids, "get")
         unique = np.unique(wanted)
         found: dict[int, Item] = {}
+        now = time.time()  # an expired item is absent from that moment, before the sweep deletes it
         with self._lock:
             conn = self._connection()
             try:
@@ -1191,14 +1578,30 @@ class Store:
                     rows = conn.execute(
                         f"SELECT {self._item_columns()}"
                         " FROM items AS i JOIN namespaces AS n ON n.id = i.namespace_id"
-                        f" WHERE i.id IN ({marks})",
-                        chunk,
+                        f" WHERE i.id IN ({marks}){self._live_clause('i')}",
+                        (*chunk, *self._live_params(now)),
                     ).fetchall()
                     for row in rows:
                         found[row[0]] = self._item(row)
             except sqlite3.Error as e:
                 raise _wrap(e, "get", self.path) from None
         return [found.get(i) for i in wanted.tolist()]
+
+    def vectors(self, ids: Sequence[int] | np.ndarray) -> dict[int, np.ndarray]:
+        """The stored (normalised float32) vectors of those ``ids`` that exist: id -> ``[dim]``."""
+        unique = np.unique(_check_ids(ids, "vectors"))
+        found: dict[int, np.ndarray] = {}
+        with self._lock:
+            conn = self._connection()
+            try:
+                for chunk in _chunks(unique):
+                    for item_id, blob in conn.execute(
+                        f"SELECT id, vector FROM items WHERE id IN ({','.join('?' * len(chunk))})", chunk
+                    ):
+                        found[item_id] = np.frombuffer(blob, dtype="<f4").astype(np.float32)
+            except sqlite3.Error as e:
+                raise _wrap(e, "vectors", self.path) from None
+        return found
 
     def namespaces(self) -> dict[str, int]:
         """Every namespace ever used (and "default"): name -> namespace id."""
@@ -1279,6 +1682,33 @@ class Store:
                 np.fromiter(times, dtype=np.float64, count=n),
             )
             after = ids[-1]
+
+    def iter_metadata(self, batch: int = 65536) -> Iterator[tuple[np.ndarray, list[dict]]]:
+        """The metadata of every item that has some, in id order, ``batch`` at a time:
+        ``(ids int64[b], [dict] * b)``. The sidecar indexes it for ``where`` filters at start
+        (each batch in its own short transaction, as :meth:`iter_rows`)."""
+        if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 1:
+            raise InvalidArgument(f"batch must be an integer >= 1, got {batch!r}")
+        with self._lock:
+            self._connection()
+        return self._iter_metadata(int(batch))
+
+    def _iter_metadata(self, batch: int) -> Iterator[tuple[np.ndarray, list[dict]]]:
+        after = 0
+        while True:
+            with self._lock:
+                conn = self._connection()
+                try:
+                    rows = conn.execute(
+                        "SELECT id, metadata FROM items WHERE id > ? AND metadata IS NOT NULL ORDER BY id LIMIT ?",
+                        (after, batch),
+                    ).fetchall()
+                except sqlite3.Error as e:
+                    raise _wrap(e, "iter_metadata", self.path) from None
+            if not rows:
+                return
+            yield np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows)), [json.loads(r[1]) for r in rows]
+            after = rows[-1][0]
 
     def integrity_check(self) -> str:
         """SQLite's ``PRAGMA integrity_check``: "ok", or its findings one per line."""
@@ -1462,10 +1892,12 @@ def _build_schema(tmp: Path, dim: int) -> None:
             " metadata TEXT,"
             " key TEXT,"
             " updated_at REAL,"
+            " expires_at REAL,"
             f" vector BLOB NOT NULL CHECK (typeof(vector) = 'blob' AND length(vector) = {4 * dim}))"
         )
         conn.execute("CREATE INDEX items_by_namespace ON items (namespace_id)")
         conn.execute(_KEY_INDEX)
+        conn.execute(_EXPIRY_INDEX)
         conn.execute("COMMIT")
         # Switched last (it cannot run inside a transaction); closing the last connection
         # checkpoints and removes the temp file's -wal, so the file is complete on its own.

@@ -138,7 +138,7 @@ slot_case = st.fixed_dictionaries({
     "namespace_len": mostly(st.none(), u32),
     "queries": mostly(st.integers(0, 2**32 - 1),  # a seed: random gaussian rows
                       st.lists(query_value, min_size=DIM * MAX_BATCH, max_size=DIM * MAX_BATCH)),
-    "raw_request": mostly(st.none(), st.binary(min_size=128, max_size=128)),
+    "raw_request": mostly(st.none(), st.binary(min_size=REQUEST_BYTES, max_size=REQUEST_BYTES)),
     "scribble_response": mostly(st.none(), st.binary(min_size=64 + MESSAGE_BYTES, max_size=64 + MESSAGE_BYTES)),
     "client_sleeping": st.sampled_from([0, 0, 1, 2**32 - 1]),
     "seq": st.sampled_from(["next", "next", "next", "next", "next", "same", "back", "jump"]),

@@ -39,7 +39,7 @@ def make_engine(device: str, dim: int, *, capacity: int = 1024, precision: str =
         return NumpyEngine(dim, capacity=capacity)
     devices = _gpu_devices(device)
     try:
-        from kalos.engine.torch_engine import TorchEngine  # torch and triton load only here
+        from kalos.engine.gpu import TorchEngine  # torch and triton load only here
     except ImportError as exc:
         raise InvalidArgument(f"device {device!r} needs PyTorch with CUDA (pip install 'kalos-recall[gpu]'): {exc}") from None
     if len(devices) == 1:

@@ -12,12 +12,15 @@ filters, the tail is padded with id ``-1`` and score ``-inf`` (FAISS's conventio
 from __future__ import annotations
 
 import collections
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from kalos.errors import InvalidArgument, InvalidQuery
+from kalos.where import MetaColumns, Where
 
 __all__ = ["Engine", "Filter", "MISSING_ID", "RowTable"]
 
@@ -28,19 +31,22 @@ _COMPACT_MIN_TOMBSTONES = 1024
 
 @dataclass(frozen=True)
 class Filter:
-    """Which rows a search may return: one namespace (None: all), created_at in [since, until)."""
+    """Which rows a search may return: one namespace (None: all), created_at in [since, until),
+    and metadata passing ``where`` (None: any; :mod:`kalos.where`)."""
 
     namespace: int | None = None
     since: float | None = None
     until: float | None = None
+    where: Where | None = None
 
     @property
     def is_trivial(self) -> bool:
-        return self.namespace is None and self.since is None and self.until is None
+        return self.namespace is None and self.since is None and self.until is None and self.where is None
 
 
 class RowTable:
-    """Host-side columns of an engine's rows: id, namespace, created_at, live; id -> row map."""
+    """Host-side columns of an engine's rows: id, namespace, created_at, live, the metadata
+    index that ``where`` filters read (:class:`~kalos.where.MetaColumns`); id -> row map."""
 
     def __init__(self, capacity: int = 1024) -> None:
         capacity = max(1, capacity)
@@ -48,6 +54,7 @@ class RowTable:
         self.namespaces = np.zeros(capacity, dtype=np.int32)
         self.created_at = np.zeros(capacity, dtype=np.float64)
         self.live = np.zeros(capacity, dtype=bool)
+        self.meta = MetaColumns(capacity)
         self.size = 0  # rows in use, tombstones included
         self.live_count = 0
         self._row_of: dict[int, int] = {}
@@ -80,6 +87,7 @@ class RowTable:
             new = np.zeros(capacity, dtype=old.dtype) if name != "ids" else np.full(capacity, MISSING_ID, np.int64)
             new[: self.size] = old[: self.size]
             setattr(self, name, new)
+        self.meta.resize(capacity)
 
     def check_new_ids(self, ids: np.ndarray) -> None:
         if len(np.unique(ids)) != len(ids):
@@ -89,12 +97,14 @@ class RowTable:
         if clash:
             raise InvalidArgument(f"{len(clash)} ids already present, e.g. {clash[:5]}")
 
-    def append(self, ids: np.ndarray, namespaces: np.ndarray, created_at: np.ndarray) -> slice:
+    def append(self, ids: np.ndarray, namespaces: np.ndarray, created_at: np.ndarray,
+               metadata: Sequence[Mapping[str, Any] | None] | None = None) -> slice:
         start, stop = self.size, self.size + len(ids)
         self.ids[start:stop] = ids
         self.namespaces[start:stop] = namespaces
         self.created_at[start:stop] = created_at
         self.live[start:stop] = True
+        self.meta.write(slice(start, stop), metadata if metadata is not None else [None] * len(ids))
         self._row_of.update(zip(ids.tolist(), range(start, stop)))
         self.size = stop
         self.live_count += len(ids)
@@ -115,10 +125,24 @@ class RowTable:
             self._masks.clear()
         return rows_arr
 
+    def set_metadata(self, ids: np.ndarray, metadata: Sequence[Mapping[str, Any] | None]) -> int:
+        """Replaces the indexed metadata of the live rows of ``ids`` (unknown ids ignored);
+        returns how many rows changed."""
+        if len(ids) != len(metadata):
+            raise InvalidArgument(f"{len(metadata)} metadata entries for {len(ids)} ids")
+        row_of = self._row_of
+        pairs = [(row_of[int(i)], m) for i, m in zip(ids, metadata) if int(i) in row_of]
+        if pairs:
+            self.meta.write([r for r, _ in pairs], [m for _, m in pairs])
+            self._masks.clear()
+        return len(pairs)
+
     def simplify(self, flt: Filter) -> Filter:
-        """``flt`` without a namespace condition that every live row meets."""
+        """``flt`` without a namespace condition that every live row meets (nor a ``{}`` where)."""
+        if flt.where is not None and flt.where.is_trivial:
+            flt = dataclasses.replace(flt, where=None)
         if flt.namespace is not None and self.namespace_live[flt.namespace] == self.live_count:
-            return Filter(None, flt.since, flt.until)
+            return dataclasses.replace(flt, namespace=None)
         return flt
 
     def should_compact(self) -> bool:
@@ -134,6 +158,7 @@ class RowTable:
             column[:n] = column[keep]
         self.ids[n : self.size] = MISSING_ID
         self.live[n : self.size] = False
+        self.meta.compact(keep)
         self.size = n
         self._row_of = dict(zip(self.ids[:n].tolist(), range(n)))
         self._masks.clear()
@@ -154,10 +179,18 @@ class RowTable:
             mask &= self.created_at[:n] >= flt.since
         if flt.until is not None:
             mask &= self.created_at[:n] < flt.until
-        if len(self._masks) > 64:  # many distinct time windows: keep the cache bounded
-            self._masks.clear()
+        if flt.where is not None:
+            mask &= flt.where.mask(self.meta, n)
+        if len(self._masks) >= 64:  # many time windows or where clauses: drop the oldest
+            del self._masks[next(iter(self._masks))]
         self._masks[flt] = mask
         return mask
+
+    def ids_where(self, flt: Filter) -> np.ndarray:
+        """The ids of the live rows that pass ``flt`` (row order)."""
+        n = self.size
+        mask = self.mask(flt)
+        return self.ids[:n][mask] if mask is not None else self.ids[:n][self.live[:n]]
 
     def ids_of_rows(self, rows: np.ndarray, scores: np.ndarray) -> np.ndarray:
         """Store ids of ``rows``; MISSING_ID where the score is -inf (sorted: only in the tail)."""
@@ -179,6 +212,21 @@ class Engine(ABC):
     device: str = "cpu"
     #: A short name for stats and benchmarks.
     name: str = "engine"
+
+    # What an engine can do beyond this interface, declared by the class and checked once by
+    # its user, never probed with getattr (LangGraph's BaseStore declares supports_ttl so).
+    #: ``search_start(queries, k, flt) -> waiter``: a search queued now, its answer awaited later
+    #: (the shards of :class:`~kalos.engine.sharded.ShardedEngine` scan at the same time).
+    supports_search_start: bool = False
+    #: ``attach_host(buffer)``, ``detach_host()``, ``search_attached(...)``: queries read and
+    #: answers written in place in a host buffer (the sidecar's segment: zero copy).
+    supports_attached_host: bool = False
+    #: ``bind_stream()``, ``unbind_stream()``: the calling thread's GPU work on the engine's stream.
+    supports_streams: bool = False
+    #: A kernel may serve the slots itself (:mod:`kalos.engine.gpu.slot_server`, ``--gpu-polling``).
+    supports_gpu_polling: bool = False
+    #: Largest k a search may ask for (None: no limit of the engine's own).
+    max_k: int | None = None
 
     def __init__(self, dim: int, *, capacity: int = 1024) -> None:
         if dim < 1:
@@ -202,13 +250,17 @@ class Engine(ABC):
     def tombstones(self) -> int:
         return self.rows.tombstones
 
-    def add(self, ids: np.ndarray, vectors: np.ndarray, namespaces: np.ndarray, created_at: np.ndarray) -> None:
-        """Appends rows. ``vectors`` must already be unit-norm float32 ``[n, dim]``."""
+    def add(self, ids: np.ndarray, vectors: np.ndarray, namespaces: np.ndarray, created_at: np.ndarray,
+            metadata: Sequence[Mapping[str, Any] | None] | None = None) -> None:
+        """Appends rows. ``vectors`` must already be unit-norm float32 ``[n, dim]``; ``metadata``
+        (one dict or None per row; None: none) is indexed for ``where`` filters."""
         ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
         n = len(ids)
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         if vectors.shape != (n, self.dim):
             raise InvalidArgument(f"expected vectors of shape ({n}, {self.dim}), got {vectors.shape}")
+        if metadata is not None and len(metadata) != n:
+            raise InvalidArgument(f"{len(metadata)} metadata entries for {n} rows")
         namespaces = np.broadcast_to(np.asarray(namespaces, dtype=np.int32), (n,))
         created_at = np.broadcast_to(np.asarray(created_at, dtype=np.float64), (n,))
         if n == 0:
@@ -218,8 +270,17 @@ class Engine(ABC):
         if new_capacity is not None:
             self._resize(new_capacity)
             self.rows.resize(new_capacity)
-        rows = self.rows.append(ids, namespaces, created_at)
+        rows = self.rows.append(ids, namespaces, created_at, metadata)
         self._write(rows, vectors)
+
+    def set_metadata(self, ids: np.ndarray, metadata: Sequence[Mapping[str, Any] | None]) -> int:
+        """Replaces the metadata ``where`` filters see for the rows of ``ids`` (ids this engine
+        does not hold are ignored); returns how many rows it holds of them."""
+        return self.rows.set_metadata(np.asarray(ids, dtype=np.int64).reshape(-1), metadata)
+
+    def ids_where(self, flt: Filter) -> np.ndarray:
+        """Ids of the live rows that pass ``flt`` (namespace, time, where): count / scoped delete."""
+        return self.rows.ids_where(self.rows.simplify(flt))
 
     def reserve(self, extra: int) -> None:
         """Makes room for ``extra`` more rows now, so that an :meth:`add` of that many allocates
@@ -269,7 +330,7 @@ class Engine(ABC):
 
     def memory_bytes(self) -> int:
         """Bytes this engine holds for vectors and row columns (device memory for GPU engines)."""
-        return self._vector_bytes() + sum(
+        return self._vector_bytes() + self.rows.meta.nbytes() + sum(
             c.nbytes for c in (self.rows.ids, self.rows.namespaces, self.rows.created_at, self.rows.live)
         )
 

@@ -7,6 +7,16 @@ from kalos.engine.base import Engine
 
 __all__ = ["NumpyEngine"]
 
+# A mask passing at most 1 row in this many is searched as a row list: only its rows are
+# scored (a where clause that picks one user's memories reads a sliver of the matrix).
+_ROW_LIST_FRACTION = 16
+# The rows of a row list are kept gathered (a copy, cached with the mask) up to this size.
+_ROW_LIST_CACHE_BYTES = 64 << 20
+
+
+# Passes up to this many queries take the tall-by-narrow product.
+_SMALL_BATCH = 64
+
 
 class NumpyEngine(Engine):
     """Float32 rows in one growable host array; exact top-k by brute force."""
@@ -21,6 +31,8 @@ class NumpyEngine(Engine):
         # which costs one pass instead of a boolean gather.
         # Holding the mask itself (not its id) keeps the identity check below sound.
         self._bias_for: tuple[np.ndarray, np.ndarray] | None = None
+        # (mask, (its rows, their vectors or None) or None when not selective): _row_list.
+        self._rows_for: tuple[np.ndarray, tuple[np.ndarray, np.ndarray | None] | None] | None = None
 
     def _resize(self, capacity: int) -> None:
         grown = np.zeros((capacity, self.dim), dtype=np.float32)
@@ -48,21 +60,77 @@ class NumpyEngine(Engine):
     def _search(self, queries: np.ndarray, k: int, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         n = self.rows.size
         vectors = self._vectors[:n]
+        if mask is not None:
+            selected = self._row_list(mask)
+            if selected is not None:
+                return self._search_list(queries, k, *selected)
         if len(queries) == 1:  # mat-vec and 1-D selection: a third of the batch path's calls
             scores = vectors @ queries[0]
             if mask is not None:
                 scores += self._bias(mask)
-            top = np.argpartition(scores, n - k)[n - k :] if k < n else np.arange(n)
+                # The k best as the k smallest of the negated scores: NumPy's selection of the
+                # last k among many equal -inf (a mask) degrades to O(n log n), of the first k not.
+                if k < n:
+                    top = np.argpartition(np.negative(scores, out=scores), k - 1)[:k]
+                    np.negative(scores, out=scores)
+                else:
+                    top = np.arange(n)
+            else:
+                top = np.argpartition(scores, n - k)[n - k :] if k < n else np.arange(n)
             top_scores = scores[top]
             order = np.argsort(-top_scores, kind="stable")
             return top[order][None, :], top_scores[order][None, :]
-        scores = queries @ vectors.T  # [Q, n]
+        if len(queries) <= _SMALL_BATCH:
+            # A crowd's pass: OpenBLAS multiplies the tall rows by a few queries in about the time
+            # of two mat-vecs this way round, and in several times that as queries @ rows.T
+            # (benchmarks/small_batch.py --device cpu); the transposing copy is Q x n floats.
+            scores = np.ascontiguousarray((vectors @ queries.T).T)
+        else:
+            scores = queries @ vectors.T  # [Q, n]
         if mask is not None:
             scores += self._bias(mask)
-        if k < n:
+        if k < n and mask is not None:  # (the negated selection, as above)
+            top = np.argpartition(np.negative(scores, out=scores), k - 1, axis=1)[:, :k]
+            np.negative(scores, out=scores)
+        elif k < n:
             top = np.argpartition(scores, n - k, axis=1)[:, n - k :]
         else:
             top = np.broadcast_to(np.arange(n), scores.shape)
         top_scores = np.take_along_axis(scores, top, axis=1)
         order = np.argsort(-top_scores, axis=1, kind="stable")
         return np.take_along_axis(top, order, axis=1), np.take_along_axis(top_scores, order, axis=1)
+
+    def _row_list(self, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """The rows of a selective ``mask`` and, when small enough, their vectors gathered
+        (cached with the mask: a write makes a new mask); None for a mask that passes more."""
+        cached = self._rows_for
+        if cached is not None and cached[0] is mask:
+            return cached[1]
+        selected = None
+        if np.count_nonzero(mask) * _ROW_LIST_FRACTION <= len(mask):
+            rows = np.flatnonzero(mask)
+            gathered = self._vectors[rows] if len(rows) * self.dim * 4 <= _ROW_LIST_CACHE_BYTES else None
+            selected = (rows, gathered)
+        self._rows_for = (mask, selected)
+        return selected
+
+    def _search_list(self, queries: np.ndarray, k: int, rows: np.ndarray,
+                     gathered: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k over ``rows`` only; short answers padded with row 0 at -inf (the base contract)."""
+        nq, m = len(queries), len(rows)
+        out_rows = np.zeros((nq, k), np.int64)
+        out_scores = np.full((nq, k), -np.inf, np.float32)
+        if m == 0:
+            return out_rows, out_scores
+        vectors = gathered if gathered is not None else self._vectors[rows]
+        scores = queries @ vectors.T  # [Q, m]
+        kk = min(k, m)
+        if kk < m:
+            top = np.argpartition(-scores, kk - 1, axis=1)[:, :kk]
+        else:
+            top = np.broadcast_to(np.arange(m), scores.shape)
+        top_scores = np.take_along_axis(scores, top, axis=1)
+        order = np.argsort(-top_scores, axis=1, kind="stable")
+        out_rows[:, :kk] = rows[np.take_along_axis(top, order, axis=1)]
+        out_scores[:, :kk] = np.take_along_axis(top_scores, order, axis=1)
+        return out_rows, out_scores

@@ -1,7 +1,7 @@
 """One engine over several: the rows split across shards (one per GPU), searched in parallel.
 
 ``make_engine("cuda:0,cuda:1")`` or ``make_engine("cuda:all")`` builds a :class:`ShardedEngine`
-of :class:`~kalos.engine.torch_engine.TorchEngine` shards, one per listed device (a device may
+of :class:`~kalos.engine.gpu.engine.TorchEngine` shards, one per listed device (a device may
 be listed twice: two shards on one card).
 
 * **Adds** go, a whole batch at a time, to the shard with the fewest live rows, so shards
@@ -18,7 +18,7 @@ Nothing here is specific to two shards or to CUDA: the shards only need ``search
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -31,6 +31,14 @@ __all__ = ["ShardedEngine", "merge_topk"]
 class ShardedEngine:
     """The :class:`~kalos.engine.base.Engine` interface over ``shards`` (engines of one dim)."""
 
+    # The capabilities the Engine interface declares (kalos.engine.base): a search waits for
+    # every shard, and no host buffer or slot server spans several devices.
+    supports_search_start = False
+    supports_attached_host = False
+    supports_streams = True
+    supports_gpu_polling = False
+    max_k: int | None = None
+
     def __init__(self, shards: Sequence[Engine]) -> None:
         if len(shards) < 1:
             raise InvalidArgument("a sharded engine needs at least one shard")
@@ -40,14 +48,14 @@ class ShardedEngine:
         if len(dims) != 1:
             raise InvalidArgument(f"shards must share one dimension, got {sorted(dims)}")
         for shard in shards:
-            if not callable(getattr(shard, "search_start", None)):
+            if not shard.supports_search_start:
                 raise InvalidArgument(f"shard {shard!r} cannot start a search asynchronously (search_start)")
         self.shards = list(shards)
         self.dim = dims.pop()
         self.device = ",".join(str(shard.device) for shard in self.shards)
         self.name = f"sharded-{len(self.shards)}x-{self.shards[0].name}"
         self.precision = getattr(self.shards[0], "precision", "exact")
-        limits = [getattr(shard, "max_k", None) for shard in self.shards]
+        limits = [shard.max_k for shard in self.shards]
         if all(limit is not None for limit in limits):
             self.max_k = min(limits)
         # Queries per round: each shard queues at most its max_batch at once (search_start).
@@ -76,7 +84,8 @@ class ShardedEngine:
         """Live rows per shard."""
         return [len(shard) for shard in self.shards]
 
-    def add(self, ids: np.ndarray, vectors: np.ndarray, namespaces: np.ndarray, created_at: np.ndarray) -> None:
+    def add(self, ids: np.ndarray, vectors: np.ndarray, namespaces: np.ndarray, created_at: np.ndarray,
+            metadata: Sequence[Mapping[str, Any] | None] | None = None) -> None:
         """Appends the batch to the shard with the fewest live rows (ids new to every shard)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
         if len(ids) == 0:
@@ -88,7 +97,16 @@ class ShardedEngine:
             clash = [i for i in ids.tolist() if i in shard]
             if clash:
                 raise InvalidArgument(f"{len(clash)} ids already present, e.g. {clash[:5]}")
-        target.add(ids, vectors, namespaces, created_at)
+        target.add(ids, vectors, namespaces, created_at, metadata)
+
+    def set_metadata(self, ids: np.ndarray, metadata: Sequence[Mapping[str, Any] | None]) -> int:
+        """Each shard re-indexes the rows of ``ids`` it holds (an id lives in one shard)."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        return sum(shard.set_metadata(ids, metadata) for shard in self.shards)
+
+    def ids_where(self, flt: Filter) -> np.ndarray:
+        """Ids of the live rows that pass ``flt``, over every shard."""
+        return np.concatenate([shard.ids_where(flt) for shard in self.shards])
 
     def reserve(self, extra: int) -> None:
         """Room for ``extra`` rows in the shard the next add goes to (the one with the fewest)."""

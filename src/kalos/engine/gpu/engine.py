@@ -1,0 +1,698 @@
+"""The GPU engine: rows resident in device memory, a fused Triton scan + mask + top-k.
+
+Importing this module imports PyTorch (and Triton when the Triton backend is used); kalos
+core never imports it unless a GPU engine is asked for. The engine is the
+:class:`~kalos.engine.base.Engine` interface over the parts of this package: the rows on the
+device (:mod:`~kalos.engine.gpu.columns`), the page-locked staging area and attached host
+buffers (:mod:`~kalos.engine.gpu.buffers`, words declared in :mod:`~kalos.engine.gpu.layout`),
+the planner and its tuning (:mod:`~kalos.engine.gpu.planner`), the Triton stages
+(:mod:`~kalos.engine.gpu.pipeline`, kernels in :mod:`~kalos.engine.gpu.kernels`) and the plain
+PyTorch path (:mod:`~kalos.engine.gpu.torch_path`). What it keeps itself: argument checks,
+batching, the CUDA graphs, fallbacks when a certificate fails, and searches in place in an
+attached buffer.
+
+One search (Triton backend)
+---------------------------
+A header (rows in use ``n``, query count, ``k``, filter, the certificates' terms) and the
+queries sit in a page-locked staging area at a fixed address; the stage-in kernel reads them
+over the bus, then the scan, the merge levels and the final kernel run, and the final kernel
+writes status, ids and scores straight into page-locked host memory. On CUDA all of it is
+captured once per (mode, batch bucket, k bucket, filter kind) in a CUDA graph and replayed;
+because ``n`` travels in the header, adds and deletes need no re-capture. A resize moves the
+matrix, so it drops the graphs (captured again on next use). Fast mode's answers are exact
+by certificate (:mod:`kalos.engine.gpu.bounds`); a query whose certificate fails is re-run
+with the float32 scan.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from typing import Callable, Mapping
+
+import numpy as np
+import torch
+
+from kalos.engine.base import MISSING_ID, Engine, Filter
+from kalos.engine.gpu.bounds import fast_error_terms, int8_error_terms
+from kalos.engine.gpu.buffers import AttachedHost, HostBuffer, Staging, fill_header, register_host_buffer
+from kalos.engine.gpu.columns import DeviceColumns
+from kalos.engine.gpu.layout import check_kernel_layout
+from kalos.engine.gpu.pipeline import Pipeline
+from kalos.engine.gpu.planner import (
+    DEFAULT_TUNING, MAX_FAST_K, MAX_K, Plan, Planner, Tuning, fast_candidates, k_bucket, next_pow2,
+)
+from kalos.engine.gpu.torch_path import RowSink, TorchPath
+from kalos.errors import InvalidArgument, InvalidQuery
+
+__all__ = ["TorchEngine", "load_kernels"]
+
+_NO_FILTER = Filter()
+_HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def load_kernels(require_interpreter: bool):
+    """The kernel package (the offsets its stages share checked against
+    :mod:`kalos.engine.gpu.layout`), or
+    None when Triton is missing (or, with ``require_interpreter``, not interpreting)."""
+    try:
+        from kalos.engine.gpu import kernels as tk
+    except ImportError:
+        return None
+    check_kernel_layout(tk.common)
+    if require_interpreter:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(tk.scan_topk_kernel, InterpretedFunction):
+            return None
+    return tk
+
+
+class TorchEngine(Engine):
+    """Exact top-k over rows in device memory (CUDA, or PyTorch's CPU device for tests).
+
+    All arguments are keyword-only except ``dim``.
+
+    ``device``: "cuda", "cuda:N" or "cpu". ``precision``: "exact" scans float32; "fast" scans
+    a 16-bit copy (``half``: "float16" or "bfloat16") and re-scores a certified candidate set
+    in float32 (same answer, :mod:`kalos.engine.gpu.bounds`). ``backend``: "triton" (the fused
+    kernels; on the CPU device only under ``TRITON_INTERPRET=1``), "torch" (``matmul`` +
+    ``topk``), or "auto". ``max_batch``: most queries per kernel launch (larger batches are
+    split; a GEMM batch holds ``max_batch x 65,536`` float32 scores while it runs: 256 MiB at
+    the default 1,024). ``graphs``: capture CUDA graphs (CUDA only). ``tune``: a
+    :class:`~kalos.engine.gpu.planner.Tuning`, or overrides of its defaults as a mapping
+    (benchmarks; :meth:`Tuning.replace`).
+    """
+
+    name = "torch"
+    #: Largest k a search may ask for (the sidecar refuses a larger --max-k at start).
+    max_k = MAX_K
+    supports_search_start = True
+    supports_attached_host = True
+    supports_streams = True
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        capacity: int = 1024,
+        device: str = "cuda",
+        precision: str = "exact",
+        half: str = "float16",
+        backend: str = "auto",
+        max_batch: int = 1024,
+        graphs: bool = True,
+        tune: dict | None = None,
+    ) -> None:
+        super().__init__(dim, capacity=capacity)
+        if precision not in ("exact", "fast"):
+            raise InvalidArgument(f"precision must be 'exact' or 'fast', got {precision!r}")
+        if half not in _HALF_DTYPES:
+            raise InvalidArgument(f"half must be 'float16' or 'bfloat16', got {half!r}")
+        if max_batch < 1:
+            raise InvalidArgument(f"max_batch must be >= 1, got {max_batch}")
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise InvalidArgument(f"unknown device {device!r}: {e}") from None
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise InvalidArgument(f"device {device!r}: PyTorch sees no CUDA device")
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            if dev.index >= torch.cuda.device_count():
+                raise InvalidArgument(f"device {device!r}: PyTorch sees {torch.cuda.device_count()} CUDA device(s)")
+        elif dev.type != "cpu":
+            raise InvalidArgument(f"device {device!r}: use cuda, cuda:N or cpu")
+        self.torch_device = dev
+        self.device = str(dev)
+        self.precision = precision
+        self.half = half
+        self.max_batch = int(max_batch)
+        self.on_gpu = dev.type == "cuda"
+        if backend not in ("auto", "triton", "torch"):
+            raise InvalidArgument(f"backend must be auto, triton or torch, got {backend!r}")
+        tk = None
+        if backend in ("auto", "triton"):
+            tk = load_kernels(require_interpreter=not self.on_gpu)
+            if tk is None and backend == "triton":
+                raise InvalidArgument(
+                    "the Triton backend needs triton installed and, on the CPU device, "
+                    "TRITON_INTERPRET=1 set before triton is first imported"
+                )
+        self.kernels = tk
+        self.backend = "triton" if tk is not None else "torch"
+        self.name = f"torch-{self.backend}-{precision}"
+        # The slot server runs the Triton kernels, on CUDA (the interpreter serves tests only).
+        self.supports_gpu_polling = self.backend == "triton" and self.on_gpu
+        self._graphs_enabled = bool(graphs) and self.on_gpu
+        tuning = tune if isinstance(tune, Tuning) else DEFAULT_TUNING.replace(tune)
+        int8 = precision == "fast" and tk is not None and tuning.single_scan == "int8"
+        i8_a, self._i8_r = int8_error_terms(dim)
+        errors = {"f16": fast_error_terms(dim, half), "tf32": fast_error_terms(dim, "tf32"), "f32": (0.0, 0.0, 0.0),
+                  "i8": (i8_a, 0.0, 1e-12)}
+        self.stats = {"searches": 0, "fallbacks": 0, "graph_captures": 0}
+
+        props = None
+        if self.on_gpu:
+            # The highest priority PyTorch offers (out-of-range values are clamped to it).
+            self._stream = torch.cuda.Stream(device=dev, priority=-100)
+            props = torch.cuda.get_device_properties(dev)
+            sms = props.multi_processor_count
+        else:
+            self._stream = None
+            sms = 1
+        self._graphs: dict = {}
+        self._uncapturable: set = set()  # graph keys whose capture failed: launched eagerly
+        self._bound = threading.local()  # .stream: this thread runs on the engine's stream
+        # The waiter of a search_start not yet awaited: every other use of the staging areas
+        # (searches, adds, deletes, compaction) first finishes it (settle).
+        self._pending: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None
+        # (host mask, its device copy) of the last ``where`` filter searched: _where_live.
+        self._where_dev: tuple[np.ndarray, torch.Tensor] | None = None
+        self._graph_pool = None
+        self._attached: AttachedHost | None = None  # see attach_host
+        #: The rows on the device (:class:`~kalos.engine.gpu.columns.DeviceColumns`).
+        self.columns = DeviceColumns(dim, self.rows.capacity, dev, half=_HALF_DTYPES[half] if precision == "fast"
+                                     else None, int8=int8)
+        #: The page-locked staging area (:class:`~kalos.engine.gpu.buffers.Staging`).
+        self.staging = Staging(self.max_batch, dim, dev, pin=self.on_gpu)
+        pipeline: Pipeline  # (made below: the planner asks it about compiled kernels)
+        #: Launch plans (:class:`~kalos.engine.gpu.planner.Planner`).
+        self.planner = Planner(dim, self.on_gpu, sms, occupancy=lambda *a: pipeline.programs_per_sm(*a),
+                               gemm_ok=lambda kind: pipeline.gemm_ok(kind), tuning=tuning)
+        #: The Triton stages (:class:`~kalos.engine.gpu.pipeline.Pipeline`; with the torch backend
+        #: only its planning helpers are used).
+        self.pipeline = pipeline = Pipeline(
+            tk, self.columns, self.staging, self.planner, dim=dim, device=dev, max_batch=self.max_batch,
+            half=_HALF_DTYPES[half], errors=errors, attached=lambda: self._attached, on_stream=self.on_stream,
+            on_realloc=self._drop_graphs, props=props,
+        )
+        #: The error-bound terms per scan kind (:mod:`kalos.engine.gpu.bounds`).
+        self.error_terms = errors
+        self._torch = TorchPath(self.columns, self.rows, on_stream=self.on_stream, errors=errors, stats=self.stats)
+
+    # -- storage ------------------------------------------------------------------------------
+
+    def on_stream(self) -> contextlib.AbstractContextManager:
+        """A context in which PyTorch work runs on the engine's stream (a no-op on the CPU)."""
+        return torch.cuda.stream(self._stream) if self.on_gpu else contextlib.nullcontext()
+
+    @property
+    def tuning(self) -> Tuning:
+        """The tuning table in use (:meth:`retune` replaces entries)."""
+        return self.planner.tuning
+
+    @property
+    def attached(self) -> AttachedHost | None:
+        """The buffer :meth:`attach_host` attached (None: none)."""
+        return self._attached
+
+    def settle(self) -> None:
+        """Finishes a search that search_start queued (its waiter then returns the kept answer)."""
+        if self._pending is not None:
+            self._pending()
+
+    def _resize(self, capacity: int) -> None:
+        self.settle()
+        with self.on_stream():
+            self.columns.resize(capacity, self.rows.size)
+        self._drop_graphs()
+        self.planner.clear()  # a score-writing plan's grid and workspace follow the capacity
+
+    def _write(self, rows: slice, vectors: np.ndarray) -> None:
+        self.settle()
+        with self.on_stream():
+            self.columns.write(rows, vectors, self.rows)
+
+    def _tombstoned(self, rows: np.ndarray) -> None:
+        self.settle()
+        with self.on_stream():
+            self.columns.tombstone(rows)
+
+    def _compacted(self, keep: np.ndarray) -> None:
+        self.settle()
+        with self.on_stream():
+            self.columns.compact(keep, self.rows)
+
+    def _vector_bytes(self) -> int:
+        return self.columns.nbytes()
+
+    # -- searching ------------------------------------------------------------------------------
+
+    def search(self, queries: np.ndarray, k: int, flt: Filter = Filter()) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k by cosine: ``(ids[Q, k] int64, scores[Q, k] float32)``, best first, padded -1/-inf."""
+        queries = self._host_queries(queries, k)
+        nq = len(queries)
+        ids = np.full((nq, k), MISSING_ID, np.int64)
+        scores = np.full((nq, k), -np.inf, np.float32)
+        if nq == 0 or self.rows.size == 0:
+            return ids, scores
+        flt, live = self._where_live(self.rows.simplify(flt))
+        self._search_rows(queries, k, flt, ids, scores, want_ids=True, live=live)
+        return ids, scores
+
+    def _where_live(self, flt: Filter) -> tuple[Filter, torch.Tensor | None]:
+        """A filter with a ``where`` clause as the row mask the scan reads in place of the live
+        column (namespace, time and where folded in by ``RowTable.mask``, which caches it until
+        a write), and no filter words; other filters as they are, with no mask."""
+        if flt.where is None:
+            return flt, None
+        mask = self.rows.mask(flt)
+        cached = self._where_dev
+        if cached is None or cached[0] is not mask:
+            cap = self.rows.capacity
+            # One device buffer per capacity, rewritten for each new mask: the CUDA graphs of
+            # where-filtered passes replay its address (_run). A new capacity dropped every
+            # graph already (_resize).
+            live = cached[1] if cached is not None and cached[1].numel() == cap else None
+            if live is None:
+                live = torch.zeros(cap, dtype=torch.uint8, device=self.torch_device)
+            host = np.zeros(cap, dtype=np.uint8)
+            host[: len(mask)] = mask
+            with self.on_stream():  # ordered after any pass that read the previous mask
+                live.copy_(torch.from_numpy(host))
+            self._where_dev = cached = (mask, live)
+        return _NO_FILTER, cached[1]
+
+    def search_start(self, queries: np.ndarray, k: int, flt: Filter = Filter()) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
+        """Starts :meth:`search` and returns the function that waits for its answer.
+
+        With the Triton backend on CUDA a batch of up to ``max_batch`` queries is queued on
+        the engine's stream and the call returns at once, so that several engines (the shards
+        of :class:`~kalos.engine.sharded.ShardedEngine`, one per GPU) scan at the same time.
+        Otherwise the search runs here and the function returns its result. Anything else
+        this engine is asked to do before the function is called finishes the search first
+        (the function then returns the kept answer), so answers can never be mixed up.
+        """
+        queries = self._host_queries(queries, k)
+        nq = len(queries)
+        if self.backend != "triton" or nq == 0 or nq > self.max_batch or self.rows.size == 0:
+            result = self.search(queries, k, flt)
+            return lambda: result
+        flt, live = self._where_live(self.rows.simplify(flt))
+        kind = self.scan_kind(nq, k, self.precision)
+        self.stats["searches"] += nq
+        self._triton_start(queries, k, flt, True, kind, live)
+
+        answer: list[tuple[np.ndarray, np.ndarray]] = []
+
+        def finish() -> tuple[np.ndarray, np.ndarray]:
+            if not answer:
+                self._pending = None  # first: a failure below must not leave it pending
+                ids = np.empty((nq, k), np.int64)
+                scores = np.empty((nq, k), np.float32)
+                self._triton_finish(queries, k, flt, ids, scores, True, kind, live)
+                answer.append((ids, scores))
+            return answer[0]
+
+        self._pending = finish
+        return finish
+
+    def search_into(
+        self,
+        queries,
+        k: int,
+        flt: Filter = Filter(),
+        *,
+        out_ids: torch.Tensor,
+        out_scores: torch.Tensor,
+        precision: str | None = None,
+    ) -> None:
+        """Top-k of ``queries`` written into ``out_ids[:Q, :k]`` (int64) and ``out_scores``
+        (float32), best first, padded with -1 / -inf.
+
+        ``queries``: ``[Q, dim]`` float32 unit rows, a host tensor (pinned or not, e.g. a
+        view of a registered shared-memory slot), a tensor on this engine's device, or a
+        NumPy array. The outputs may be host tensors (pinned or not) or device tensors.
+        Work runs on the engine's own high-priority stream; only that stream is synchronised.
+        Nothing is written when an argument is rejected.
+        """
+        if isinstance(queries, np.ndarray):
+            if queries.dtype != np.float32:
+                raise InvalidQuery(f"queries must be float32, got {queries.dtype}")
+            q_np = queries
+        elif isinstance(queries, torch.Tensor):
+            if queries.dtype != torch.float32:
+                raise InvalidQuery(f"queries must be float32, got {queries.dtype}")
+            q_np = queries.detach().numpy() if queries.device.type == "cpu" else None
+        else:
+            raise InvalidQuery(f"queries must be a torch.Tensor or numpy array, got {type(queries).__name__}")
+        shape = tuple(queries.shape)
+        if len(shape) != 2 or shape[1] != self.dim:
+            raise InvalidQuery(f"expected queries of shape (Q, {self.dim}), got {shape}")
+        self._check_k(k)
+        nq = shape[0]
+        for name, t, dt in (("out_ids", out_ids, torch.int64), ("out_scores", out_scores, torch.float32)):
+            if not isinstance(t, torch.Tensor) or t.dtype != dt or t.dim() != 2:
+                raise InvalidArgument(f"{name} must be a 2-d {dt} tensor")
+            if t.shape[0] < nq or t.shape[1] < k:
+                raise InvalidArgument(f"{name} of shape {tuple(t.shape)} cannot hold ({nq}, {k}) results")
+        if q_np is None and queries.device != self.torch_device:
+            raise InvalidQuery(f"queries on {queries.device}, engine on {self.torch_device}")
+        if precision not in (None, "exact", "fast"):
+            raise InvalidArgument(f"precision must be 'exact' or 'fast', got {precision!r}")
+        if precision == "fast" and self.columns.x16 is None:
+            raise InvalidArgument("precision='fast' needs an engine built with precision='fast'")
+        if nq == 0:
+            return
+        self.settle()
+        host_out = out_ids.device.type == "cpu" and out_scores.device.type == "cpu"
+        if host_out:
+            ids_np, sc_np = out_ids.numpy(), out_scores.numpy()
+        else:
+            ids_np = np.empty((nq, k), np.int64)
+            sc_np = np.empty((nq, k), np.float32)
+        if self.rows.size == 0:
+            ids_np[:nq, :k] = MISSING_ID
+            sc_np[:nq, :k] = -np.inf
+        else:
+            src = q_np if q_np is not None else queries.detach()
+            flt, live = self._where_live(self.rows.simplify(flt))
+            self._search_rows(src, k, flt, ids_np, sc_np, want_ids=True, precision=precision, live=live)
+        if not host_out:
+            with self.on_stream():
+                out_ids[:nq, :k].copy_(torch.from_numpy(ids_np[:nq, :k]))
+                out_scores[:nq, :k].copy_(torch.from_numpy(sc_np[:nq, :k]))
+            if self.on_gpu:
+                self._stream.synchronize()
+
+    # -- searching in place, in an attached host buffer (the sidecar's shared segment) -------
+
+    def bind_stream(self) -> None:
+        """Makes the engine's stream the calling thread's current CUDA stream, for good.
+
+        Searches from a bound thread replay their graphs without entering a
+        ``torch.cuda.stream`` context, whose Python costs a visible part of a single recall
+        (docs/gpu-kernels.md). For a thread that does nothing else on the GPU: the
+        sidecar's sweep. A no-op on the CPU device.
+        """
+        if self.on_gpu:
+            torch.cuda.set_stream(self._stream)
+            self._bound.stream = True  # thread-local: dies with the thread
+
+    def unbind_stream(self) -> None:
+        """Undoes :meth:`bind_stream` for the calling thread (its current stream: the default)."""
+        if getattr(self._bound, "stream", False):
+            self._bound.stream = False
+            torch.cuda.set_stream(torch.cuda.default_stream(self.torch_device))
+
+    def attach_host(self, buffer) -> HostBuffer:
+        """Page-locks ``buffer`` (an mmap, say) so that :meth:`search_attached` reads queries
+        from it and writes results into it with no intermediate host copy.
+
+        Replaces an earlier attachment. Call :meth:`detach_host` before the buffer is closed.
+        """
+        self.detach_host()
+        hb = register_host_buffer(buffer, pin=self.on_gpu)
+        self._attached = AttachedHost.of(hb)
+        return hb
+
+    def detach_host(self) -> None:
+        """Forgets the attached buffer (its graphs too) and unpins it; idempotent."""
+        if self._attached is None:
+            return
+        if self.on_gpu:
+            # The whole device, not only the engine's stream: a kernel on another stream (the
+            # slot server's) may read the buffer too.
+            torch.cuda.synchronize(self.torch_device)
+        self._graphs = {key: g for key, g in self._graphs.items() if not key[-1]}
+        host = self._attached.host
+        self._attached = None
+        host.unregister()
+
+    def search_attached(
+        self,
+        query_at: np.ndarray,
+        scales: np.ndarray | None,
+        ids_at: np.ndarray,
+        scores_at: np.ndarray,
+        k: int,
+        flt: Filter = Filter(),
+    ) -> np.ndarray:
+        """Top-k of queries that live in the attached buffer, written back into it.
+
+        Query ``j`` is the ``dim`` float32 values at float32 element ``query_at[j]`` of the
+        buffer, multiplied by ``scales[j]`` in float64 and rounded (exactly what
+        ``normalise_rows`` does on the host). Its ``k`` ids go to int64 element ``ids_at[j]``
+        and its scores to float32 element ``scores_at[j]``, best first, padded -1 / -inf.
+        With the Triton backend on CUDA the query travels from the buffer to the GPU and the
+        results back into the buffer with no host copy; otherwise the same answer is computed
+        through :meth:`search`. Nothing is written when an argument is rejected.
+
+        ``scales=None`` computes ``1 / |query|`` in float64 on the device instead (a batch
+        spares the host a float64 pass over every query). Returns the scales applied; the
+        caller checks them when it passed None: a query whose scale is zero, infinite or NaN
+        (all zeros, or NaN / inf values) has no direction, and its answer is unspecified.
+        """
+        if self._attached is None:
+            raise InvalidArgument("search_attached needs a buffer: call attach_host first")
+        self._check_k(k)
+        f32, i64 = self._attached.f32_np, self._attached.i64_np
+        query_at, ids_at, scores_at = (np.asarray(a, dtype=np.int64) for a in (query_at, ids_at, scores_at))
+        nq = len(query_at)
+        device_norms = scales is None
+        scales = np.full(nq, np.nan) if device_norms else np.asarray(scales, dtype=np.float64)
+        if not (len(scales) == len(ids_at) == len(scores_at) == nq):
+            raise InvalidArgument("query_at, scales, ids_at and scores_at must have one entry per query")
+        if nq == 0:
+            return scales
+        for name, at, width, size in (("query_at", query_at, self.dim, len(f32)), ("ids_at", ids_at, k, len(i64)),
+                                      ("scores_at", scores_at, k, len(f32))):
+            # (Python ints for the common single query: a NumPy reduction costs more than it.)
+            lo, hi = (int(at[0]),) * 2 if nq == 1 else (int(at.min()), int(at.max()))
+            if lo < 0 or hi + width > size:
+                raise InvalidArgument(f"{name} points outside the attached buffer")
+        if not device_norms and not (math.isfinite(float(scales[0])) if nq == 1 else np.isfinite(scales).all()):
+            raise InvalidQuery("query scales must be finite")
+        self.settle()
+        n = self.rows.size
+        # A where filter's mask replaces the live column, which the attached passes (and their
+        # graphs) do not take: those queries are gathered and searched through search().
+        if self.backend != "triton" or n == 0 or flt.where is not None:
+            if device_norms:  # no kernel here: the same float64 scales on the host
+                rows = f32[query_at[:, None] + np.arange(self.dim)]
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    scales = 1.0 / np.sqrt(np.einsum("ij,ij->i", rows, rows, dtype=np.float64))
+            good = np.flatnonzero(np.isfinite(scales) & (scales > 0)) if device_norms else np.arange(nq)
+            ids, scores = self.search(self._gather(query_at[good], scales[good]), k, flt)
+            self._scatter(ids, scores, ids_at[good], scores_at[good], k)
+            return scales
+        flt = self.rows.simplify(flt)
+        for s in range(0, nq, self.max_batch):
+            e = min(nq, s + self.max_batch)
+            scales[s:e] = self._attached_batch(query_at[s:e], scales[s:e], ids_at[s:e], scores_at[s:e], k, flt,
+                                               device_norms)
+        return scales
+
+    def _attached_batch(self, query_at, scales, ids_at, scores_at, k: int, flt: Filter, device_norms: bool) -> np.ndarray:
+        nq = len(query_at)
+        n = self.rows.size
+        kind = self.scan_kind(nq, k, self.precision)
+        self.fill_header(n, nq, k, flt)
+        self.staging.set_table(nq, query_at, ids_at, scores_at, scales)
+        self.stats["searches"] += nq
+        self._run(self._key(kind, nq, k, flt, True, True, True, device_norms), None)
+        if device_norms:
+            scales = self.staging.scales(nq)  # stage_in_kernel wrote them
+        if kind != "f32" and n > fast_candidates(k):
+            failed = self.staging.r_status[:nq] != 0
+            if device_norms:  # a query with no direction has no answer to certify
+                failed &= np.isfinite(scales) & (scales > 0)
+            bad = np.flatnonzero(failed)
+            if len(bad):  # the certificate failed: redo those queries with the float32 scan
+                self.stats["fallbacks"] += len(bad)
+                queries = self._gather(query_at[bad], scales[bad])
+                ids = np.empty((len(bad), k), np.int64)
+                scores = np.empty((len(bad), k), np.float32)
+                self._triton_batch(queries, k, flt, ids, scores, True, "f32", None)
+                self._scatter(ids, scores, ids_at[bad], scores_at[bad], k)
+        return scales
+
+    def _gather(self, query_at: np.ndarray, scales: np.ndarray) -> np.ndarray:
+        """Queries of the attached buffer, normalised on the host (the paths without kernels)."""
+        rows = self._attached.f32_np[query_at[:, None] + np.arange(self.dim)]
+        return (rows * scales[:, None]).astype(np.float32)
+
+    def _scatter(self, ids: np.ndarray, scores: np.ndarray, ids_at: np.ndarray, scores_at: np.ndarray, k: int) -> None:
+        cols = np.arange(k)
+        self._attached.i64_np[ids_at[:, None] + cols] = ids[:, :k]
+        self._attached.f32_np[scores_at[:, None] + cols] = scores[:, :k]
+
+    def _search(self, queries: np.ndarray, k: int, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """The base-class hook (row numbers, host mask): an eager scan with the mask as the live column."""
+        self.settle()
+        n = self.rows.size
+        nq = len(queries)
+        rows = np.zeros((nq, k), np.int64)
+        scores = np.full((nq, k), -np.inf, np.float32)
+        live = None
+        if mask is not None:
+            live = torch.zeros(self.rows.capacity, dtype=torch.uint8, device=self.torch_device)
+            live[:n].copy_(torch.from_numpy(mask.view(np.uint8)))
+        self._search_rows(queries, k, Filter(), rows, scores, want_ids=False, live=live)
+        return rows, scores
+
+    def _host_queries(self, queries, k: int) -> np.ndarray:
+        """``queries`` as a float32 ``[Q, dim]`` host array after checking them and ``k``; a
+        search that search_start left pending is finished first."""
+        if isinstance(queries, torch.Tensor):
+            queries = queries.detach().to("cpu", torch.float32).numpy()
+        queries = np.asarray(queries, dtype=np.float32)
+        if queries.ndim != 2 or queries.shape[1] != self.dim:
+            raise InvalidQuery(f"expected queries of shape (Q, {self.dim}), got {queries.shape}")
+        self._check_k(k)
+        self.settle()
+        return queries
+
+    def _check_k(self, k: int) -> None:
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
+            raise InvalidQuery(f"k must be an integer, got {type(k).__name__}")
+        if k < 1 or k > MAX_K:
+            raise InvalidQuery(f"k must be in [1, {MAX_K}], got {k}")
+
+    def _search_rows(self, queries, k, flt, out_i, out_s, *, want_ids, precision=None, live=None) -> None:
+        """Fills ``out_i[:Q, :k]``, ``out_s[:Q, :k]`` (ids or rows), splitting into batches."""
+        precision = precision or self.precision
+        if precision not in ("exact", "fast"):
+            raise InvalidArgument(f"precision must be 'exact' or 'fast', got {precision!r}")
+        fast = precision == "fast" and k <= MAX_FAST_K
+        if fast and self.columns.x16 is None:
+            raise InvalidArgument("precision='fast' needs an engine built with precision='fast'")
+        nq = len(queries)
+        self.stats["searches"] += nq
+        for s in range(0, nq, self.max_batch):
+            e = min(nq, s + self.max_batch)
+            if self.backend == "triton":
+                kind = self.scan_kind(e - s, k, precision)
+                self._triton_batch(queries[s:e], k, flt, out_i[s:e], out_s[s:e], want_ids, kind, live)
+            else:
+                self._torch.batch(queries[s:e], k, flt, out_i[s:e], out_s[s:e], want_ids, fast, live)
+
+    # -- the Triton pipeline (the stages: kalos.engine.gpu.pipeline) ----------------------------
+
+    def fill_header(self, n: int, nq: int, k: int, flt: Filter, hdr: np.ndarray | None = None) -> None:
+        """Writes a staging header for ``n`` rows, ``nq`` queries, ``k`` and ``flt``, with the
+        engine's certificate terms: the engine's own (``hdr`` None), or ``hdr`` (int64 words of
+        another header, the slot server's)."""
+        st = self.staging
+        hdrf = st.h_hdrf if hdr is None else hdr.view(np.float64)
+        fill_header(st.h_hdr if hdr is None else hdr, hdrf, n, nq, k, flt, self.columns.max_norm,
+                    self.columns.max_resid8 * self._i8_r)
+
+    def _triton_batch(self, queries, k, flt, out_i, out_s, want_ids, kind, live) -> None:
+        self._triton_start(queries, k, flt, want_ids, kind, live)
+        self._triton_finish(queries, k, flt, out_i, out_s, want_ids, kind, live)
+
+    def _triton_start(self, queries, k, flt, want_ids, kind, live) -> None:
+        """Stages the batch and queues its work on the engine's stream (no wait)."""
+        nq = len(queries)
+        self.fill_header(self.rows.size, nq, k, flt)
+        self.staging.own_table(nq)
+        host_q = isinstance(queries, np.ndarray)
+        if host_q:
+            self.staging.h_q[:nq] = queries
+        else:
+            with self.on_stream():
+                self.staging.d_q[:nq].copy_(queries, non_blocking=True)
+        self._run(self._key(kind, nq, k, flt, want_ids, host_q, False), live, wait=False)
+
+    def _triton_finish(self, queries, k, flt, out_i, out_s, want_ids, kind, live) -> None:
+        """Waits for the batch :meth:`_triton_start` queued; copies its results out."""
+        if self.on_gpu:
+            self._stream.synchronize()
+        nq = len(queries)
+        n = self.rows.size
+        bad = np.flatnonzero(self.staging.r_status[:nq]) if kind != "f32" and n > fast_candidates(k) else ()
+        out_i[:nq, :k] = self.staging.r_ids[:nq, :k]
+        out_s[:nq, :k] = self.staging.r_scores[:nq, :k]
+        if len(bad):
+            self.stats["fallbacks"] += len(bad)
+            redo = queries[bad] if isinstance(queries, np.ndarray) else queries[torch.from_numpy(bad).to(queries.device)]
+            self._triton_batch(redo, k, flt, RowSink(out_i, bad), RowSink(out_s, bad), want_ids, "f32", live)
+
+    def _key(self, kind: str, nq: int, k: int, flt: Filter, want_ids: bool, host_q: bool, attached: bool,
+             device_norms: bool = False) -> tuple:
+        """The graph key of a batch: what its launches depend on (attached last: detach_host)."""
+        qb, kp = next_pow2(nq), k_bucket(k)
+        plan = self.pipeline.plan(kind, qb, kp)
+        slices = -(-self.rows.size // plan.gemm_rows) if plan.gemm_rows else 0
+        return (kind, qb, kp, not flt.is_trivial, want_ids, host_q, slices, device_norms, attached)
+
+    def _run(self, key, live, *, wait: bool = True) -> None:
+        """Replays the graph of ``key`` (capturing it on first use), or launches eagerly; waits
+        for it unless ``wait`` is False."""
+        # A where filter's mask lives in one buffer (_where_live): its passes have graphs of their own.
+        where = live is not None and self._where_dev is not None and live is self._where_dev[1]
+        if where:
+            key = ("where", *key)  # (attached stays last: detach_host)
+        use_graph = self._graphs_enabled and (live is None or where) and key not in self._uncapturable
+        entry = self._graphs.get(key) if use_graph else None
+        if entry is not None:
+            if getattr(self._bound, "stream", False):
+                entry.replay()  # the engine's stream is already this thread's current stream
+            else:
+                with self.on_stream():  # (costly in Python on the hot path: see bind_stream)
+                    entry.replay()
+        else:
+            self.pipeline.run(key[1:] if where else key, live)
+            if use_graph:
+                try:
+                    self._capture(key, live)
+                except Exception as e:  # noqa: BLE001 - eager launches still work; say why once
+                    # Only this kind of pass runs eagerly from now on: one pass that cannot be
+                    # captured must not cost every other kind its graph.
+                    self._uncapturable.add(key)
+                    self.stats["graph_error"] = f"{key}: {e!r}"[:400]
+                    if not self._graphs:
+                        self._graph_pool = None  # a pool with no live graph may not be captured into
+        if wait and self.on_gpu:
+            self._stream.synchronize()
+
+    def _capture(self, key, live: torch.Tensor | None = None) -> None:
+        """Captures the pass of ``key`` (``("where", *key)``: reading the where buffer ``live``)."""
+        graph = torch.cuda.CUDAGraph()
+        self._stream.synchronize()
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        # One memory pool for every graph: they replay one at a time on this stream, and what
+        # they allocate (a GEMM batch's scores: up to max_batch x 65,536 floats) dies inside
+        # each replay, so one graph's scratch may be another's.
+        with torch.cuda.graph(graph, pool=self._graph_pool, stream=self._stream, capture_error_mode="thread_local"):
+            self.pipeline.run(key[1:] if key[0] == "where" else key, live)
+        self._graphs[key] = graph
+        self.stats["graph_captures"] += 1
+
+    def _drop_graphs(self) -> None:
+        self._graphs.clear()
+        self._uncapturable.clear()
+        self._graph_pool = None  # a pool id with no live graph may not be captured into again
+
+    def retune(self, tune: Tuning | Mapping | None = None) -> None:
+        """Replaces the tuning table (a :class:`Tuning`) or entries of it (a mapping, see
+        :meth:`Tuning.replace`; benchmarks); drops plans and graphs."""
+        tuning = tune if isinstance(tune, Tuning) else self.planner.tuning.replace(tune)
+        self.planner.retune(tuning)
+        self.pipeline.clear()
+        self._drop_graphs()
+
+    @property
+    def stream(self) -> "torch.cuda.Stream | None":
+        """The engine's CUDA stream (None on the CPU device)."""
+        return self._stream
+
+    def graph_of(self, nq: int, k: int, precision: str | None = None) -> "torch.cuda.CUDAGraph | None":
+        """The CUDA graph that a search of ``nq`` host queries (no filter) replays, None until
+        one ran: benchmarks time a replay alone."""
+        kind = self.scan_kind(nq, k, precision or self.precision)
+        return self._graphs.get(self._key(kind, nq, k, _NO_FILTER, True, True, False))
+
+    def plan(self, q: int, k: int, precision: str | None = None) -> Plan:
+        """The launch plan (tiles, programs, merge levels) a batch of q queries would use."""
+        kind = self.scan_kind(q, k, precision or self.precision)
+        return self.planner.plan(kind, next_pow2(q), k_bucket(k), self.rows.capacity)
+
+    def scan_kind(self, nq: int, k: int, precision: str) -> str:
+        """What a batch of ``nq`` queries scans (:meth:`Planner.scan_kind`)."""
+        return self.planner.scan_kind(nq, k, precision, has_int8=self.columns.x8 is not None,
+                                      capacity=self.rows.capacity)

@@ -1,0 +1,146 @@
+"""Stage 3, the final kernel: one program per query takes the top-K of the last merge level and
+writes the answer straight into host memory (the engine's result area, or a client's slot).
+
+For the 16-bit and tf32 scans it re-scores the candidates in float32 and certifies them
+(``RESCORE``); after the chunks' own re-score it checks the chunks' bound (``CHUNK_CERT``);
+in the slot server's graph it publishes the answer in the slot (``PUBLISH``, :func:`_publish`).
+The error bounds and why they certify: :mod:`kalos.engine.gpu.bounds`.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kalos.engine.gpu.kernels.common import (
+    CTL_ANSWERS, H_K, H_K_OUT, H_MAX_NORM, H_NQ, H_SEQ, H_SLOT, H_SLOT_WORD, HCTL_ANSWERS, HCTL_T_PUBLISHED,
+    HDR_WORDS, T_IDS_AT, T_SCORES_AT, TAB_WORDS, _certified_rescore, _clock_ns, _fence_system, _kth_score, _ordered,
+    _unpack,
+)
+
+@triton.jit
+def final_kernel(
+    IN,  # [Qb, stride_in] int64 keys
+    HDR,
+    HDRF,
+    X32,  # [cap, D] float32 rows (read only when RESCORE)
+    Qs,  # [Qb, D] float32 queries
+    IDS,  # [cap] int64 store ids (read only when OUT_IDS)
+    RES_I,  # int64 base of the results: query q's ids (or rows) go to RES_I + the table's ids_at
+    RES_S,  # float32 base of the scores: query q's go to RES_S + the table's scores_at
+    STATUS,  # [Qb] int32: 0 = certified / exact, 1 = certificate failed (re-run exactly)
+    stride_in,
+    count_in,
+    err_a,  # error bound of the 16-bit score: E = err_a*|x|*|q| + err_b*(|x|+|q|) + err_c
+    err_b,
+    err_c,
+    D: tl.constexpr,
+    KIN: tl.constexpr,
+    KOUT: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    RESCORE: tl.constexpr,
+    OUT_IDS: tl.constexpr,
+    OVER=None,  # [Qb] int32 with CHECK_OVER: a threshold region overflowed (see collect_kernel)
+    CHECK_OVER: tl.constexpr = False,
+    # CHUNK_CERT: IN holds float32 keys the chunks re-scored (scores_rescore_kernel), BOUND
+    # ([Qb] int64) the largest float32 score a row they left out may have: certified when the
+    # k-th score beats it. This kernel resets BOUND for the next search.
+    BOUND=None,
+    CHUNK_CERT: tl.constexpr = False,
+    # PUBLISH: the slot server's graph (await_request_kernel wrote the header's slot_word,
+    # seq and slot). The answer is published in the slot, or, when the
+    # certificate fails, nothing is written and the request is handed to the host.
+    PUBLISH: tl.constexpr = False,
+    SEG=None,  # the shared segment as int64 words (page-locked, mapped)
+    DSEEN=None,  # [2, NS] int64 device: seq last answered here / handed, per slot
+    HANS=None,  # [NS] int64 host: seq answered, per slot (the sidecar's record)
+    HHOF=None,  # [NS] int64 host: seq handed to the host
+    HCTL=None,  # the host control words (kalos.engine.gpu.layout): answers, t_published
+    CTL=None,  # the device control words: answers
+    W_STATN: tl.constexpr = 0,
+    W_RESP: tl.constexpr = 0,
+    NS: tl.constexpr = 1,
+    ON_GPU: tl.constexpr = False,
+):
+    q = tl.program_id(0)
+    # The keys and every header word this program needs, loaded at once (the workspace and the
+    # header hold a row for every program of the grid): one issued after the selection would
+    # be a device-memory round trip more on the answer's path.
+    nq = tl.load(HDR + H_NQ)
+    offs = tl.arange(0, CHUNK)
+    keys = tl.load(IN + q.to(tl.int64) * stride_in + offs, mask=offs < count_in, other=-9223372036854775808)
+    k_cols = tl.load(HDR + H_K_OUT)
+    tab = HDR_WORDS + TAB_WORDS * q  # this query's gather-table row
+    at_i = tl.load(HDR + tab + T_IDS_AT)
+    at_s = tl.load(HDR + tab + T_SCORES_AT)
+    if RESCORE or CHUNK_CERT:
+        kq = tl.load(HDR + H_K)
+    if RESCORE:
+        x_norm = tl.load(HDRF + H_MAX_NORM)
+    if CHUNK_CERT:
+        bound = tl.load(BOUND + q)
+    if PUBLISH:
+        slot_w = tl.load(HDR + H_SLOT_WORD)
+        seq = tl.load(HDR + H_SEQ)
+        slot = tl.load(HDR + H_SLOT)
+    if q < nq:
+        top = tl.topk(tl.reshape(keys, [1, CHUNK]), KIN)
+        if RESCORE:
+            final, certified = _certified_rescore(
+                top, kq, X32, Qs + q.to(tl.int64) * D, x_norm, err_a, err_b, err_c, D, KIN, KOUT, BLOCK_D,
+            )
+            if CHECK_OVER:
+                certified = certified & (tl.load(OVER + q) == 0)
+            tl.store(STATUS + q + tl.arange(0, 1), tl.where(certified, 0, 1).to(tl.int32))
+        elif CHUNK_CERT:
+            final = top
+            s_top, _rows, _valid = _unpack(top)
+            certified = (bound == -9223372036854775808) | (bound < _ordered(_kth_score(s_top, kq, KIN)))
+            tl.store(BOUND + q, -9223372036854775808)
+            tl.store(STATUS + q + tl.arange(0, 1), tl.where(certified, 0, 1).to(tl.int32))
+        else:
+            final = top
+        score, row, valid_out = _unpack(final)
+        if OUT_IDS:
+            out_i = tl.load(IDS + row, mask=valid_out, other=-1)
+        else:
+            out_i = row
+        # Straight into host memory (page-locked, mapped): the engine's result area or a
+        # client's slot. Only the k_out columns asked for: a slot row may be narrower than KOUT.
+        cols = tl.arange(0, KOUT)[None, :]
+        want = cols < k_cols
+        good = True
+        if PUBLISH:
+            if RESCORE or CHUNK_CERT:
+                good = tl.sum(certified.to(tl.int32)) > 0
+            want = want & good
+        tl.store(RES_I + at_i + cols, out_i, mask=want)
+        tl.store(RES_S + at_s + cols, score, mask=want)
+        if PUBLISH:
+            _publish(SEG, DSEEN, HANS, HHOF, HCTL, CTL + CTL_ANSWERS, slot_w, seq, slot, k_cols, good, W_STATN, W_RESP, NS,
+                     ON_GPU)
+
+
+@triton.jit
+def _publish(SEG, DSEEN, HANS, HHOF, HCTL, ANSWERS, slot_w, seq, slot, k, good, W_STATN: tl.constexpr,
+             W_RESP: tl.constexpr, NS: tl.constexpr, ON_GPU: tl.constexpr):
+    """With the answer's rows already in the slot (``good``): status 0 and ``n_results`` = k,
+    a barrier and a release fence, then ``resp_seq`` (the client reads nothing before it);
+    then the answered records (HANS, DSEEN) and the count of answers (ANSWERS, copied to
+    the host's answers word), which no one reads before ``resp_seq``. Otherwise (a failed certificate:
+    nothing was written) the request is handed to the host."""
+    if good:
+        tl.store(SEG + slot_w + W_STATN, k << 32)
+        # The barrier orders every thread's stores of the rows before this thread's fence, the
+        # release fence all of them before resp_seq (the PTX model's release pattern: one
+        # fence suffices, a system fence before the status word too would only add latency).
+        tl.debug_barrier()
+        _fence_system(ON_GPU)
+        tl.store(SEG + slot_w + W_RESP, seq)
+        tl.store(HCTL + HCTL_T_PUBLISHED, _clock_ns(ON_GPU))  # diagnostics: the answer published
+        tl.store(DSEEN + slot, seq)
+        tl.store(HANS + slot, seq)
+        tl.store(HCTL + HCTL_ANSWERS, tl.atomic_add(ANSWERS, 1) + 1)
+    else:
+        tl.store(DSEEN + NS + slot, seq)
+        tl.store(HHOF + slot, seq)

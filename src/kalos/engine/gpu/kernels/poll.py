@@ -1,0 +1,282 @@
+"""The slot server's waiting kernel (:class:`kalos.engine.gpu.slot_server.SlotGraphServer`):
+one program polls the slots' ``req_seq`` words in the page-locked segment, takes a request
+it may answer, stages it for the engine's single-query kernels that follow in the graph, and
+hands every other pending request to the host. Also the namespace table's lookup.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kalos.engine.gpu.kernels.common import (
+    CTL_STOPPED, CTL_TURN, H_HAS_NS, H_K, H_K_OUT, H_N, H_NQ, H_NS, H_SEQ, H_SLOT, H_SLOT_WORD, HCTL_STOP,
+    HCTL_STOPPED, HCTL_T_SEEN, HCTL_T_STAGED, HCTL_T_WAIT, HDR_WORDS, T_IDS_AT, T_SCORES_AT, _clock_ns,
+    _copy_normalised, _fence_system,
+)
+
+@triton.jit
+def _agree(vals, AGREE, offs, mask):
+    """The values of ``vals`` as one writer left them, the same in every warp of the program.
+
+    A small tensor (fewer elements than threads) is replicated in every warp, and each warp
+    loads it on its own; a scalar is read by every thread. Values read from memory that
+    changes under us (the slots, the host's stop word, the clock) may then differ between
+    warps, and warps that decide differently desynchronise the program's barriers (a review
+    found this; it can turn into wrong answers and wild addresses). So: store, barrier, reload
+    (from L1: the barrier orders the program's own global stores before its loads).
+    """
+    tl.debug_barrier()  # no warp still reads what an earlier call left in the scratch
+    tl.store(AGREE + offs, vals, mask=mask)
+    tl.debug_barrier()
+    return tl.load(AGREE + offs, mask=mask, other=0)
+
+
+#: Rows of the namespace table a name may sit in, from its home row on (see name_home).
+NS_PROBE = tl.constexpr(8)
+
+
+@triton.jit
+def _name_home(name, name_len, NSMAX: tl.constexpr):
+    """The home row of a namespace name (8 int64 words, zero-padded) in the device table, the
+    same as ``kalos.engine.gpu.slot_server.name_home`` computes on the host: a lookup is one load
+    of NS_PROBE rows, not a walk through the table (a device-memory round trip a step)."""
+    w = tl.arange(0, 8)
+    fold = (name ^ (name >> 32)) & 0xFFFFFFFF
+    mult = ((w * 0x9E37 + 0x7F4B) & 0xFFFF) | 1
+    h = tl.sum(fold * mult.to(tl.int64), axis=0) + name_len * 0x2545
+    return (h ^ (h >> 13) ^ (h >> 29)) & (NSMAX - 1)
+
+
+@triton.jit
+def _word(requests, W: tl.constexpr, REQ_WORDS: tl.constexpr):
+    """Word ``W`` of each request: ``requests`` is [slots, REQ_WORDS] int64 words (a request
+    as [REQ_WORDS] gives a scalar)."""
+    cols = tl.arange(0, REQ_WORDS)
+    return tl.sum(tl.where(cols == W, requests, 0), axis=len(requests.shape) - 1)
+
+
+@triton.jit
+def _namespace_id(request, NS_TAB, NS_IDS, last, W_NQF: tl.constexpr, W_NSLEN: tl.constexpr, W_NSB: tl.constexpr,
+                  REQ_WORDS: tl.constexpr, NSMAX: tl.constexpr):
+    """The namespace a request (its words) asks for: -1 for all namespaces, the id of a name
+    the device table holds, or -2 for any other name (the host answers it: its namespace, or
+    its error).
+
+    ``last`` ([16] int64, loaded before the poll) is the name found last (NS_IDS[NSMAX:]:
+    8 words, length, id; length -1 when none): a request naming it again (every request
+    of a client that keeps to one namespace) skips the table's probe, a device-memory round
+    trip after the request's words arrive (docs/gpu-kernels.md).
+    The host empties it whenever the table changes."""
+    want_ns = tl.full([], -1, tl.int64)
+    if (_word(request, W_NQF, REQ_WORDS) >> 32) == 0:  # no ALL_NAMESPACES flag: a named request
+        w8 = tl.arange(0, 8)
+        cols = tl.arange(0, REQ_WORDS)
+        name = tl.sum(tl.where(cols[None, :] == (W_NSB + w8)[:, None], request[None, :], 0), axis=1)
+        name_len = (_word(request, W_NSLEN, REQ_WORDS) >> 32) & 0xFFFFFFFF
+        last_name = tl.sum(tl.where(tl.arange(0, 16)[None, :] == w8[:, None], last[None, :], 0), axis=1)
+        if (tl.sum((last_name == name).to(tl.int32)) == 8) & (_word(last, 8, 16) == name_len):
+            want_ns = _word(last, 9, 16)
+        else:
+            probe = (_name_home(name, name_len, NSMAX) + tl.arange(0, NS_PROBE)) & (NSMAX - 1)
+            t_id = tl.load(NS_IDS + probe)  # -1: a row not in use
+            tab = tl.load(NS_TAB + probe[:, None] * 9 + w8[None, :])
+            t_len = tl.load(NS_TAB + probe * 9 + 8)
+            same = (tl.sum((tab == name[None, :]).to(tl.int32), axis=1) == 8) & (t_len == name_len)
+            want_ns = tl.max(tl.where(same & (t_id >= 0), t_id, -2))
+            if want_ns >= 0:
+                tl.store(NS_IDS + NSMAX + w8, name)
+                tl.store(NS_IDS + NSMAX + 8, name_len)
+                tl.store(NS_IDS + NSMAX + 9, want_ns)
+    return want_ns
+
+
+@triton.jit
+def _copy_slot_query(SEGF, DQ, at, sl, slot, E_Q: tl.constexpr, D: tl.constexpr, BLOCK_DQ: tl.constexpr):
+    """:func:`_copy_normalised` of the query in ``slot`` (``at``: each slot's word offset)."""
+    q_at = tl.multiple_of(tl.sum(tl.where(sl == slot, at, 0)) * 2 + E_Q, 4)  # slots and queries are 64-byte aligned
+    return _copy_normalised(SEGF + q_at, DQ, D, BLOCK_DQ)
+
+
+@triton.jit
+def _take_request(
+    SEG, SEGF, SLOT_AT, DSEEN, HHOF, HCTL, RR, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle,
+    op_recall, flags_all, W_REQ: tl.constexpr, W_OPK: tl.constexpr, W_NQF: tl.constexpr, W_NSLEN: tl.constexpr,
+    W_NSB: tl.constexpr, REQ_WORDS: tl.constexpr, E_Q: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
+    NSMAX: tl.constexpr, BLOCK_DQ: tl.constexpr, ON_GPU: tl.constexpr,
+):
+    """Polls the slots' ``req_seq`` words until a request this kernel may answer, a stop
+    (the host's stop word) or the idle limit; returns ``(state, slot, seq, k, namespace id)``, state 1
+    (serve that request, its query normalised in float64 into DQ) or 2 (exit).
+
+    Served: one query, k <= k_limit, all namespaces or one named in NS_TAB (-1: all), no time
+    window, a finite non-zero query. Every other pending request, and every pending one but
+    the one taken, is handed to the host (HHOF, and DSEEN[NS + slot] here): the sidecar's
+    Python path answers those, batched. RR is the round-robin turn (no slot starves the
+    others). Every value the warps decide on goes through :func:`_agree`.
+
+    Reading a request over the bus: the poll's loads (``req_seq`` of the slots in use, the
+    stop word) are volatile, each a fresh fetch. Once a ``req_seq`` has moved, an acquire
+    fence, then in one round trip every pending slot's whole request (REQ_WORDS words) and
+    the query of the slot whose turn it is, with ``.cg`` loads: the client stored both before
+    its req_seq (kalos.sync), and ``.cg`` skips L1, which may hold an earlier request of the
+    same slot. (Volatile loads there cost several times as long: docs/gpu-kernels.md.)
+    """
+    sl = tl.arange(0, NS)
+    slot_ok = sl < n_slots
+    rw = tl.arange(0, REQ_WORDS)
+    # AGREE words: [0, NS) req_seq, [NS, NS * (REQ_WORDS + 1)) the pending requests, then the
+    # stop word and the clock
+    stop_at = NS * (REQ_WORDS + 1)
+    clock_at = stop_at + 1
+    quiet_since = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
+    polls = tl.zeros([], tl.int64)
+    state = 0  # 0 polling, 1 serve, 2 exit
+    out_pick = tl.full([], -1, tl.int64)
+    out_seq = tl.zeros([], tl.int64)
+    out_k = tl.zeros([], tl.int64)
+    out_ns = tl.full([], -1, tl.int64)
+    at = tl.load(SLOT_AT + sl, mask=slot_ok, other=-1)
+    here = slot_ok & (at >= 0)
+    last_name = tl.load(NS_IDS + NSMAX + tl.arange(0, 16))  # (see _namespace_id)
+    while state == 0:
+        req_now = tl.load(SEG + at + W_REQ, mask=here, other=0, volatile=True)
+        # (The stop word in one lane: a scalar load would be a fetch over the bus per thread.)
+        stop_now = tl.load(HCTL + HCTL_STOP + sl * 0, mask=sl == 0, other=0, volatile=True)
+        req = _agree(req_now, AGREE, sl, slot_ok)
+        seen_a = tl.load(DSEEN + sl, mask=here, other=0)
+        seen_h = tl.load(DSEEN + NS + sl, mask=here, other=0)
+        pend = here & (req != seen_a) & (req != seen_h)
+        if tl.sum(pend.to(tl.int32)) > 0:
+            seen_at = _clock_ns(ON_GPU)  # (stored after the staging: the store would wait for the bus)
+            start = tl.load(RR)
+            turn = (sl - start + NS) % NS
+            _fence_system(ON_GPU)  # req_seq, then the request it publishes
+            requests = tl.load(SEG + at[:, None] + rw[None, :], mask=pend[:, None] & (rw < W_NSB + 8)[None, :],
+                               other=0, cache_modifier=".cg")
+            # The query of the pending slot whose turn it is, copied while its words travel
+            # (copied again below in the rare case that slot cannot be served here).
+            guess = (tl.min(tl.where(pend, turn, NS)) + start) % NS
+            ssq = _copy_slot_query(SEGF, DQ, at, sl, guess, E_Q, D, BLOCK_DQ)
+            requests = _agree(requests, AGREE, NS + sl[:, None] * REQ_WORDS + rw[None, :], slot_ok[:, None])
+            w1 = _word(requests, W_OPK, REQ_WORDS)
+            w2 = _word(requests, W_NQF, REQ_WORDS)
+            kk = (w1 >> 32) & 0xFFFFFFFF
+            fl = (w2 >> 32) & 0xFFFFFFFF
+            ok = pend & ((w1 & 0xFFFFFFFF) == op_recall) & ((w2 & 0xFFFFFFFF) == 1)
+            ok = ok & (kk >= 1) & (kk <= k_limit) & ((fl == flags_all) | (fl == 0))
+            best = tl.min(tl.where(ok, turn, NS))
+            pick = tl.where(best < NS, (best + start) % NS, -1)
+            give = pend & (sl != pick)
+            tl.store(DSEEN + NS + sl, req, mask=give)
+            tl.store(HHOF + sl, req, mask=give)
+            if pick >= 0:
+                if pick != guess:
+                    ssq = _copy_slot_query(SEGF, DQ, at, sl, pick, E_Q, D, BLOCK_DQ)
+                seq = tl.sum(tl.where(sl == pick, req, 0))
+                want_ns = _namespace_id(tl.sum(tl.where(sl[:, None] == pick, requests, 0), axis=0), NS_TAB, NS_IDS,
+                                        last_name, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, NSMAX)
+                # (Stored whatever the norm; read only if it is finite and non-zero.)
+                if (ssq > 0.0) & (ssq < float("inf")) & (want_ns != -2):
+                    out_pick = pick
+                    out_seq = seq
+                    out_k = tl.sum(tl.where(sl == pick, kk, 0))
+                    out_ns = want_ns
+                    tl.store(RR, (pick + 1) % NS)
+                    state = 1
+                else:
+                    tl.store(DSEEN + NS + pick, seq)
+                    tl.store(HHOF + pick, seq)
+            tl.store(HCTL + HCTL_T_SEEN, seen_at)  # diagnostics: when a request was first seen
+            if state == 0:
+                quiet_since = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
+            polls = polls * 0
+        else:
+            polls += 1
+        if state == 0:
+            if tl.max(_agree(stop_now, AGREE, stop_at + sl * 0, sl == 0)) != 0:
+                state = 2
+            elif ON_GPU:
+                # Time alone would count other processes' time slices as idle (the kernel
+                # would exit and relaunch under load): also 64 polls in a row.
+                if polls > 64:
+                    if _agree(_clock_ns(ON_GPU), AGREE, clock_at, True) - quiet_since > idle:
+                        state = 2
+            elif polls > idle:
+                state = 2
+    return state, out_pick, out_seq, out_k, out_ns
+
+
+@triton.jit
+def await_request_kernel(
+    SEG,  # the shared segment as int64 words (page-locked and mapped: read over the bus)
+    SEGF,  # the same memory as float32
+    SLOT_AT,  # [NS] int64: word offset of each slot in SEG (-1: no client at start)
+    DSEEN,  # [2, NS] int64 device: per slot, the seq last answered here / last handed to the host
+    HHOF,  # [NS] int64 page-locked host: seq handed to the host
+    HCTL,  # the host control words (HOST_CONTROL_DTYPE, kalos.engine.gpu.layout): stop, stopped, stamps
+    CTL,  # the device control words (DEVICE_CONTROL_DTYPE): stopped, turn, answers
+    DH,  # the header + one gather-table row the kernels after this one read (HDR_WORDS + TAB_WORDS)
+    DQ,  # [D] float32 device: the request's query, normalised
+    AGREE,  # [NS * (REQ_WORDS + 1) + 16] int64 device scratch (_agree)
+    NS_TAB,  # [NSMAX, 9] int64: known namespaces' names (8 words, zero-padded) and lengths
+    NS_IDS,  # [NSMAX + 16] int64: their ids (>= 0; -1 marks a row not in use), then the name found
+    #          last (see _namespace_id)
+    n_slots,
+    k_limit,  # largest k served
+    idle,  # ns without a request before the server stops (interpreter: polls)
+    op_recall,
+    flags_all,
+    W_REQ: tl.constexpr,
+    W_OPK: tl.constexpr,
+    W_NQF: tl.constexpr,
+    W_NSLEN: tl.constexpr,
+    W_NSB: tl.constexpr,
+    REQ_WORDS: tl.constexpr,  # a request's words, rounded up to a power of two
+    E_Q: tl.constexpr,
+    E_IDS: tl.constexpr,
+    E_SC: tl.constexpr,
+    D: tl.constexpr,
+    NS: tl.constexpr,
+    NSMAX: tl.constexpr,
+    BLOCK_DQ: tl.constexpr,
+    ON_GPU: tl.constexpr,
+):
+    """The first node of the slot server's CUDA graph (one program): waits for one request.
+
+    Polls the slots (:func:`_take_request`), stages the request it takes (query in DQ; k,
+    namespace, the slot's answer offsets, seq and slot in DH, nq = 1) and exits, so the
+    engine's own single-query kernels that follow in the graph scan with the whole GPU, and
+    the final kernel publishes the answer in the slot (PUBLISH). On a stop or the idle limit
+    it writes nq = 0 (the kernels after it do nothing), marks the server stopped (CTL's stopped)
+    (the rounds already queued behind it do nothing either) and tells the host (HCTL's stopped).
+
+    """
+    state = 2
+    pick = tl.full([], -1, tl.int64)
+    seq = tl.zeros([], tl.int64)
+    kk = tl.zeros([], tl.int64)
+    want_ns = tl.full([], -1, tl.int64)
+    if tl.load(CTL + CTL_STOPPED, volatile=True) == 0:
+        tl.store(HCTL + HCTL_T_WAIT, _clock_ns(ON_GPU))  # phase stamps for diagnostics: waiting since
+        state, pick, seq, kk, want_ns = _take_request(
+            SEG, SEGF, SLOT_AT, DSEEN, HHOF, HCTL, CTL + CTL_TURN, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit,
+            idle, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, E_Q, D, NS, NSMAX,
+            BLOCK_DQ, ON_GPU,
+        )
+    if state == 1:
+        tl.store(HCTL + HCTL_T_STAGED, _clock_ns(ON_GPU))  # request staged
+        slot_w = tl.load(SLOT_AT + pick)
+        tl.store(DH + H_NQ, 1)
+        tl.store(DH + H_K, tl.minimum(kk, tl.load(DH + H_N)))
+        tl.store(DH + H_HAS_NS, (want_ns >= 0).to(tl.int64))
+        tl.store(DH + H_NS, tl.maximum(want_ns, 0))
+        tl.store(DH + H_K_OUT, kk)
+        tl.store(DH + H_SLOT_WORD, slot_w)
+        tl.store(DH + H_SEQ, seq)
+        tl.store(DH + H_SLOT, pick)
+        tl.store(DH + HDR_WORDS + T_IDS_AT, slot_w + E_IDS)
+        tl.store(DH + HDR_WORDS + T_SCORES_AT, slot_w * 2 + E_SC)
+    else:
+        tl.store(DH + H_NQ, 0)
+        tl.store(CTL + CTL_STOPPED, 1)
+        tl.store(HCTL + HCTL_STOPPED, 1)

@@ -1,0 +1,312 @@
+"""The Triton pipeline of one search, stage by stage: the public seam that the engine's own
+searches and the slot server's CUDA graph (:mod:`kalos.engine.gpu.slot_server`) both launch.
+
+A batch is: the stage-in (header, gather table and queries from page-locked host memory),
+the scan (:meth:`Pipeline.scan_keys`; batches of 16 or more queries: cuBLAS,
+:meth:`Pipeline.gemm_scores`), then the merge levels and the final kernel
+(:meth:`Pipeline.select_final`), which writes the answers straight into host memory.
+Every launch reads the rows in use and the filter from the device header, so a CUDA graph
+of these launches stays valid across adds and deletes (:class:`~kalos.engine.gpu.engine.TorchEngine`
+captures them).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+from kalos.engine.gpu.buffers import AttachedHost, Staging
+from kalos.engine.gpu.columns import DeviceColumns
+from kalos.engine.gpu.planner import GROUPS_PER_CHUNK, Plan, Planner, ScanConfig, next_pow2
+
+__all__ = ["Pipeline", "BatchKey"]
+
+_COLLECT_STEP = 8  # groups collect_kernel reads per step (a random query picks ~K of them)
+
+#: What a batch's launches depend on (a CUDA graph per key): (kind, query bucket, k bucket,
+#: filtered, want ids, queries from host memory, GEMM slices, device norms, attached buffer).
+BatchKey = tuple
+
+
+@contextlib.contextmanager
+def _tf32_matmul():
+    """float32 matmuls on tensor cores (tf32) inside the block; the caller's setting after.
+
+    The setting is process-wide, read by cuBLAS when a matmul is issued (or captured)."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+class Pipeline:
+    """The stages of a search over ``columns`` with the kernel module ``kernels``.
+
+    ``staging``: the engine's staging area; ``half``: the 16-bit dtype; ``errors``: the error-bound terms per scan kind
+    (:mod:`kalos.engine.gpu.bounds`); ``attached``: the engine's attached host buffer, if
+    any; ``on_stream``: a context that runs work on the engine's stream; ``on_realloc``:
+    called before a workspace is replaced (captured graphs point at the old one).
+    """
+
+    def __init__(self, kernels: Any, columns: DeviceColumns, staging: Staging, planner: Planner, *, dim: int,
+                 device: torch.device, max_batch: int, half: torch.dtype,
+                 errors: dict[str, tuple[float, float, float]],
+                 attached: Callable[[], AttachedHost | None], on_stream: Callable[[], Any],
+                 on_realloc: Callable[[], None], props: Any = None) -> None:
+        self.kernels = kernels
+        self.columns = columns
+        self.staging = staging
+        self.planner = planner
+        self.dim = dim
+        self.device = device
+        self.on_gpu = device.type == "cuda"
+        self.max_batch = max_batch
+        self._err = errors
+        self.attached = attached
+        self.on_stream = on_stream
+        self.on_realloc = on_realloc
+        self._regs_per_sm = (getattr(props, "regs_per_multiprocessor", 65536) or 65536) if props else 65536
+        self._smem_per_sm = (getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) or 228 * 1024
+                             ) if props else 228 * 1024
+        self._half_dtype = half  # the 16-bit copy's dtype (GEMM batches of fast mode)
+        self._occupancy: dict = {}
+        self._ws: tuple = (None, None, None)
+        self._sel_ws = None
+        self._d_q16: torch.Tensor | None = None
+        self._mm_fp32_out: bool | None = None
+
+    def plan(self, kind: str, qb: int, kp: int) -> Plan:
+        """The plan of a batch bucket at the columns' capacity (:meth:`Planner.plan`)."""
+        return self.planner.plan(kind, qb, kp, self.columns.x32.shape[0])
+
+    def clear(self) -> None:
+        """Forgets compiled-kernel occupancies (a new tuning)."""
+        self._occupancy.clear()
+
+    def programs_per_sm(self, kind: str, cfg: ScanConfig, k1: int) -> int:
+        """Resident programs per SM for the scan kernel, from its compiled registers/shared memory."""
+        cols, st = self.columns, self.staging
+        key = (kind, cfg, k1)
+        occ = self._occupancy.get(key)
+        if occ is None:
+            tk = self.kernels
+            x = cols.x16 if kind == "f16" else cols.x32
+            ker = tk.scan_topk_kernel.warmup(
+                x, st.d_q, st.d_hdr, st.d_hdrf, cols.live, cols.ns, cols.ts, st.d_hdr, 16,
+                D=self.dim, K=k1, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, BLOCK_Q=cfg.block_q,
+                HALF=kind == "f16", FILTER=True, PREC="tf32" if kind == "tf32" else "ieee",
+                num_warps=cfg.warps, num_stages=cfg.stages, grid=(1,),
+            )
+            ker._init_handles()
+            threads = cfg.warps * 32
+            by_regs = self._regs_per_sm // max(1, ker.n_regs * threads)
+            by_smem = self._smem_per_sm // max(1, ker.metadata.shared) if ker.metadata.shared else 32
+            occ = max(1, min(by_regs, by_smem, 2048 // threads, 32))
+            self._occupancy[key] = occ
+        return occ
+
+    def workspace(self, qb: int, keys: int, scores: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Two int64 key buffers (ping-pong between merge levels) and a float32 score buffer."""
+        need, need_s = qb * keys, qb * scores
+        a, b, sc = self._ws
+        if a is None or a.numel() < need or (need_s and (sc is None or sc.numel() < need_s)):
+            self.on_realloc()
+            if a is None or a.numel() < need:
+                size = max(need, 2 * (a.numel() if a is not None else 0))
+                a = torch.empty(size, dtype=torch.int64, device=self.device)
+                b = torch.empty(size, dtype=torch.int64, device=self.device)
+            if need_s and (sc is None or sc.numel() < need_s):
+                sc = torch.empty(need_s, dtype=torch.float32, device=self.device)
+            self._ws = (a, b, sc)
+        return a, b, sc
+
+    def run(self, key: BatchKey, live: torch.Tensor | None) -> None:
+        """Runs one batch: stage-in (header, table, queries from host memory), scan, merges,
+        final (results straight into host memory: the engine's result area or the attached
+        buffer)."""
+        cols, st = self.columns, self.staging
+        kind, qb, kp, filtered, want_ids, host_q, slices, device_norms, attached = key
+        plan = self.plan(kind, qb, kp)
+        cap = cols.x32.shape[0]
+        with self.on_stream():  # the workspace belongs to the stream that uses it
+            # (The GEMM path's scores come from cuBLAS's own output buffers, one slice at a time.)
+            ws_a, ws_b, ws_s = self.workspace(qb, plan.ws_keys, cap if plan.score_chunk and not plan.gemm_rows else 0)
+        live_t = cols.live if live is None else live
+        if attached:
+            src, res_i, res_s = self.attached().f32, self.attached().i64, self.attached().f32
+        else:
+            src, res_i, res_s = st.h_q_t, st.res_i64, st.res_f32
+        with self.on_stream():
+            self.kernels.stage_in_kernel[(qb,)](
+                st.h_meta, st.h_metaf, src, st.d_hdr, st.d_q,
+                D=self.dim, BLOCK_D=min(1024, next_pow2(self.dim)), COPY_Q=host_q, NORM=device_norms, num_warps=4,
+            )
+            over = None
+            if plan.gemm_rows:
+                stride = plan.ws_keys
+                over = self.gemm_scores(kind, qb, plan, slices, ws_a, stride, live_t, filtered)
+            else:
+                stride = self.scan_keys(kind, plan, qb, st.d_hdr, st.d_hdrf, st.d_q, live_t, filtered,
+                                         ws_a, ws_s, st.d_bound)
+            self.select_final(kind, plan, qb, ws_a, ws_b, stride, st.d_hdr, st.d_hdrf, st.d_q, res_i,
+                               res_s, st.res_status_t, want_ids, over=over, bound=st.d_bound)
+
+    def scan_keys(self, kind: str, plan: Plan, qb: int, hdr: torch.Tensor, hdrf: torch.Tensor, dq: torch.Tensor,
+                  live_t: torch.Tensor, filtered: bool, ws_a: torch.Tensor, ws_s: torch.Tensor | None,
+                  bound: torch.Tensor) -> int:
+        """The scan of a plan without GEMM: each query's candidate keys into ``ws_a``
+        (``hdr``/``hdrf``: a staging header on the device, ``dq``: its queries; ``ws_s``: the
+        score-writing scan's scores; ``bound``: the chunks' certificate bound per query, with
+        ``plan.rescore_k``); returns the keys per query."""
+        cols = self.columns
+        tk, cfg, cap = self.kernels, plan.cfg, cols.x32.shape[0]
+        x = cols.x16 if kind == "f16" else cols.x32
+        common = dict(
+            D=self.dim, K=plan.k1, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, BLOCK_Q=cfg.block_q,
+            HALF=kind == "f16", FILTER=filtered, PREC="tf32" if kind == "tf32" else "ieee",
+            num_warps=cfg.warps, num_stages=cfg.stages,
+            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and self.on_gpu else {}),
+        )
+        if plan.score_chunk:
+            if kind == "i8":
+                tk.int8_scores_kernel[(plan.progs,)](
+                    cols.x8, cols.scale8, dq, hdr, hdrf, live_t, cols.ns, cols.ts, ws_s, D=self.dim,
+                    D_POW2=next_pow2(self.dim), BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, FILTER=filtered,
+                    num_warps=cfg.warps, num_stages=cfg.stages,
+                )
+            else:
+                tk.scan_topk_kernel[(plan.progs, plan.n_qblocks)](
+                    x, dq, hdr, hdrf, live_t, cols.ns, cols.ts, ws_s, cap, WRITE_SCORES=True, **common,
+                )
+            chunks = -(-cap // plan.score_chunk)
+            stride = chunks * plan.k1
+            if plan.rescore_k:
+                ea, eb, ec = self._err[kind]
+                tk.scores_rescore_kernel[(chunks, qb)](
+                    ws_s, ws_a, bound, hdr, hdrf, cols.x32, dq, cap, stride, ea, eb, ec, D=self.dim,
+                    K=plan.rescore_k, KOUT=plan.k1, CHUNK=plan.score_chunk, BLOCK_D=plan.final_block_d,
+                    ROW_ERR=kind == "i8", num_warps=plan.topk_warps,
+                )
+                return stride
+            tk.scores_topk_kernel[(chunks, qb)](ws_s, ws_a, hdr, cap, stride, K=plan.k1, CHUNK=plan.score_chunk,
+                                                num_warps=plan.topk_warps)
+            return stride
+        stride = plan.progs * plan.k1
+        tk.scan_topk_kernel[(plan.progs, plan.n_qblocks)](
+            x, dq, hdr, hdrf, live_t, cols.ns, cols.ts, ws_a, stride, **common
+        )
+        return stride
+
+    def select_final(self, kind: str, plan: Plan, qb: int, ws_a: torch.Tensor, ws_b: torch.Tensor, stride: int,
+                     hdr: torch.Tensor, hdrf: torch.Tensor, dq: torch.Tensor, res_i: torch.Tensor,
+                     res_s: torch.Tensor, status: torch.Tensor, want_ids: bool, *, over: torch.Tensor | None = None,
+                     bound: torch.Tensor | None = None, publish: dict | None = None) -> None:
+        """The merge levels over the keys in ``ws_a`` (``ws_b``: the other buffer of the ping-pong),
+        then the final kernel: answers into host memory at the table's offsets (``publish``:
+        the slot server's extra arguments, see final_kernel)."""
+        cols = self.columns
+        tk = self.kernels
+        cur, nxt, count = ws_a, ws_b, stride
+        for chunk, p2 in plan.levels:
+            out_stride = p2 * plan.k1
+            tk.merge_topk_kernel[(p2, qb)](cur, nxt, hdr, stride, out_stride, count, K=plan.k1, CHUNK=chunk,
+                                           num_warps=4)
+            cur, nxt, stride, count = nxt, cur, out_stride, out_stride
+        ea, eb, ec = self._err[kind]
+        tk.final_kernel[(qb,)](
+            cur, hdr, hdrf, cols.x32, dq, cols.ids, res_i, res_s, status,
+            stride, count, ea, eb, ec, D=self.dim, KIN=plan.k1, KOUT=plan.kout, CHUNK=plan.final_chunk,
+            BLOCK_D=plan.final_block_d, RESCORE=kind != "f32" and not plan.rescore_k, OUT_IDS=want_ids,
+            num_warps=plan.final_warps, OVER=over, CHECK_OVER=over is not None,
+            BOUND=bound, CHUNK_CERT=plan.rescore_k > 0, **(publish or {}),
+        )
+
+    def gemm_scores(self, kind: str, qb: int, plan: Plan, slices: int, ws_a: torch.Tensor, stride: int,
+                    live_t: torch.Tensor, filtered: bool) -> torch.Tensor:
+        """Batched scores by cuBLAS (tensor cores: fp16 rows, or fp32 rows read as tf32), a
+        slice of rows at a time, each slice reduced to a superset of its top-K keys at once.
+
+        A whole slice goes through the threshold selection (``group_max_kernel``, then
+        ``collect_kernel``), which leaves the slice's top-K keys; a narrower last slice (or a
+        plan without ``threshold``) the top-K of every chunk (``scores_topk_kernel``). Only
+        the ``slices`` that hold rows are scored (the graph key carries the count); the keys
+        after theirs are set to SENTINEL so the merge sees no stale keys. Returns the
+        per-query overflow words the final kernel checks.
+        """
+        cols, st = self.columns, self.staging
+        tk, g, chunk = self.kernels, plan.gemm_rows, plan.score_chunk
+        cap = cols.x32.shape[0]
+        q = st.d_q[:qb]
+        if kind == "f16":
+            if self._d_q16 is None:
+                self._d_q16 = torch.empty((self.max_batch, self.dim), dtype=self._half_dtype, device=self.device)
+            q16 = self._d_q16[:qb]
+            q16.copy_(q)
+        group = chunk // GROUPS_PER_CHUNK
+        gm, picked, cand, over = self.selection_workspace(qb, g // group, plan.k1 * group)
+        over.zero_()
+        out_base = 0  # keys written so far per query
+        for c0 in range(0, slices * g, g):
+            c1 = min(cap, c0 + g)
+            if kind == "f16":
+                if self.on_gpu:  # fp16 products, fp32 accumulation and output
+                    sc = torch.mm(q16, cols.x16[c0:c1].T, out_dtype=torch.float32)
+                else:  # the CPU emulates it: fp16 values are exact in fp32
+                    sc = torch.mm(q16.float(), cols.x16[c0:c1].float().T)
+            else:
+                with _tf32_matmul():
+                    sc = torch.mm(q, cols.x32[c0:c1].T)
+            chunks = -(-(c1 - c0) // chunk)
+            masks = (c0, c1 - c0, live_t, cols.ns, cols.ts, st.d_hdrf)
+            if c1 - c0 == g and plan.threshold:
+                tk.group_max_kernel[(chunks, qb)](
+                    sc, gm, st.d_hdr, c1 - c0, gm.stride(0), *masks,
+                    CHUNK=chunk, GROUPS=GROUPS_PER_CHUNK, FILTER=filtered, num_warps=4,
+                )
+                tk.collect_kernel[(qb,)](
+                    sc, gm, picked, cand, over, ws_a, st.d_hdr, c1 - c0, gm.stride(0), cand.stride(0), stride,
+                    out_base, *masks, K=plan.k1, NG=g // group, GROUP=group, STEP=_COLLECT_STEP,
+                    MERGE=max(128, 2 * plan.k1), FILTER=filtered, num_warps=4,
+                )
+                out_base += plan.k1
+            else:
+                tk.scores_topk_kernel[(chunks, qb)](
+                    sc, ws_a, st.d_hdr, c1 - c0, stride, *masks,
+                    K=plan.k1, CHUNK=chunk, MASK=True, FILTER=filtered, out_first=out_base, num_warps=4,
+                )
+                out_base += chunks * plan.k1
+        if out_base < stride:  # the slices past the rows in use
+            ws_a[: qb * stride].view(qb, stride)[:, out_base:].fill_(tk.SENTINEL)
+        return over
+
+    def selection_workspace(self, qb: int, groups: int, scratch: int) -> tuple[torch.Tensor, ...]:
+        """The threshold selection's buffers: group maxima [qb, groups] (float32), the picked
+        groups (int32, same shape), candidate keys [qb, scratch] (int64), overflow words."""
+        held = self._sel_ws
+        if held is None or held[0].shape[0] < qb or held[0].shape[1] != groups or held[2].shape[1] < scratch:
+            self.on_realloc()  # captured launches point at the buffers they replace
+            rows = max(qb, held[0].shape[0] if held is not None else 0)
+            scratch = max(scratch, held[2].shape[1] if held is not None else 0)
+            with self.on_stream():
+                held = (torch.empty((rows, groups), dtype=torch.float32, device=self.device),
+                        torch.empty((rows, groups), dtype=torch.int32, device=self.device),
+                        torch.empty((rows, scratch), dtype=torch.int64, device=self.device),
+                        torch.empty(rows, dtype=torch.int32, device=self.device))
+            self._sel_ws = held
+        return held
+
+    def gemm_ok(self, kind: str) -> bool:
+        """Whether cuBLAS can score this kind here (fp16 needs mm with a float32 output)."""
+        if kind == "tf32" or not self.on_gpu:
+            return True
+        if self._mm_fp32_out is None:
+            try:
+                a = torch.zeros((2, 8), dtype=self._half_dtype, device=self.device)
+                self._mm_fp32_out = torch.mm(a, a.T, out_dtype=torch.float32).dtype == torch.float32
+            except (RuntimeError, TypeError):
+                self._mm_fp32_out = False
+        return self._mm_fp32_out
+

@@ -1,0 +1,387 @@
+"""GPU kernels that serve the sidecar's slots by themselves: no Python on the recall path.
+
+Why. Through the sidecar's sweep a single recall costs about as much Python (finding the
+request, validating it, the launch, the wait, publishing) as GPU work, and beside another
+process that keeps the GPU busy the launch also waits for a time slice (figures:
+``docs/gpu-kernels.md``, BENCHMARKS.md). Here a kernel polls the slots' ``req_seq`` words in
+the page-locked segment, and the answer and ``resp_seq`` are written into the slot, which the
+client is spinning on.
+
+:class:`SlotGraphServer` (``serve --gpu-polling``, mode ``graph``; off unless asked for) does it
+with a CUDA graph
+whose first kernel (one program) waits for a request and stages it; the engine's own
+single-query kernels follow (the scan over the whole GPU, the selection, the final kernel,
+which publishes). The sweep keeps a few replays queued. Only one program spins while waiting,
+so the sweep's own work (handed-over requests) runs beside it at full speed. (A ``resident``
+mode, one kernel on every SM, was removed: the graph server now beats every figure it
+recorded, BENCHMARKS.md.)
+
+What it serves. A single query (``n_queries == 1``) with ``k <= max_k``, all namespaces or one
+named, no time window, and a query that is finite and non-zero. Anything else (batches, time
+windows, larger k, bad input), and every request that arrives while the kernel is busy with
+another, is *handed* to the host: the kernel records its ``req_seq`` in ``handed``, and the
+sidecar's sweep answers it through the engine's ordinary (batched) path. Fast mode re-scores
+its candidates in float32 and hands the request over when the certificate fails.
+
+Ownership of a slot's answer. A request is the kernel's when the kernel took it, the host's
+when it is in ``handed``: the two never answer the same one. ``answered`` is the sidecar's own
+record of answered sequence numbers (the channel adopts it), written by the kernel for its
+answers and by the sweep for the host's.
+
+Lifetime. ``start`` launches on the server's own high-priority stream; the server stops by
+itself after ``idle_s`` without a request (a kernel spinning forever would take GPU time from
+the LLM next to it), or when ``stop`` asks. The sidecar stops it before anything changes the
+engine (adds, deletes, compaction) or the slots (clients coming and going) and starts it again
+on the next request.
+
+On PyTorch's CPU device (tests, under ``TRITON_INTERPRET=1``) the rounds run synchronously:
+``start`` returns after the server has served what was pending and polled ``idle_polls`` more
+times.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+
+import numpy as np
+import torch
+
+from kalos.engine.base import Filter
+from kalos.engine.gpu.buffers import NO_BOUND
+from kalos.engine.gpu.engine import TorchEngine
+from kalos.engine.gpu.layout import CTL_WORDS, DEVICE_CONTROL, HCTL_WORDS, HDR_WORDS, HOST_CONTROL, TAB_WORDS
+from kalos.engine.gpu.planner import k_bucket, next_pow2
+from kalos.errors import InvalidArgument
+from kalos.protocol import NAMESPACE_BYTES, Layout, Op, RequestFlag, SlotWords
+
+__all__ = ["SlotGraphServer", "DEFAULT_MAX_K"]
+
+#: Largest k the kernel serves itself (larger ones go to the host path).
+DEFAULT_MAX_K = 16
+
+_NAME_ROWS = 1024  # rows of the device's namespace table (a power of two)
+_NAME_PROBE = 8  # rows a name may sit in, from its home row on (kernels.poll.NS_PROBE)
+_NAME_WORDS = 8  # int64 words of a name the kernels compare (names of up to 64 bytes; longer: the host)
+
+
+def name_home(words: np.ndarray, length: int, rows: int = _NAME_ROWS) -> int:
+    """The home row of a namespace name in the device table: ``words`` are its NAMESPACE_BYTES
+    bytes, zero-padded, as 8 int64 words. The kernels compute the same (``_name_home``)."""
+    fold = (words.astype(np.int64) ^ (words.astype(np.int64) >> 32)) & 0xFFFFFFFF
+    mult = ((np.arange(8, dtype=np.int64) * 0x9E37 + 0x7F4B) & 0xFFFF) | 1
+    h = int((fold * mult).sum()) + int(length) * 0x2545
+    return (h ^ (h >> 13) ^ (h >> 29)) & (rows - 1)
+
+
+class SlotGraphServer:
+    """Serves single recalls from the slots with a CUDA graph that starts by waiting for one.
+
+    The graph: :func:`~kalos.engine.gpu.kernels.poll.await_request_kernel` (one program polls
+    the slots, stages the request it takes), then the engine's own single-query kernels (the
+    score-writing scan over the whole GPU, the chunk top-k, the final kernel, which publishes
+    the answer in the slot). :meth:`running`, which the sidecar's sweep calls on every pass,
+    keeps ``depth`` replays queued on the server's stream, so the next round's waiting kernel
+    is already on the GPU when a request lands and no Python runs between the client's
+    ``req_seq`` and its answer. (Not a thread of its own: it would wait for the GIL behind
+    the spinning sweep, up to the interpreter's switch interval.) Only one program spins
+    while it waits: the sweep's kernels (handed-over work) run beside it at full speed.
+
+    ``engine``: a Triton-backend :class:`TorchEngine` with the segment attached
+    (:meth:`~TorchEngine.attach_host`). ``layout``: the segment's layout. ``answered``: the
+    channel's current record of answered sequence numbers (copied into page-locked memory,
+    which the channel then adopts). ``idle_s``: how long the waiting kernel polls without a
+    request before the server stops. ``max_k``: largest k served (rounded up to a power of
+    two). ``depth``: replays queued ahead. ``warps``: the waiting kernel's. On PyTorch's CPU
+    device (tests) :meth:`start` runs rounds synchronously, without a graph, until the waiting
+    kernel stops (``idle_polls`` polls without a request).
+    """
+
+    def __init__(self, engine: TorchEngine, layout: Layout, answered: np.ndarray, *, idle_s: float = 0.002,
+                 max_k: int = DEFAULT_MAX_K, depth: int = 3, idle_polls: int = 2, warps: int = 1) -> None:
+        if depth < 1:
+            raise InvalidArgument(f"depth must be >= 1, got {depth}")
+        if warps not in (1, 2, 4, 8):
+            raise InvalidArgument(f"warps must be 1, 2, 4 or 8, got {warps}")
+        if engine.backend != "triton" or engine.attached is None:
+            raise InvalidArgument("the slot server needs the Triton engine with the segment attached (attach_host)")
+        if not 1 <= max_k <= 256:
+            raise InvalidArgument(f"max_k must be in [1, 256], got {max_k}")
+        if idle_s < 0 or idle_polls < 0:
+            raise InvalidArgument("idle_s and idle_polls must be >= 0")
+        if len(answered) != layout.n_slots:
+            raise InvalidArgument(f"answered has {len(answered)} entries for {layout.n_slots} slots")
+        self.warps = int(warps)
+        self.depth = int(depth)
+        self.engine = engine
+        self.layout = layout
+        self.words = SlotWords.of(layout)
+        if NAMESPACE_BYTES < 8 * _NAME_WORDS:
+            raise AssertionError("the kernels read a namespace's first 8 int64 words from the slot")
+        self.on_gpu = engine.on_gpu
+        self.kout = k_bucket(max_k)
+        self.idle_s = float(idle_s)
+        self.idle_polls = int(idle_polls)
+        self.ns = next_pow2(layout.n_slots)
+        dev = engine.torch_device
+
+        # Page-locked host words the kernels write and the sweep reads (and the reverse).
+        self._host = torch.zeros(2 * self.ns + HCTL_WORDS, dtype=torch.int64, pin_memory=self.on_gpu)
+        host = self._host.numpy()
+        #: Sequence number answered, per slot: the channel's record (the kernels write it too).
+        self.answered = host[: layout.n_slots].view(np.uint64)
+        #: Sequence number the kernels handed to the host, per slot.
+        self.handed = host[self.ns : self.ns + layout.n_slots].view(np.uint64)
+        # The host control words (HOST_CONTROL_DTYPE, kalos.engine.gpu.layout).
+        self._hctl = host[2 * self.ns :]
+        self.answered[:] = answered
+        self._t_answered = self._host[: self.ns]
+        self._t_handed = self._host[self.ns : 2 * self.ns]
+        self._t_hctl = self._host[2 * self.ns :]
+
+        base = np.array([layout.slot_offset(s) for s in range(layout.n_slots)], np.int64)
+        self._slot_words = base // 8
+        self._slot_at = torch.full((self.ns,), -1, dtype=torch.int64, device=dev)
+        self._seen = torch.zeros((2, self.ns), dtype=torch.int64, device=dev)
+        self._dq = torch.zeros(engine.dim, dtype=torch.float32, device=dev)
+        # The kernels read a request's words as one tile, its namespace's 8 words included.
+        self._req_words = next_pow2(self.words.ns_bytes + _NAME_WORDS)
+        self._agree = torch.zeros(self.ns * (self._req_words + 1) + 16, dtype=torch.int64, device=dev)
+        if getattr(engine.kernels.NS_PROBE, "value", engine.kernels.NS_PROBE) != _NAME_PROBE:
+            raise AssertionError("the kernels and the host disagree on the namespace table's probe")
+        self._ns_tab = torch.zeros((_NAME_ROWS, 9), dtype=torch.int64, device=dev)
+        # The ids, then the name the kernels found last (8 words, length, id: _namespace_id).
+        self._ns_ids = torch.full((_NAME_ROWS + 16,), -1, dtype=torch.int64, device=dev)
+        self._names: dict[bytes, int] = {}
+        self._stream = torch.cuda.Stream(device=dev, priority=-100) if self.on_gpu else None
+        self.launches = 0
+
+        self.kind = "f32"  # what a round scans: set by _build (fast mode's depends on the capacity)
+        self._dh = torch.zeros(HDR_WORDS + TAB_WORDS, dtype=torch.int64, device=dev)  # header + one table row
+        self._ctl = torch.zeros(CTL_WORDS, dtype=torch.int64, device=dev)  # DEVICE_CONTROL_DTYPE
+        self._status = torch.zeros(1, dtype=torch.int32, device=dev)
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._built_for: tuple | None = None
+        self._queued: collections.deque = collections.deque()  # an event per replay not yet done
+        # Between start() and stop() (or a round's report that it stopped): only then
+        # does running() queue rounds. A stop() that finds every round done must end it too.
+        self._serving = False
+
+    def _on_stream(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self._stream) if self.on_gpu else contextlib.nullcontext()
+
+    def _request_constexprs(self) -> dict:
+        """Where the kernels find a slot's fields (kalos.protocol.SlotWords)."""
+        w = self.words
+        return dict(W_REQ=w.req_seq, W_OPK=w.op_k, W_NQF=w.nq_flags, W_NSLEN=w.ns_len, W_NSB=w.ns_bytes,
+                    REQ_WORDS=self._req_words, E_Q=w.queries, D=self.engine.dim, NS=self.ns, NSMAX=_NAME_ROWS,
+                    BLOCK_DQ=min(2048, next_pow2(self.engine.dim)), ON_GPU=self.on_gpu)
+
+    def _rows_to_serve(self) -> int:
+        """Rows in use (0: nothing to serve), the engine's pending search finished; refuses a
+        start while running."""
+        if self.running():
+            raise InvalidArgument("the slot server is already running")
+        n = self.engine.rows.size
+        if n:
+            self.engine.settle()
+        return n
+
+    def _load_slots(self, active: np.ndarray) -> None:
+        """The slots to poll (those with a client now) and what was answered or handed already."""
+        slot_at = np.full(self.ns, -1, np.int64)
+        slot_at[: self.layout.n_slots] = np.where(active, self._slot_words, -1)
+        seen = np.zeros((2, self.ns), np.int64)
+        seen[0, : self.layout.n_slots] = self.answered.view(np.int64)
+        seen[1, : self.layout.n_slots] = self.handed.view(np.int64)
+        with self._on_stream():
+            self._slot_at.copy_(torch.from_numpy(slot_at))
+            self._seen.copy_(torch.from_numpy(seen))
+
+    def warm(self) -> None:
+        """Compiles the kernels now (a launch that exits at once), not on the first request."""
+        if self.start(np.zeros(self.layout.n_slots, bool), exit_at_once=True):
+            self.stop()
+
+    def set_namespaces(self, names: dict[bytes, int]) -> None:
+        """The namespaces (UTF-8 name -> id) a request may name (call while stopped). Each goes
+        to the first free row of the device table from its home row (:func:`name_home`) on;
+        one that finds none of its ``_NAME_PROBE`` rows free (rare below a few hundred names),
+        and one longer than 64 bytes, stays with the host: requests naming it are handed over."""
+        if names == self._names:
+            return
+        if any(ns_id < 0 for ns_id in names.values()):
+            raise InvalidArgument("namespace ids must be >= 0 (-1 marks an unused row of the table)")
+        tab = np.zeros((_NAME_ROWS, 9), np.int64)
+        ids = np.full(_NAME_ROWS + 16, -1, np.int64)  # (the name found last: none)
+        for name, ns_id in names.items():
+            if len(name) > 8 * _NAME_WORDS:
+                # The kernels compare the first 8 words and the length: a longer name is never in
+                # the table, so no request (its length is over 64 too) matches a row, and the host
+                # answers every request naming one.
+                continue
+            words = np.frombuffer(name.ljust(8 * _NAME_WORDS, b"\0"), np.int64)
+            home = name_home(words, len(name))
+            for step in range(_NAME_PROBE):
+                row = (home + step) % _NAME_ROWS
+                if ids[row] < 0:
+                    tab[row, :8] = words
+                    tab[row, 8] = len(name)
+                    ids[row] = ns_id
+                    break
+        with self._on_stream():
+            self._ns_tab.copy_(torch.from_numpy(tab))
+            self._ns_ids.copy_(torch.from_numpy(ids))
+        self._names = dict(names)
+
+    def forget(self, slot: int) -> None:
+        """A new client took ``slot``: its sequence numbers start again (call while stopped)."""
+        self.handed[slot] = 0
+
+    @property
+    def served(self) -> int:
+        """Requests the kernels have answered, over all launches."""
+        return int(self._hctl[HOST_CONTROL.answers])
+
+    def stamps(self) -> tuple[int, int, int, int]:
+        """The GPU's clock (ns) when the latest round began to wait, first saw a request, staged
+        it, and published its answer (diagnostics: ``benchmarks/diagnostics.py``)."""
+        h, c = self._hctl, HOST_CONTROL
+        return int(h[c.t_wait]), int(h[c.t_seen]), int(h[c.t_staged]), int(h[c.t_published])
+
+    def _columns(self) -> tuple:
+        eng = self.engine
+        return (eng.rows.capacity, eng.attached.host.tensor.data_ptr(),
+                *(None if t is None else t.data_ptr() for t in eng.columns.tensors()))
+
+    def _build(self) -> None:
+        """Plan and scratch for the engine's columns as they are (capacity, addresses)."""
+        eng = self.engine
+        self.kind = eng.scan_kind(1, self.kout, eng.precision)
+        self._plan = eng.pipeline.plan(self.kind, 1, self.kout)
+        keys = self._plan.ws_keys
+        scores = eng.rows.capacity if self._plan.score_chunk else 0
+        with self._on_stream():
+            self._ws_a = torch.empty(keys, dtype=torch.int64, device=eng.torch_device)
+            self._ws_b = torch.empty(keys, dtype=torch.int64, device=eng.torch_device)
+            self._ws_s = torch.empty(max(1, scores), dtype=torch.float32, device=eng.torch_device)
+            self._bound = torch.full((1,), NO_BOUND, dtype=torch.int64, device=eng.torch_device)  # (the final kernel resets it)
+        self._graph = None
+        self._built_for = self._columns()
+
+    def _round(self) -> None:
+        """One round's kernels on the current stream: wait for a request, scan, select, answer.
+
+        A graph keeps the launch arguments it was captured with: what may change between
+        starts (the rows in use, the largest row norm, the namespace table) is read from device
+        memory instead; ``idle_s`` and the engine's tuning are those of the capture."""
+        eng = self.engine
+        att = eng.attached
+        w = self.words
+        idle = int(self.idle_s * 1e9) if self.on_gpu else self.idle_polls
+        dh, dhf, dq = self._dh, self._dh.view(torch.float64), self._dq.view(1, eng.dim)
+        eng.kernels.await_request_kernel[(1,)](
+            att.i64, att.f32, self._slot_at, self._seen, self._t_handed, self._t_hctl, self._ctl, dh, self._dq,
+            self._agree, self._ns_tab, self._ns_ids, self.layout.n_slots,
+            min(self.kout, self.layout.max_k), idle, int(Op.RECALL), int(RequestFlag.ALL_NAMESPACES),
+            **self._request_constexprs(), E_IDS=w.ids, E_SC=w.scores, num_warps=self.warps,
+        )
+        stride = eng.pipeline.scan_keys(self.kind, self._plan, 1, dh, dhf, dq, eng.columns.live, True, self._ws_a,
+                                        self._ws_s, self._bound)
+        eng.pipeline.select_final(
+            self.kind, self._plan, 1, self._ws_a, self._ws_b, stride, dh, dhf, dq, att.i64, att.f32, self._status,
+            True, bound=self._bound, publish=dict(PUBLISH=True, SEG=att.i64, DSEEN=self._seen, HANS=self._t_answered,
+                               HHOF=self._t_handed, HCTL=self._t_hctl, CTL=self._ctl, W_STATN=w.status_n,
+                               W_RESP=w.resp_seq, NS=self.ns, ON_GPU=self.on_gpu),
+        )
+
+    def running(self) -> bool:
+        """Whether rounds are queued or running; tops the queue up to ``depth`` rounds unless
+        a round reported the server stopped (a stop, or ``idle_s`` without a request)."""
+        queued = self._queued
+        while queued and queued[0].query():
+            queued.popleft()
+        if self._serving and self._hctl[HOST_CONTROL.stopped] == 0:
+            if len(queued) < self.depth:
+                queued.extend(self._enqueue_rounds(self.depth - len(queued)))
+        elif not queued:
+            self._serving = False
+        return bool(queued)
+
+    def _enqueue_rounds(self, count: int) -> list:
+        """Replays the graph ``count`` times on the server's stream; an event per replay."""
+        events = []
+        with self._on_stream():  # replay() launches on the current stream
+            for _ in range(count):
+                self._graph.replay()
+                done = torch.cuda.Event()
+                done.record(self._stream)
+                events.append(done)
+        return events
+
+    def start(self, active: np.ndarray, *, exit_at_once: bool = False) -> bool:
+        """Starts serving the slots marked in ``active`` (those with a client now); False when
+        there is nothing to serve (no rows). Call only while it is not running."""
+        n = self._rows_to_serve()
+        if n == 0:
+            return False
+        eng = self.engine
+        if self._built_for != self._columns():
+            self._build()
+        self._load_slots(active)
+        header = np.zeros(HDR_WORDS + TAB_WORDS, np.int64)
+        eng.fill_header(n, 0, 0, Filter(), header)  # rows, no time window, the certificate's norm: the
+        # waiting kernel fills in the request's words
+        self._hctl[HOST_CONTROL.stop] = 1 if exit_at_once else 0
+        self._hctl[HOST_CONTROL.stopped] = 0
+        with self._on_stream():
+            self._dh.copy_(torch.from_numpy(header))
+            self._ctl[DEVICE_CONTROL.stopped] = 0
+        self.launches += 1
+        if not self.on_gpu:  # the interpreter: rounds one after another until the server stops
+            self._serve_now()
+            return True
+        if self._graph is None:
+            self._capture()
+        self._serving = True
+        self.running()
+        return True
+
+    def _serve_now(self) -> None:
+        """Rounds one after another, synchronously, until one stops (the CPU device)."""
+        while self._hctl[HOST_CONTROL.stopped] == 0:
+            self._round()
+
+    def _capture(self) -> None:
+        """Compiles the kernels with one eager round (the stop word set: it serves at most a
+        request already pending, then stops), then captures a round into the graph."""
+        hctl, stop_at = self._hctl, HOST_CONTROL.stop
+        stop = hctl[stop_at]
+        hctl[stop_at] = 1
+        try:
+            with self._on_stream():
+                self._round()
+            self._stream.synchronize()
+            with self._on_stream():
+                self._ctl[DEVICE_CONTROL.stopped] = 0
+            hctl[HOST_CONTROL.stopped] = 0
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+                self._round()
+            self._stream.synchronize()
+        finally:
+            hctl[stop_at] = stop
+        self._graph = graph
+
+    def stop(self) -> None:
+        """Asks the waiting round to stop and waits for every queued round (a round with a
+        request in hand finishes it). Nothing is queued again until :meth:`start`, which
+        reloads what may have changed meanwhile (the slots' clients, the rows)."""
+        self._serving = False
+        if not self._queued:
+            return
+        self._hctl[HOST_CONTROL.stop] = 1
+        try:
+            while self._queued:
+                self._queued.popleft().synchronize()
+        finally:
+            self._hctl[HOST_CONTROL.stop] = 0

@@ -1,0 +1,568 @@
+"""update, list/count, scoped delete, drop_namespace and TTL (issue 22), against a real sidecar
+process, the store alone, and the float64 reference.
+
+Every random test prints its seed (KALOS_TEST_SEED replays it).
+"""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from kalos import Client, KalosError, UnknownKey
+from kalos.errors import DimensionMismatch, InvalidArgument
+from kalos.store import Store, check_update
+from kalos.where import compile_where
+
+from conftest import SidecarPool, _seed_value, short_tempdir, unique_name, wait_until
+from reference import assert_topk_matches, eligible_mask, model_arrays
+
+DIM = 8
+
+
+class Memory:
+    """A sidecar, a client, and the model of what must be served: id -> (vector, ns, created)."""
+
+    def __init__(self, name: str, client: Client, store: Path, rng: np.random.Generator) -> None:
+        self.name, self.client, self.store, self.rng = name, client, store, rng
+        self.model: dict[int, tuple[np.ndarray, str, float]] = {}
+
+    def add(self, n: int, namespace: str, *, keys: list[str] | None = None, **kwargs: object) -> np.ndarray:
+        vectors = self.rng.standard_normal((n, DIM)).astype(np.float32)
+        ids = self.client.add(vectors, keys=keys, namespace=namespace, **kwargs)
+        for j, i in enumerate(ids.tolist()):
+            created = self.model[i][2] if i in self.model else 0.0
+            self.model[i] = (vectors[j].astype(np.float64), namespace, created)
+        return ids
+
+    def check(self, namespace: str | None, k: int = 5, context: str = "") -> None:
+        ids, vectors, namespaces, created = model_arrays(self.model)
+        eligible = eligible_mask(namespaces, created, namespace=namespace)
+        queries = self.rng.standard_normal((4, DIM)).astype(np.float32)
+        batch = self.client.recall_many(queries, k=k, namespace=namespace)
+        assert_topk_matches(batch.ids, batch.scores, ids, vectors, queries, k, eligible, context=context)
+
+
+@pytest.fixture
+def memory(sidecars: SidecarPool) -> Iterator[Memory]:
+    seed = _seed_value()
+    print(f"seed: {seed} (replay with KALOS_TEST_SEED={seed})")
+    store_dir = short_tempdir("dm")
+    name = unique_name("dm")
+    try:
+        sidecars.start(Path(store_dir) / "m.db", name=name, dim=DIM)
+        with Client(name, timeout=5.0) as client:
+            yield Memory(name, client, Path(store_dir) / "m.db", np.random.default_rng(seed))
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
+
+
+# -- update --------------------------------------------------------------------------------------
+
+
+def test_update_changes_only_what_is_given(memory):
+    ids = memory.add(3, "u", keys=["a", "b", "c"], texts=["ta", "tb", "tc"],
+                     metadata=[{"x": 1, "y": "keep"}, None, {"z": True}], created_at=1000.0)
+    t0 = time.time()
+    assert memory.client.update("a", namespace="u", text="moved to Berlin") == ids[0]
+    a, b = memory.client.get(keys=["a", "b"], namespace="u")
+    assert (a.text, a.metadata, a.created_at, a.key) == ("moved to Berlin", {"x": 1, "y": "keep"}, 1000.0, "a")
+    assert t0 - 1 <= a.updated_at <= time.time() + 1 and b.updated_at is None
+    memory.check("u", context="after a text update: the vectors are as they were")
+
+    memory.client.update("a", namespace="u", metadata={"x": 2, "new": [1, 2]}, merge=True)
+    assert memory.client.get(keys=["a"], namespace="u")[0].metadata == {"x": 2, "y": "keep", "new": [1, 2]}
+    memory.client.update("a", namespace="u", metadata={"only": "this"})
+    assert memory.client.get(keys=["a"], namespace="u")[0].metadata == {"only": "this"}
+    memory.client.update("b", namespace="u", metadata={"from": "nothing"}, merge=True)
+    assert memory.client.get(keys=["b"], namespace="u")[0].metadata == {"from": "nothing"}
+    memory.client.update(int(ids[2]), text=None, metadata=None)  # by id; None clears
+    c = memory.client.get(ids=[int(ids[2])])[0]
+    assert (c.text, c.metadata, c.key, c.namespace) == (None, None, "c", "u")
+    assert memory.client.stats()["namespaces"]["u"] == 3
+
+
+def test_update_of_the_vector_is_what_recall_serves(memory):
+    ids = memory.add(30, "v", keys=[f"k{i}" for i in range(30)])
+    memory.add(10, "other")
+    for i in (0, 7, 29):
+        old = memory.model[int(ids[i])][0].astype(np.float32)
+        new = memory.rng.standard_normal(DIM).astype(np.float32)
+        assert memory.client.update(f"k{i}", namespace="v", vector=new * 3.0) == ids[i]  # any norm: normalised
+        memory.model[int(ids[i])] = (new.astype(np.float64), "v", 0.0)
+        hit = memory.client.recall(new, k=1, namespace="v")
+        assert hit.ids[0] == ids[i] and hit.scores[0] == pytest.approx(1.0, abs=1e-5)
+        hit = memory.client.recall(old, k=30, namespace="v")
+        assert hit.ids.tolist().count(int(ids[i])) == 1, "one row per id: the old one is gone"
+    memory.check("v", context="after vector updates")
+    memory.check(None, context="after vector updates, every namespace")
+    assert memory.client.stats()["count"] == 40
+
+
+def test_a_recall_during_vector_updates_sees_the_old_or_the_new_never_neither(memory):
+    (item,) = memory.add(1, "swap", keys=["only"]).tolist()
+    versions = np.stack([memory.model[item][0].astype(np.float32), memory.rng.standard_normal(DIM).astype(np.float32)])
+    query = memory.rng.standard_normal(DIM).astype(np.float32)
+    unit = versions / np.linalg.norm(versions, axis=1, keepdims=True)
+    allowed = unit.astype(np.float64) @ (query / np.linalg.norm(query))
+    stop, seen, problems = threading.Event(), [], []
+
+    def recaller() -> None:
+        with Client(memory.name, timeout=5.0) as reader:
+            while not stop.is_set():
+                hit = reader.recall(query, k=1, namespace="swap")
+                if hit.ids.tolist() != [item] or np.min(np.abs(allowed - hit.scores[0])) > 1e-5:
+                    problems.append((hit.ids.tolist(), hit.scores.tolist()))
+                seen.append(1)
+
+    thread = threading.Thread(target=recaller)
+    thread.start()
+    try:
+        for n in range(60):
+            memory.client.update("only", namespace="swap", vector=versions[n % 2])
+    finally:
+        stop.set()
+        thread.join(30)
+    assert seen and not problems, problems[:5]
+
+
+def test_update_of_a_missing_key_is_unknown_key_and_bad_updates_change_nothing(memory):
+    memory.add(1, "here", keys=["k"], texts=["original"], metadata=[{"a": 1}])
+    for call in [
+        lambda: memory.client.update("nope", namespace="here", text="x"),
+        lambda: memory.client.update("k", namespace="elsewhere", text="x"),  # the key lives in another namespace
+        lambda: memory.client.update("k", text="x"),  # ... and "default" is another namespace
+        lambda: memory.client.update(10**12, text="x"),
+    ]:
+        with pytest.raises(UnknownKey) as caught:
+            call()
+        assert isinstance(caught.value, KeyError) and isinstance(caught.value, KalosError)
+        assert "no memory has" in str(caught.value) and not str(caught.value).startswith("'")
+    cases = [
+        (dict(), InvalidArgument, "nothing to change"),
+        (dict(metadata={"a": 2}, merge="yes"), InvalidArgument, "merge must be True or False"),
+        (dict(metadata=None, merge=True), InvalidArgument, "merges a dict"),
+        (dict(text="x", merge=True), InvalidArgument, "needs metadata="),
+        (dict(metadata={1: "int key"}), InvalidArgument, "not a str"),
+        (dict(metadata={"f": float("nan")}), InvalidArgument, "not JSON-serialisable"),
+        (dict(metadata="a string"), InvalidArgument, "must be a dict or None"),
+        (dict(text=7), InvalidArgument, "must be a str or None"),
+        (dict(vector=None), InvalidArgument, "always has a vector"),
+        (dict(vector=np.zeros(DIM)), InvalidArgument, "all zeros"),
+        (dict(vector=np.full(DIM, np.nan)), InvalidArgument, "NaN"),
+        (dict(vector=np.ones(DIM + 1)), DimensionMismatch, "dimension"),
+        (dict(vector=np.ones((2, DIM))), InvalidArgument, "one vector"),
+    ]
+    for kwargs, error, message in cases:
+        with pytest.raises(error, match=message):
+            memory.client.update("k", namespace="here", **kwargs)
+    for item, message in [(1.5, "key \\(str\\) or an id"), (True, "key \\(str\\) or an id"), ("", "empty"),
+                          ("x" * 300, "300 UTF-8 bytes")]:
+        with pytest.raises(InvalidArgument, match=message):
+            memory.client.update(item, namespace="here", text="x")
+    (item,) = memory.client.get(keys=["k"], namespace="here")
+    assert (item.text, item.metadata, item.updated_at) == ("original", {"a": 1}, None)
+
+
+def test_the_sidecar_itself_checks_an_update(memory):
+    """A client that skips its own checks: the sidecar refuses the same things."""
+    memory.add(1, "here", keys=["k"])
+    for message, error, text in [
+        ({"op": "update", "namespace": "here", "text": "x"}, InvalidArgument, "a key or an id"),
+        ({"op": "update", "namespace": "here", "key": "k", "id": 1, "text": "x"}, InvalidArgument, "a key or an id"),
+        ({"op": "update", "namespace": "here", "key": "k"}, InvalidArgument, "nothing to change"),
+        ({"op": "update", "namespace": "here", "key": "missing", "text": "x"}, UnknownKey, "no memory"),
+        ({"op": "update", "namespace": "here", "key": "k", "metadata": [1]}, InvalidArgument, "dict or None"),
+    ]:
+        with pytest.raises(error, match=text):
+            memory.client._control(message)
+    assert memory.client.get(keys=["k"], namespace="here")[0].updated_at is None
+
+
+def test_async_client_update_list_count_delete_where(memory):
+    from kalos import AsyncClient
+
+    memory.add(1, "a", keys=["k"], texts=["before"])
+
+    async def main() -> None:
+        async with AsyncClient(memory.name, timeout=5.0) as client:
+            await client.update("k", namespace="a", text="after", metadata={"m": 1})
+            with pytest.raises(UnknownKey):
+                await client.update("absent", namespace="a", text="x")
+            await client.add(np.ones((2, DIM)), namespace="a", metadata=[{"m": 2}, {"m": 1}], ttl=[None, 60])
+            page = await client.list(namespace="a", where={"m": 1})
+            assert [it.text for it in page] == ["after", None] and page.next_cursor is None
+            assert page.items[1].expires_at is not None
+            assert await client.count(namespace="a", where={"m": {"$gte": 1}}) == 3
+            assert await client.delete(where={"m": 2}, namespace="a") == 1
+            assert await client.drop_namespace("a") == 2
+
+    asyncio.run(main())
+    assert memory.client.count(namespace="a") == 0
+
+
+def test_store_update_is_durable_and_checked(tmp_path):
+    path = tmp_path / "s.db"
+    with Store.open(path, dim=4) as store:
+        ids, _, _, _ = store.upsert(np.eye(4, dtype=np.float32)[:2], keys=["a", "b"], namespace="n",
+                                    metadata=[{"x": 1}, None])
+        before = store.get([int(ids[0])])[0]
+        got = store.update(check_update("a", 4, namespace="n", vector=np.eye(4)[3], metadata={"y": 2}, merge=True))
+        assert got == (int(ids[0]), store.namespaces()["n"], before.created_at)
+        with pytest.raises(UnknownKey):
+            store.update(check_update("a", 4, namespace="default", text="x"))
+        seq = store._write_seq
+    with Store.open(path, readonly=True) as store:
+        (item,) = store.get([int(ids[0])])
+        assert item.metadata == {"x": 1, "y": 2} and item.updated_at is not None
+        vectors = {i: v.copy() for batch in store.iter_rows() for i, v in zip(batch[0].tolist(), batch[1])}
+        assert vectors[int(ids[0])].tolist() == [0, 0, 0, 1]
+    with Store.open(path) as store:
+        assert store._write_seq == seq, "the refused update wrote no transaction"
+
+
+# -- list, count, scoped delete, drop_namespace ---------------------------------------------------
+
+
+def _tagged(memory: Memory, n: int, namespace: str) -> tuple[np.ndarray, list[dict]]:
+    metas = [{"user": str(memory.rng.choice(["alice", "bob", "carol"])), "n": int(i),
+              "even": bool(i % 2 == 0)} for i in range(n)]
+    return memory.add(n, namespace, metadata=metas), metas
+
+
+def _all_pages(client: Client, limit: int, **kwargs: object) -> list:
+    items, cursor, pages = [], None, 0
+    while True:
+        page = client.list(limit=limit, cursor=cursor, **kwargs)
+        assert len(page) <= limit
+        items += page.items
+        pages += 1
+        cursor = page.next_cursor
+        if cursor is None:
+            return items
+        assert pages < 10_000
+
+
+def test_list_and_count_page_through_every_matching_memory_once(memory):
+    a_ids, a_meta = _tagged(memory, 130, "a")
+    b_ids, b_meta = _tagged(memory, 45, "b")
+    everything = dict(zip(a_ids.tolist(), a_meta)) | dict(zip(b_ids.tolist(), b_meta))
+    for limit in (1, 7, 100, 1000):
+        got = _all_pages(memory.client, limit, namespace="a")
+        assert [it.id for it in got] == a_ids.tolist()
+    assert [it.id for it in _all_pages(memory.client, 33)] == sorted(everything)
+    assert memory.client.count() == 175 and memory.client.count(namespace="b") == 45
+    for where in [{"user": "alice"}, {"n": {"$gte": 100}}, {"$or": [{"even": True}, {"user": "bob"}]},
+                  {"user": {"$nin": ["alice", "bob"]}, "n": {"$lt": 30}}, {"missing": {"$exists": True}}, {}]:
+        clause = compile_where(where)
+        for namespace in (None, "a"):
+            expected = [i for i, m in sorted(everything.items())
+                        if clause.matches(m) and (namespace is None or i in set(a_ids.tolist()))]
+            got = _all_pages(memory.client, 10, namespace=namespace, where=where)
+            assert [it.id for it in got] == expected, (where, namespace)
+            assert memory.client.count(namespace=namespace, where=where) == len(expected)
+    page = memory.client.list(namespace="b", limit=3)
+    assert [(it.namespace, it.metadata) for it in page] == [("b", m) for m in b_meta[:3]]
+    assert memory.client.list(namespace="never-used").items == [] and memory.client.count(namespace="never-used") == 0
+    for kwargs, message in [(dict(limit=0), "limit must be"), (dict(limit=1001), "limit must be"),
+                            (dict(limit=True), "limit must be"), (dict(cursor="garbage"), "not one that list"),
+                            (dict(cursor=5), "not one that list"), (dict(where={"$regex": 1}), "where"),
+                            (dict(namespace=""), "namespace must not be empty")]:
+        with pytest.raises(InvalidArgument, match=message):
+            memory.client.list(**kwargs)
+    with pytest.raises(InvalidArgument, match="where"):
+        memory.client.count(where={"n": {"$bogus": 1}})
+    # The sidecar checks what a client that skips its own checks sends.
+    for message, text in [({"op": "list", "limit": 0}, "limit"), ({"op": "list", "after": -1}, "after"),
+                          ({"op": "list", "where": "x"}, "where"), ({"op": "count", "namespace": ""}, "namespace")]:
+        with pytest.raises(InvalidArgument, match=text):
+            memory.client._control(message)
+
+
+def test_list_is_stable_under_concurrent_writes(memory):
+    ids = memory.add(300, "s", keys=[f"k{i}" for i in range(300)])
+    doomed = set(ids[1::3].tolist())  # deleted while the listing runs
+    throughout = set(ids.tolist()) - doomed
+    stop, errors = threading.Event(), []
+
+    def writer() -> None:
+        try:
+            with Client(memory.name, timeout=5.0) as w:
+                rng = np.random.default_rng(1)
+                for i in sorted(doomed, reverse=True):
+                    if stop.is_set():
+                        return
+                    w.add(rng.standard_normal((2, DIM)), namespace="s")  # new ids: after every listed one
+                    w.add(rng.standard_normal((1, DIM)), keys=[f"k{int(rng.integers(300))}"], namespace="s")  # same id
+                    w.update(int(rng.choice(list(throughout))), metadata={"touched": True})
+                    w.delete(ids=[i])
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        seen = [it.id for it in _all_pages(memory.client, 7, namespace="s")]
+    finally:
+        stop.set()
+        thread.join(60)
+    assert not errors, errors
+    assert len(seen) == len(set(seen)), "an item was listed twice"
+    assert throughout <= set(seen), f"skipped: {sorted(throughout - set(seen))[:10]}"
+    assert seen == sorted(seen)
+
+
+def test_delete_by_where_and_drop_namespace(memory):
+    a_ids, a_meta = _tagged(memory, 60, "a")
+    b_ids, b_meta = _tagged(memory, 40, "b")
+    keep = memory.add(5, "c")
+    alice_a = {i for i, m in zip(a_ids.tolist(), a_meta) if m["user"] == "alice"}
+    assert memory.client.delete(where={"user": "alice"}, namespace="a") == len(alice_a)
+    for i in alice_a:
+        del memory.model[i]
+    memory.check("a", context="after delete where in a")
+    memory.check(None, context="after delete where, everywhere")
+    assert memory.client.count(namespace="a", where={"user": "alice"}) == 0
+    assert memory.client.count(namespace="b", where={"user": "alice"}) == sum(m["user"] == "alice" for m in b_meta)
+    # namespace=None: every namespace.
+    big = {i for i, m in zip(a_ids.tolist() + b_ids.tolist(), a_meta + b_meta) if m["n"] >= 35 and i in memory.model}
+    assert memory.client.delete(where={"n": {"$gte": 35}}, namespace=None) == len(big)
+    for i in big:
+        del memory.model[i]
+    memory.check(None, context="after delete where everywhere")
+    assert memory.client.delete(where={"n": {"$gte": 35}}, namespace=None) == 0
+    # Bad calls change nothing.
+    before = memory.client.count()
+    for kwargs, message in [(dict(where={"n": {"$near": 1}}), "where"), (dict(where=[1]), "where must be a dict"),
+                            (dict(keys=["x"], where={}), "one of them"), (dict(ids=[1], where={}), "one of them"),
+                            (dict(keys=["x"], namespace=None), "namespace=None")]:
+        with pytest.raises(InvalidArgument, match=message):
+            memory.client.delete(**kwargs)
+    with pytest.raises(InvalidArgument, match="exactly one"):
+        memory.client._control({"op": "delete", "ids": [1], "where": {}})
+    assert memory.client.count() == before
+    # drop_namespace: every memory of it, nothing else; the name may be used again.
+    in_b = sum(1 for _, ns, _ in memory.model.values() if ns == "b")
+    assert memory.client.drop_namespace("b") == in_b > 0
+    memory.model = {i: v for i, v in memory.model.items() if v[1] != "b"}
+    assert memory.client.stats()["namespaces"]["b"] == 0 and memory.client.count(namespace="c") == 5
+    assert len(memory.client.recall(np.ones(DIM, np.float32), k=3, namespace="b")) == 0
+    memory.check(None, context="after drop_namespace")
+    assert memory.client.drop_namespace("b") == 0
+    again = memory.add(2, "b")
+    assert memory.client.recall(memory.model[int(again[0])][0].astype(np.float32), k=1, namespace="b").ids[0] == again[0]
+    assert [it.id for it in memory.client.get(ids=keep.tolist())] == keep.tolist()
+    with pytest.raises(InvalidArgument, match="namespace"):
+        memory.client.drop_namespace("")
+
+
+def test_kalos_list_and_count(memory):
+    import json
+    import sys
+
+    from conftest import run_guarded
+
+    ids, metas = _tagged(memory, 5, "cli")
+    base = [sys.executable, "-m", "kalos"]
+    result = run_guarded(base + ["list", "--name", memory.name, "--namespace", "cli", "--limit", "2", "--json"])
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [row["id"] for row in lines[:-1]] == ids[:2].tolist() and lines[-1]["next_cursor"]
+    result = run_guarded(base + ["list", "--name", memory.name, "--namespace", "cli", "--limit", "2", "--all",
+                                 "--cursor", lines[-1]["next_cursor"]])
+    assert result.returncode == 0, result.stderr
+    assert [int(line.split("\t")[0]) for line in result.stdout.splitlines()] == ids[2:].tolist()
+    expected = sum(m["user"] == "bob" for m in metas)
+    result = run_guarded(base + ["count", "--name", memory.name, "--where", '{"user": "bob"}'])
+    assert result.returncode == 0 and result.stdout.strip() == str(expected), result.stderr
+    result = run_guarded(base + ["count", "--name", memory.name, "--where", '{"user": {"$like": 1}}'])
+    assert result.returncode == 2 and "where" in result.stderr
+    # kalos add --ttl: the rows expire.
+    path = memory.store.parent / "t.jsonl"
+    path.write_text(json.dumps({"vector": [1.0] * DIM, "text": "brief", "namespace": "cli-ttl"}) + "\n")
+    for ttl, code in [("-1", 2), ("0.5", 0)]:
+        result = run_guarded(base + ["add", str(path), "--name", memory.name, "--ttl", ttl])
+        assert result.returncode == code, result.stderr
+    (item,) = memory.client.list(namespace="cli-ttl").items
+    assert item.text == "brief" and item.expires_at is not None
+    _wait_past(item.expires_at)
+    assert memory.client.count(namespace="cli-ttl") == 0
+
+
+# -- namespaces of up to 255 bytes -------------------------------------------------------------------
+
+
+def test_namespaces_of_255_bytes_are_served_apart(memory):
+    from kalos.protocol import NAMESPACE_BYTES
+    from kalos.store import MAX_NAMESPACE_BYTES
+
+    assert MAX_NAMESPACE_BYTES == 255 and NAMESPACE_BYTES == 256
+    prefix = "users/alice/memories/" + "x" * 60  # names that agree on their first 64 bytes and more
+    names = [prefix + "a" * (255 - len(prefix)), prefix + "b" * (255 - len(prefix)), prefix + "é" * 40,
+             "日本" * 42 + "abc"]  # 255 bytes of 3-byte characters and ASCII
+    assert [len(n.encode()) for n in names] == [255, 255, 161, 255]
+    for name in names:
+        memory.add(6, name, keys=[f"{name[-3:]}{i}" for i in range(6)])
+    for name in names:
+        memory.check(name, context=f"namespace of {len(name.encode())} bytes")
+        single = memory.client.recall(memory.rng.standard_normal(DIM).astype(np.float32), k=3, namespace=name)
+        assert {it.namespace for it in memory.client.get(ids=single.ids.tolist())} == {name}
+        assert memory.client.count(namespace=name) == 6 and memory.client.stats()["namespaces"][name] == 6
+    assert memory.client.update(f"{names[1][-3:]}0", namespace=names[1], text="t") >= 1
+    with pytest.raises(UnknownKey):  # the same key in the namespace that differs in its last bytes only
+        memory.client.update(f"{names[1][-3:]}0", namespace=names[0], text="t")
+    assert memory.client.drop_namespace(names[0]) == 6 and memory.client.count(namespace=names[1]) == 6
+    with pytest.raises(InvalidArgument, match="256 UTF-8 bytes"):
+        memory.client.add(np.ones((1, DIM)), namespace="n" * 256)
+
+
+# -- TTL ---------------------------------------------------------------------------------------------
+
+
+class _Clock:
+    """A stand-in for the store module's ``time``: ``time()`` returns what the test sets."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
+def test_store_expiry_at_its_boundary(tmp_path, monkeypatch):
+    import kalos.store
+
+    clock = _Clock(1_000_000.0)
+    monkeypatch.setattr(kalos.store, "time", clock)
+    rng = np.random.default_rng(_seed_value())
+    with Store.open(tmp_path / "t.db", dim=4) as store:
+        vectors = rng.standard_normal((3, 4)).astype(np.float32)
+        vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+        ids, _, _ = store.add(vectors, namespace="n", metadata=[{"g": 1}] * 3,
+                              expires_at=np.array([clock.now + 10, np.nan, clock.now + 20]))
+        keyed, _, _, _ = store.upsert(vectors[:1], keys=["k"], namespace="n", expires_at=np.array([clock.now + 10]))
+        assert [it.expires_at for it in store.get(ids)] == [clock.now + 10, None, clock.now + 20]
+        clock.now += 10 - 1e-6  # just before: everything is there
+        assert all(store.get(ids)) and store.get_keys(["k"], "n")[0] is not None
+        assert store.count_items(namespace="n") == 4 and store.count_items(where=compile_where({"g": 1})) == 3
+        assert len(store.delete_expired()) == 0
+        clock.now += 1e-6  # at expires_at: gone from get, get_keys, list, count and update at once
+        assert [it is None for it in store.get(ids)] == [True, False, False]
+        assert store.get_keys(["k"], "n") == [None]
+        assert [it.id for it in store.list_items(namespace="n")[0]] == [int(ids[1]), int(ids[2])]
+        assert store.count_items(namespace="n") == 2 and store.count_items(where=compile_where({"g": 1})) == 2
+        with pytest.raises(UnknownKey):
+            store.update(check_update("k", 4, namespace="n", text="x"))
+        # An upsert of the expired key: a new memory under its id, which expires no more.
+        again, _, created, replaced = store.upsert(vectors[1:2], keys=["k"], namespace="n", created_at=5.0)
+        assert again.tolist() == keyed.tolist() and replaced.tolist() == [True] and created.tolist() == [5.0]
+        (item,) = store.get_keys(["k"], "n")
+        assert (item.created_at, item.updated_at, item.expires_at) == (5.0, None, None)
+        assert store.delete_expired().tolist() == [int(ids[0])]
+        assert store.delete_expired().tolist() == []
+        clock.now += 10
+        assert store.delete_expired().tolist() == [int(ids[2])]
+        assert store.expiries()[0].tolist() == []
+        for bad, message in [(np.array([1.0, 2.0]), "shape"), (np.array([np.inf, 1, 1]), "finite")]:
+            with pytest.raises(InvalidArgument, match=message):
+                store.add(vectors, namespace="n", expires_at=bad)
+        assert store.count() == 2
+
+
+def test_check_ttl():
+    from kalos.store import check_ttl
+
+    assert check_ttl(None, 3) is None and check_ttl([None, None], 2) is None
+    assert check_ttl(2, 2).tolist() == [2.0, 2.0]
+    got = check_ttl([1.5, None], 2)
+    assert got[0] == 1.5 and np.isnan(got[1])
+    for ttl, message in [(0, "> 0"), (-1, "> 0"), (float("nan"), "> 0"), (float("inf"), "> 0"), (True, "number"),
+                         ("5", "seconds"), ([1], "1 entries for 2"), ([1, "x"], r"ttl\[1\]"), ({1, 2}, "seconds"),
+                         ([1, 0], r"ttl\[1\] must be a finite")]:
+        with pytest.raises(InvalidArgument, match=message):
+            check_ttl(ttl, 2)
+
+
+def _wait_past(t: float) -> None:
+    while time.time() <= t:
+        time.sleep(max(0.0, min(0.01, t - time.time())))
+
+
+def test_expired_memories_are_never_served_from_the_moment_they_expire(memory):
+    ids = memory.add(3, "ttl", keys=["a", "b", "c"], ttl=[1.0, None, 1.5], metadata=[{"g": 1}] * 3)
+    forever = memory.add(2, "ttl")
+    items = memory.client.get(ids=ids.tolist())
+    assert items[1].expires_at is None and items[0].expires_at < items[2].expires_at
+    a_vector = memory.model[int(ids[0])][0].astype(np.float32)
+    # Before: served by every path (a recall of its own vector finds it first).
+    while time.time() < items[0].expires_at - 0.2:
+        assert memory.client.recall(a_vector, k=1, namespace="ttl").ids.tolist() == [ids[0]]
+        time.sleep(0.05)
+    _wait_past(items[0].expires_at)
+    # From expires_at on: no recall, get, list or count returns it (no waiting for a sweep).
+    assert int(ids[0]) not in memory.client.recall(a_vector, k=5, namespace="ttl").ids.tolist()
+    assert memory.client.get(keys=["a"], namespace="ttl") == [None]
+    assert int(ids[0]) not in [it.id for it in memory.client.list(namespace="ttl")]
+    assert memory.client.count(namespace="ttl", where={"g": 1}) == 2
+    del memory.model[int(ids[0])]
+    memory.check("ttl", context="after the first expiry")
+    with pytest.raises(UnknownKey):
+        memory.client.update("a", namespace="ttl", text="too late")
+    # An upsert of b with a ttl makes it expire; one of c without a ttl keeps it for ever.
+    memory.add(1, "ttl", keys=["b"], ttl=0.5)
+    memory.add(1, "ttl", keys=["c"])
+    b_expiry = memory.client.get(keys=["b"], namespace="ttl")[0].expires_at
+    _wait_past(max(b_expiry, items[2].expires_at))
+    del memory.model[int(ids[1])]
+    assert [it is None for it in memory.client.get(keys=["b", "c"], namespace="ttl")] == [True, False]
+    memory.check("ttl", context="after the upserts' expiries")
+    assert memory.client.count(namespace="ttl") == 3
+    # The sweep deletes them from the store too, in the background.
+    def swept() -> bool:
+        with Store.open(memory.store, readonly=True) as store:
+            return store.count() == 3
+
+    wait_until(swept, "the expired rows to leave the store", timeout=10)
+    assert memory.client.stats()["count"] == 3
+    assert [it.id for it in memory.client.get(ids=forever.tolist())] == forever.tolist()
+    for ttl, message in [(0, "> 0"), ([1.0], "1 entries for 2"), ("1", "seconds")]:
+        with pytest.raises(InvalidArgument, match=message):
+            memory.client.add(np.ones((2, DIM)), namespace="ttl", ttl=ttl)
+    with pytest.raises(InvalidArgument, match="> 0"):  # the sidecar checks too
+        from kalos.control import array_blob
+
+        spec, blob = array_blob(np.ones((1, DIM), np.float32), "float32")
+        memory.client._control({"op": "add", "namespace": "ttl", "vectors": spec, "ttl": [-1]}, blob)
+    assert memory.client.count(namespace="ttl") == 3
+    # With no recall at all, the expirer thread tombstones rows at their expiry (what the GPU's
+    # polling, which answers without a sweep pass, relies on): stats does not expire anything.
+    before = memory.client.stats()["count"]
+    quiet = memory.client.add(np.ones((2, DIM)), namespace="quiet", ttl=0.3)
+    _wait_past(memory.client.get(ids=quiet[:1].tolist())[0].expires_at)
+    wait_until(lambda: memory.client.stats()["count"] == before, "the expirer to tombstone the rows", timeout=5)
+
+
+def test_expiry_survives_a_restart(sidecars, store_dir):
+    name = unique_name("ttlr")
+    path = store_dir / "r.db"
+    proc = sidecars.start(path, name=name, dim=DIM)
+    rng = np.random.default_rng(_seed_value())
+    vectors = rng.standard_normal((4, DIM)).astype(np.float32)
+    with Client(name, timeout=5.0) as client:
+        ids = client.add(vectors, ttl=[0.6, 0.6, None, 60.0])
+        expiry = client.get(ids=ids[:1].tolist())[0].expires_at
+    proc.kill()  # kill -9: the expiries are in the store, the heap is gone
+    _wait_past(expiry)
+    sidecars.start(path, name=name)
+    with Client(name, timeout=5.0) as client:
+        assert [it is None for it in client.get(ids=ids.tolist())] == [True, True, False, False]
+        for v in vectors[:2]:
+            assert not set(client.recall(v, k=4).ids.tolist()) & set(ids[:2].tolist())
+        assert client.count() == 2
+        assert client.stats()["count"] == 2, "the engine never served the rows that expired while it was down"

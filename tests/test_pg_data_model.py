@@ -1,0 +1,106 @@
+"""update, list/count, scoped delete and TTL (issue 22) on a PostgreSQL store: the store API beside
+the SQLite store's, and two sidecars on one database (the followers apply updates, scoped
+deletes and expiries). Against a real server (tests/pg_server.py) and the float64 reference.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kalos.errors import InvalidArgument, UnknownKey
+from kalos.store import Store, check_update
+from kalos.where import compile_where
+
+psycopg = pytest.importorskip("psycopg", reason="the postgres extra (psycopg) is not installed")
+
+from kalos.pg_store import PostgresStore  # noqa: E402
+
+from conftest import SidecarPool, unique_name, wait_until  # noqa: E402
+from pg_server import find_bin_dir  # noqa: E402
+from test_pg_store import DIM, Host, _check_recalls, _unit, pg, url  # noqa: E402,F401  (fixtures)
+
+pytestmark = pytest.mark.skipif(find_bin_dir() is None, reason="PostgreSQL's server binaries are not installed")
+
+
+def test_update_list_count_delete_where_and_expiry_match_the_sqlite_store(url: str, store_dir: Path,
+                                                                          rng: np.random.Generator) -> None:
+    vectors = _unit(rng, 6)
+    metas = [{"u": "alice", "n": 1}, {"u": "bob", "n": 2}, {"u": "alice", "n": 3}, None, {"u": "bob"}, {"n": 9}]
+    answers = []
+    with PostgresStore.open(url, dim=DIM) as pg_store, Store.open(store_dir / "m.db", dim=DIM) as sqlite_store:
+        for store in (pg_store, sqlite_store):
+            now = time.time()
+            ids, _, _, _ = store.upsert(vectors, keys=[f"k{i}" for i in range(6)], namespace="n", metadata=metas,
+                                        texts=[f"t{i}" for i in range(6)],
+                                        expires_at=np.array([np.nan] * 5 + [now - 1]))  # k5: expired already
+            got = store.update(check_update("k0", DIM, namespace="n", vector=vectors[3], text="moved",
+                                            metadata={"n": 7}, merge=True))
+            assert got[0] == ids[0]
+            with pytest.raises(UnknownKey):
+                store.update(check_update("k5", DIM, namespace="n", text="expired"))
+            with pytest.raises(UnknownKey):
+                store.update(check_update("k1", DIM, namespace="other", text="x"))
+            page, after = store.list_items(namespace="n", limit=2)
+            rest, end = store.list_items(namespace="n", limit=10, after=after)
+            assert end is None and [it.id for it in page + rest] == ids[:5].tolist()
+            alice = compile_where({"u": "alice"})
+            counts = (store.count_items(), store.count_items(namespace="n", where=alice),
+                      store.count_items(namespace="x"))
+            deleted = store.delete_where(namespace="n", where=alice)
+            expired = store.delete_expired()
+            remaining = store.list_items(namespace=None, limit=100)[0]
+            answers.append((counts, len(deleted), len(expired), [(it.key, it.text, it.metadata) for it in remaining],
+                            [(it.key, it.text, it.metadata) for it in page]))
+            dropped = store.delete_where(namespace="n")
+            assert len(dropped) == 3 and store.count_items() == 0
+    assert answers[0] == answers[1], answers
+    assert answers[0][0] == (5, 2, 0) and answers[0][1:3] == (2, 1)
+
+
+def test_followers_apply_updates_scoped_deletes_and_expiries(url: str, sidecars: SidecarPool,
+                                                             rng: np.random.Generator) -> None:
+    a = Host(sidecars, url, unique_name("a"))
+    b = Host(sidecars, url, unique_name("b"))
+    vectors = _unit(rng, 20)
+    metas = [{"g": i % 4} for i in range(20)]
+    ids = a.client.add(vectors, keys=[f"k{i}" for i in range(20)], namespace="m", metadata=metas)
+    model = {i: (v.astype(np.float64), "m", 0.0) for i, v in zip(ids.tolist(), vectors)}
+    wait_until(lambda: b.ids() == set(model), "B to see A's adds")
+    # An update of a vector through A: B serves the new one (and never both).
+    new = _unit(rng, 1)[0]
+    a.client.update("k3", namespace="m", vector=new, text="updated")
+    model[int(ids[3])] = (new.astype(np.float64), "m", 0.0)
+
+    def b_serves_the_update() -> bool:
+        hit = b.client.recall(new, k=1, namespace="m")
+        return hit.ids.tolist() == [ids[3]] and hit.scores[0] > 1 - 1e-5
+
+    wait_until(b_serves_the_update, "B to serve A's update")
+    assert b.client.get(keys=["k3"], namespace="m")[0].text == "updated"
+    _check_recalls(b, model, rng, "m")
+    # A scoped delete through B reaches A.
+    assert b.client.delete(where={"g": 1}, namespace="m") == 5
+    for i, m in zip(ids.tolist(), metas):
+        if m["g"] == 1:
+            model.pop(i)
+    wait_until(lambda: a.ids() == set(model), "A to see B's scoped delete")
+    _check_recalls(a, model, rng, None)
+    # Expiring rows added through A: B stops serving them at their expiry, and one of the two
+    # sweeps them from the database.
+    short = a.client.add(_unit(rng, 3), namespace="m", ttl=1.5)
+    expiry = a.client.get(ids=short[:1].tolist())[0].expires_at
+    wait_until(lambda: set(short.tolist()) <= b.ids(), "B to see A's expiring adds")
+    while time.time() <= expiry:
+        time.sleep(0.01)
+    for host in (a, b):
+        assert not set(short.tolist()) & host.ids(), f"{host.name} served an expired memory"
+        assert host.client.get(ids=short.tolist()) == [None] * 3
+    with PostgresStore.open(url, readonly=True) as ro:
+        wait_until(lambda: ro.count() == len(model), "the expired rows to leave the database")
+    assert b.client.drop_namespace("m") == len(model)
+    wait_until(lambda: a.ids() == set(), "A to see B's drop_namespace")
+    with pytest.raises(InvalidArgument):
+        a.client.delete(where={"g": {"$bad": 1}}, namespace="m")
