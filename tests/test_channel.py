@@ -250,8 +250,7 @@ class Harness:
         self.errors: list[BaseException] = []
         self.threads: list[threading.Thread] = []
 
-    def add_client(self, *, timeout: float = 30.0, spin_s: float = 0.0, futex_wait: bool = True,
-                   futex_slice_s: float = 0.01) -> ClientChannel:
+    def add_client(self, *, timeout: float = 30.0, spin_s: float = 0.0) -> ClientChannel:
         slot = len(self.clients)
         wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._fds.append(wake)
@@ -261,8 +260,7 @@ class Harness:
         self.peers.append(theirs)
         channel = ClientChannel(
             self.client_segment, self.layout, slot, doorbell_fd=self.side.doorbell_fd, wake_fd=wake,
-            control=ours, epoch=self.epoch, timeout=timeout, spin_s=spin_s, futex_wait=futex_wait,
-            futex_slice_s=futex_slice_s,
+            control=ours, epoch=self.epoch, timeout=timeout, spin_s=spin_s,
         )
         self.clients.append(channel)
         return channel
@@ -401,24 +399,19 @@ def run_clients(h: Harness, n_requests: int, *, tokens_base: int = 1) -> list[fl
 
 
 def test_thousands_of_requests_spinning_and_sleeping_clients(harness):
-    """Spinners, futex sleepers and eventfd sleepers (an AsyncClient's way) in one crowd."""
     h = harness(n_slots=6, max_batch=3)
-    for spin, futex_wait in ((50e-6, True), (0.0, True), (200e-6, False), (0.0, False), (20e-6, True), (0.0, True)):
-        h.add_client(spin_s=spin, futex_wait=futex_wait)
+    for spin in (50e-6, 0.0, 200e-6, 0.0, 20e-6, 0.0):
+        h.add_client(spin_s=spin)
     h.serve(sleep_when_idle=False)
     with fast_thread_switches():
         run_clients(h, 1500)
 
 
-@pytest.mark.parametrize("futex_wait", [True, False], ids=["futex", "eventfd"])
-def test_sleeping_sidecar_and_sleeping_clients_lose_no_wakeup(harness, futex_wait):
-    """Both sides always sleep; a lost doorbell would stall a request for the sidecar's 30 s nap,
-    a lost futex wake-up for the client's futex slice, made 30 s here (by default it wakes every
-    10 ms to look at the control socket). (A lost eventfd wake-up costs only the 100 ms poll
-    slice, below this bound.)"""
+def test_sleeping_sidecar_and_sleeping_clients_lose_no_wakeup(harness):
+    """Both sides always sleep; a lost doorbell would stall a request for the sidecar's 30 s nap."""
     h = harness(n_slots=3, max_batch=2)
     for _ in range(3):
-        h.add_client(spin_s=0.0, futex_wait=futex_wait, futex_slice_s=30.0, timeout=200.0)
+        h.add_client(spin_s=0.0)
     h.serve(sleep_when_idle=True, sleep_timeout_s=30.0)
     with fast_thread_switches():
         worst = run_clients(h, 700)
@@ -509,10 +502,9 @@ def test_epoch_change_raises_sidecar_unavailable(harness):
         channel.check_alive()
 
 
-@pytest.mark.parametrize("futex_wait", [True, False], ids=["futex", "eventfd"])
-def test_closed_control_socket_raises_sidecar_unavailable_at_once(harness, futex_wait):
+def test_closed_control_socket_raises_sidecar_unavailable_at_once(harness):
     h = harness(n_slots=1)
-    channel = h.add_client(timeout=30.0, spin_s=0.0, futex_wait=futex_wait)
+    channel = h.add_client(timeout=30.0, spin_s=0.0)
     h.serve(sleep_when_idle=False)
     h.answer.clear()
     channel.slot.n_queries[0] = 1

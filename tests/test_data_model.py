@@ -207,6 +207,61 @@ def test_async_client_update_list_count_delete_where(memory):
     assert memory.client.count(namespace="a") == 0
 
 
+class _TableEmbedder:
+    """A Kalos embedder (dim, name, embed) of fixed random vectors, one per text."""
+
+    name = "table"
+    dim = DIM
+
+    def __init__(self, rng: np.random.Generator, texts: list[str]) -> None:
+        self.table = {t: rng.standard_normal(DIM).astype(np.float32) for t in texts}
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        return np.stack([self.table[t] for t in texts])
+
+
+def test_text_hits_carry_key_and_updated_at(memory):
+    from kalos import AsyncClient
+
+    embedder = _TableEmbedder(memory.rng, ["keyed", "revised", "plain"])
+    with Client(memory.name, timeout=5.0, embedder=embedder) as client:
+        client.add(embedder.embed(["keyed"]), texts=["keyed"], keys=["k"], namespace="h")
+        client.add(embedder.embed(["plain"]), texts=["plain"], namespace="h")
+        [hit] = client.recall_text("keyed", k=1, namespace="h")
+        assert (hit.text, hit.key, hit.updated_at) == ("keyed", "k", None)
+        t0 = time.time()
+        client.add(embedder.embed(["revised"]), texts=["revised"], keys=["k"], namespace="h")  # upsert
+        hits = client.recall_text("revised", k=2, namespace="h")
+        assert [(h.text, h.key) for h in hits] == [("revised", "k"), ("plain", None)]
+        assert t0 - 1 <= hits[0].updated_at <= time.time() + 1 and hits[1].updated_at is None
+        assert hits[0].created_at <= t0 and hits[0].id == client.get(keys=["k"], namespace="h")[0].id
+
+    async def main() -> list:
+        async with AsyncClient(memory.name, timeout=5.0, embedder=embedder) as client:
+            return await client.recall_text("revised", k=2, namespace="h")
+
+    hits = asyncio.run(main())
+    assert [(h.text, h.key, h.updated_at is None) for h in hits] == [("revised", "k", False), ("plain", None, True)]
+
+
+def test_get_with_vectors_by_keys_or_by_ids_never_both(memory):
+    ids = memory.add(3, "g", keys=["a", "b", "c"])
+    want = {i: v / np.linalg.norm(v) for i, (v, _ns, _t) in memory.model.items()}
+    by_key = memory.client.get(keys=["c", "absent", "a"], namespace="g", with_vectors=True)
+    by_id = memory.client.get(ids=[int(ids[1]), 10**12, int(ids[1])], with_vectors=True)
+    assert [it and it.key for it in by_key] == ["c", None, "a"] and [it and it.key for it in by_id] == ["b", None, "b"]
+    for item in by_key + by_id:
+        if item is not None:
+            assert item.vector.dtype == np.float32 and item.vector.shape == (DIM,)
+            np.testing.assert_allclose(item.vector, want[item.id], atol=1e-6)
+    assert memory.client.get(keys=["g-other"], namespace="elsewhere", with_vectors=True) == [None]
+    for kwargs in (dict(keys=["a"], ids=[int(ids[0])]), dict()):
+        with pytest.raises(InvalidArgument, match="one of them"):
+            memory.client.get(namespace="g", with_vectors=True, **kwargs)
+    with pytest.raises(InvalidArgument, match="one of them"):  # the sidecar checks too
+        memory.client._control({"op": "get", "keys": ["a"], "ids": [int(ids[1])], "namespace": "g"})
+
+
 def test_store_update_is_durable_and_checked(tmp_path):
     path = tmp_path / "s.db"
     with Store.open(path, dim=4) as store:
@@ -286,33 +341,50 @@ def test_list_and_count_page_through_every_matching_memory_once(memory):
 
 
 def test_list_is_stable_under_concurrent_writes(memory):
+    """Writes between every two pages (another client's: deletes of memories already listed and
+    still ahead, adds, upserts of listed and unlisted keys, updates), and a writer thread besides:
+    every memory present throughout is listed exactly once."""
     ids = memory.add(300, "s", keys=[f"k{i}" for i in range(300)])
-    doomed = set(ids[1::3].tolist())  # deleted while the listing runs
-    throughout = set(ids.tolist()) - doomed
+    doomed = sorted(ids[1::3].tolist())  # deleted while the listing runs, from both ends
+    throughout = set(ids.tolist()) - set(doomed)
     stop, errors = threading.Event(), []
 
     def writer() -> None:
         try:
             with Client(memory.name, timeout=5.0) as w:
-                rng = np.random.default_rng(1)
-                for i in sorted(doomed, reverse=True):
-                    if stop.is_set():
-                        return
-                    w.add(rng.standard_normal((2, DIM)), namespace="s")  # new ids: after every listed one
-                    w.add(rng.standard_normal((1, DIM)), keys=[f"k{int(rng.integers(300))}"], namespace="s")  # same id
-                    w.update(int(rng.choice(list(throughout))), metadata={"touched": True})
-                    w.delete(ids=[i])
+                rng = np.random.default_rng(2)
+                while not stop.is_set():
+                    w.add(rng.standard_normal((1, DIM)), keys=[f"k{3 * int(rng.integers(100))}"], namespace="s")
+                    w.update(int(rng.choice(sorted(throughout))), metadata={"thread": True})
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
     thread = threading.Thread(target=writer)
     thread.start()
+    seen: list[int] = []
+    cursor, rounds, deleted = None, 0, set()
+    rng = np.random.default_rng(1)
     try:
-        seen = [it.id for it in _all_pages(memory.client, 7, namespace="s")]
+        with Client(memory.name, timeout=5.0) as w:
+            while True:
+                page = memory.client.list(namespace="s", limit=7, cursor=cursor)
+                seen += [it.id for it in page]
+                cursor = page.next_cursor
+                if cursor is None:
+                    break
+                rounds += 1
+                for victim in doomed[:1] + doomed[-1:]:
+                    w.delete(ids=[victim])
+                    deleted.add(victim)
+                doomed = doomed[1:-1]
+                w.add(rng.standard_normal((1, DIM)), namespace="s")  # a new id: after every listed one
+                w.add(rng.standard_normal((1, DIM)), keys=[f"k{int(rng.integers(300))}"], namespace="s")  # same id
+                w.update(int(rng.choice(sorted(throughout))), metadata={"touched": True})
     finally:
         stop.set()
         thread.join(60)
     assert not errors, errors
+    assert rounds >= 40 and len(deleted) >= 80, (rounds, len(deleted))
     assert len(seen) == len(set(seen)), "an item was listed twice"
     assert throughout <= set(seen), f"skipped: {sorted(throughout - set(seen))[:10]}"
     assert seen == sorted(seen)
@@ -393,6 +465,23 @@ def test_kalos_list_and_count(memory):
     assert item.text == "brief" and item.expires_at is not None
     _wait_past(item.expires_at)
     assert memory.client.count(namespace="cli-ttl") == 0
+    # Namespaces of 255 UTF-8 bytes through the shell: add, recall, list and count; 256 refused.
+    long_a, long_b = ("日本" * 42 + "ab" + tail for tail in ("a", "b"))
+    assert len(long_a.encode()) == len(long_b.encode()) == 255
+    vector = memory.rng.standard_normal(DIM)
+    path.write_text("".join(json.dumps({"vector": vector.tolist(), "text": f"in {ns[-1]}", "namespace": ns},
+                                       ensure_ascii=False) + "\n" for ns in (long_a, long_b)), encoding="utf-8")
+    result = run_guarded(base + ["add", str(path), "--name", memory.name])
+    assert result.returncode == 0, result.stderr
+    result = run_guarded(base + ["recall", "--name", memory.name, "--namespace", long_b, "-k", "3", "--json",
+                                 "--vector", ",".join(f"{x:.6f}" for x in vector)])
+    assert result.returncode == 0, result.stderr
+    assert [(h["namespace"], h["text"]) for h in json.loads(result.stdout)] == [(long_b, "in b")]
+    result = run_guarded(base + ["list", "--name", memory.name, "--namespace", long_a, "--json"])
+    assert result.returncode == 0, result.stderr
+    assert [json.loads(line).get("text") for line in result.stdout.splitlines()] == ["in a", None]
+    result = run_guarded(base + ["count", "--name", memory.name, "--namespace", long_a + "x"])
+    assert result.returncode == 2 and "256 UTF-8 bytes" in result.stderr, result.stderr
 
 
 # -- namespaces of up to 255 bytes -------------------------------------------------------------------
@@ -451,12 +540,14 @@ def test_store_expiry_at_its_boundary(tmp_path, monkeypatch):
         clock.now += 10 - 1e-6  # just before: everything is there
         assert all(store.get(ids)) and store.get_keys(["k"], "n")[0] is not None
         assert store.count_items(namespace="n") == 4 and store.count_items(where=compile_where({"g": 1})) == 3
+        assert store.namespace_counts()["n"] == 4
         assert len(store.delete_expired()) == 0
         clock.now += 1e-6  # at expires_at: gone from get, get_keys, list, count and update at once
         assert [it is None for it in store.get(ids)] == [True, False, False]
         assert store.get_keys(["k"], "n") == [None]
         assert [it.id for it in store.list_items(namespace="n")[0]] == [int(ids[1]), int(ids[2])]
         assert store.count_items(namespace="n") == 2 and store.count_items(where=compile_where({"g": 1})) == 2
+        assert store.namespace_counts()["n"] == 2, "stats' counts leave out what expired (not yet swept)"
         with pytest.raises(UnknownKey):
             store.update(check_update("k", 4, namespace="n", text="x"))
         # An upsert of the expired key: a new memory under its id, which expires no more.
@@ -540,12 +631,104 @@ def test_expired_memories_are_never_served_from_the_moment_they_expire(memory):
         spec, blob = array_blob(np.ones((1, DIM), np.float32), "float32")
         memory.client._control({"op": "add", "namespace": "ttl", "vectors": spec, "ttl": [-1]}, blob)
     assert memory.client.count(namespace="ttl") == 3
-    # With no recall at all, the expirer thread tombstones rows at their expiry (what the GPU's
-    # polling, which answers without a sweep pass, relies on): stats does not expire anything.
+    # With no recall at all, the expirer thread tombstones rows at their expiry: stats does not
+    # expire anything.
     before = memory.client.stats()["count"]
     quiet = memory.client.add(np.ones((2, DIM)), namespace="quiet", ttl=0.3)
     _wait_past(memory.client.get(ids=quiet[:1].tolist())[0].expires_at)
     wait_until(lambda: memory.client.stats()["count"] == before, "the expirer to tombstone the rows", timeout=5)
+
+
+class _PollingKernel:
+    """Stands in for the GPU's slot server (CUDA only), which answers single recalls without a
+    sweep pass and knows nothing of expiries: polling until stopped; records when it stops and starts."""
+
+    served = 0
+
+    def __init__(self, n_slots: int) -> None:
+        self.handed = np.zeros(n_slots, np.uint64)  # nothing handed to the host
+        self.on = True
+        self.stops: list[float] = []
+        self.starts: list[float] = []
+
+    def running(self) -> bool:
+        return self.on
+
+    def stop(self) -> None:
+        if self.on:
+            self.stops.append(time.time())
+        self.on = False
+
+    def start(self, active: np.ndarray) -> None:
+        self.on = True
+        self.starts.append(time.time())
+
+    def set_namespaces(self, names: object) -> None:
+        pass
+
+    def forget(self, slot: int) -> None:
+        pass
+
+
+def test_gpu_polling_stops_before_an_expiry_and_stays_off_until_it_passed(runtime_dir, rng):
+    """The polling kernel cannot tell an expired row, so the sweep stops it just before the first
+    expiry and answers itself (tombstoning the row at its expires_at) until that has passed."""
+    import os
+
+    from kalos.control import array_blob
+    from kalos.sidecar import _EXPIRY_LEAD_S, Sidecar, SidecarConfig
+
+    directory = short_tempdir("gpx")
+    sidecar = Sidecar(SidecarConfig(store=os.path.join(directory, "s.db"), name=unique_name("gpx"), dim=DIM,
+                                    device="cpu", slots=4))
+    thread = None
+    try:
+        vectors = rng.standard_normal((2, DIM)).astype(np.float32)
+        spec, blob = array_blob(vectors, "float32")
+        _, out = sidecar._op_add({"vectors": spec, "namespace": "t", "ttl": [1.0, None]}, bytearray(blob))
+        doomed, kept = np.frombuffer(out, np.int64).tolist()
+        expires_at = sidecar._expiry[doomed]
+        # A row that was to expire first, upserted since without a ttl: its stale heap entry
+        # must not stop the polling.
+        for ttl in ([0.3], None):
+            spec, blob = array_blob(vectors[1:], "float32")
+            sidecar._op_add({"vectors": spec, "namespace": "u", "keys": ["s"], "ttl": ttl}, bytearray(blob))
+        assert sidecar._expiry_heap[0][0] < expires_at - 0.5
+        kernel = sidecar._slot_server = _PollingKernel(sidecar.layout.n_slots)  # polling, as after a recall
+        channel = sidecar.channel
+        thread = threading.Thread(target=sidecar._sweep_until_stopped, args=(channel,), daemon=True)
+        thread.start()
+        wait_until(lambda: kernel.stops, "the sweep to stop the polling kernel", timeout=5)
+        assert expires_at - 0.5 < kernel.stops[0] < expires_at, (kernel.stops[0] - expires_at, _EXPIRY_LEAD_S)
+        # A recall now, before the expiry: the sweep answers it and leaves the kernel off.
+        slot = channel.take_slot(os.eventfd(0))
+        view = channel.slots[slot]
+        view.op[0], view.k[0], view.n_queries[0], view.flags[0] = 1, 2, 1, 0
+        view.namespace[0], view.namespace_len[0] = b"t", 1
+        view.queries[0] = vectors[0]
+        seq = 0
+
+        def recall() -> list[int]:
+            nonlocal seq
+            seq += 1
+            view.req_seq[0] = seq
+            os.eventfd_write(channel.doorbell_fd, 1)  # as a client does when the sweep sleeps
+            wait_until(lambda: int(view.resp_seq[0]) == seq, "the sweep's answer", timeout=5)
+            return [i for i in view.ids[0, :2].tolist() if i >= 0]
+
+        if time.time() < expires_at:
+            assert doomed in recall()
+        assert not kernel.starts, "the kernel was started again before the expiry"
+        _wait_past(expires_at)
+        assert recall() == [kept], "the sweep's pass at the expiry tombstoned the row"
+        assert kernel.starts, "with no expiry ahead the sweep starts the kernel again"
+        assert kernel.starts[0] >= expires_at
+    finally:
+        sidecar._stopping.set()
+        if thread is not None:
+            thread.join(10)
+        sidecar.close()
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_expiry_survives_a_restart(sidecars, store_dir):

@@ -231,6 +231,21 @@ def test_ttl_expires_and_refresh_on_read_renews(client8: Client):
     assert [i.key for i in kalos.search(ns)] == ["forever"]
 
 
+def test_refresh_on_read_off_yields_to_an_explicit_refresh_ttl(client8: Client):
+    """``refresh_on_read=False`` is the default of each call; ``refresh_ttl=True`` still renews
+    (BaseStore resolves the two into the op, as for LangGraph's PostgresStore)."""
+    kalos, _ = stores(client8, ttl={"default_ttl": 0.02, "refresh_on_read": False})  # 1.2 s
+    ns = ("r",)
+    kalos.put(ns, "asked", {"text": "a"})
+    kalos.put(ns, "default", {"text": "b"})
+    time.sleep(0.7)
+    assert kalos.get(ns, "default") is not None  # the config's default: not renewed
+    assert kalos.get(ns, "asked", refresh_ttl=True) is not None  # renewed: 1.2 s from now
+    time.sleep(0.8)
+    assert kalos.get(ns, "default") is None
+    assert kalos.get(ns, "asked") is not None
+
+
 def test_a_put_replaces_the_vectors_of_the_previous_one(client8: Client):
     """What InMemoryStore keeps (the old version's vectors) is gone here: a query equal to a text
     only the old version indexed scores the item by its current text, and no row is left over."""

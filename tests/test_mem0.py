@@ -229,6 +229,15 @@ def test_vector_store_calls_against_the_reference(client16: Client, sidecar16: T
     batch = store.search_batch(["q"] * 5, queries.tolist(), top_k=4, filters={"user_id": "bob"})
     for q, answer in zip(queries, batch):
         assert [a.id for a in answer] == reference(q, 4, lambda p: p["user_id"] == "bob")[0]
+    # A top_k past the sidecar's max_k is answered whole (scored here), never cut to max_k.
+    wide = client16.max_k + 20
+    assert n > wide
+    want_ids, want_scores = reference(queries[0], wide, lambda p: True)
+    got = store.search("", queries[0].tolist(), top_k=wide)
+    assert [g.id for g in got] == want_ids and len(got) == wide
+    np.testing.assert_allclose([g.score for g in got], want_scores, atol=1e-5)
+    [answer] = store.search_batch(["q"], queries[:1].tolist(), top_k=wide, filters={"user_id": "bob"})
+    assert [a.id for a in answer] == reference(queries[0], wide, lambda p: p["user_id"] == "bob")[0]
 
     # get / update / delete by mem0's UUIDs.
     row = store.get(ids[7])
@@ -263,4 +272,9 @@ def test_bad_filters_and_arguments_are_refused(client16: Client, sidecar16: Text
     with pytest.raises(Exception, match="dimension"):
         KalosMem0(collection_name=collection, embedding_model_dims=DIM + 1, sidecar=sidecar16.name)
     assert mem0_where({"OR": [{"user_id": "a"}], "$or": [{"user_id": "a"}]}) == {"$or": [{"user_id": "a"}]}
+    # Different conditions under OR and $or: both hold (neither spelling widens the scope).
+    both = {"OR": [{"user_id": "alice"}], "$or": [{"user_id": "bob"}]}
+    assert mem0_where(both) == {"$and": [{"$or": [{"user_id": "alice"}]}, {"$or": [{"user_id": "bob"}]}]}
+    assert store.search("", [1.0] + [0.0] * (DIM - 1), top_k=5, filters=both) == []
+    assert store.search("", [1.0] + [0.0] * (DIM - 1), top_k=5, filters={**both, "data": {"contains": "x"}}) == []
     assert store.col_info()["count"] == 1

@@ -36,6 +36,7 @@ def test_update_list_count_delete_where_and_expiry_match_the_sqlite_store(url: s
             ids, _, _, _ = store.upsert(vectors, keys=[f"k{i}" for i in range(6)], namespace="n", metadata=metas,
                                         texts=[f"t{i}" for i in range(6)],
                                         expires_at=np.array([np.nan] * 5 + [now - 1]))  # k5: expired already
+            assert store.namespace_counts()["n"] == 5
             got = store.update(check_update("k0", DIM, namespace="n", vector=vectors[3], text="moved",
                                             metadata={"n": 7}, merge=True))
             assert got[0] == ids[0]
@@ -104,3 +105,33 @@ def test_followers_apply_updates_scoped_deletes_and_expiries(url: str, sidecars:
     wait_until(lambda: a.ids() == set(), "A to see B's drop_namespace")
     with pytest.raises(InvalidArgument):
         a.client.delete(where={"g": {"$bad": 1}}, namespace="m")
+
+
+def test_namespaces_of_255_bytes_on_postgresql_and_its_followers(url: str, sidecars: SidecarPool,
+                                                                 rng: np.random.Generator) -> None:
+    """Names that agree on their first 254 bytes are two namespaces in the database, in the sidecar
+    that wrote them and in a follower that loaded them from it; 256 bytes are refused."""
+    base = "users/alice/memories/" + "x" * 233
+    names = [base + "a", base + "b", "日本" * 42 + "abc"]  # 255 UTF-8 bytes each
+    assert [len(n.encode()) for n in names] == [255, 255, 255]
+    with PostgresStore.open(url, dim=DIM) as store:
+        for name in names:
+            store.add(_unit(rng, 3), namespace=name, metadata=[{"n": i} for i in range(3)])
+        for name in names:
+            items, _ = store.list_items(namespace=name)
+            assert {it.namespace for it in items} == {name} and len(items) == 3
+            assert store.count_items(namespace=name, where=compile_where({"n": {"$gte": 1}})) == 2
+        assert len(store.delete_where(namespace=names[0])) == 3 and store.count_items(namespace=names[1]) == 3
+        with pytest.raises(InvalidArgument, match="255"):
+            store.add(_unit(rng, 1), namespace="n" * 256)
+    a = Host(sidecars, url, unique_name("a"))
+    b = Host(sidecars, url, unique_name("b"))
+    vectors = _unit(rng, 4)
+    ids = a.client.add(vectors, namespace=names[0], keys=[f"k{i}" for i in range(4)])
+    wait_until(lambda: set(ids.tolist()) <= b.ids(), "B to see A's adds")
+    for host in (a, b):
+        for name, want in ((names[0], set(ids.tolist())), (names[1], None)):
+            hit = host.client.recall(vectors[0], k=10, namespace=name)
+            assert want is None or set(hit.ids.tolist()) == want, (host.name, name)
+            assert {it.namespace for it in host.client.get(ids=hit.ids.tolist())} == {name}
+        assert host.client.count(namespace=names[1]) == 3 and host.client.get(keys=["k0"], namespace=names[1]) == [None]

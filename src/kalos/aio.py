@@ -491,8 +491,8 @@ class AsyncClient:
         since: TimeLike | None = None, until: TimeLike | None = None, *, where: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> list[Hit]:
-        """:meth:`Client.recall_text`: embeds in a worker thread, recalls natively, then fetches the
-        hits' texts in one control round trip."""
+        """:meth:`Client.recall_text`: embeds in a worker thread (by default the sidecar embeds, as
+        for :class:`Client`), recalls natively, then fetches the hits' texts in one control round trip."""
         if kwargs:
             return await self._in_thread("recall_text", text, k, namespace, since, until, where=where, **kwargs)
         if not isinstance(text, str):

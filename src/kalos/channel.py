@@ -31,8 +31,7 @@ import numpy as np
 
 from kalos.config import runtime_dir
 from kalos.errors import InvalidArgument, ProtocolMismatch, SidecarUnavailable
-from kalos import futex
-from kalos.protocol import HEADER_DTYPE, HeaderView, Layout, Sleep, SlotColumns, SlotView
+from kalos.protocol import HEADER_DTYPE, HeaderView, Layout, SlotColumns, SlotView
 from kalos.sync import full_fence
 
 __all__ = ["Endpoint", "Segment", "ClientChannel", "SidecarChannel", "SidecarExited"]
@@ -207,8 +206,6 @@ class ClientChannel:
         epoch: int,
         timeout: float,
         spin_s: float,
-        futex_wait: bool = True,
-        futex_slice_s: float = 0.01,
     ) -> None:
         self.layout = layout
         self.header = HeaderView(segment.buf)
@@ -230,13 +227,6 @@ class ClientChannel:
         self._control_fd = control.fileno()
         # Poll in slices so that a hung (not dead) sidecar is noticed by its stale heartbeat.
         self._slice_ms = max(1, min(100, int(timeout * 1000) // 4))
-        # The futex wait cannot watch the control socket, so it sleeps in shorter slices and
-        # looks at the socket between them: a dead sidecar is noticed within one slice.
-        # (futex_wait=False: sleep on the wake eventfd, as an event loop's reader does.)
-        self._futex_address = int(self.header.wake_seq.ctypes.data) if futex_wait and futex.AVAILABLE else None
-        self._futex_slice_s = futex_slice_s
-        self._control_poller = select.poll()
-        self._control_poller.register(control, select.POLLIN | select.POLLHUP | select.POLLERR)
 
     def submit(self) -> int:
         """Publishes the request already written into the slot; returns its sequence number."""
@@ -272,9 +262,6 @@ class ClientChannel:
         return int(slot.status[0])
 
     def _block(self, seq: int) -> None:
-        if self._futex_address is not None:
-            self._block_on_futex(seq)
-            return
         slot = self.slot
         while True:
             if self.going_to_sleep(seq):
@@ -289,39 +276,15 @@ class ClientChannel:
                 return
             self.check_alive()
 
-    def _block_on_futex(self, seq: int) -> None:
-        """Sleeps on the header's wake_seq until ``seq`` is answered. The order makes a lost
-        wake-up impossible: wake_seq is read before ``client_sleeping`` is announced, so a bump
-        made after that read (the sidecar saw the announcement, or an older one) makes the wait
-        return at once; and if the sidecar missed the announcement, the fence between it and the
-        look at resp_seq (Dekker, see kalos.sync) makes that look see the answer."""
-        slot, word = self.slot, self.header.wake_seq
-        poll_control = self._control_poller.poll
-        while True:
-            expected = int(word[0])
-            slot.client_sleeping[0] = Sleep.ON_FUTEX
-            full_fence()  # store client_sleeping, then load resp_seq (Dekker, see kalos.sync)
-            if slot.resp_seq[0] == seq:
-                slot.client_sleeping[0] = Sleep.AWAKE
-                return
-            futex.wait(self._futex_address, expected, self._futex_slice_s)
-            slot.client_sleeping[0] = Sleep.AWAKE
-            if slot.resp_seq[0] == seq:
-                return
-            # A wake-up for someone else's answer, or a slice over: is the sidecar still there?
-            if poll_control(0):
-                raise SidecarExited("the sidecar closed the connection (it exited or was killed)")
-            self.check_alive()
-
     def going_to_sleep(self, seq: int) -> bool:
         """Announces a sleep in ``client_sleeping``, then looks at ``resp_seq`` once more (Dekker:
         the sidecar stores resp_seq, then loads this word). True: ``seq`` is answered already
         (the word is cleared again); False: sleep, and clear the word on waking."""
         slot = self.slot
-        slot.client_sleeping[0] = Sleep.ON_EVENTFD
+        slot.client_sleeping[0] = 1
         full_fence()  # store client_sleeping, then load resp_seq (Dekker, see kalos.sync)
         if slot.resp_seq[0] == seq:
-            slot.client_sleeping[0] = Sleep.AWAKE
+            slot.client_sleeping[0] = 0
             return True
         return False
 
@@ -395,7 +358,6 @@ class SidecarChannel:
         self._lock = threading.Lock()
         self.doorbell_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.epoch = epoch
-        self._futex_address = int(self.header.wake_seq.ctypes.data)
 
     def stamp_heartbeat(self) -> None:
         self.header.heartbeat_ns[0] = time.monotonic_ns()
@@ -502,10 +464,7 @@ class SidecarChannel:
             self.answered[slot] = seq
             self._woken[slot] = seq
             full_fence()  # store resp_seq, then load client_sleeping (Dekker, see kalos.sync)
-            how = int(self.slots[slot].client_sleeping[0])
-            if how == Sleep.ON_FUTEX and futex.AVAILABLE:
-                self._wake_futex()
-            elif how != Sleep.AWAKE:
+            if self.slots[slot].client_sleeping[0]:
                 self._ring([slot])
 
     def wake_answered(self) -> None:
@@ -519,19 +478,9 @@ class SidecarChannel:
                 self._wake(fresh)
 
     def _wake(self, slots: np.ndarray) -> None:  # (self._lock held)
-        how = self.columns.client_sleeping[slots]
-        on_futex = (how == Sleep.ON_FUTEX) & futex.AVAILABLE
-        if on_futex.any():
-            self._wake_futex()
-        ring = (how != Sleep.AWAKE) & ~on_futex  # any other value (a hostile one too): its eventfd
-        if ring.any():
-            self._ring(slots[ring])
-
-    def _wake_futex(self) -> None:
-        """One system call for every client asleep on the header's futex word."""
-        word = self.header.wake_seq
-        word[0] = (int(word[0]) + 1) & 0xFFFFFFFF
-        futex.wake_all(self._futex_address)
+        sleeping = slots[self.columns.client_sleeping[slots] != 0]
+        if len(sleeping):
+            self._ring(sleeping)
 
     def _ring(self, slots: np.ndarray | list[int]) -> None:  # (self._lock held)
         for slot in (slots.tolist() if isinstance(slots, np.ndarray) else slots):

@@ -71,6 +71,21 @@ def _build_parser() -> argparse.ArgumentParser:
                        "a CUDA graph that waits for a request, then scans with the whole GPU. Beside another "
                        "process's GPU work it answers without waiting for a time slice, but takes that process's "
                        "time slices while it waits. Default: %(default)s (figures: BENCHMARKS.md)")
+    serve.add_argument("--embed", choices=["lazy", "start", "off"], default="lazy",
+                       help="the text embedder (all-MiniLM-L6-v2) that clients without one of their own use, one "
+                       "model for every client of the host: Client.remember / recall_text send text and the sidecar "
+                       "embeds it (batched across clients), so a client needs NumPy only. lazy: loaded at the first "
+                       "text (that call waits for the load: under a second from the cached ONNX graph, about ten the "
+                       "first time, while the graph is exported); start: loaded in the background at start, so the "
+                       "first text does not wait (costs ~150 MB of memory even if no text comes); off: clients must "
+                       "embed themselves. "
+                       "Needs pip install 'kalos-recall[embed]' where the sidecar runs (default: %(default)s)")
+    serve.add_argument("--embed-runtime", choices=["auto", "onnx", "torch"], default="auto",
+                       help="how the sidecar runs the embedder: onnx (ONNX Runtime over a graph exported once from "
+                       "the packaged weights and cached under ~/.cache/kalos; same vectors within cosine 0.9999, "
+                       "about twice as fast on a small CPU), torch (sentence-transformers), auto (onnx on a CPU sidecar, "
+                       "torch on the GPU of a GPU sidecar). When onnx is not possible the sidecar logs why and uses "
+                       "torch (default: %(default)s)")
     serve.add_argument("--seed-compat", action="store_true",
                        help="also serve the seed article's recall_shm_t protocol (top-8 over all namespaces)")
     serve.add_argument("--seed-compat-shm", default="/kalos_recall_shm",
@@ -98,8 +113,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "a metadata object and a namespace column (the options below name them).\n"
         "A plain .txt file is one memory per line (blank lines skipped). CSV and JSONL may begin with a UTF-8 "
         "byte-order mark.\n"
-        "Rows without a vector are embedded with the default embedder (all-MiniLM-L6-v2, 384-dim; needs "
-        "pip install 'kalos-recall[embed]'); the sidecar's store must have the vectors' dimension.\n\n"
+        "Rows without a vector are embedded by the sidecar, in batches, with its embedder (all-MiniLM-L6-v2, "
+        "384-dim; needs pip install 'kalos-recall[embed]' where the sidecar runs); the sidecar's store must have "
+        "the vectors' dimension.\n\n"
         "The WHOLE FILE IS VALIDATED FIRST: if any row is malformed, every malformed row is reported with its "
         "line number\n(row number for Parquet) and NOTHING of the file is imported.\n\n"
         "Then rows are added in batches (one transaction each). The progress file FILE.kalos-progress records how "
@@ -137,12 +153,12 @@ def _build_parser() -> argparse.ArgumentParser:
 
     recall = commands.add_parser(
         "recall", help="recall the memories nearest to a vector or a text",
-        description="Recall the k nearest memories to a query vector (or to a text, embedded with the default "
-        "embedder) and print id, score and text.",
+        description="Recall the k nearest memories to a query vector (or to a text, embedded by the sidecar) and "
+        "print id, score and text.",
     )
     source = recall.add_mutually_exclusive_group(required=True)
-    source.add_argument("--text", help="a text, embedded with the default embedder (needs pip install "
-                        "'kalos-recall[embed]')")
+    source.add_argument("--text", help="a text, embedded by the sidecar (which needs pip install "
+                        "'kalos-recall[embed]'; this command then loads no model)")
     source.add_argument("--vector", help="comma-separated floats")
     source.add_argument("--npy", type=Path, help="a .npy file holding the query vector (or a matrix: see --row)")
     recall.add_argument("--row", type=int, default=0, help="row of --npy to use (default: 0)")
@@ -312,7 +328,7 @@ def _serve(args: argparse.Namespace) -> int:
         precision=args.precision,
         slots=args.slots, max_k=args.max_k, max_batch=args.max_batch, spin_us=args.spin_us, gather_us=args.gather_us,
         seed_compat=args.seed_compat, seed_compat_shm=args.seed_compat_shm, zero_copy=args.zero_copy,
-        gpu_polling=args.gpu_polling,
+        gpu_polling=args.gpu_polling, embed=args.embed, embed_runtime=args.embed_runtime,
     )
     try:
         sidecar = Sidecar(config)

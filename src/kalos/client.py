@@ -222,9 +222,11 @@ class Client:
     ``KALOS_CLIENT_SPIN_US`` if set, else what the sidecar advises: 1000 for a GPU sidecar,
     100 for a CPU one).
     ``embedder`` turns text into vectors for :meth:`remember` and :meth:`recall_text`: None (the
-    packaged all-MiniLM-L6-v2, loaded on the first text call; needs the ``embed`` extra), a
-    SentenceTransformer, a LangChain Embeddings, a function ``list[str] -> [n, dim]`` or a
-    :class:`kalos.embed.Embedder`. Its dimension must be the store's.
+    default: the sidecar embeds, with its one all-MiniLM-L6-v2 for every client of the host,
+    so this process needs NumPy only; the sidecar needs the ``embed`` extra), or an embedder of
+    this process: ``kalos.embed.default_embedder()`` (the same model here; needs the extra
+    here), a SentenceTransformer, a LangChain Embeddings, a function ``list[str] -> [n, dim]``
+    or a :class:`kalos.embed.Embedder`. Its dimension must be the store's.
     """
 
     def __init__(
@@ -696,16 +698,20 @@ class Client:
         exc.request_id = request_id  # type: ignore[attr-defined]
         return exc
 
-    # -- text memories (embedding in this process, then the calls above) ---------------------
+    # -- text memories (embedding in the sidecar or in this process, then the calls above) -----
 
     @property
     def embedder(self) -> Any:
-        """The embedder of the text API (loaded on first use); its dim is checked against the store's."""
+        """The embedder of the text API (loaded on first use; by default the sidecar's, see the
+        class); its dim is checked against the store's."""
         with self._embedder_lock:
             if self._embedder is None:
-                from kalos.embed import as_embedder
+                if self._embedder_spec is None:
+                    self._embedder = self._sidecar_embedder()
+                else:
+                    from kalos.embed import as_embedder
 
-                self._embedder = as_embedder(self._embedder_spec)
+                    self._embedder = as_embedder(self._embedder_spec)
             embedder = self._embedder
         dim = self.dim
         if embedder.dim != dim:
@@ -716,14 +722,40 @@ class Client:
             )
         return embedder
 
+    def _sidecar_embedder(self) -> "_SidecarEmbedder":
+        """The sidecar's model, loaded there now (inside ``kalos.embed.load_progress`` the wait
+        draws a progress bar). A sidecar from before sidecar embedding: the model in this process."""
+        from kalos.embed import _load_stream, _LoadBar, as_embedder
+
+        bar = _LoadBar(_load_stream.get())
+        loaded = False
+        info: dict[str, Any] | None = None
+        try:
+            bar.step("asking the sidecar")
+            try:
+                self._control({"op": "embedder"})
+            except InvalidArgument as exc:
+                if "unknown control operation" not in str(exc):
+                    raise
+            else:
+                bar.step("the sidecar loads the weights", done=1)
+                info, _ = self._control({"op": "embedder", "load": True})
+                loaded = True
+        finally:
+            bar.close(finished=loaded)
+        if info is None:
+            return as_embedder(None)  # type: ignore[return-value]
+        return _SidecarEmbedder(self, info)
+
     def remember(
         self, texts: str | Sequence[str], namespace: str = "default",
         metadata: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
         *, keys: Sequence[str] | None = None, created_at: float | Sequence[float] | None = None,
         ttl: float | Sequence[float | None] | None = None,
     ) -> np.ndarray:
-        """Embeds ``texts`` and stores them as memories; returns their ids (int64). ``keys``
-        upsert and ``ttl`` expires as in :meth:`add`.
+        """Embeds ``texts`` (in the sidecar unless this client has an embedder of its own) and
+        stores them as memories; returns their ids (int64). ``keys`` upsert and ``ttl`` expires
+        as in :meth:`add`.
 
         One text may be passed as a plain str (and its metadata as one dict). The whole call
         is one transaction: on any error nothing is stored. For files of many rows use
@@ -752,8 +784,10 @@ class Client:
     ) -> list["Hit"]:
         """The ``k`` memories closest in meaning to ``text``, best first, with their texts.
 
-        Embeds ``text`` here, recalls through shared memory, then fetches the hits' texts and
-        metadata in one control round trip. A memory deleted between the recall and the fetch
+        Embeds ``text`` (the sidecar does, over the control socket, unless this client has an
+        embedder of its own; a text of any length: the model reads its first 256 tokens),
+        recalls through shared memory, then fetches the hits' texts and metadata in one control
+        round trip. A memory deleted between the recall and the fetch
         is left out, so fewer than k hits can come back. Filters as in :meth:`recall`.
         """
         if not isinstance(text, str):
@@ -782,6 +816,49 @@ class Client:
             [Hit.from_item(items[i], s) for i, s in hit if items.get(i) is not None]
             for hit in hits
         ]
+
+
+class _SidecarEmbedder:
+    """The sidecar's model as an :class:`kalos.embed.Embedder`: texts go over the control socket
+    (op ``embed``), unit float32 vectors come back. Batches of texts travel in frames well
+    under the sidecar's message limit."""
+
+    #: Texts per embed request: the sidecar embeds what is pending together anyway.
+    _TEXTS_PER_REQUEST = 1024
+
+    def __init__(self, client: Client, info: dict[str, Any]) -> None:
+        self._client = client
+        self.name = str(info["name"])
+        self.dim = int(info["dim"])
+        self.runtime = info.get("runtime")
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        from kalos.embed import _check_texts
+
+        texts = _check_texts(texts)
+        out = np.empty((len(texts), self.dim), np.float32)
+        with self._client._lock:
+            limit = self._client._connection().max_message_bytes or settings().max_message_bytes
+        # JSON writes a character as up to 12 bytes (a surrogate pair of \uXXXX): a frame of this
+        # many characters fits.
+        budget = max(1, limit // 16)
+        start = 0
+        while start < len(texts):
+            stop, size = start, 0
+            while stop < len(texts) and stop - start < self._TEXTS_PER_REQUEST and (
+                    stop == start or size + len(texts[stop]) <= budget):
+                size += len(texts[stop])
+                stop += 1
+            reply, blob = self._client._control({"op": "embed", "texts": texts[start:stop]})
+            vectors, _ = blob_array(reply["vectors"], blob)
+            if vectors.shape != (stop - start, self.dim):
+                raise ProtocolMismatch(f"embed of {stop - start} texts was answered with shape {vectors.shape}")
+            out[start:stop] = vectors
+            start = stop
+        return out
+
+    def __repr__(self) -> str:
+        return f"SidecarEmbedder({self.name!r}, dim={self.dim}, runtime={self.runtime!r})"
 
 
 @dataclass(frozen=True)

@@ -198,6 +198,8 @@ def raise_for_reply(reply: dict[str, Any]) -> dict[str, Any]:
 def array_blob(array: np.ndarray, dtype: str) -> tuple[dict[str, Any], memoryview]:
     """The JSON description and bytes of an array sent in a frame's blob."""
     arr = np.ascontiguousarray(array, dtype=np.dtype(dtype).newbyteorder("<"))
+    if arr.size == 0:  # (memoryview refuses to cast a shape with a zero: a get found none of its ids)
+        return {"dtype": dtype, "shape": list(arr.shape)}, memoryview(b"")
     return {"dtype": dtype, "shape": list(arr.shape)}, memoryview(arr).cast("B")
 
 

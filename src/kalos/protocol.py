@@ -7,7 +7,7 @@ one writer and no compare-and-swap is ever needed::
     offset 0              +--------------------------------------------------+
                           | header (HEADER_DTYPE), padded to one page         |
                           |   magic, version, sizes, epoch, heartbeat,       |
-                          |   sidecar_sleeping, clients, wake_seq             |
+                          |   sidecar_sleeping, clients                       |
     header_size           +--------------------------------------------------+
     + i * slot_size       | slot i                                           |
                           |   request  (REQUEST_DTYPE, written by the client) |
@@ -45,7 +45,6 @@ __all__ = [
     "VERSION",
     "Op",
     "RequestFlag",
-    "Sleep",
     "NAMESPACE_BYTES",
     "MESSAGE_BYTES",
     "HEADER_DTYPE",
@@ -60,7 +59,7 @@ __all__ = [
 
 MAGIC = int.from_bytes(b"KALOSSHM", "little")
 # 3: the namespace field grew from 64 to 256 bytes (names of up to 255 UTF-8 bytes, issue 22),
-# the request's where_handle, and the header's wake_seq futex word.
+# and the request's where_handle.
 VERSION = 3
 NAMESPACE_BYTES = 256
 MESSAGE_BYTES = 192
@@ -77,14 +76,6 @@ class Op(enum.IntEnum):
     PING = 2  # answered without touching the engine: the bare channel round trip
 
 
-class Sleep(enum.IntEnum):
-    """A waiting client's ``client_sleeping`` word: how the sidecar must wake it."""
-
-    AWAKE = 0
-    ON_EVENTFD = 1  # ring its wake eventfd (kalos.aio's event loop, or no futex on this system)
-    ON_FUTEX = 2  # bump the header's wake_seq and FUTEX_WAKE it (once for every such client)
-
-
 class RequestFlag(enum.IntFlag):
     ALL_NAMESPACES = 1
     HAS_SINCE = 2
@@ -98,10 +89,10 @@ HEADER_DTYPE = np.dtype(
     {
         "names": [
             "magic", "version", "header_size", "slot_size", "n_slots", "dim", "max_k",
-            "max_batch", "epoch", "heartbeat_ns", "sidecar_pid", "sidecar_sleeping", "clients", "wake_seq",
+            "max_batch", "epoch", "heartbeat_ns", "sidecar_pid", "sidecar_sleeping", "clients",
         ],
-        "formats": ["<u8", "<u4", "<u4", "<u8", "<u4", "<u4", "<u4", "<u4", "<u8", "<u8", "<u4", "<u4", "<u4", "<u4"],
-        "offsets": [0, 8, 12, 16, 24, 28, 32, 36, 40, 48, 56, 64, 68, 72],
+        "formats": ["<u8", "<u4", "<u4", "<u8", "<u4", "<u4", "<u4", "<u4", "<u8", "<u8", "<u4", "<u4", "<u4"],
+        "offsets": [0, 8, 12, 16, 24, 28, 32, 36, 40, 48, 56, 64, 68],
         "itemsize": 128,
     }
 )
@@ -280,9 +271,6 @@ class HeaderView:
         # Slots in use, kept by the sidecar: a waiting client spins only while the clients and
         # the sidecar's sweep fit on the cores (ClientChannel.wait).
         self.clients = fields["clients"]
-        # The futex word sleeping clients wait on (kalos.futex): the sidecar bumps it, then
-        # wakes them all, after a pass that answered any of them.
-        self.wake_seq = fields["wake_seq"]
 
 
 class SlotView:

@@ -62,6 +62,7 @@ from kalos.control import (
 )
 from kalos.engine import Engine, Filter, make_engine
 from kalos.errors import (
+    DimensionMismatch,
     InvalidArgument,
     InvalidQuery,
     KalosError,
@@ -116,6 +117,10 @@ GPU_CLIENT_SPIN_US = 1000.0
 #: deletes expired rows from the store (recall, get and list skip them from their expiry on).
 _EXPIRY_POLL_S = 0.5
 _EXPIRY_STORE_S = 1.0
+#: How long before a row's expiry the GPU's polling kernel is stopped (and not started again until
+#: it has passed): the kernel knows nothing of expiries, the sweep tombstones each row in the first
+#: pass at or after its ``expires_at``. The lead covers the sweep's own delay between two looks.
+_EXPIRY_LEAD_S = 0.05
 
 _NO_FILTER = Filter()
 # The filter of a namespace that never held a memory (issue 22): answered with no hits, without
@@ -149,6 +154,11 @@ class SidecarConfig:
     # with the whole GPU), "resident" (one kernel resident on every SM), or "off" (the sweep
     # answers everything). BENCHMARKS.md has both measured beside the sweep.
     gpu_polling: str = "off"
+    # The text embedder clients without their own use (kalos.sidecar_embed): loaded at the
+    # first text ("lazy"), in the background at start ("start"), or never ("off"); on
+    # "auto" (ONNX on a CPU sidecar, sentence-transformers on a GPU one), "onnx" or "torch".
+    embed: str = "lazy"
+    embed_runtime: str = "auto"
 
     def __post_init__(self) -> None:
         for field, low, high in (("slots", 1, 4096), ("max_k", 1, 65536), ("max_batch", 1, 65536)):
@@ -163,6 +173,12 @@ class SidecarConfig:
             raise InvalidArgument(f"gpu_polling must be one of {', '.join(GPU_POLLING)}, got {self.gpu_polling!r}")
         if not 0 < self.heartbeat_interval_s <= 1:
             raise InvalidArgument(f"heartbeat interval must be in (0, 1] s, got {self.heartbeat_interval_s}")
+        from kalos.sidecar_embed import EMBED_MODES, EMBED_RUNTIMES
+
+        if self.embed not in EMBED_MODES:
+            raise InvalidArgument(f"embed must be one of {', '.join(EMBED_MODES)}, got {self.embed!r}")
+        if self.embed_runtime not in EMBED_RUNTIMES:
+            raise InvalidArgument(f"embed_runtime must be one of {', '.join(EMBED_RUNTIMES)}, got {self.embed_runtime!r}")
 
 
 class _UserNameLock:
@@ -378,6 +394,9 @@ class Sidecar:
             self._where_handles: collections.OrderedDict[str, int] = collections.OrderedDict()
             self._next_where_handle = secrets.randbits(48) | 1
             self._where_lock = threading.Lock()
+            from kalos.sidecar_embed import EmbedService
+
+            self.embedding = EmbedService(config.embed, config.embed_runtime, str(self.engine.device))
             self.layout = Layout(config.slots, self.store.dim, config.max_k, config.max_batch)
             self._segment = Segment.create(self.endpoint.segment_name, self.layout.size)
             self.layout.write_header(self._segment.buf, epoch=self.epoch, pid=os.getpid())
@@ -529,6 +548,8 @@ class Sidecar:
         if settings().checkpoint_idle_s > 0 and callable(getattr(self.store, "checkpoint", None)):
             self._start_thread(self._checkpointer, "kalos-checkpoint")
         self._start_thread(self._expirer, "kalos-expire")
+        if self.embedding.mode == "start":
+            self.embedding.start()
         if self._follower is not None:
             self._follower.start()
         if self._seed is not None:
@@ -550,6 +571,8 @@ class Sidecar:
         """Releases everything; clients see their connection close and reconnect later."""
         self._stopping.set()
         self._wrote.set()
+        if getattr(self, "embedding", None) is not None:
+            self.embedding.close()
         if self._follower is not None:
             self._follower.stop()
         if self._seed is not None:
@@ -711,6 +734,9 @@ class Sidecar:
                 # While the GPU polls, it answers single recalls itself; the sweep takes what it
                 # hands over, and wakes the clients of its answers that slept.
                 serving = server is not None and self._slot_server_running(server)
+                if serving and self._expiry_near():  # (the kernel would serve a row past its expiry)
+                    self._pause_slot_server()
+                    serving = False
                 slots, seqs = channel.pending(server.handed if serving else None)
                 if len(slots) and not serving:
                     slots, seqs = cohort.gather(slots, seqs, channel.pending, channel.requested, channel.active)
@@ -719,7 +745,7 @@ class Sidecar:
                     cohort.answered(slots)
                 if serving:
                     channel.wake_answered()
-                elif self._slot_server is not None and len(slots):
+                elif self._slot_server is not None and len(slots) and not self._expiry_near():
                     self._start_slot_server(self._slot_server)
             if len(slots) or serving:
                 last_work = clock()
@@ -1125,6 +1151,15 @@ class Sidecar:
             for i in np.asarray(ids).tolist():
                 self._expiry.pop(i, None)
 
+    def _expiry_near(self) -> bool:
+        """Whether a row expires within ``_EXPIRY_LEAD_S`` (``_state_lock`` held): the sweep keeps
+        the GPU's polling kernel off until then. Stale entries on top (rows deleted, or upserted
+        with another expiry) are dropped first, so that they never pause the polling."""
+        heap, expiry = self._expiry_heap, self._expiry
+        while heap and expiry.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)
+        return bool(heap) and heap[0][0] - time.time() < _EXPIRY_LEAD_S
+
     def _expire_due(self) -> None:
         """Tombstones in the engine every row whose expiry has come (``_state_lock`` held). Called
         before each answering pass, so no recall returns a row after its ``expires_at``; the
@@ -1147,9 +1182,9 @@ class Sidecar:
             self._expiry_wake.set()
 
     def _expirer(self) -> None:
-        """Tombstones rows when they expire while no recall comes (the GPU's polling answers
-        without a sweep pass), and deletes expired rows from the store, durably, at most once
-        per ``_EXPIRY_STORE_S``."""
+        """Tombstones rows when they expire while no recall comes (the GPU's polling is kept off
+        around an expiry by the sweep: :meth:`_expiry_near`), and deletes expired rows from the
+        store, durably, at most once per ``_EXPIRY_STORE_S``."""
         next_store = 0.0
         while not self._stopping.is_set():
             with self._state_lock:
@@ -1582,6 +1617,8 @@ class Sidecar:
 
     def _op_get(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
         keys = message.get("keys")
+        if keys is not None and message.get("ids") is not None:
+            raise InvalidArgument("get: the message names keys or ids (one of them), got both")
         wanted = keys if keys is not None else _int_list(message.get("ids"), "ids")
         if isinstance(wanted, list) and len(set(map(repr, wanted))) != len(wanted):
             # Each repeat was a full copy in the reply: get([id] * 100) of a 1 MiB text cost the
@@ -1683,7 +1720,37 @@ class Sidecar:
             ids = self.engine.ids_where(Filter(namespace=ns, where=flt_where))
         return np.sort(ids)
 
+    def _op_embedder(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        """The sidecar's model (name, dim, runtime); ``"load": true`` waits until it is loaded."""
+        if message.get("load", False) is not False:
+            if message.get("load") is not True:
+                raise InvalidArgument(f"embedder: load must be true or false, got {message.get('load')!r}")
+            self.embedding.load()
+        info = self.embedding.info()
+        if info["dim"] != self.store.dim:
+            raise DimensionMismatch(
+                f"embedder {info['name']} makes {info['dim']}-dimensional vectors but sidecar {self.config.name!r} "
+                f"serves a store of dimension {self.store.dim}: serve a store created with --dim {info['dim']}, "
+                f"or pass Client(embedder=...) a model of dimension {self.store.dim}"
+            )
+        return ok_reply(**info), b""
+
+    def _op_embed(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        """Embeds ``texts`` with the sidecar's model (batched with other clients' pending texts)."""
+        from kalos.embed import _check_texts
+
+        texts = message.get("texts")
+        if not isinstance(texts, list) or not texts:
+            raise InvalidArgument(f"embed: texts must be a non-empty list of str, got {str(texts)[:80]}")
+        texts = _check_texts(texts)
+        self._op_embedder({}, _blob)  # the dimension check, before the (slow) load
+        vectors = self.embedding.embed(texts)
+        spec, blob = array_blob(vectors, "float32")
+        return ok_reply(vectors=spec), blob
+
     _handlers: dict[str, Callable[["Sidecar", dict[str, Any], bytearray], tuple[dict[str, Any], bytes]]] = {
+        "embedder": _op_embedder,
+        "embed": _op_embed,
         "add": _op_add,
         "delete": _op_delete,
         "get": _op_get,

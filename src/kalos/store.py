@@ -558,6 +558,20 @@ def _merged_metadata(update: Update, stored: str | None) -> str | None:
     return encode_metadata([merged], 1)[0]
 
 
+def _update_columns(update: Update, stored_metadata: str | None, now: float) -> list[tuple[str, Any]]:
+    """``(column, value)`` of what ``update`` writes, as both stores name their columns:
+    ``updated_at``, then only what it carries (text, metadata merged or replaced, the float32
+    bytes of the vector)."""
+    columns: list[tuple[str, Any]] = [("updated_at", now)]
+    if update.text is not UNSET:
+        columns.append(("text", update.text))
+    if update.metadata is not UNSET:
+        columns.append(("metadata", _merged_metadata(update, stored_metadata)))
+    if update.vector is not None:
+        columns.append(("vector", np.ascontiguousarray(update.vector, dtype="<f4").tobytes()))
+    return columns
+
+
 def _keys_for_lookup(keys: Any) -> list[str]:
     """Keys of a get or delete: checked like an add's, repeats allowed (each is looked up once)."""
     if isinstance(keys, (str, bytes, Mapping)) or not hasattr(keys, "__len__"):
@@ -1333,17 +1347,9 @@ class Store:
             if row is None:
                 raise UnknownKey(f"update: no memory has {change.describe()}")
             item_id, ns_id, created, stored_meta = row
-            sets, params = ["updated_at = ?"], [now]
-            if change.text is not UNSET:
-                sets.append("text = ?")
-                params.append(change.text)
-            if change.metadata is not UNSET:
-                sets.append("metadata = ?")
-                params.append(_merged_metadata(change, stored_meta))
-            if change.vector is not None:
-                sets.append("vector = ?")
-                params.append(np.ascontiguousarray(change.vector, dtype="<f4").tobytes())
-            conn.execute(f"UPDATE items SET {', '.join(sets)} WHERE id = ?", (*params, item_id))
+            columns = _update_columns(change, stored_meta, now)
+            conn.execute(f"UPDATE items SET {', '.join(f'{c} = ?' for c, _ in columns)} WHERE id = ?",
+                         (*[v for _, v in columns], item_id))
         return int(item_id), int(ns_id), float(created)
 
     def delete_expired(self, now: float | None = None) -> np.ndarray:
@@ -1613,13 +1619,17 @@ class Store:
                 raise _wrap(e, "namespaces", self.path) from None
 
     def namespace_counts(self) -> dict[str, int]:
-        """Live items per namespace, for every namespace (0 for an emptied one)."""
+        """Live items per namespace, for every namespace (0 for an emptied one); expired items,
+        even those the sweep has not deleted yet, are not counted."""
+        now = time.time()
         with self._lock:
             conn = self._connection()
             try:
                 names = dict(conn.execute("SELECT id, name FROM namespaces ORDER BY id"))
-                # Grouping over items_by_namespace reads the index only, never the vectors.
-                counts = dict(conn.execute("SELECT namespace_id, count(*) FROM items GROUP BY namespace_id"))
+                # Grouping over items_by_namespace reads the index only, never the vectors (the
+                # rows too only on a store with expiries).
+                counts = dict(conn.execute("SELECT namespace_id, count(*) FROM items AS i WHERE 1"
+                                           + self._live_clause("i") + " GROUP BY namespace_id", self._live_params(now)))
             except sqlite3.Error as e:
                 raise _wrap(e, "namespace_counts", self.path) from None
         return {name: int(counts.get(ns_id, 0)) for ns_id, name in names.items()}

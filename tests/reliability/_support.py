@@ -36,7 +36,7 @@ import socket
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -713,3 +713,24 @@ def kill9(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def kill_cycles(sidecars: Any, store: Path, name: str, procs: list, rng: np.random.Generator, kills: int,
+                progress: Any, snapshot: Callable[[Path], Any], what: str) -> tuple[list[float], list[Any]]:
+    """``kills`` times, after a random pause: kill -9 the running sidecar (``procs[-1]``), read
+    ``snapshot(store)`` (what survived it), start the next one (appended to ``procs``) and wait for
+    the writer's next acknowledged ``what`` (``progress.value``: the time of its last). Returns
+    the kill times and the snapshots."""
+    from conftest import DEADLINE_S, wait_until
+
+    kill_times, snapshots = [], []
+    for cycle in range(kills):
+        time.sleep(float(rng.uniform(0.05, 0.8)))
+        procs[-1].kill()
+        kill_times.append(time.monotonic())
+        snapshots.append(snapshot(store))
+        procs.append(sidecars.start(store, name=name))
+        restarted = time.monotonic()
+        wait_until(lambda: progress.value > restarted, f"an acknowledged {what} after kill {cycle + 1}",
+                   timeout=DEADLINE_S)
+    return kill_times, snapshots

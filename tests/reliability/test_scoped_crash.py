@@ -24,7 +24,7 @@ import numpy as np
 from conftest import DEADLINE_S, _seed_value, unique_name, wait_until
 from kalos import Client
 from kalos.store import Store
-from reliability._support import tracebacks
+from reliability._support import kill_cycles, tracebacks
 
 DIM = 8
 GROUP = 6
@@ -155,16 +155,7 @@ def test_kill9_during_scoped_deletes_and_updates_leaves_all_or_nothing(sidecars,
     children.start(_writer, name, seed, stop, progress, out)
     started = time.monotonic()
     wait_until(lambda: progress.value > started, "the first acknowledged write", timeout=DEADLINE_S * 2)
-    kill_times, snapshots = [], []
-    for cycle in range(kills):
-        time.sleep(float(rng.uniform(0.05, 0.8)))
-        procs[-1].kill()
-        kill_times.append(time.monotonic())
-        snapshots.append(_rows(store))
-        procs.append(sidecars.start(store, name=name))
-        restarted = time.monotonic()
-        wait_until(lambda: progress.value > restarted, f"an acknowledged write after kill {cycle + 1}",
-                   timeout=DEADLINE_S)
+    kill_times, snapshots = kill_cycles(sidecars, store, name, procs, rng, kills, progress, _rows, "write")
     time.sleep(0.2)
     stop.set()
     kind, records = out.get(timeout=DEADLINE_S * 2)

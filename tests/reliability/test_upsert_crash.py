@@ -22,7 +22,7 @@ import numpy as np
 from conftest import DEADLINE_S, _seed_value, unique_name, wait_until
 from kalos import Client
 from kalos.store import Store
-from reliability._support import tracebacks
+from reliability._support import kill_cycles, tracebacks
 
 DIM = 8
 KEYS = 24
@@ -125,17 +125,7 @@ def test_kill9_during_upserts_leaves_each_key_exactly_one_version(sidecars, chil
     children.start(_upserter, name, seed, stop, progress, out)
     started = time.monotonic()
     wait_until(lambda: progress.value > started, "the first acknowledged upsert", timeout=DEADLINE_S * 2)
-    kill_times = []
-    snapshots = []
-    for cycle in range(kills):
-        time.sleep(float(rng.uniform(0.05, 0.8)))
-        procs[-1].kill()
-        kill_times.append(time.monotonic())
-        snapshots.append(_rows(store))
-        procs.append(sidecars.start(store, name=name))
-        restarted = time.monotonic()
-        wait_until(lambda: progress.value > restarted, f"an acknowledged upsert after kill {cycle + 1}",
-                   timeout=DEADLINE_S)
+    kill_times, snapshots = kill_cycles(sidecars, store, name, procs, rng, kills, progress, _rows, "upsert")
     time.sleep(0.2)
     stop.set()
     kind, records = out.get(timeout=DEADLINE_S * 2)

@@ -442,9 +442,9 @@ class KalosStore(BaseStore):
         return stale
 
     def _refresh(self, rows: Sequence[KalosItem]) -> Any:
-        """Renews the expiry of the items of ``rows`` (those put with a ttl) by storing their rows again."""
-        if not (self.ttl_config or {}).get("refresh_on_read", True):
-            return
+        """Renews the expiry of the items of ``rows`` (those put with a ttl) by storing their rows again.
+        Called when the op's ``refresh_ttl`` is true: BaseStore already resolved it from the call and
+        ``ttl_config["refresh_on_read"]`` (an explicit ``refresh_ttl=True`` wins over the config)."""
         for row in rows:
             meta = row.metadata or {}
             if _TTL not in meta:

@@ -26,7 +26,7 @@ Kalos ``where`` clause evaluated inside the scan, so a search scoped to one user
 true top-k of that user's memories and never another user's. ``contains`` / ``icontains``
 (substring, and case-insensitive substring) have no counterpart in the scan: a search using
 them scores the matching memories of the collection here, exactly, after listing them (slower
-for a large collection, never incomplete).
+for a large collection, never incomplete); so does a ``top_k`` above the sidecar's ``max_k``.
 
 Install with ``pip install 'kalos-recall[mem0]'``.
 """
@@ -92,15 +92,16 @@ def _has_substring(filters: Any) -> bool:
 
 
 def _logical_items(filters: dict[str, Any]) -> Iterable[tuple[str, str, Any]]:
-    """``(kind, key, value)`` per entry; ``OR`` and ``$or`` both present are one condition
-    (mem0's ``Memory.search`` passes its processed ``$or`` beside the caller's ``OR``)."""
-    seen: set[str] = set()
+    """``(kind, key, value)`` per entry. ``OR`` and ``$or`` with the same conditions are one
+    (mem0's ``Memory.search`` may pass its processed ``$or`` beside the caller's ``OR``); with
+    different conditions both must hold, so that no spelling widens a scope."""
+    seen: dict[str, list[Any]] = {}
     for key, value in filters.items():
         kind = _LOGICAL.get(key)
         if kind is not None:
-            if kind in seen:
+            if value in seen.setdefault(kind, []):
                 continue
-            seen.add(kind)
+            seen[kind].append(value)
         yield kind or "FIELD", key, value
 
 
@@ -257,7 +258,12 @@ class KalosMem0(VectorStoreBase):
     def _k(self, top_k: Any) -> int:
         if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 1:
             raise InvalidArgument(f"top_k must be an int >= 1, got {top_k!r}")
-        return min(int(top_k), self.client.max_k)
+        return int(top_k)
+
+    def _scored_here(self, filters: dict | None, k: int) -> bool:
+        """Whether a search is scored here, after listing: filters the scan cannot evaluate, or a
+        ``top_k`` past the sidecar's ``max_k`` (never cut short to it)."""
+        return _has_substring(filters) or k > self.client.max_k
 
     def _rows_of(self, hits: Any) -> list[OutputData]:
         items = self.client.get(hits.ids) if len(hits) else []
@@ -267,7 +273,7 @@ class KalosMem0(VectorStoreBase):
         """The ``top_k`` memories closest to ``vectors`` (one query vector) among those passing
         ``filters``, best first, with their cosine as ``score``."""
         k = self._k(top_k)
-        if _has_substring(filters):
+        if self._scored_here(filters, k):
             return self._search_listed(self._query(vectors), k, filters)
         where = mem0_where(filters)
         extra = {} if where is None else {"where": where}
@@ -281,7 +287,7 @@ class KalosMem0(VectorStoreBase):
         if not vectors_list:
             return []
         k = self._k(top_k)
-        if _has_substring(filters):
+        if self._scored_here(filters, k):
             return [self._search_listed(self._query(v), k, filters) for v in vectors_list]
         where = mem0_where(filters)
         extra = {} if where is None else {"where": where}

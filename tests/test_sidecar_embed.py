@@ -1,0 +1,344 @@
+"""Embedding in the sidecar (issue 20, item 4): one model for every client of the host.
+
+One CPU sidecar (ONNX runtime) serves the module. Covered: remember + recall_text end to end
+with a client that has no embedder, a client process that recalls by text without importing
+torch, the ONNX export against sentence-transformers on real text (cosine >= 0.999), concurrent
+recall_text from threads (batched into shared embedding calls) and processes, texts of any
+length, bad input refused by name with nothing stored, a sidecar that does not embed, and the
+fallback to sentence-transformers when ONNX is impossible.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from kalos import Client, InvalidArgument
+from kalos.aio import AsyncClient
+from kalos.corpus import QUESTIONS as PYDOC_QUESTIONS, passages
+from kalos.embed import DEFAULT_DIM, DEFAULT_MODEL, EmbedderUnavailable, default_embedder
+from kalos.launcher import SidecarProcess
+
+from conftest import DEADLINE_S, segment_path, short_tempdir, unique_name
+
+pytest.importorskip("onnxruntime")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+FACTS = [
+    "Alice's birthday is on the third of March.",
+    "The production database password rotates every ninety days.",
+    "Bob prefers green tea over coffee in the morning.",
+    "The deploy key lives in the vault under ops/deploy.",
+    "Our office moved to 12 Harbour Street in Lisbon.",
+    "The quarterly report is due on the last Friday of the quarter.",
+]
+QUESTIONS = [
+    ("When does Alice celebrate her birthday?", 0),
+    ("How often is the database password changed?", 1),
+    ("What does Bob like to drink?", 2),
+    ("Where can I find the deploy key?", 3),
+    ("What is the address of the office?", 4),
+    ("When must the quarterly report be handed in?", 5),
+]
+
+
+class EmbedSidecar:
+    """A sidecar in its own runtime dir (``kalos serve`` flags in ``extra``), torn down whatever happens."""
+
+    def __init__(self, dim: int, extra: tuple[str, ...] = ()) -> None:
+        self.monkeypatch = pytest.MonkeyPatch()
+        self.runtime = short_tempdir("ke")
+        self.monkeypatch.setenv("KALOS_RUNTIME_DIR", self.runtime)
+        self.store_dir = short_tempdir("kes")
+        self.name = unique_name("emb")
+        self.process: SidecarProcess | None = None
+        self.process = SidecarProcess(Path(self.store_dir) / "e.db", name=self.name, dim=dim, device="cpu",
+                                      extra_args=extra)
+
+    def close(self) -> None:
+        try:
+            if self.process is not None:
+                self.process.stop(timeout=10)
+                if self.process.process.poll() is None:
+                    self.process.kill()
+        finally:
+            try:
+                segment_path(self.name).unlink()
+            except FileNotFoundError:
+                pass
+            shutil.rmtree(self.runtime, ignore_errors=True)
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+            self.monkeypatch.undo()
+
+
+@pytest.fixture(scope="module")
+def onnx():
+    """The ONNX runtime in this process (exported into the user's cache on first use, as the
+    sidecar does: the sidecar below then loads the cached graph)."""
+    from kalos.sidecar_embed import onnx_embedder
+
+    return onnx_embedder()
+
+
+@pytest.fixture(scope="module")
+def sidecar(onnx) -> Iterator[EmbedSidecar]:
+    sc = EmbedSidecar(DEFAULT_DIM, ("--embed", "start"))
+    try:
+        with Client(sc.name, timeout=DEADLINE_S) as c:
+            c.remember(FACTS, namespace="facts")
+        yield sc
+    finally:
+        sc.close()
+
+
+@pytest.fixture
+def ns() -> str:
+    return f"e-{uuid.uuid4().hex[:12]}"
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return np.einsum("ij,ij->i", a, b) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def test_onnx_embeddings_equal_sentence_transformers_on_real_text(onnx):
+    # Passages of Python's help (long: truncated at the model's 256 tokens), short questions, facts.
+    texts = [p.text for p in passages()[::40][:20]] + list(PYDOC_QUESTIONS) + FACTS + [q for q, _ in QUESTIONS]
+    reference = default_embedder().embed(texts)
+    # Batched (padded to the longest of each run) and one by one (no padding) alike.
+    batched = onnx.embed(texts)
+    alone = np.vstack([onnx.embed([t]) for t in texts[:24]])
+    assert _cosines(batched, reference).min() >= 0.999
+    assert _cosines(alone, reference[:24]).min() >= 0.999
+    np.testing.assert_allclose(np.linalg.norm(batched, axis=1), 1.0, atol=1e-5)
+
+
+def test_remember_and_recall_text_embed_in_the_sidecar(sidecar, onnx):
+    with Client(sidecar.name, timeout=DEADLINE_S) as c:
+        embedder = c.embedder
+        assert (embedder.name, embedder.dim, embedder.runtime) == (DEFAULT_MODEL, DEFAULT_DIM, "onnx")
+        for question, fact in QUESTIONS:
+            hits = c.recall_text(question, k=2, namespace="facts")
+            assert hits[0].text == FACTS[fact], (question, hits)
+        # What the sidecar stored is the model's vector of the text.
+        ids = [h.id for h in c.recall_text(FACTS[3], k=1, namespace="facts")]
+        stored = c.get(ids=ids, with_vectors=True)[0]
+        assert stored.text == FACTS[3]
+        assert _cosines(stored.vector[None], onnx.embed([FACTS[3]]))[0] > 0.99999
+
+
+_CLIENT_WITHOUT_TORCH = r"""
+import sys
+from kalos import Client
+with Client(sys.argv[1], timeout=60) as c:
+    hits = c.recall_text("What does Bob like to drink?", k=1, namespace="facts")
+    assert hits[0].text.startswith("Bob prefers green tea"), hits
+    ids = c.remember(["A memory added by text from a client without torch."], namespace=sys.argv[2])
+    assert c.recall_text("a client without torch", k=1, namespace=sys.argv[2])[0].id == ids[0]
+heavy = sorted(m for m in ("torch", "sentence_transformers", "transformers", "onnxruntime", "tokenizers")
+               if m in sys.modules)
+print("heavy:", heavy)
+assert not heavy, heavy
+"""
+
+
+def test_a_client_recalls_by_text_with_numpy_only(sidecar, ns):
+    out = subprocess.run([sys.executable, "-c", _CLIENT_WITHOUT_TORCH, sidecar.name, ns], capture_output=True,
+                         text=True, timeout=DEADLINE_S, env={**os.environ, "KALOS_RUNTIME_DIR": sidecar.runtime})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "heavy: []" in out.stdout
+
+
+def test_the_cpu_sidecar_serves_a_cached_onnx_graph_without_torch(sidecar):
+    with Client(sidecar.name, timeout=DEADLINE_S) as c:
+        c.recall_text("warm", k=1, namespace="facts")
+    maps = Path(f"/proc/{sidecar.process.pid}/maps").read_text()
+    assert "onnxruntime" in maps and "libtorch" not in maps
+
+
+def test_concurrent_recall_text_from_threads_is_batched_and_answered(sidecar):
+    before = Client(sidecar.name, timeout=DEADLINE_S)._control({"op": "embedder"})[0]
+    errors: list[BaseException] = []
+    wrong: list[tuple[str, str | None]] = []
+    barrier = threading.Barrier(8)
+
+    def agent(i: int) -> None:
+        try:
+            with Client(sidecar.name, timeout=DEADLINE_S) as c:
+                barrier.wait()
+                for r in range(4):
+                    question, fact = QUESTIONS[(i + r) % len(QUESTIONS)]
+                    hit = c.recall_text(question, k=1, namespace="facts")[0]
+                    if hit.text != FACTS[fact]:
+                        wrong.append((question, hit.text))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=agent, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE_S)
+    assert not errors and not wrong, (errors, wrong)
+    after = Client(sidecar.name, timeout=DEADLINE_S)._control({"op": "embedder"})[0]
+    texts, calls = after["texts"] - before["texts"], after["calls"] - before["calls"]
+    assert texts == 32
+    assert calls < texts  # texts of several agents shared an embedding call
+
+
+_AGENT = r"""
+import sys
+from kalos import Client
+facts = sys.argv[2].split("|")
+questions = sys.argv[3].split("|")
+with Client(sys.argv[1], timeout=60) as c:
+    for _ in range(3):
+        for q, f in zip(questions, facts):
+            assert c.recall_text(q, k=1, namespace="facts")[0].text == f, q
+print("ok")
+"""
+
+
+def test_concurrent_recall_text_from_processes(sidecar):
+    env = {**os.environ, "KALOS_RUNTIME_DIR": sidecar.runtime}
+    procs = []
+    for i in range(3):
+        pick = [QUESTIONS[(i + j) % len(QUESTIONS)] for j in range(3)]
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", _AGENT, sidecar.name, "|".join(FACTS[f] for _, f in pick), "|".join(q for q, _ in pick)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    for p in procs:
+        out, err = p.communicate(timeout=DEADLINE_S)
+        assert p.returncode == 0 and out.strip() == "ok", err
+
+
+def test_texts_of_any_length_travel_over_the_control_socket(sidecar, ns, onnx, monkeypatch):
+    long_text = ("The lighthouse keeper logged every passing ship in a leather book. " * 2000)
+    assert len(long_text) > 100_000  # far more than a slot's query row holds
+    with Client(sidecar.name, timeout=DEADLINE_S) as c:
+        [memory_id] = c.remember([long_text], namespace=ns)
+        hits = c.recall_text(long_text, k=1, namespace=ns)
+        assert hits[0].id == memory_id and hits[0].text == long_text and hits[0].score > 0.999
+        monkeypatch.setattr(type(c.embedder), "_TEXTS_PER_REQUEST", 16)
+        many = [f"note {i}: the meeting moved to room {i}" for i in range(40)]  # three embed requests
+        vectors = c.embedder.embed(many)
+    assert _cosines(vectors, onnx.embed(many)).min() > 0.99999
+
+
+def test_bad_text_input_is_refused_by_name_and_stores_nothing(sidecar, ns):
+    with Client(sidecar.name, timeout=DEADLINE_S) as c:
+        with pytest.raises(InvalidArgument, match="one str, got int"):
+            c.recall_text(5)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match=r"texts\[1\] must be a str, got int"):
+            c.recall_texts(["fine", 3])  # type: ignore[list-item]
+        with pytest.raises(InvalidArgument, match="at least one text"):
+            c.remember([], namespace=ns)
+        with pytest.raises(InvalidArgument, match=r"texts\[1\] must be a str, got NoneType"):
+            c.remember(["fine", None], namespace=ns)  # type: ignore[list-item]
+        with pytest.raises(InvalidArgument, match=r"texts\[0\] is empty"):
+            c.remember(["   "], namespace=ns)
+        # The sidecar's own checks, for a client that skips them.
+        for texts, why in (([], "non-empty list"), ("abc", "non-empty list"), (["a", 7], r"texts\[1\] must be a str")):
+            with pytest.raises(InvalidArgument, match=why):
+                c._control({"op": "embed", "texts": texts})
+        with pytest.raises(InvalidArgument, match="load must be true or false"):
+            c._control({"op": "embedder", "load": "yes"})
+        assert c.count(namespace=ns) == 0
+
+
+async def test_the_async_client_embeds_in_the_sidecar(sidecar):
+    async with AsyncClient(sidecar.name, timeout=DEADLINE_S) as client:
+        hits = await client.recall_text("Where can I find the deploy key?", k=1, namespace="facts")
+        assert hits[0].text == FACTS[3]
+        assert (await client.embedder()).runtime == "onnx"
+
+
+def test_a_sidecar_that_does_not_embed_says_what_to_do():
+    off = EmbedSidecar(DEFAULT_DIM, ("--embed", "off"))
+    try:
+        with Client(off.name, timeout=DEADLINE_S) as c:
+            with pytest.raises(EmbedderUnavailable, match=r"--embed off.*Client\(embedder=\.\.\.\)"):
+                c.recall_text("anything")
+            # A client-side embedder still works against it.
+            with Client(off.name, timeout=DEADLINE_S, embedder=lambda texts: np.ones((len(texts), DEFAULT_DIM))) as mine:
+                mine.remember(["kept"])
+                assert mine.recall_text("kept", k=1)[0].text == "kept"
+    finally:
+        off.close()
+
+
+def test_onnx_impossible_falls_back_to_sentence_transformers_with_a_reason(monkeypatch, caplog):
+    import kalos.sidecar_embed as se
+
+    def no_onnx():
+        raise RuntimeError("the exporter is broken here")
+
+    made = []
+
+    class FakeST:
+        def __init__(self, path, **kwargs):
+            made.append((path, kwargs))
+
+    monkeypatch.setattr(se, "onnx_embedder", no_onnx)
+    monkeypatch.setattr(se, "SentenceTransformerEmbedder", FakeST)
+    with caplog.at_level(logging.WARNING, logger="kalos.embed"):
+        embedder = se.load_embedder("auto", "cpu")
+    assert isinstance(embedder, FakeST) and embedder.runtime == "torch (cpu)"
+    assert made[0][1]["device"] == "cpu" and made[0][1]["local_files_only"] is True
+    assert "ONNX runtime" in caplog.text and "the exporter is broken here" in caplog.text
+    # On a GPU sidecar auto is sentence-transformers on its (first) GPU, without trying ONNX.
+    made.clear()
+    monkeypatch.setattr(se, "onnx_embedder", lambda: pytest.fail("ONNX tried on a GPU sidecar"))
+    assert se.load_embedder("auto", "cuda:1,cuda:2").runtime == "torch (cuda:1)"
+    with pytest.raises(ValueError, match="embed runtime"):
+        se.load_embedder("tensorrt", "cpu")
+
+
+def test_a_big_request_is_embedded_in_slices_beside_the_small_ones(monkeypatch):
+    import kalos.sidecar_embed as se
+
+    calls: list[list[str]] = []
+    first_call = threading.Event()
+    release = threading.Event()
+
+    class Recording:
+        name, dim, runtime = "recording", 4, "fake"
+
+        def embed(self, texts):
+            calls.append(list(texts))
+            first_call.set()
+            release.wait(DEADLINE_S)  # the small request is queued while the first slice runs
+            return np.array([[float(t.split()[1]) if t.startswith("big") else -1.0] * 4 for t in texts], np.float32)
+
+    monkeypatch.setattr(se, "load_embedder", lambda runtime, device: Recording())
+    monkeypatch.setattr(se, "_CALL_CHARS", 300)
+    service = se.EmbedService("lazy", "auto", "cpu")
+    big = [f"big {i}" for i in range(200)][::-1]  # 5 to 7 characters, the longest first
+    out: dict[str, np.ndarray] = {}
+    worker = threading.Thread(target=lambda: out.setdefault("big", service.embed(big)))
+    worker.start()
+    assert first_call.wait(DEADLINE_S)
+    small = threading.Thread(target=lambda: out.setdefault("small", service.embed(["small"])))
+    small.start()
+    release.set()
+    small.join(DEADLINE_S)
+    worker.join(DEADLINE_S)
+    service.close()
+    # Alone, the big request's slices hold 300 characters; beside the small one, half of that.
+    assert sum(len(t) for t in calls[0]) <= 300 < sum(len(t) for t in calls[0]) + 7
+    assert "small" in calls[1] and sum(len(t) for t in calls[1] if t != "small") <= 150
+    assert all(sum(len(t) for t in c) <= 300 for c in calls) and len(calls) > 4
+    done = [t for c in calls for t in c if t != "small"]
+    assert sorted(done) == sorted(big) and [len(t) for t in done] == sorted(len(t) for t in big)  # once each, shortest first
+    # Each text got its own row back (the fake's row is the text's number).
+    np.testing.assert_array_equal(out["big"][:, 0], [float(t.split()[1]) for t in big])
+    np.testing.assert_array_equal(out["small"], [[-1.0] * 4])
