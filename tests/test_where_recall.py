@@ -63,7 +63,7 @@ def _interpreter_works() -> bool:
 
 
 if torch is not None:
-    from kalos.engine import torch_engine as te  # noqa: E402
+    from kalos.engine import gpu as te  # noqa: E402
 HAVE_INTERPRETER = _interpreter_works()
 
 needs_torch = pytest.mark.skipif(torch is None, reason="needs torch")

@@ -343,7 +343,7 @@ class SidecarChannel:
         # memory, so a client scribbling on resp_seq cannot make the sidecar skip or repeat.
         self.answered = np.zeros(layout.n_slots, dtype=np.uint64)
         # What was answered when sleepers were last checked (answers the GPU writes by itself,
-        # kalos.engine.slot_server, are seen here and their sleeping clients woken).
+        # kalos.engine.gpu.slot_server, are seen here and their sleeping clients woken).
         self._woken = np.zeros(layout.n_slots, dtype=np.uint64)
         self.active = np.zeros(layout.n_slots, dtype=bool)
         self.wake_fds: list[int] = [-1] * layout.n_slots

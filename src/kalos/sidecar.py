@@ -150,7 +150,7 @@ class SidecarConfig:
     # segment page-locked with cudaHostRegister); False: through host copies (benchmarks).
     zero_copy: bool = True
     # With zero copy, a GPU kernel polls the slots and answers single recalls by itself
-    # (kalos.engine.slot_server): "graph" (a CUDA graph that waits for a request, then scans
+    # (kalos.engine.gpu.slot_server): "graph" (a CUDA graph that waits for a request, then scans
     # with the whole GPU), "resident" (one kernel resident on every SM), or "off" (the sweep
     # answers everything). BENCHMARKS.md has both measured beside the sweep.
     gpu_polling: str = "off"
@@ -317,7 +317,7 @@ class Sidecar:
         self.store: Store | None = None  # or a PostgresStore
         self._follower: Any = None  # follows a shared (PostgreSQL) store's change log
         self.zero_copy = False
-        self._slot_server: Any = None  # kalos.engine.slot_server.SlotServer, when the GPU polls
+        self._slot_server: Any = None  # kalos.engine.gpu.slot_server.SlotGraphServer, when the GPU polls
         self.quarantined: list[int] = []  # ids of stored items with damaged vectors (not served)
         self._wrote = threading.Event()  # set by every write: the checkpointer waits for a pause
         # TTL (issue 22), under _state_lock: id -> expires_at of every served row that expires, and
