@@ -1660,19 +1660,8 @@ class Store:
 
     def _iter_rows(self, batch: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
         row_bytes = 4 * self.dim
-        after = 0  # ids start at 1; keyset paging costs O(batch) per step however deep we are
-        while True:
-            with self._lock:
-                conn = self._connection()
-                try:
-                    rows = conn.execute(
-                        "SELECT id, namespace_id, created_at, vector FROM items WHERE id > ? ORDER BY id LIMIT ?",
-                        (after, batch),
-                    ).fetchall()
-                except sqlite3.Error as e:
-                    raise _wrap(e, "iter_rows", self.path) from None
-            if not rows:
-                return
+        query = "SELECT id, namespace_id, created_at, vector FROM items WHERE id > ? ORDER BY id LIMIT ?"
+        for rows in self._pages(query, batch, "iter_rows"):
             n = len(rows)
             ids, ns_ids, times, blobs = zip(*rows)
             # One C-level join into a writable buffer, then a zero-copy view: no per-row work.
@@ -1691,7 +1680,23 @@ class Store:
                 np.fromiter(ns_ids, dtype=np.int32, count=n),
                 np.fromiter(times, dtype=np.float64, count=n),
             )
-            after = ids[-1]
+
+    def _pages(self, query: str, batch: int, what: str) -> Iterator[list[tuple]]:
+        """The rows of ``query`` (its parameters: the last id seen, ``batch``) page by page, each
+        page in its own short transaction. Keyset paging (ids start at 1) costs O(batch) per page
+        however deep it is."""
+        after = 0
+        while True:
+            with self._lock:
+                conn = self._connection()
+                try:
+                    rows = conn.execute(query, (after, batch)).fetchall()
+                except sqlite3.Error as e:
+                    raise _wrap(e, what, self.path) from None
+            if not rows:
+                return
+            yield rows
+            after = rows[-1][0]
 
     def iter_metadata(self, batch: int = 65536) -> Iterator[tuple[np.ndarray, list[dict]]]:
         """The metadata of every item that has some, in id order, ``batch`` at a time:
@@ -1704,21 +1709,9 @@ class Store:
         return self._iter_metadata(int(batch))
 
     def _iter_metadata(self, batch: int) -> Iterator[tuple[np.ndarray, list[dict]]]:
-        after = 0
-        while True:
-            with self._lock:
-                conn = self._connection()
-                try:
-                    rows = conn.execute(
-                        "SELECT id, metadata FROM items WHERE id > ? AND metadata IS NOT NULL ORDER BY id LIMIT ?",
-                        (after, batch),
-                    ).fetchall()
-                except sqlite3.Error as e:
-                    raise _wrap(e, "iter_metadata", self.path) from None
-            if not rows:
-                return
+        query = "SELECT id, metadata FROM items WHERE id > ? AND metadata IS NOT NULL ORDER BY id LIMIT ?"
+        for rows in self._pages(query, batch, "iter_metadata"):
             yield np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows)), [json.loads(r[1]) for r in rows]
-            after = rows[-1][0]
 
     def integrity_check(self) -> str:
         """SQLite's ``PRAGMA integrity_check``: "ok", or its findings one per line."""
