@@ -1,5 +1,8 @@
 """What an LLM service imports: :class:`Client`.
 
+Length: the client, its result types (Recall, Hit, Item, Page) and the request words shared
+with :mod:`kalos.aio`; one job (the caller's side of the sidecar), many calls.
+
 Recalls go through the client's slot in shared memory and never touch a socket; writes
 (add, update, delete, drop_namespace) and lookups (get, list, count, stats) go over the control
 socket to the sidecar, the only writer of the store. A client whose sidecar dies raises

@@ -1,5 +1,8 @@
 """PostgreSQL as the store of record: one database shared by the sidecars of several hosts.
 
+Length: one job (the store's whole surface in PostgreSQL's dialect, plus its change log);
+what it shares with :mod:`kalos.store` is the surface, not the SQL.
+
 ``kalos serve --store postgresql://user:password@host:port/db`` serves a :class:`PostgresStore`
 instead of the embedded SQLite :class:`kalos.store.Store`. The public surface is the same
 (open, add, upsert, update, delete, delete_keys, delete_where, delete_expired, get, get_keys,

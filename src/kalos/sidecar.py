@@ -1,5 +1,9 @@
 """The Kalos sidecar: one process that owns the store, the engine and the shared segment.
 
+Length: this module still does several jobs (lifecycle, the control operations, the recall loop
+and its filter cache, expiry, the embedder's glue); splitting them into a server package is
+issue 21's open work, not a design choice.
+
 Threads:
   * the sweep (the thread that calls :meth:`Sidecar.serve_forever`): finds every pending
     recall in the slots, answers them as one engine pass per filter (single recalls are read

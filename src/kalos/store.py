@@ -1,5 +1,8 @@
 """The durable store: one SQLite file (WAL) that is the source of truth for every memory.
 
+Length: besides the store it holds the input checks every side shares (``check_*``) and the
+schema migrations; moving the checks to a validation module is issue 21's open work.
+
 The sidecar is the only writer. It loads every row into an engine at start
 (:meth:`Store.iter_rows`) and afterwards writes each add/delete here first; an add is
 acknowledged only once its transaction has committed, so kill -9 at any moment loses nothing
