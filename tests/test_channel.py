@@ -419,6 +419,37 @@ def test_sleeping_sidecar_and_sleeping_clients_lose_no_wakeup(harness):
     assert max(worst) < 20.0, f"a request waited {max(worst):.1f} s: a doorbell was lost"
 
 
+def test_napping_clients_need_no_wake_up_and_fall_back_to_sleep(harness):
+    """Past two clients per core a client naps (timed sleeps, polling resp_seq) instead of
+    announcing a sleep: an answer inside the nap window reaches it with no wake-up at all, and
+    one that comes later reaches it through the announced sleep and the sidecar's ring."""
+    h = harness(n_slots=3, max_batch=2)
+    for _ in range(3):
+        h.add_client(spin_s=0.0)
+    rings: list[int] = []
+    ring = h.side._ring
+    late = set(range(5, 700, 50))  # these requests are answered past the nap window
+
+    def counting_ring(slots):
+        rings.extend(int(s) for s in slots)
+        ring(slots)
+
+    def on_request(slot: int, seq: int) -> None:
+        h.side.header.clients[0] = 1_000_000  # what the clients read: far more than the cores
+        if seq in late:
+            time.sleep(ClientChannel.NAP_WINDOW_S * 3)
+
+    h.side._ring = counting_ring
+    h.side.header.clients[0] = 1_000_000
+    h.serve(sleep_when_idle=False, on_request=on_request)
+    worst = run_clients(h, 700)
+    assert max(worst) < 20.0
+    # Sleeping clients would cost a ring for nearly every one of the 2,100 requests; napping
+    # ones only for answers later than the window: the late ones, and others that the GIL of
+    # this one-process harness delays (each late answer holds up its whole pass).
+    assert 0 < len(rings) < 3 * 700 // 4, len(rings)
+
+
 def test_single_client_ping_pong_with_pauses(harness):
     """The sidecar falls asleep between requests (pauses), so every request must ring it."""
     h = harness(n_slots=1)

@@ -700,14 +700,15 @@ def sidecar_in_place(rng, tmp_path, *, device: str, precision: str) -> None:
     from kalos.sidecar import Sidecar, SidecarConfig
 
     d = 24 if device == "cpu" else 1024
-    config = SidecarConfig(store=tmp_path / "m.db", name="zc", dim=d, slots=4, max_k=16, max_batch=8)
+    name = f"zc-{precision}-{os.getpid()}"  # the per-user name lock: parallel test workers must not collide
+    config = SidecarConfig(store=tmp_path / "m.db", name=name, dim=d, slots=4, max_k=16, max_batch=8)
     sidecar = Sidecar(config, engine_factory=lambda _dev, dim, cap: TorchEngine(
         dim, device=device, backend="triton", capacity=cap, precision=precision))
     assert sidecar.zero_copy
     thread = threading.Thread(target=sidecar.serve_forever, daemon=True)
     thread.start()
     try:
-        with Client("zc", timeout=60) as client:
+        with Client(name, timeout=60) as client:
             vectors = rng.standard_normal((120, d)).astype(np.float32)
             ids = client.add(vectors[:80], namespace="a")
             ids = np.concatenate([ids, client.add(vectors[80:], namespace="b")])

@@ -9,7 +9,9 @@ Waiting. Each side spins on the other's sequence number for a configurable windo
 traffic is hot (no system call on the hot path), then announces that it is going to sleep in
 a ``*_sleeping`` word and blocks in ``poll`` on an eventfd doorbell. The other side rings the
 doorbell only when it sees that word set, after a full fence (see :mod:`kalos.sync` for why
-the fence is needed on both sides). A client's poll also watches its control socket: when
+the fence is needed on both sides). A client spins only while every client can have a core;
+past two clients per core it first naps (timed sleeps of 100 us, re-reading its sequence
+number, for up to 2 ms) so that the sidecar need not write its wake-up. A client's poll also watches its control socket: when
 the sidecar dies the kernel closes that socket and the client wakes at once; a sidecar that
 hangs is noticed through its heartbeat stamp going stale.
 """
@@ -194,6 +196,9 @@ class SidecarExited(SidecarUnavailable):
 class ClientChannel:
     """A client's end of one slot: submit a request, wait for its answer."""
 
+    NAP_S = 100e-6
+    NAP_WINDOW_S = 2e-3
+
     def __init__(
         self,
         segment: Segment,
@@ -219,7 +224,11 @@ class ClientChannel:
         # past that, spinners take the cores the sweep and the woken clients need, and the
         # crowd is slower than if everyone slept (issue 18).
         # (Every connected client counts, idle ones too: on the safe side.)
-        self._spin_clients = len(os.sched_getaffinity(0)) - 1
+        cores = len(os.sched_getaffinity(0))
+        self._spin_clients = cores - 1
+        # Past two clients per core, the wake-ups the sweep writes at the end of each pass (one
+        # per sleeper, one after another) cost it more than a nap costs each client.
+        self._nap_clients = 2 * cores
         self._seq = int(self.slot.req_seq[0])
         self._poller = select.poll()
         self._poller.register(wake_fd, select.POLLIN)
@@ -253,13 +262,29 @@ class ClientChannel:
         slot = self.slot
         resp_seq = slot.resp_seq
         clock = time.perf_counter
-        spin_until = clock() + self.spin_budget_s()
+        clients = int(self.header.clients[0])
+        spin_until = clock() + (self._spin_s if clients <= self._spin_clients else 0.0)
         while resp_seq[0] != seq:
             if clock() >= spin_until:
-                self._block(seq)
+                if clients <= self._nap_clients or not self._nap(seq):
+                    self._block(seq)
                 break
         full_fence()  # acquire: resp_seq is read before the response fields and result rows
         return int(slot.status[0])
+
+    def _nap(self, seq: int) -> bool:
+        """Polls ``resp_seq`` between short timed sleeps (``NAP_S``) for up to ``NAP_WINDOW_S``;
+        True once ``seq`` is answered. Used while clients outnumber the cores twice over: a
+        napping client is woken by its own core's timer, not by the sidecar, whose wake-ups are
+        written one after another at the end of each pass, several microseconds each, so that
+        with many sleepers they took a third of the sweep (issue 18; BENCHMARKS.md)."""
+        resp_seq = self.slot.resp_seq
+        until = time.perf_counter() + self.NAP_WINDOW_S
+        while resp_seq[0] != seq:
+            if time.perf_counter() >= until:
+                return False
+            time.sleep(self.NAP_S)
+        return True
 
     def _block(self, seq: int) -> None:
         slot = self.slot
