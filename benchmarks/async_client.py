@@ -25,7 +25,7 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 
 from kalos import AsyncClient, Client
-from kalos.launcher import SidecarProcess
+from kalos.server.launcher import SidecarProcess
 
 BLOCKS = 3  # alternating blocks per side
 WARMUP = 200

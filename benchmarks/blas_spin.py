@@ -17,7 +17,7 @@ running the sidecar's BLAS, side by side in one run, this measures from a client
     PYTHONPATH=src python3 benchmarks/blas_spin.py [--sizes 800x384,65536x384,65536x1024]
 
 The variants: ``kalos serve`` as it runs now (worker threads sleep after 2^4 cycles instead of
-2^28, see ``kalos/blas.py``), OpenBLAS's defaults (as before that), and one BLAS thread.
+2^28, see ``kalos/server/blas.py``), OpenBLAS's defaults (as before that), and one BLAS thread.
 """
 from __future__ import annotations
 
@@ -30,13 +30,13 @@ from pathlib import Path
 
 import numpy as np
 
-from kalos.bench import percentiles
-from kalos.client import Client
-from kalos.launcher import SidecarProcess
+from kalos.client.client import Client
+from kalos.server.launcher import SidecarProcess
+from kalos.tools.bench import percentiles
 
 VARIANTS: dict[str, dict[str, str]] = {
     "kalos serve (quiet BLAS)": {},
-    # KALOS_BLAS_SETTLED=1 skips serve's re-exec (kalos/blas.py): OpenBLAS's own defaults.
+    # KALOS_BLAS_SETTLED=1 skips serve's re-exec (kalos/server/blas.py): OpenBLAS's own defaults.
     "OpenBLAS defaults (before)": {"KALOS_BLAS_SETTLED": "1"},
     "OPENBLAS_NUM_THREADS=1": {"KALOS_BLAS_SETTLED": "1", "OPENBLAS_NUM_THREADS": "1"},
 }

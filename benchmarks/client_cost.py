@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from kalos.client import Client
+from kalos.client.client import Client
 
 
 def timed(fn, n: int = 20000) -> tuple[float, float]:

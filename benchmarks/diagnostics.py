@@ -30,22 +30,22 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from gpu_engine import Flusher, time_events  # benchmarks/: the script's own folder is on sys.path
+
 from kalos import Client
 from kalos.engine import Filter
 from kalos.engine.gpu import ScanConfig, TorchEngine
 from kalos.engine.gpu.slot_server import SlotGraphServer
-from kalos.launcher import SidecarProcess
-from kalos.protocol import Layout, Op, RequestFlag, SlotView
-from kalos.store import Store
+from kalos.ipc.protocol import Layout, Op, RequestFlag, SlotView
+from kalos.server.launcher import SidecarProcess
+from kalos.store.sqlite import Store
 
 SLOT_SERVER = """The slot server (kalos.engine.gpu.slot_server) on a GPU, in one process: correctness against
 the engine's own search, hand-over of what it does not serve, and the round trip of one recall
 through a slot, for variants of the CUDA-graph server (``graph:DEPTH[:TUNING[:WARPS]]``).
 
 The "client" here is this process writing a request into a slot of an mmap'd segment and
-spinning on resp_seq, as kalos.client does from another process (minus its Python call).
+spinning on resp_seq, as kalos.client.client does from another process (minus its Python call).
 
     PYTHONPATH=src python3 benchmarks/diagnostics.py slot-server --n 65536 --dim 1024 --repeats 2000"""
 GPU = """Where the time of one Q=1 search goes on the device, and which scan tile is fastest.
@@ -314,7 +314,7 @@ def slot_server_main() -> None:
                 submit(views[s], q, k, int(seqs[s]), n_queries=nq, flags=flags)
                 handed_ok += wait(views[s], int(seqs[s]), server, s) == "handed"
             # latency: one slot, back to back; requests for all namespaces, then naming "default"
-            # (as kalos.client sends by default: the kernel looks the name up)
+            # (as kalos.client.client sends by default: the kernel looks the name up)
             latency = {}
             runs = [("all", False, 0), ("named", True, 0)] + ([("named_gap", True, args.gap_us)] if args.gap_us else [])
             for label, named, gap in runs:

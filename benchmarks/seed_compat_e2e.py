@@ -24,10 +24,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from kalos.bench import percentiles, time_calls  # noqa: E402
-from kalos.client import Client  # noqa: E402
-from kalos.launcher import SidecarProcess  # noqa: E402
-from kalos.store import Store  # noqa: E402
+from kalos.client.client import Client  # noqa: E402
+from kalos.server.launcher import SidecarProcess  # noqa: E402
+from kalos.store.sqlite import Store  # noqa: E402
+from kalos.tools.bench import percentiles, time_calls  # noqa: E402
 
 
 def main() -> None:

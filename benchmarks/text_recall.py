@@ -1,7 +1,7 @@
 """Text recall end to end with the embedder in the sidecar (issue 20, item 4), side by side in one run.
 
-On this machine's CPU, over the ~800 passages of Python's help texts (``kalos.corpus``), the
-questions of ``kalos.corpus.QUESTIONS`` asked one after another (k = 8, hits with their texts):
+On this machine's CPU, over the ~800 passages of Python's help texts (``kalos.tools.corpus``), the
+questions of ``kalos.tools.corpus.QUESTIONS`` asked one after another (k = 8, hits with their texts):
 
 * ``recall_text`` with the sidecar embedding (``Client()``; the sidecar runs all-MiniLM-L6-v2
   on ONNX Runtime);
@@ -33,10 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kalos.client import Client
-from kalos.corpus import QUESTIONS, passages
-from kalos.embed import default_embedder
-from kalos.launcher import SidecarProcess
+from kalos.client.client import Client
+from kalos.client.embed import default_embedder
+from kalos.server.launcher import SidecarProcess
+from kalos.tools.corpus import QUESTIONS, passages
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 NAMESPACE = "pydoc"
@@ -64,7 +64,7 @@ import sys
 from kalos import Client
 embedder = None
 if sys.argv[2] == "client":
-    from kalos.embed import default_embedder
+    from kalos.client.embed import default_embedder
     embedder = default_embedder()
 with Client(sys.argv[1], timeout=60, embedder=embedder) as c:
     hits = c.recall_text("How do I open a file for writing?", k=8, namespace="pydoc")

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from kalos import Client
-from kalos.launcher import SidecarProcess
+from kalos.server.launcher import SidecarProcess
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ Conventions (see also tests/reference.py):
 """
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import random
@@ -21,14 +22,13 @@ import subprocess
 import tempfile
 import time
 import uuid
-import json
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
 
-from kalos.launcher import SidecarProcess
+from kalos.server.launcher import SidecarProcess
 
 DEADLINE_S = 60.0  # a hang guard, never a performance assertion
 

@@ -22,13 +22,12 @@ from typing import Any, Awaitable, Callable, Iterator
 
 import numpy as np
 import pytest
+from conftest import DEADLINE_S, SidecarPool, _seed_value, short_tempdir, unique_name, wait_until
+from reference import assert_topk_matches, eligible_mask, model_arrays
 
 import kalos
 from kalos import AsyncClient, Client, Recall, RecallBatch
 from kalos.errors import DimensionMismatch, InvalidArgument, InvalidQuery, SidecarUnavailable
-
-from conftest import DEADLINE_S, SidecarPool, _seed_value, short_tempdir, unique_name, wait_until
-from reference import assert_topk_matches, eligible_mask, model_arrays
 
 DIM = 16
 MAX_BATCH = 8  # small, so that recall_many splits into several round trips

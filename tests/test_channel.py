@@ -26,9 +26,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kalos.channel import ClientChannel, Endpoint, Segment, SidecarChannel
 from kalos.errors import InvalidArgument, ProtocolMismatch, SidecarUnavailable
-from kalos.protocol import (
+from kalos.ipc.channel import ClientChannel, Endpoint, Segment, SidecarChannel
+from kalos.ipc.protocol import (
     HEADER_DTYPE,
     MAGIC,
     MESSAGE_BYTES,

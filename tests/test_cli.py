@@ -14,11 +14,10 @@ import sys
 
 import numpy as np
 import pytest
-
-from kalos import Client
-
 from conftest import DEADLINE_S, run_guarded, segment_path, unique_name
 from reference import assert_topk_matches, eligible_mask
+
+from kalos import Client
 
 DIM = 6
 

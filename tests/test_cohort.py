@@ -1,9 +1,9 @@
-"""kalos.cohort: whom a pass waits for (the policy alone, with a fake slot table)."""
+"""kalos.server.cohort: whom a pass waits for (the policy alone, with a fake slot table)."""
 from __future__ import annotations
 
 import numpy as np
 
-from kalos.cohort import Cohort
+from kalos.server.cohort import Cohort
 
 
 class FakeSlots:

@@ -28,9 +28,20 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
+from conftest import (
+    DEADLINE_S,
+    SidecarPool,
+    _seed_value,
+    as_nobody,
+    run_guarded,
+    segment_path,
+    short_tempdir,
+    unique_name,
+    wait_until,
+)
+from reference import assert_topk_matches, eligible_mask, model_arrays
 
 from kalos import Client
-from kalos.control import PROTOCOL_VERSION, array_blob, recv_frame, send_frame
 from kalos.errors import (
     DimensionMismatch,
     ErrorCode,
@@ -42,20 +53,8 @@ from kalos.errors import (
     SidecarUnavailable,
     StoreLocked,
 )
-from kalos.protocol import HEADER_DTYPE, MAGIC, VERSION, Layout, Op, RequestFlag
-
-from conftest import (
-    DEADLINE_S,
-    SidecarPool,
-    as_nobody,
-    run_guarded,
-    _seed_value,
-    segment_path,
-    short_tempdir,
-    unique_name,
-    wait_until,
-)
-from reference import assert_topk_matches, eligible_mask, model_arrays
+from kalos.ipc.control import PROTOCOL_VERSION, array_blob, recv_frame, send_frame
+from kalos.ipc.protocol import HEADER_DTYPE, MAGIC, VERSION, Layout, Op, RequestFlag
 
 DIM = 16
 MAX_BATCH = 8  # small, so that recall_many splits
@@ -569,7 +568,7 @@ def _rogue_worker(name: str, seed: int, out: Any) -> None:
     """Takes a slot like any client, then writes garbage requests into it through its own mapping."""
     import mmap
 
-    from kalos.protocol import SlotView
+    from kalos.ipc.protocol import SlotView
 
     try:
         rng = np.random.default_rng(seed)
@@ -758,7 +757,7 @@ def _good_segment_bytes(layout: Layout) -> bytearray:
 
 
 def _attach(name: str) -> Layout:
-    from kalos.channel import Segment
+    from kalos.ipc.channel import Segment
 
     seg = Segment.attach(os.dup(_FAKE_SEGMENTS[name]), source=f"memfd:{name}")
     try:
@@ -833,7 +832,7 @@ def test_a_file_that_is_not_a_kalos_store_is_refused_and_left_untouched(runtime_
         assert path.read_bytes() == before, f"{path.name} was modified"
         assert sorted(p.name for p in store_dir.iterdir()) == siblings, f"{path.name}: files appeared next to it"
         assert not segment_path(name).exists() and not (runtime_dir / f"{name}.sock").exists()
-    from kalos.sidecar import Sidecar, SidecarConfig
+    from kalos.server.sidecar import Sidecar, SidecarConfig
 
     with pytest.raises(NotAKalosStore, match="not a Kalos store"):
         Sidecar(SidecarConfig(store=junk, name=unique_name("junk"), dim=4, device="cpu"))
@@ -841,7 +840,7 @@ def test_a_file_that_is_not_a_kalos_store_is_refused_and_left_untouched(runtime_
 
 
 def test_a_second_sidecar_on_the_same_name_or_store_is_refused(sidecars, store_dir, runtime_dir):
-    from kalos.sidecar import Sidecar, SidecarConfig
+    from kalos.server.sidecar import Sidecar, SidecarConfig
 
     name = unique_name("one")
     first = sidecars.start(store_dir / "a.db", name=name, dim=4)
@@ -1016,7 +1015,7 @@ def test_kill9_sidecar_clients_fail_fast_then_recover_and_acked_adds_survive(sid
         assert found.ids[:, 0].tolist() == acked_ids[picks].tolist()
         assert checker.get(base_ids[:3])[0] is not None
     # A client that was idle across the restart recovers by itself too. Documented behaviour
-    # (client.py): its first call may still raise SidecarUnavailable, the next one reconnects.
+    # (kalos/client/client.py): its first call may still raise SidecarUnavailable, the next one reconnects.
     spurious = 0
     for attempt in range(2):
         try:
@@ -1142,7 +1141,7 @@ def test_clients_spin_as_the_sidecar_advises_unless_told(runtime_dir, tmp_path, 
 
     from kalos.config import settings
     from kalos.engine import NumpyEngine
-    from kalos.sidecar import GPU_CLIENT_SPIN_US, Sidecar, SidecarConfig
+    from kalos.server.sidecar import GPU_CLIENT_SPIN_US, Sidecar, SidecarConfig
 
     class LooksLikeAGpu(NumpyEngine):
         device = "cuda:0"

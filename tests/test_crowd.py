@@ -9,10 +9,10 @@ time window, so each pass holds several filter groups.
 from __future__ import annotations
 
 import numpy as np
-
 from conftest import unique_name
-from kalos.crowd import _one_crowd, _passes, _reference, _unit
-from kalos.store import Store
+
+from kalos.store.sqlite import Store
+from kalos.tools.crowd import _one_crowd, _passes, _reference, _unit
 
 
 def test_a_crowd_of_sixteen_processes_gets_every_answer_right(sidecars, store_dir, rng):

@@ -14,14 +14,14 @@ from typing import Iterator
 
 import numpy as np
 import pytest
+from conftest import SidecarPool, _seed_value, short_tempdir, unique_name, wait_until
+from reference import assert_topk_matches, eligible_mask, model_arrays
 
 from kalos import Client, KalosError, UnknownKey
 from kalos.errors import DimensionMismatch, InvalidArgument
-from kalos.store import Store, check_update
+from kalos.store.sqlite import Store
+from kalos.validation import check_update
 from kalos.where import compile_where
-
-from conftest import SidecarPool, _seed_value, short_tempdir, unique_name, wait_until
-from reference import assert_topk_matches, eligible_mask, model_arrays
 
 DIM = 8
 
@@ -488,8 +488,8 @@ def test_kalos_list_and_count(memory):
 
 
 def test_namespaces_of_255_bytes_are_served_apart(memory):
-    from kalos.protocol import NAMESPACE_BYTES
-    from kalos.store import MAX_NAMESPACE_BYTES
+    from kalos.ipc.protocol import NAMESPACE_BYTES
+    from kalos.validation import MAX_NAMESPACE_BYTES
 
     assert MAX_NAMESPACE_BYTES == 255 and NAMESPACE_BYTES == 256
     prefix = "users/alice/memories/" + "x" * 60  # names that agree on their first 64 bytes and more
@@ -525,10 +525,10 @@ class _Clock:
 
 
 def test_store_expiry_at_its_boundary(tmp_path, monkeypatch):
-    import kalos.store
+    import kalos.store.sqlite
 
     clock = _Clock(1_000_000.0)
-    monkeypatch.setattr(kalos.store, "time", clock)
+    monkeypatch.setattr(kalos.store.sqlite, "time", clock)
     rng = np.random.default_rng(_seed_value())
     with Store.open(tmp_path / "t.db", dim=4) as store:
         vectors = rng.standard_normal((3, 4)).astype(np.float32)
@@ -567,7 +567,7 @@ def test_store_expiry_at_its_boundary(tmp_path, monkeypatch):
 
 
 def test_check_ttl():
-    from kalos.store import check_ttl
+    from kalos.validation import check_ttl
 
     assert check_ttl(None, 3) is None and check_ttl([None, None], 2) is None
     assert check_ttl(2, 2).tolist() == [2.0, 2.0]
@@ -626,7 +626,7 @@ def test_expired_memories_are_never_served_from_the_moment_they_expire(memory):
         with pytest.raises(InvalidArgument, match=message):
             memory.client.add(np.ones((2, DIM)), namespace="ttl", ttl=ttl)
     with pytest.raises(InvalidArgument, match="> 0"):  # the sidecar checks too
-        from kalos.control import array_blob
+        from kalos.ipc.control import array_blob
 
         spec, blob = array_blob(np.ones((1, DIM), np.float32), "float32")
         memory.client._control({"op": "add", "namespace": "ttl", "vectors": spec, "ttl": [-1]}, blob)
@@ -675,8 +675,8 @@ def test_gpu_polling_stops_before_an_expiry_and_stays_off_until_it_passed(runtim
     expiry and answers itself (tombstoning the row at its expires_at) until that has passed."""
     import os
 
-    from kalos.control import array_blob
-    from kalos.sidecar import _EXPIRY_LEAD_S, Sidecar, SidecarConfig
+    from kalos.ipc.control import array_blob
+    from kalos.server.sidecar import _EXPIRY_LEAD_S, Sidecar, SidecarConfig
 
     directory = short_tempdir("gpx")
     sidecar = Sidecar(SidecarConfig(store=os.path.join(directory, "s.db"), name=unique_name("gpx"), dim=DIM,

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from kalos.doctor import NOTE, OK, PROBLEM, SmiInfo, TorchInfo, diagnose_gpu
-
 from conftest import DEADLINE_S, short_tempdir
+
+from kalos.tools.doctor import NOTE, OK, PROBLEM, SmiInfo, TorchInfo, diagnose_gpu
 
 
 def doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -226,7 +225,7 @@ def test_nvidia_smi_failing_is_a_problem():
 
 def test_latency_cdf_plot_is_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from kalos.plot import Panel, Series, plot_latency_cdfs
+    from kalos.tools.plot import Panel, Series, plot_latency_cdfs
 
     rng = np.random.default_rng(1)
     panels = [

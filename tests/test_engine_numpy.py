@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reference import assert_topk_matches, eligible_mask, model_arrays, reference_topk
 
 import kalos.engine.base as engine_base
 from kalos.engine import MISSING_ID, Filter, NumpyEngine, as_unit_rows, make_engine
 from kalos.errors import InvalidArgument, InvalidQuery
-
-from reference import assert_topk_matches, eligible_mask, model_arrays, reference_topk
 
 
 def random_ids(rng: np.random.Generator, n: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""``kalos import`` and :mod:`kalos.importer`: JSONL, CSV and Parquet, validated whole, batched, resumable.
+"""``kalos import`` and :mod:`kalos.tools.importer`: JSONL, CSV and Parquet, validated whole, batched, resumable.
 
 Against one real 384-dim sidecar (this module's), with real embeddings for rows that carry
 only a text. Covered: each format with texts, vectors, metadata (object column and plain
@@ -20,13 +20,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-from kalos import Client, InvalidArgument
-from kalos.embed import DEFAULT_DIM
-from kalos.importer import Columns, ImportValidationError, import_file, progress_path, validate_file
-
 from conftest import DEADLINE_S
 from test_text import client, minilm, sidecar  # noqa: F401 (the text tests' fixtures, shared)
+
+from kalos import Client, InvalidArgument
+from kalos.client.embed import DEFAULT_DIM
+from kalos.tools.importer import Columns, ImportValidationError, import_file, progress_path, validate_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -349,7 +348,7 @@ def test_cli_import_then_recall_text(sidecar, ns, tmp_path, rng):
 
 
 def test_the_duplicate_guard_remembers_every_store_the_file_went_into(client, ns, tmp_path, rng):
-    from kalos.launcher import SidecarProcess
+    from kalos.server.launcher import SidecarProcess
 
     vectors = unit(rng, 4)
     path = write_jsonl(tmp_path / "twice.jsonl", [

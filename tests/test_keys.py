@@ -15,13 +15,12 @@ from typing import Iterator
 
 import numpy as np
 import pytest
+from conftest import SidecarPool, _seed_value, run_guarded, short_tempdir, unique_name
+from reference import assert_topk_matches, eligible_mask, model_arrays
 
 from kalos import Client
 from kalos.errors import InvalidArgument, InvalidQuery
-from kalos.store import Store
-
-from conftest import SidecarPool, _seed_value, run_guarded, short_tempdir, unique_name
-from reference import assert_topk_matches, eligible_mask, model_arrays
+from kalos.store.sqlite import Store
 
 DIM = 8
 
@@ -132,7 +131,7 @@ def test_duplicate_and_bad_keys_are_refused_and_nothing_is_stored(keyed):
 
 def test_the_sidecar_itself_refuses_duplicate_keys(keyed):
     """A client that skips its own checks (another language's): the sidecar checks again."""
-    from kalos.control import array_blob
+    from kalos.ipc.control import array_blob
 
     spec, blob = array_blob(np.eye(DIM, dtype=np.float32)[:2], "float32")
     with pytest.raises(InvalidArgument, match="key 'dup' appears twice"):

@@ -23,18 +23,17 @@ import pytest
 
 pytest.importorskip("langchain_core")
 
+from conftest import DEADLINE_S  # noqa: E402
 from langchain_core.documents import Document  # noqa: E402
 from langchain_core.embeddings import DeterministicFakeEmbedding, Embeddings  # noqa: E402
 from langchain_core.indexing import InMemoryRecordManager, index  # noqa: E402
 from langchain_core.retrievers import BaseRetriever  # noqa: E402
 from langchain_core.vectorstores import InMemoryVectorStore, VectorStore, VectorStoreRetriever  # noqa: E402
+from test_text import FACTS, QUESTIONS, client, minilm, sidecar  # noqa: E402, F401 (shared fixtures)
 
 from kalos import Client, InvalidArgument  # noqa: E402
-from kalos.embed import DEFAULT_DIM  # noqa: E402
+from kalos.client.embed import DEFAULT_DIM  # noqa: E402
 from kalos.integrations.langchain import KalosRetriever, KalosVectorStore  # noqa: E402
-
-from conftest import DEADLINE_S  # noqa: E402
-from test_text import FACTS, QUESTIONS, client, minilm, sidecar  # noqa: E402, F401 (shared fixtures)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -17,16 +17,15 @@ import pytest
 pytest.importorskip("langchain_tests")
 pytest.importorskip("pytest_asyncio")
 
+from conftest import DEADLINE_S  # noqa: E402
 from langchain_core.embeddings import DeterministicFakeEmbedding  # noqa: E402
 from langchain_core.retrievers import BaseRetriever  # noqa: E402
 from langchain_core.vectorstores import VectorStore  # noqa: E402
 from langchain_tests.integration_tests import RetrieversIntegrationTests, VectorStoreIntegrationTests  # noqa: E402
+from test_text import TextSidecar  # noqa: E402
 
 from kalos import Client  # noqa: E402
 from kalos.integrations.langchain import KalosRetriever, KalosVectorStore  # noqa: E402
-
-from conftest import DEADLINE_S  # noqa: E402
-from test_text import TextSidecar  # noqa: E402
 
 EMBEDDING_SIZE = 6  # langchain_tests.integration_tests.vectorstores.EMBEDDING_SIZE
 

@@ -21,15 +21,14 @@ import pytest
 
 pytest.importorskip("langgraph")
 
+from conftest import DEADLINE_S  # noqa: E402
 from langchain_core.embeddings import DeterministicFakeEmbedding  # noqa: E402
 from langgraph.store.base import GetOp, InvalidNamespaceError, ListNamespacesOp, MatchCondition, PutOp, SearchOp  # noqa: E402
 from langgraph.store.memory import InMemoryStore  # noqa: E402
+from test_text import TextSidecar  # noqa: E402
 
 from kalos import Client, InvalidArgument  # noqa: E402
 from kalos.integrations.langgraph import KalosStore  # noqa: E402
-
-from conftest import DEADLINE_S  # noqa: E402
-from test_text import TextSidecar  # noqa: E402
 
 DIM = 8
 NAMESPACES = [("users", "alice"), ("users", "bob"), ("users", "alice", "notes"), ("docs",), ("docs", "x", "y")]

@@ -10,9 +10,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from test_slot_server import Rig, _interpreter_env, make_rig, needs_interpreter, rng  # noqa: E402,F401  (fixtures)
-
 from reference import assert_topk_matches  # noqa: E402
+from test_slot_server import Rig, _interpreter_env, make_rig, needs_interpreter, rng  # noqa: E402,F401  (fixtures)
 
 
 @needs_interpreter

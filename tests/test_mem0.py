@@ -20,7 +20,6 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
-
 from conftest import DEADLINE_S, short_tempdir  # noqa: E402
 
 # Read by mem0 when it is imported: no telemetry (a network call), its files under a temp dir.
@@ -31,10 +30,10 @@ pytest.importorskip("mem0")
 
 from mem0 import Memory  # noqa: E402
 from mem0.configs.base import MemoryConfig  # noqa: E402
+from test_text import TextSidecar  # noqa: E402
 
 from kalos import Client, InvalidArgument, UnknownKey  # noqa: E402
 from kalos.integrations.mem0 import KalosMem0, mem0_where, register  # noqa: E402
-from test_text import TextSidecar  # noqa: E402
 
 DIM = 16
 USERS = ["alice", "bob", "carol"]

@@ -11,16 +11,17 @@ import numpy as np
 import pytest
 
 from kalos.errors import InvalidArgument, UnknownKey
-from kalos.store import Store, check_update
+from kalos.store.sqlite import Store
+from kalos.validation import check_update
 from kalos.where import compile_where
 
 psycopg = pytest.importorskip("psycopg", reason="the postgres extra (psycopg) is not installed")
 
-from kalos.pg_store import PostgresStore  # noqa: E402
-
 from conftest import SidecarPool, unique_name, wait_until  # noqa: E402
 from pg_server import find_bin_dir  # noqa: E402
 from test_pg_store import DIM, Host, _check_recalls, _unit, pg, url  # noqa: E402,F401  (fixtures)
+
+from kalos.store.postgres import PostgresStore  # noqa: E402
 
 pytestmark = pytest.mark.skipif(find_bin_dir() is None, reason="PostgreSQL's server binaries are not installed")
 

@@ -20,16 +20,16 @@ import pytest
 
 from kalos import Client
 from kalos.errors import DimensionMismatch, InvalidArgument, NotAKalosStore, StoreError
-from kalos.store import Store
+from kalos.store.sqlite import Store
 
 psycopg = pytest.importorskip("psycopg", reason="the postgres extra (psycopg) is not installed")
-
-from kalos.follow import apply_to_engine  # noqa: E402  (needs psycopg)
-from kalos.pg_store import PostgresStore, mask_url  # noqa: E402
 
 from conftest import DEADLINE_S, SidecarPool, unique_name, wait_until  # noqa: E402
 from pg_server import PASSWORD, PgServer, find_bin_dir  # noqa: E402
 from reference import assert_topk_matches, eligible_mask, model_arrays  # noqa: E402
+
+from kalos.store.follow import apply_to_engine  # noqa: E402  (needs psycopg)
+from kalos.store.postgres import PostgresStore, mask_url  # noqa: E402
 
 DIM = 8
 
@@ -253,7 +253,7 @@ def test_concurrent_writers_leave_no_gap(url: str, children: Any, seed: int) -> 
 def test_writers_are_serialised_so_seq_order_is_commit_order(url: str, pg: PgServer, rng: np.random.Generator) -> None:
     """White box: while another transaction holds the writer lock (as a slow writer would,
     between taking its seq and committing), an add waits; its seq comes after the other's."""
-    from kalos.pg_store import _WRITER_LOCK
+    from kalos.store.postgres import _WRITER_LOCK
 
     with PostgresStore.open(url, dim=DIM) as store:
         store.add(_unit(rng, 1), namespace="default")
@@ -275,7 +275,7 @@ def test_writers_are_serialised_so_seq_order_is_commit_order(url: str, pg: PgSer
 
 def test_apply_to_engine_is_idempotent(url: str, rng: np.random.Generator) -> None:
     from kalos.engine.numpy_engine import NumpyEngine
-    from kalos.pg_store import fetch_changes
+    from kalos.store.postgres import fetch_changes
 
     with PostgresStore.open(url, dim=DIM) as store:
         a, _, _ = store.add(_unit(rng, 4), namespace="n1")

@@ -13,10 +13,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
-from kalos.embed import DEFAULT_DIM, DEFAULT_MODEL, CallableEmbedder
-
 from conftest import DEADLINE_S, unique_name
+
+from kalos.client.embed import DEFAULT_DIM, DEFAULT_MODEL, CallableEmbedder
 
 
 def test_bench_shows_progress_and_the_cpu_after_a_recall(runtime_dir, tmp_path):
@@ -46,15 +45,15 @@ def _hash_embed(texts: list[str]) -> np.ndarray:
 
 
 def test_demo_embedding_progress_has_a_rate_and_reaches_100_percent(sidecars, store_dir, monkeypatch, capsys):
-    import kalos.corpus
-    import kalos.embed
-    from kalos.demo import run_demo
+    import kalos.client.embed
+    import kalos.tools.corpus
+    from kalos.tools.demo import run_demo
 
     name = unique_name("demo")
     sidecars.start(store_dir / "demo.db", name=name, dim=DEFAULT_DIM)
-    corpus = kalos.corpus.passages()[:150]  # 3 chunks: 64 + 64 + 22
-    monkeypatch.setattr(kalos.corpus, "passages", lambda: corpus)
-    monkeypatch.setattr(kalos.embed, "_default", CallableEmbedder(_hash_embed, dim=DEFAULT_DIM, name=DEFAULT_MODEL))
+    corpus = kalos.tools.corpus.passages()[:150]  # 3 chunks: 64 + 64 + 22
+    monkeypatch.setattr(kalos.tools.corpus, "passages", lambda: corpus)
+    monkeypatch.setattr(kalos.client.embed, "_default", CallableEmbedder(_hash_embed, dim=DEFAULT_DIM, name=DEFAULT_MODEL))
     args = argparse.Namespace(name=name, store=None, memories=0, recalls=20, rounds=1, synthetic=False, device="cpu")
     assert run_demo(args) == 0
     captured = capsys.readouterr()

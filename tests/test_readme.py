@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-
-from kalos.embed import DEFAULT_DIM, embed_extra_available
-from kalos.errors import SidecarUnavailable
-
 from conftest import DEADLINE_S
+
+from kalos.client.embed import DEFAULT_DIM, embed_extra_available
+from kalos.errors import SidecarUnavailable
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(encoding="utf-8"), re.S | re.M)

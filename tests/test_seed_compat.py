@@ -1,4 +1,4 @@
-"""The seed article's recall_shm_t protocol, served by kalos.seed_compat.SeedCompatServer.
+"""The seed article's recall_shm_t protocol, served by kalos.server.seed_compat.SeedCompatServer.
 
 Real processes where it matters: tests/seed_client.c is a client written from the article
 (its struct, its O_CREAT + ftruncate + memset init, its __atomic ready/done handshake), built
@@ -30,10 +30,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kalos.seed_compat as kalos_seed_compat
+import kalos.server.seed_compat as kalos_seed_compat
 from kalos.engine import MISSING_ID, NumpyEngine, as_unit_rows
 from kalos.errors import InvalidArgument
-from kalos.seed_compat import (
+from kalos.ipc.sync import full_fence
+from kalos.server.seed_compat import (
     MAGIC,
     MAX_QUERY_DIM,
     MAX_RESULT_ITEMS,
@@ -46,7 +47,6 @@ from kalos.seed_compat import (
     segment_path,
     unlink_segment,
 )
-from kalos.sync import full_fence
 
 TESTS = Path(__file__).resolve().parent
 DEADLINE_S = 30.0  # a hang guard, never a performance assertion
@@ -131,7 +131,7 @@ class ServerProcess:
         ids, vectors, deleted = store.history
         npz = tmp_path / f"store-{uuid.uuid4().hex[:8]}.npz"
         np.savez(npz, ids=ids, vectors=vectors, deleted=deleted)
-        src = str(Path(kalos_seed_compat.__file__).resolve().parents[1])
+        src = str(Path(kalos_seed_compat.__file__).resolve().parents[2])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
         self.proc = subprocess.Popen([sys.executable, str(TESTS / "seed" / "serve_store.py"), str(npz), shm_name],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -468,7 +468,7 @@ def running(servers, shm_name):
     seed = _seed()
     store = make_store(300, 32, seed)
     client = PyClient(shm_name)
-    srv = servers(store, 32, shm_name, log=logging.getLogger("kalos.seed_compat.test"))
+    srv = servers(store, 32, shm_name, log=logging.getLogger("kalos.server.seed_compat.test"))
     wait_attached(srv)
     yield client, store, srv, np.random.default_rng(seed)
     client.close()
@@ -500,7 +500,7 @@ def _bad_cases(dim: int):
 def test_bad_requests_are_refused_and_serving_continues(running, case, caplog):
     client, store, srv, rng = running
     kw, needle = _bad_cases(32)[case]
-    with caplog.at_level(logging.ERROR, logger="kalos.seed_compat.test"):
+    with caplog.at_level(logging.ERROR, logger="kalos.server.seed_compat.test"):
         assert_refused(client.request(**kw))
     assert srv.stats["errors"] == 1 and needle in srv.stats["last_error"]
     assert any(needle in r.getMessage() for r in caplog.records)
@@ -757,7 +757,7 @@ class _AddedStore:
 def test_kalos_serve_seed_compat_answers_the_article_client(c_client, shm_name, tmp_path, monkeypatch, order):
     """`kalos serve --seed-compat`: the article's C client, unchanged, against the store's memories."""
     from kalos import Client
-    from kalos.launcher import SidecarProcess
+    from kalos.server.launcher import SidecarProcess
 
     seed = _seed()
     dim = 256

@@ -15,13 +15,19 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_torch_engine import (  # noqa: E402  (_interpreter_env: the autouse fixture, per test)
-    FILTERS, HAVE_CUDA, Mirror, _interpreter_env, needs_interpreter, rng, unit_queries,
+    FILTERS,
+    HAVE_CUDA,
+    Mirror,
+    _interpreter_env,
+    needs_interpreter,
+    rng,
+    unit_queries,
 )
 
 from kalos import Client  # noqa: E402
 from kalos.engine import Engine, Filter, make_engine  # noqa: E402
-from kalos.engine.sharded import ShardedEngine, merge_topk  # noqa: E402
 from kalos.engine.gpu import TorchEngine  # noqa: E402
+from kalos.engine.sharded import ShardedEngine, merge_topk  # noqa: E402
 from kalos.errors import InvalidArgument  # noqa: E402
 
 cuda = pytest.mark.cuda
@@ -158,7 +164,7 @@ def test_device_strings():
 
 
 def test_sidecar_serves_a_sharded_engine(rng, runtime_dir, tmp_path):
-    from kalos.sidecar import Sidecar, SidecarConfig
+    from kalos.server.sidecar import Sidecar, SidecarConfig
 
     d = 16
     config = SidecarConfig(store=tmp_path / "m.db", name="sh", dim=d, slots=4)

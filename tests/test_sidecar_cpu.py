@@ -2,7 +2,7 @@
 
 NumPy's OpenBLAS runs a mat-vec of this size on every core and, by default, its worker threads
 then busy-wait ~0.1 s before sleeping: ~100 ms of a core burnt after every recall, taken from the
-client on a small machine. ``kalos serve`` starts BLAS with the spin cut short (kalos/blas.py).
+client on a small machine. ``kalos serve`` starts BLAS with the spin cut short (kalos/server/blas.py).
 The tests measure the sidecar's CPU time (not wall latency) in the 200 ms after recalls, with a
 generous bound: a few ms of the sweep's own spin and heartbeat pass, a spinning BLAS thread
 (~40-100 ms even on a loaded machine) does not. ``kalos bench`` prints the same measurement.
@@ -13,12 +13,11 @@ import os
 
 import numpy as np
 import pytest
+from conftest import DEADLINE_S, unique_name
 
 from kalos import Client
-from kalos.bench import AFTER_RECALL_S, cpu_after_recalls
-from kalos.blas import QUIET_BLAS
-
-from conftest import DEADLINE_S, unique_name
+from kalos.server.blas import QUIET_BLAS
+from kalos.tools.bench import AFTER_RECALL_S, cpu_after_recalls
 
 N, DIM = 20000, 384  # 7.7 M elements: OpenBLAS threads a mat-vec above ~9,000
 BOUND_MS = 20.0  # of the 200 ms window; ~2 ms measured with the fix, ~105 ms without (2 vCPUs)

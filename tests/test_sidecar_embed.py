@@ -21,14 +21,14 @@ from typing import Iterator
 
 import numpy as np
 import pytest
+from conftest import DEADLINE_S, segment_path, short_tempdir, unique_name
 
 from kalos import Client, InvalidArgument
-from kalos.aio import AsyncClient
-from kalos.corpus import QUESTIONS as PYDOC_QUESTIONS, passages
-from kalos.embed import DEFAULT_DIM, DEFAULT_MODEL, EmbedderUnavailable, default_embedder
-from kalos.launcher import SidecarProcess
-
-from conftest import DEADLINE_S, segment_path, short_tempdir, unique_name
+from kalos.client.aio import AsyncClient
+from kalos.client.embed import DEFAULT_DIM, DEFAULT_MODEL, EmbedderUnavailable, default_embedder
+from kalos.server.launcher import SidecarProcess
+from kalos.tools.corpus import QUESTIONS as PYDOC_QUESTIONS
+from kalos.tools.corpus import passages
 
 pytest.importorskip("onnxruntime")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -84,7 +84,7 @@ class EmbedSidecar:
 def onnx():
     """The ONNX runtime in this process (exported into the user's cache on first use, as the
     sidecar does: the sidecar below then loads the cached graph)."""
-    from kalos.sidecar_embed import onnx_embedder
+    from kalos.server.sidecar_embed import onnx_embedder
 
     return onnx_embedder()
 
@@ -277,7 +277,7 @@ def test_a_sidecar_that_does_not_embed_says_what_to_do():
 
 
 def test_onnx_impossible_falls_back_to_sentence_transformers_with_a_reason(monkeypatch, caplog):
-    import kalos.sidecar_embed as se
+    import kalos.server.sidecar_embed as se
 
     def no_onnx():
         raise RuntimeError("the exporter is broken here")
@@ -290,7 +290,7 @@ def test_onnx_impossible_falls_back_to_sentence_transformers_with_a_reason(monke
 
     monkeypatch.setattr(se, "onnx_embedder", no_onnx)
     monkeypatch.setattr(se, "SentenceTransformerEmbedder", FakeST)
-    with caplog.at_level(logging.WARNING, logger="kalos.embed"):
+    with caplog.at_level(logging.WARNING, logger="kalos.client.embed"):
         embedder = se.load_embedder("auto", "cpu")
     assert isinstance(embedder, FakeST) and embedder.runtime == "torch (cpu)"
     assert made[0][1]["device"] == "cpu" and made[0][1]["local_files_only"] is True
@@ -304,7 +304,7 @@ def test_onnx_impossible_falls_back_to_sentence_transformers_with_a_reason(monke
 
 
 def test_a_big_request_is_embedded_in_slices_beside_the_small_ones(monkeypatch):
-    import kalos.sidecar_embed as se
+    import kalos.server.sidecar_embed as se
 
     calls: list[list[str]] = []
     first_call = threading.Event()

@@ -22,14 +22,14 @@ pytest.importorskip("torch")
 
 # The interpreter setup (TRITON_INTERPRET for the first import of triton, per-test env), the
 # seeded rng and the markers are test_torch_engine's, as in test_sharded.
+from reference import assert_topk_matches  # noqa: E402
 from test_torch_engine import HAVE_CUDA, _interpreter_env, needs_interpreter, rng  # noqa: E402,F401
 
-from kalos.engine.gpu.slot_server import _NAME_PROBE, SlotGraphServer, name_home  # noqa: E402
 from kalos.engine.gpu import TorchEngine  # noqa: E402
 from kalos.engine.gpu.layout import HOST_CONTROL  # noqa: E402
+from kalos.engine.gpu.slot_server import _NAME_PROBE, SlotGraphServer, name_home  # noqa: E402
 from kalos.errors import InvalidArgument  # noqa: E402
-from kalos.protocol import Layout, Op, RequestFlag, SlotView  # noqa: E402
-from reference import assert_topk_matches  # noqa: E402
+from kalos.ipc.protocol import Layout, Op, RequestFlag, SlotView  # noqa: E402
 
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU")
@@ -378,8 +378,8 @@ def test_fast_hands_over_what_its_certificate_cannot_prove(make_rig, rng):
 
 
 def test_gpu_polling_modes_are_checked(tmp_path, capsys):
-    from kalos.cli import _build_parser as build_parser
-    from kalos.sidecar import SidecarConfig
+    from kalos.server.sidecar import SidecarConfig
+    from kalos.tools.cli import _build_parser as build_parser
 
     with pytest.raises(InvalidArgument, match="gpu_polling must be one of off, graph, got 'on'"):
         SidecarConfig(store=tmp_path / "m.db", name="x", gpu_polling="on")
@@ -434,7 +434,7 @@ def test_cuda_server_answers_while_running(make_rig, rng, precision):
 @needs_cuda
 def test_cuda_sidecar_with_gpu_polling_under_clients_adds_and_deletes(rng, runtime_dir, tmp_path):
     from kalos import Client
-    from kalos.sidecar import Sidecar, SidecarConfig
+    from kalos.server.sidecar import Sidecar, SidecarConfig
 
     d = 256
     config = SidecarConfig(store=tmp_path / "m.db", name="gp", dim=d, slots=8, max_k=32, max_batch=8, gpu_polling="graph")

@@ -1,4 +1,4 @@
-"""Tests of kalos.store: round trips, validation that changes nothing, foreign files left
+"""Tests of kalos.store.sqlite: round trips, validation that changes nothing, foreign files left
 untouched, writer exclusivity across threads and processes, and kill -9 crash safety."""
 from __future__ import annotations
 
@@ -22,10 +22,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kalos.store as store_mod
+import kalos.store.sqlite as store_mod
 from kalos.engine.base import as_unit_rows
 from kalos.errors import DimensionMismatch, InvalidArgument, NotAKalosStore, StoreError, StoreLocked
-from kalos.store import APPLICATION_ID, Item, Store
+from kalos.store.sqlite import APPLICATION_ID, Store
+from kalos.validation import Item
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 DIM = 8
@@ -513,7 +514,7 @@ def test_second_writer_in_process_is_locked_out(tmp_path: Path) -> None:
         p = run_python(
             """
             import sys
-            from kalos.store import Store
+            from kalos.store.sqlite import Store
             from kalos.errors import StoreLocked
             try:
                 Store.open(sys.argv[1])
@@ -539,7 +540,7 @@ def test_writer_in_another_process_locks_us_out_and_readonly_still_reads(tmp_pat
         """
         import sys
         import numpy as np
-        from kalos.store import Store
+        from kalos.store.sqlite import Store
         s = Store.open(sys.argv[1])
         print("holding", flush=True)
         sys.stdin.readline()
@@ -641,7 +642,7 @@ CRASH_CHILD = f"""
 import json, sys
 import numpy as np
 from kalos.engine.base import as_unit_rows
-from kalos.store import Store
+from kalos.store.sqlite import Store
 
 path, seed = sys.argv[1], int(sys.argv[2])
 rng = np.random.default_rng(seed)

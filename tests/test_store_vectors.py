@@ -6,11 +6,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from kalos.store import Store
-
 from pg_server import find_bin_dir
 from test_pg_store import pg, url  # noqa: F401 (fixtures: a throwaway server, a fresh database)
+
+from kalos.store.sqlite import Store
 
 DIM = 12
 
@@ -36,7 +35,7 @@ def test_sqlite_store_vectors(store_dir: Path, rng: np.random.Generator) -> None
 
 @pytest.mark.skipif(find_bin_dir() is None, reason="PostgreSQL's server binaries are not installed (.ci/run installs them)")
 def test_postgres_store_vectors(url: str, rng: np.random.Generator) -> None:  # noqa: F811
-    from kalos.pg_store import PostgresStore
+    from kalos.store.postgres import PostgresStore
 
     with PostgresStore.open(url, dim=DIM) as store:
         _check(store, rng)

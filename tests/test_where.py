@@ -217,7 +217,7 @@ def test_columns_follow_writes_compaction_and_growth(monkeypatch, dense_at):
 
 
 def test_the_clients_memo_tells_equal_looking_clauses_apart():
-    from kalos.client import _where_clause
+    from kalos.client.client import _where_clause
 
     one, true, one_f = _where_clause({"a": 1}), _where_clause({"a": True}), _where_clause({"a": 1.0})
     assert one.key == '{"a":{"$eq":1}}' and true.key == '{"a":{"$eq":true}}' and one_f.key == '{"a":{"$eq":1.0}}'

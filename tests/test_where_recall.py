@@ -17,7 +17,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from reference import assert_topk_matches
 
 try:
@@ -43,6 +42,7 @@ from kalos.engine import Filter, NumpyEngine, ShardedEngine  # noqa: E402
 from kalos.engine.base import as_unit_rows  # noqa: E402
 from kalos.errors import InvalidArgument  # noqa: E402
 from kalos.where import compile_where  # noqa: E402
+
 
 def _interpreter_works() -> bool:
     """Whether the Triton backend runs on the CPU device here (triton installed, interpreting)."""
@@ -366,13 +366,13 @@ def test_add_rejects_metadata_of_the_wrong_length(rng):
 
 # -- through a sidecar --------------------------------------------------------------------------
 
-from kalos import AsyncClient, Client, UnknownFilter  # noqa: E402
-from kalos.control import array_blob  # noqa: E402
-from kalos.errors import ErrorCode  # noqa: E402
-from kalos.protocol import RequestFlag  # noqa: E402
-from kalos.sidecar import Sidecar, SidecarConfig  # noqa: E402
-
 from conftest import DEADLINE_S, run_guarded, short_tempdir, unique_name  # noqa: E402
+
+from kalos import AsyncClient, Client, UnknownFilter  # noqa: E402
+from kalos.errors import ErrorCode  # noqa: E402
+from kalos.ipc.control import array_blob  # noqa: E402
+from kalos.ipc.protocol import RequestFlag  # noqa: E402
+from kalos.server.sidecar import Sidecar, SidecarConfig  # noqa: E402
 
 SIDECAR_DIM = 16
 
@@ -575,7 +575,7 @@ def test_the_sweep_groups_single_recalls_by_where_and_refuses_unknown_handles(ru
         assert sidecar._rows_where("never-used", None).tolist() == []
         assert len(sidecar._rows_where(None, None)) == n
         # An evicted handle is refused, never read as another clause.
-        import kalos.sidecar as sidecar_module
+        import kalos.server.sidecar as sidecar_module
 
         old = handles[0]
         for j in range(sidecar_module._MAX_WHERE_HANDLES + 1):
@@ -637,9 +637,9 @@ def pg_url():
 
 
 def test_where_on_a_postgres_store_loads_and_follows_metadata(pg_url, sidecars, rng):
-    from kalos.pg_store import PostgresStore
-
     from conftest import wait_until
+
+    from kalos.store.postgres import PostgresStore
 
     dim = 8
     rows: dict[int, tuple[np.ndarray, dict | None]] = {}

@@ -8,7 +8,7 @@ answers top-k cosine recalls through POSIX shared memory::
         ids = memory.add(vectors, texts=["..."] * len(vectors))
         hits = memory.recall(query, k=8)
 """
-from kalos.client import Client, Hit, Item, Page, Recall, RecallBatch
+from kalos.client.client import Client, Hit, Item, Page, Recall, RecallBatch
 from kalos.errors import (
     DimensionMismatch,
     InvalidArgument,
@@ -57,7 +57,7 @@ def __getattr__(name: str) -> object:
     # kalos.AsyncClient is imported on first use: asyncio costs tens of milliseconds at import,
     # which every sync user (and every `kalos` command) would otherwise pay.
     if name == "AsyncClient":
-        from kalos.aio import AsyncClient
+        from kalos.client.aio import AsyncClient
 
         return AsyncClient
     raise AttributeError(f"module 'kalos' has no attribute {name!r}")

@@ -1,3 +1,3 @@
-from kalos.cli import main
+from kalos.tools.cli import main
 
 raise SystemExit(main())

@@ -29,7 +29,7 @@ class Settings:
     # How long the sidecar keeps sweeping the slots after the last request before it sleeps.
     sidecar_spin_us: float = 2000.0
     # How long after a pass the next one may wait for that pass's clients to send their next
-    # request (kalos.cohort: only clients that came back quickly before are waited for). A crowd
+    # request (kalos.server.cohort: only clients that came back quickly before are waited for). A crowd
     # recalling back to back then shares one pass instead of splitting into cohorts that take
     # turns. 0 searches at once.
     sidecar_gather_us: float = 200.0

@@ -131,7 +131,7 @@ class ServerError(KalosError):
 
 class EmbedderUnavailable(KalosError, ImportError):
     """The embedding packages are not installed (the ``embed`` extra) or the model cannot load,
-    in this process or in the sidecar that was asked to embed (``kalos.embed`` re-exports it)."""
+    in this process or in the sidecar that was asked to embed (``kalos.client.embed`` re-exports it)."""
 
     code = ErrorCode.EMBEDDER_UNAVAILABLE
 

@@ -4,7 +4,7 @@ The oracle idea is Jepsen's: every client records each operation with its invoca
 completion times (``time.monotonic()``, one clock for every process of the host) and its
 outcome; nothing is judged while the test runs. Afterwards:
 
-* **Store snapshots** (read with :meth:`kalos.store.Store.open` readonly while the sidecar is
+* **Store snapshots** (read with :meth:`kalos.store.sqlite.Store.open` readonly while the sidecar is
   dead, right after each ``kill -9``) are checked against the operation log: every add
   acknowledged before the kill is there in full, every row in the store belongs to an add
   invoked before the kill and is complete (vector bytes, text, metadata, namespace), an add
@@ -41,10 +41,10 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from kalos import Client
-from kalos.control import PROTOCOL_VERSION, recv_frame, send_fd, send_frame
 from kalos.errors import SidecarUnavailable
-from kalos.sidecar import normalise_rows
-from kalos.store import Store
+from kalos.ipc.control import PROTOCOL_VERSION, recv_frame, send_fd, send_frame
+from kalos.store.sqlite import Store
+from kalos.validation import normalise_rows
 
 DIM = 8
 BASE_CLIENT = 10_000  # the client number of the items a test loads before the workload starts

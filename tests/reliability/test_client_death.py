@@ -24,8 +24,8 @@ import queue as queue_mod
 import time
 
 import numpy as np
-
 from conftest import DEADLINE_S, _seed_value, unique_name, wait_until
+
 from kalos import Client
 from reliability._support import (
     BASE_CLIENT,

@@ -21,8 +21,8 @@ import traceback
 from typing import Any
 
 import numpy as np
-
 from conftest import DEADLINE_S, _seed_value, unique_name
+
 from kalos import Client, SidecarUnavailable
 from reliability._support import Snapshot, Workload, parse_text, read_store, tracebacks
 

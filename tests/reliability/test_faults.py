@@ -26,14 +26,15 @@ from typing import Any, Iterator
 
 import numpy as np
 import pytest
-
 from conftest import DEADLINE_S, unique_name, wait_until
+
 from kalos import Client, InvalidArgument, ServerError, SidecarUnavailable
-from kalos.control import ConnectionClosed
-from kalos.doctor import PROBLEM, check_store
 from kalos.engine import NumpyEngine
-from kalos.sidecar import Sidecar, SidecarConfig, normalise_rows
-from kalos.store import Store
+from kalos.ipc.control import ConnectionClosed
+from kalos.server.sidecar import Sidecar, SidecarConfig
+from kalos.store.sqlite import Store
+from kalos.tools.doctor import PROBLEM, check_store
+from kalos.validation import normalise_rows
 
 DIM = 16
 
@@ -43,7 +44,7 @@ def _unit(rng: np.random.Generator, n: int) -> np.ndarray:
 
 
 def ack_path(path: Path) -> Path:
-    """The store's record of acknowledged writes (kalos.store.ack_path), spelt out."""
+    """The store's record of acknowledged writes (kalos.store.sqlite.ack_path), spelt out."""
     return Path(f"{path}-ack")
 
 

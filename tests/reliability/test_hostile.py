@@ -42,16 +42,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import DEADLINE_S, _seed_value, unique_name
 from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from conftest import DEADLINE_S, _seed_value, unique_name
 from kalos import Client
-from kalos.control import PROTOCOL_VERSION
 from kalos.errors import ErrorCode, InvalidArgument
-from kalos.protocol import HEADER_DTYPE, MESSAGE_BYTES, NAMESPACE_BYTES, REQUEST_DTYPE, Layout, Op, SlotView
-from kalos.store import check_namespace
+from kalos.ipc.control import PROTOCOL_VERSION
+from kalos.ipc.protocol import HEADER_DTYPE, MESSAGE_BYTES, NAMESPACE_BYTES, REQUEST_DTYPE, Layout, Op, SlotView
+from kalos.validation import check_namespace
 from reliability._support import ItemTable, check_row, honest, raw_connection, tracebacks
 
 DIM = 8
@@ -555,7 +555,7 @@ def test_scribbling_over_the_whole_slot_with_random_bytes(sidecars, children, st
 def _rogue_hello(runtime: str, name: str, wake_fd: int) -> tuple[Any, int, int, int]:
     """A raw hello that hands the sidecar ``wake_fd`` as the client's doorbell; (socket, slot,
     doorbell, segment): the segment's memfd follows the doorbell (control protocol 2)."""
-    from kalos.control import recv_fd
+    from kalos.ipc.control import recv_fd
 
     sock = raw_connection(runtime, name)
     send_frame_raw = _frame(json.dumps({"op": "hello", "protocol": PROTOCOL_VERSION, "pid": os.getpid()}).encode())

@@ -20,12 +20,12 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import DEADLINE_S, unique_name
+
 from kalos import Client, InvalidArgument, InvalidQuery
 from kalos.config import settings
-from kalos.control import PROTOCOL_VERSION, recv_frame, send_fd, send_frame
 from kalos.errors import ErrorCode
+from kalos.ipc.control import PROTOCOL_VERSION, recv_frame, send_fd, send_frame
 from reliability._support import ask, raw_connection, tracebacks
 
 DIM = 8

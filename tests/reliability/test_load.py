@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 
 from conftest import DEADLINE_S, _seed_value, unique_name, wait_until
+
 from kalos import Client
 from reliability._support import (
     BASE_CLIENT,

@@ -20,10 +20,10 @@ import time
 from typing import Any
 
 import numpy as np
-
 from conftest import DEADLINE_S, _seed_value, unique_name, wait_until
+
 from kalos import Client
-from kalos.store import Store
+from kalos.store.sqlite import Store
 from reliability._support import kill_cycles, tracebacks
 
 DIM = 8

@@ -37,15 +37,15 @@ from typing import Any, Iterator
 
 import numpy as np
 import pytest
+from conftest import DEADLINE_S, NOBODY, as_nobody, short_tempdir, unique_name, wait_until
 
 import kalos
-from conftest import DEADLINE_S, NOBODY, as_nobody, short_tempdir, unique_name, wait_until
 from kalos import Client
-from kalos.channel import Segment
-from kalos.control import PROTOCOL_VERSION, ok_reply, recv_frame, send_fd, send_frame
 from kalos.errors import ErrorCode, ProtocolMismatch, SidecarUnavailable
-from kalos.launcher import SidecarProcess
-from kalos.protocol import HEADER_DTYPE, MAGIC, VERSION, Layout
+from kalos.ipc.channel import Segment
+from kalos.ipc.control import PROTOCOL_VERSION, ok_reply, recv_frame, send_fd, send_frame
+from kalos.ipc.protocol import HEADER_DTYPE, MAGIC, VERSION, Layout
+from kalos.server.launcher import SidecarProcess
 from reliability._support import raw_connection, rss_bytes, tracebacks
 
 DIM = 8
@@ -288,7 +288,7 @@ class _FakeSidecar:
         self.thread.start()
 
     def _serve(self) -> None:
-        from kalos.control import recv_fd
+        from kalos.ipc.control import recv_fd
 
         conn, _ = self.listener.accept()
         with conn:
@@ -495,7 +495,7 @@ def _own_dir(uid: int, gid: int, mode: int = 0o700) -> Path:
 _VICTIM = r"""
 import json, sys, threading, numpy as np
 from kalos import Client
-from kalos.sidecar import Sidecar, SidecarConfig
+from kalos.server.sidecar import Sidecar, SidecarConfig
 sidecar = Sidecar(SidecarConfig(store=sys.argv[1], name=sys.argv[2], dim=8, device="cpu"))
 thread = threading.Thread(target=sidecar.serve_forever)
 thread.start()
@@ -512,7 +512,7 @@ print(json.dumps({"hits": len(hits)}))
 
 def _victim(_channel: Any, store: str, name: str) -> dict:
     """What _VICTIM does, in a forked child (see _AsUser)."""
-    from kalos.sidecar import Sidecar, SidecarConfig
+    from kalos.server.sidecar import Sidecar, SidecarConfig
 
     sidecar = Sidecar(SidecarConfig(store=store, name=name, dim=8, device="cpu"))
     thread = threading.Thread(target=sidecar.serve_forever)
@@ -559,7 +559,7 @@ def test_a_runtime_dir_flipped_by_another_user_truncates_nothing(store_dir):
     try:
         assert flipper.hear() == "ready"
         os.environ["KALOS_RUNTIME_DIR"] = str(runtime)
-        from kalos.sidecar import Sidecar, SidecarConfig
+        from kalos.server.sidecar import Sidecar, SidecarConfig
 
         deadline = time.monotonic() + 20.0
         while starts < 300 and time.monotonic() < deadline and precious.read_bytes().startswith(b"precious"):
@@ -595,7 +595,7 @@ def test_a_symlinked_lock_file_is_never_followed_or_truncated(runtime_dir, store
     precious = store_dir / "precious"
     precious.write_bytes(b"keep me\n" * 10)
     os.symlink(precious, runtime_dir / f"{name}.lock")
-    from kalos.sidecar import Sidecar, SidecarConfig
+    from kalos.server.sidecar import Sidecar, SidecarConfig
 
     with pytest.raises(kalos.KalosError, match="symlink"):
         Sidecar(SidecarConfig(store=store_dir / "s.db", name=name, dim=DIM, device="cpu"))
@@ -618,7 +618,7 @@ def test_a_lock_file_of_foreign_content_is_not_overwritten(runtime_dir, store_di
     name = unique_name("own")
     lock = runtime_dir / f"{name}.lock"
     lock.write_bytes(b"not a lock file, somebody's data\n")
-    from kalos.sidecar import Sidecar, SidecarConfig
+    from kalos.server.sidecar import Sidecar, SidecarConfig
 
     with pytest.raises(kalos.KalosError, match="not a Kalos lock file"):
         Sidecar(SidecarConfig(store=store_dir / "s.db", name=name, dim=DIM, device="cpu"))
@@ -672,7 +672,7 @@ def test_a_full_dev_shm_is_a_clear_error_for_the_seed_segment(store_dir):
     result = _in_private_shm(r"""
 import json, logging, sys, time
 import numpy as np
-from kalos.seed_compat import SeedCompatServer
+from kalos.server.seed_compat import SeedCompatServer
 records = []
 class Keep(logging.Handler):
     def emit(self, record):
@@ -737,7 +737,7 @@ def test_a_squatted_name_lock_names_the_squatter_and_the_remedy(runtime_dir, sto
     squatter = _AsUser(NOBODY, NOBODY, hold, f"\0kalos-{os.getuid()}-{name}")
     try:
         assert squatter.hear() == "ready"
-        from kalos.sidecar import Sidecar, SidecarConfig
+        from kalos.server.sidecar import Sidecar, SidecarConfig
 
         with pytest.raises(kalos.SidecarAlreadyRunning) as refused:
             Sidecar(SidecarConfig(store=store_dir / "s.db", name=name, dim=DIM, device="cpu"))
@@ -776,7 +776,7 @@ def test_a_seed_segment_of_another_user_is_refused(store_dir):
     seed segment of another uid, or writable by others, is refused (start fails, saying why),
     and a request planted there is never answered."""
     from kalos.errors import InvalidArgument
-    from kalos.seed_compat import SeedCompatServer
+    from kalos.server.seed_compat import SeedCompatServer
 
     shm = f"/kalos_seed_{uuid.uuid4().hex[:10]}"
     path = f"/dev/shm{shm}"
@@ -810,7 +810,7 @@ def test_a_seed_segment_replaced_by_another_user_is_never_answered(store_dir):
     """Item 4, later: Kalos created its 0600 segment; it is unlinked and another user plants his
     own 0666 one with a request in it. Kalos must not adopt it (before: it re-attached and
     answered the attacker's request with the victim's top-8)."""
-    from kalos.seed_compat import SeedCompatServer
+    from kalos.server.seed_compat import SeedCompatServer
 
     shm = f"/kalos_seed_{uuid.uuid4().hex[:10]}"
     path = f"/dev/shm{shm}"
@@ -883,7 +883,7 @@ def test_wal_and_shm_planted_by_another_user_are_refused(sticky):
     sticky bit is refused outright, and in a sticky one (/tmp-like) the -wal/-shm must be this
     user's own 0600 files (Kalos creates them itself before SQLite opens the store)."""
     from kalos.errors import StoreError
-    from kalos.store import Store
+    from kalos.store.sqlite import Store
 
     shared = Path(short_tempdir("ksh"))
     os.chmod(shared, 0o1777 if sticky else 0o777)

@@ -1,4 +1,4 @@
-"""Latency of the seed article's handshake against kalos.seed_compat, with the article's C client.
+"""Latency of the seed article's handshake against kalos.server.seed_compat, with the article's C client.
 
     PYTHONPATH=src python tests/seed/bench_seed_compat.py --n 4096 --dim 1024 --requests 10000
 
@@ -56,7 +56,7 @@ def main() -> None:
 
     sys.path.insert(0, str(HERE.parents[1] / "src"))
     from kalos.engine import NumpyEngine, as_unit_rows
-    from kalos.seed_compat import SeedCompatServer, unlink_segment
+    from kalos.server.seed_compat import SeedCompatServer, unlink_segment
 
     cc = os.environ.get("CC", "cc")
     tmp = Path(tempfile.mkdtemp(prefix="kalos-seed-bench-"))

@@ -22,7 +22,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
 from kalos.engine import NumpyEngine  # noqa: E402
-from kalos.seed_compat import SeedCompatServer  # noqa: E402
+from kalos.server.seed_compat import SeedCompatServer  # noqa: E402
 
 
 def main() -> None:

@@ -54,8 +54,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 import numpy as np
 
-from kalos.aio import AsyncClient
-from kalos.client import Client, Hit, Item
+from kalos.client.aio import AsyncClient
+from kalos.client.client import Client, Hit, Item
 from kalos.errors import DimensionMismatch, InvalidArgument
 
 __all__ = ["KalosRetriever", "KalosVectorStore", "KalosEmbeddings", "hit_to_document", "item_to_document"]
@@ -74,7 +74,7 @@ def item_to_document(item: Item, score: float | None = None, *, kalos_metadata: 
 
 
 def hit_to_document(hit: Hit, *, kalos_metadata: bool = False) -> Document:
-    """A Kalos :class:`~kalos.client.Hit` as a LangChain Document (see :func:`item_to_document`)."""
+    """A Kalos :class:`~kalos.client.client.Hit` as a LangChain Document (see :func:`item_to_document`)."""
     return item_to_document(hit, hit.score, kalos_metadata=kalos_metadata)  # type: ignore[arg-type]
 
 
@@ -161,7 +161,7 @@ class KalosRetriever(BaseRetriever):
 
 
 class KalosEmbeddings(Embeddings):
-    """A Kalos embedder (``kalos.embed``) as LangChain ``Embeddings``."""
+    """A Kalos embedder (``kalos.client.embed``) as LangChain ``Embeddings``."""
 
     def __init__(self, embedder: Any) -> None:
         self.embedder = embedder
@@ -190,7 +190,7 @@ class KalosVectorStore(VectorStore):
         if embedding is None:
             self._embedder = None
         else:
-            from kalos.embed import as_embedder
+            from kalos.client.embed import as_embedder
 
             self._embedder = as_embedder(embedding)
 

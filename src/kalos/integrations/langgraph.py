@@ -74,11 +74,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 import numpy as np
 
-from kalos.aio import AsyncClient
-from kalos.client import Client
-from kalos.client import Item as KalosItem
+from kalos.client.aio import AsyncClient
+from kalos.client.client import Client
+from kalos.client.client import Item as KalosItem
 from kalos.errors import DimensionMismatch, InvalidArgument
-from kalos.store import check_keys
+from kalos.validation import check_keys
 
 __all__ = ["KalosStore", "MAX_NAMESPACE_BYTES"]
 

@@ -45,7 +45,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"kalos.integrations.mem0 needs mem0: pip install 'kalos-recall[mem0]' ({exc})") from None
 
-from kalos.client import Client, Item
+from kalos.client.client import Client, Item
 from kalos.errors import DimensionMismatch, InvalidArgument, UnknownKey
 from kalos.where import compile_where
 

@@ -40,7 +40,15 @@ from kalos.engine.gpu.columns import DeviceColumns
 from kalos.engine.gpu.layout import check_kernel_layout
 from kalos.engine.gpu.pipeline import Pipeline
 from kalos.engine.gpu.planner import (
-    DEFAULT_TUNING, MAX_FAST_K, MAX_K, Plan, Planner, Tuning, fast_candidates, k_bucket, next_pow2,
+    DEFAULT_TUNING,
+    MAX_FAST_K,
+    MAX_K,
+    Plan,
+    Planner,
+    Tuning,
+    fast_candidates,
+    k_bucket,
+    next_pow2,
 )
 from kalos.engine.gpu.torch_path import RowSink, TorchPath
 from kalos.errors import InvalidArgument, InvalidQuery

@@ -52,7 +52,7 @@ from kalos.engine.gpu.engine import TorchEngine
 from kalos.engine.gpu.layout import CTL_WORDS, DEVICE_CONTROL, HCTL_WORDS, HDR_WORDS, HOST_CONTROL, TAB_WORDS
 from kalos.engine.gpu.planner import k_bucket, next_pow2
 from kalos.errors import InvalidArgument
-from kalos.protocol import NAMESPACE_BYTES, Layout, Op, RequestFlag, SlotWords
+from kalos.ipc.protocol import NAMESPACE_BYTES, Layout, Op, RequestFlag, SlotWords
 
 __all__ = ["SlotGraphServer", "DEFAULT_MAX_K"]
 
@@ -170,7 +170,7 @@ class SlotGraphServer:
         return torch.cuda.stream(self._stream) if self.on_gpu else contextlib.nullcontext()
 
     def _request_constexprs(self) -> dict:
-        """Where the kernels find a slot's fields (kalos.protocol.SlotWords)."""
+        """Where the kernels find a slot's fields (kalos.ipc.protocol.SlotWords)."""
         w = self.words
         return dict(W_REQ=w.req_seq, W_OPK=w.op_k, W_NQF=w.nq_flags, W_NSLEN=w.ns_len, W_NSB=w.ns_bytes,
                     REQ_WORDS=self._req_words, E_Q=w.queries, D=self.engine.dim, NS=self.ns, NSMAX=_NAME_ROWS,

@@ -24,7 +24,11 @@ from kalos.engine.gpu.kernels.final import final_kernel
 from kalos.engine.gpu.kernels.poll import NS_PROBE, await_request_kernel
 from kalos.engine.gpu.kernels.scan import int8_scores_kernel, scan_topk_kernel
 from kalos.engine.gpu.kernels.select import (
-    collect_kernel, group_max_kernel, merge_topk_kernel, scores_rescore_kernel, scores_topk_kernel,
+    collect_kernel,
+    group_max_kernel,
+    merge_topk_kernel,
+    scores_rescore_kernel,
+    scores_topk_kernel,
 )
 from kalos.engine.gpu.kernels.stage import stage_in_kernel
 

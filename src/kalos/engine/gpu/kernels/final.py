@@ -12,10 +12,28 @@ import triton
 import triton.language as tl
 
 from kalos.engine.gpu.kernels.common import (
-    CTL_ANSWERS, H_K, H_K_OUT, H_MAX_NORM, H_NQ, H_SEQ, H_SLOT, H_SLOT_WORD, HCTL_ANSWERS, HCTL_T_PUBLISHED,
-    HDR_WORDS, T_IDS_AT, T_SCORES_AT, TAB_WORDS, _certified_rescore, _clock_ns, _fence_system, _kth_score, _ordered,
+    CTL_ANSWERS,
+    H_K,
+    H_K_OUT,
+    H_MAX_NORM,
+    H_NQ,
+    H_SEQ,
+    H_SLOT,
+    H_SLOT_WORD,
+    HCTL_ANSWERS,
+    HCTL_T_PUBLISHED,
+    HDR_WORDS,
+    T_IDS_AT,
+    T_SCORES_AT,
+    TAB_WORDS,
+    _certified_rescore,
+    _clock_ns,
+    _fence_system,
+    _kth_score,
+    _ordered,
     _unpack,
 )
+
 
 @triton.jit
 def final_kernel(

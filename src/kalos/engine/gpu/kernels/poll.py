@@ -9,10 +9,30 @@ import triton
 import triton.language as tl
 
 from kalos.engine.gpu.kernels.common import (
-    CTL_STOPPED, CTL_TURN, H_HAS_NS, H_K, H_K_OUT, H_N, H_NQ, H_NS, H_SEQ, H_SLOT, H_SLOT_WORD, HCTL_STOP,
-    HCTL_STOPPED, HCTL_T_SEEN, HCTL_T_STAGED, HCTL_T_WAIT, HDR_WORDS, T_IDS_AT, T_SCORES_AT, _clock_ns,
-    _copy_normalised, _fence_system,
+    CTL_STOPPED,
+    CTL_TURN,
+    H_HAS_NS,
+    H_K,
+    H_K_OUT,
+    H_N,
+    H_NQ,
+    H_NS,
+    H_SEQ,
+    H_SLOT,
+    H_SLOT_WORD,
+    HCTL_STOP,
+    HCTL_STOPPED,
+    HCTL_T_SEEN,
+    HCTL_T_STAGED,
+    HCTL_T_WAIT,
+    HDR_WORDS,
+    T_IDS_AT,
+    T_SCORES_AT,
+    _clock_ns,
+    _copy_normalised,
+    _fence_system,
 )
+
 
 @triton.jit
 def _agree(vals, AGREE, offs, mask):
@@ -118,7 +138,7 @@ def _take_request(
     stop word) are volatile, each a fresh fetch. Once a ``req_seq`` has moved, an acquire
     fence, then in one round trip every pending slot's whole request (REQ_WORDS words) and
     the query of the slot whose turn it is, with ``.cg`` loads: the client stored both before
-    its req_seq (kalos.sync), and ``.cg`` skips L1, which may hold an earlier request of the
+    its req_seq (kalos.ipc.sync), and ``.cg`` skips L1, which may hold an earlier request of the
     same slot. (Volatile loads there cost several times as long: docs/gpu-kernels.md.)
     """
     sl = tl.arange(0, NS)

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from kalos.engine.gpu.kernels.common import H_N, H_NQ, _filter_words, _merge_sorted, _pack, _passes_filter
 
+
 @triton.jit
 def _row_scores(X, q_ptr, rows, in_rng, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 HALF: tl.constexpr):

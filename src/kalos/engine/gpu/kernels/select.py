@@ -15,8 +15,18 @@ import triton
 import triton.language as tl
 
 from kalos.engine.gpu.kernels.common import (
-    H_MAX_NORM, H_N, H_NQ, H_ROW_ERR8, _filter_words, _merge_sorted, _ordered, _pack, _passes_filter, _rescore,
+    H_MAX_NORM,
+    H_N,
+    H_NQ,
+    H_ROW_ERR8,
+    _filter_words,
+    _merge_sorted,
+    _ordered,
+    _pack,
+    _passes_filter,
+    _rescore,
 )
+
 
 @triton.jit
 def _masked_rows(S, q, local, inside, HDR, stride_s, row_base, width, LIVE, NS, TS, HDRF,

@@ -5,8 +5,14 @@ import triton
 import triton.language as tl
 
 from kalos.engine.gpu.kernels.common import (
-    H_NQ, HDR_WORDS, T_QUERY_AT, T_SCALE, TAB_WORDS, _copy_normalised,
+    H_NQ,
+    HDR_WORDS,
+    T_QUERY_AT,
+    T_SCALE,
+    TAB_WORDS,
+    _copy_normalised,
 )
+
 
 @triton.jit
 def stage_in_kernel(

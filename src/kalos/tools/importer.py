@@ -41,7 +41,7 @@ import numpy as np
 
 from kalos.config import default_store_path
 from kalos.errors import InvalidArgument, KalosError
-from kalos.store import check_namespace  # the store's own rule, so validation agrees with the add
+from kalos.validation import check_namespace  # the store's own rule, so validation agrees with the add
 
 __all__ = [
     "Columns",
@@ -543,7 +543,7 @@ def import_file(
     embedder: Any = None
     load_s = 0.0
     if report.last_to_embed >= committed:  # not for rows that all carry vectors, nor a finished import
-        from kalos.embed import load_progress
+        from kalos.client.embed import load_progress
 
         t = time.perf_counter()
         with load_progress(progress):

@@ -37,7 +37,7 @@ class SidecarProcess:
             args += ["--dim", str(dim)]
         args += list(extra_args)
         child_env = dict(os.environ if env is None else env)
-        src = str(Path(__file__).resolve().parent.parent)
+        src = str(Path(__file__).resolve().parents[2])  # the src folder holding this kalos
         child_env["PYTHONPATH"] = src + os.pathsep + child_env.get("PYTHONPATH", "")
         child_env.setdefault("PYTHONUNBUFFERED", "1")
         self.args = args
@@ -70,7 +70,7 @@ class SidecarProcess:
             selector.close()
         self.kill()
         stderr = self.log()
-        from kalos.stores import describe_store  # a postgresql:// store's password stays out of errors
+        from kalos.store.spec import describe_store  # a postgresql:// store's password stays out of errors
 
         shown = " ".join(describe_store(a) for a in self.args)
         raise SidecarUnavailable(

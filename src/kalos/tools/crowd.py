@@ -110,7 +110,7 @@ def _crowd_client(name: str, data: str, k: int, seconds: float, index: int, read
                   scopes: str = "default") -> None:
     """One agent: connect, warm up, wait at the barrier with the others, recall single queries
     for ``seconds``."""
-    from kalos.client import Client
+    from kalos.client.client import Client
     from kalos.errors import KalosError
 
     arrays = np.load(data, allow_pickle=False)
@@ -169,7 +169,7 @@ def _wait(barrier: Any) -> None:
 
 def _connector(name: str, seconds: float, ready: Any, out: Any) -> None:
     """Connects, pings and disconnects in a loop while the crowd runs (from 20% of its time to 80%)."""
-    from kalos.client import Client
+    from kalos.client.client import Client
     from kalos.errors import KalosError
 
     times, failures, last = [], 0, ""
@@ -191,7 +191,7 @@ def _connector(name: str, seconds: float, ready: Any, out: Any) -> None:
 
 def _passes(name: str) -> tuple[int, int, float]:
     """(queries, passes, seconds spent answering) of the sidecar so far."""
-    from kalos.client import Client
+    from kalos.client.client import Client
 
     with Client(name) as client:
         stats = client.stats()
@@ -280,8 +280,8 @@ def _print_rows(title: str, rows: list[dict[str, Any]]) -> None:
 
 
 def run_crowd(args: argparse.Namespace) -> int:
-    from kalos.launcher import SidecarProcess
-    from kalos.store import Store
+    from kalos.server.launcher import SidecarProcess
+    from kalos.store.sqlite import Store
 
     sizes = parse_crowd(args.crowd)
     colocated = parse_crowd(args.colocated) if getattr(args, "colocated", "") else []
@@ -326,7 +326,7 @@ def run_crowd(args: argparse.Namespace) -> int:
             if colocated:
                 report["colocated"] = _colocated(name, data, k, colocated, args)
             report["sidecar_log_tail"] = sidecar.log()[-4000:]
-            from kalos.client import Client
+            from kalos.client.client import Client
 
             with Client(name) as client:
                 stats = client.stats()
@@ -349,7 +349,7 @@ def run_crowd(args: argparse.Namespace) -> int:
 
 
 def _colocated(name: str, data: str, k: int, sizes: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
-    from kalos.bench_gpu import _LOAD_SCRIPT
+    from kalos.tools.bench_gpu import _LOAD_SCRIPT
 
     rows = []
     for c in sizes:
@@ -386,7 +386,7 @@ def _one_crowd_marked(name: str, data: str, k: int, clients: int, seconds: float
     return _one_crowd(name, data, k, clients, seconds, scopes, on_start=started)
 
 
-if __name__ == "__main__":  # python -m kalos.crowd: the same as kalos bench --crowd
+if __name__ == "__main__":  # python -m kalos.tools.crowd: the same as kalos bench --crowd
     _parser = argparse.ArgumentParser(description="kalos bench --crowd")
     _parser.add_argument("--n", type=int, default=65536)
     _parser.add_argument("--dim", type=int, default=1024)

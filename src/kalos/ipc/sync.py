@@ -25,7 +25,7 @@ channel needs two orderings, and this module is where both come from.
    is allowed on *both* x86-64 and aarch64, so without a full fence on both sides each could
    read the other's old value and the wake-up would be lost. :func:`full_fence` is that fence.
 
-The fence comes from ``kalos._fence`` (a ten-line C extension built at install). Where it
+The fence comes from ``kalos.ipc._fence`` (a ten-line C extension built at install). Where it
 could not be built, x86-64 falls back to acquiring and releasing a lock: CPython's lock is a
 pthread mutex or semaphore whose acquire is a ``lock``-prefixed read-modify-write, and every
 locked instruction is a full barrier on x86-64. That argument does not hold on aarch64
@@ -54,13 +54,13 @@ def _lock_fence_factory() -> Callable[[], None]:
 
 
 try:
-    from kalos._fence import full as full_fence  # type: ignore[attr-defined]
+    from kalos.ipc._fence import full as full_fence  # type: ignore[attr-defined]
 
     FENCE_IMPLEMENTATION = "native"
 except ImportError:  # pragma: no cover - depends on how the package was built
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise KalosError(
-            "kalos._fence (the native memory fence) is missing and this is a "
+            "kalos.ipc._fence (the native memory fence) is missing and this is a "
             f"{platform.machine()} machine, where no pure-Python fence is correct; "
             "reinstall kalos with a C compiler available (pip install --force-reinstall kalos-recall, or '.' from a checkout)"
         ) from None

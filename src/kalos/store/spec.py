@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any, Union
 
-from kalos.store import Store
+from kalos.store.sqlite import Store
 
 __all__ = ["StoreSpec", "open_store", "is_store_url", "store_spec", "describe_store"]
 
@@ -19,7 +19,7 @@ StoreSpec = Union[str, "os.PathLike[str]"]
 
 def is_store_url(spec: Any) -> bool:
     """True when ``spec`` is a postgresql:// (or postgres://) URL rather than a file path."""
-    from kalos.pg_store import is_postgres_url
+    from kalos.store.postgres import is_postgres_url
 
     return is_postgres_url(spec if isinstance(spec, str) else None)
 
@@ -32,16 +32,16 @@ def store_spec(text: str) -> StoreSpec:
 def describe_store(spec: StoreSpec) -> str:
     """``spec`` fit for a message or a log: a URL with its password masked, or the path."""
     if is_store_url(spec):
-        from kalos.pg_store import mask_url
+        from kalos.store.postgres import mask_url
 
         return mask_url(str(spec))
     return str(spec)
 
 
 def open_store(spec: StoreSpec, *, dim: int | None = None, readonly: bool = False) -> Any:
-    """A :class:`kalos.store.Store` for a path, a :class:`kalos.pg_store.PostgresStore` for a URL."""
+    """A :class:`kalos.store.sqlite.Store` for a path, a :class:`kalos.store.postgres.PostgresStore` for a URL."""
     if is_store_url(spec):
-        from kalos.pg_store import PostgresStore
+        from kalos.store.postgres import PostgresStore
 
         return PostgresStore.open(str(spec), dim=dim, readonly=readonly)
     return Store.open(spec, dim=dim, readonly=readonly)

@@ -2,7 +2,7 @@
 
 A :class:`ChangeFollower` is one thread with two connections: a *listener* (autocommit,
 ``LISTEN kalos_changes``) that only waits for notifications, and a *reader* that fetches the
-changes after its mark (the log's ``fetch``: :func:`kalos.pg_store.fetch_changes`, one repeatable-read snapshot
+changes after its mark (the log's ``fetch``: :func:`kalos.store.postgres.fetch_changes`, one repeatable-read snapshot
 per batch) and hands them to ``apply``. The mark advances only after ``apply`` returned, so
 every change is applied at least once; :func:`apply_to_engine` makes applying twice harmless
 (an add of an id the engine holds and a delete of an id it does not are skipped).
@@ -25,7 +25,7 @@ import numpy as np
 
 __all__ = ["ChangeFollower", "ChangeLog", "apply_to_engine"]
 
-log = logging.getLogger("kalos.follow")
+log = logging.getLogger("kalos.store.follow")
 
 _BATCH = 1000  # changes per read (and per hold of the caller's lock)
 _WAIT_SLICE_S = 0.25  # longest single wait, so stop() is noticed promptly
@@ -34,7 +34,7 @@ _BACKOFF_MAX_S = 5.0
 
 
 class ChangeLog(Protocol):
-    """What a follower reads (:class:`kalos.pg_store.ChangeLog` for PostgreSQL): the rows'
+    """What a follower reads (:class:`kalos.store.postgres.ChangeLog` for PostgreSQL): the rows'
     ``dim``, ``where`` (the log's address, password masked), the NOTIFY ``channel``."""
 
     dim: int
@@ -45,14 +45,14 @@ class ChangeLog(Protocol):
         """A new connection to the log's database."""
 
     def fetch(self, conn: Any, after: int, limit: int) -> Any:
-        """Up to ``limit`` changes after ``after``, as a ``kalos.pg_store.ChangeBatch``."""
+        """Up to ``limit`` changes after ``after``, as a ``kalos.store.postgres.ChangeBatch``."""
 
     def redact(self, message: str) -> str:
         """``message`` with the password masked."""
 
 
 def apply_to_engine(engine: Any, namespaces: dict[bytes, int], batch: Any) -> tuple[int, int]:
-    """Applies ``batch`` (a ``kalos.pg_store.ChangeBatch``) to ``engine`` in log order; returns
+    """Applies ``batch`` (a ``kalos.store.postgres.ChangeBatch``) to ``engine`` in log order; returns
     (rows added, rows deleted).
 
     Ids the engine already holds (this sidecar's own writes, or a batch applied before a
@@ -88,7 +88,7 @@ def apply_to_engine(engine: Any, namespaces: dict[bytes, int], batch: Any) -> tu
 
 class ChangeFollower:
     """Applies every change after ``mark`` in ``log`` through ``apply(batch)``
-    (:meth:`kalos.pg_store.PostgresStore.follower` makes one).
+    (:meth:`kalos.store.postgres.PostgresStore.follower` makes one).
 
     ``lock`` (optional) is held while a batch is read *and* applied: the sidecar passes its
     write lock, so a local add/delete never interleaves with a batch (a local delete cannot be

@@ -1,6 +1,6 @@
 """``kalos demo``: a sidecar on the default store, a real text corpus, an agent-style recall loop.
 
-The corpus is CPython's own help texts (``pydoc_data.topics``, split by :mod:`kalos.corpus`),
+The corpus is CPython's own help texts (``pydoc_data.topics``, split by :mod:`kalos.tools.corpus`),
 embedded once with the default embedder (all-MiniLM-L6-v2) into the namespace
 ``kalos-demo-pydoc`` of the store; a second run finds them there (by the namespace's count) and
 skips straight to the loop. Nothing is cached outside the store. The loop asks questions an
@@ -18,11 +18,11 @@ import time
 
 import numpy as np
 
-from kalos.bench import percentiles
-from kalos.client import Client
+from kalos.client.client import Client
 from kalos.config import default_store_path
 from kalos.errors import SidecarUnavailable
-from kalos.launcher import SidecarProcess
+from kalos.server.launcher import SidecarProcess
+from kalos.tools.bench import percentiles
 
 __all__ = ["run_demo"]
 
@@ -52,7 +52,7 @@ def _memories(n: int, dim: int, block: int = 4096) -> tuple[np.ndarray, list[str
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from kalos.embed import embed_extra_available
+    from kalos.client.embed import embed_extra_available
 
     text_mode = not getattr(args, "synthetic", False)
     if text_mode and not embed_extra_available():
@@ -89,8 +89,8 @@ def run_demo(args: argparse.Namespace) -> int:
 def _text_loop(client: Client, recalls: int, rounds: int) -> int:
     from tqdm import tqdm
 
-    from kalos.corpus import QUESTIONS, passages
-    from kalos.embed import load_progress
+    from kalos.client.embed import load_progress
+    from kalos.tools.corpus import QUESTIONS, passages
 
     started = time.perf_counter()
     with load_progress(sys.stderr):

@@ -8,7 +8,7 @@ paragraphs (blank-line separated), and consecutive paragraphs of one section are
 to ``max_chars``. A passage starts with its section title, so a passage read alone still
 says what it is about. The split is deterministic for one Python version.
 
-``python -m kalos.corpus --out passages.jsonl --passages 100000`` writes a JSONL file for
+``python -m kalos.tools.corpus --out passages.jsonl --passages 100000`` writes a JSONL file for
 ``kalos import`` (the passages repeated, each repeat numbered, to reach the size asked for;
 ``--vectors`` adds precomputed embeddings).
 """
@@ -105,7 +105,7 @@ def passages(max_chars: int = 700) -> list[Passage]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kalos.corpus",
+        prog="python -m kalos.tools.corpus",
         description="Write the pydoc help-topic passages as JSONL for `kalos import` (benchmarks, examples).",
     )
     parser.add_argument("--out", type=Path, required=True, help="JSONL file to write")
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     n = args.passages or len(base)
     vectors = None
     if args.vectors:
-        from kalos.embed import default_embedder
+        from kalos.client.embed import default_embedder
 
         vectors = default_embedder().embed([p.text for p in base])
     with args.out.open("w", encoding="utf-8") as f:

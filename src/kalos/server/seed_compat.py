@@ -119,7 +119,7 @@ import numpy as np
 
 from kalos.engine.base import MISSING_ID
 from kalos.errors import InvalidArgument, KalosError
-from kalos.sync import full_fence
+from kalos.ipc.sync import full_fence
 
 __all__ = [
     "SEED_LAYOUT",
@@ -358,7 +358,7 @@ class SeedCompatServer:
         self.dim = int(dim)
         self.spin_s = spin_us * 1e-6
         self._search = search
-        self._log = log or logging.getLogger("kalos.seed_compat")
+        self._log = log or logging.getLogger("kalos.server.seed_compat")
         self._throttled = _Throttle(self._log)
         self._running = False
         self._stop_event = threading.Event()

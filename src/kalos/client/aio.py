@@ -1,4 +1,4 @@
-"""The asyncio client: :class:`AsyncClient`, the whole :class:`~kalos.client.Client` API as coroutines.
+"""The asyncio client: :class:`AsyncClient`, the whole :class:`~kalos.client.client.Client` API as coroutines.
 
 Recalls (``recall``, ``recall_many``, ``recall_text``, ``recall_texts``, ``ping``) are native:
 the request is written into the slot and submitted exactly as the sync client does (its own
@@ -6,7 +6,7 @@ validation and request building, :meth:`Client._write_request`), then the answer
 for without blocking the event loop: a short, bounded spin on ``resp_seq`` (an answer that
 comes within tens of microseconds is read with no system call and no trip through the loop;
 a longer spin would hold every other coroutine of the loop), then the same
-Dekker handshake as :meth:`kalos.channel.ClientChannel._block` (``client_sleeping = 1``, full
+Dekker handshake as :meth:`kalos.ipc.channel.ClientChannel._block` (``client_sleeping = 1``, full
 fence, re-read ``resp_seq``) and an await on the wake eventfd through ``loop.add_reader``. The
 slot's control socket is watched the same way, so a sidecar that dies wakes the waiter at
 once (:class:`SidecarUnavailable`), and the heartbeat is checked every poll slice, so a hung
@@ -30,8 +30,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
-from kalos.channel import SidecarExited
-from kalos.client import (
+from kalos.client.client import (
     Client,
     Hit,
     Item,
@@ -49,8 +48,9 @@ from kalos.client import (
     _with_where,
 )
 from kalos.errors import InvalidArgument, KalosError, SidecarUnavailable, UnknownFilter, error_from_code
-from kalos.protocol import Layout, Op
-from kalos.sync import full_fence
+from kalos.ipc.channel import SidecarExited
+from kalos.ipc.protocol import Layout, Op
+from kalos.ipc.sync import full_fence
 
 __all__ = ["AsyncClient", "DEFAULT_MAX_SPIN_US"]
 

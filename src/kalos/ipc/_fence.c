@@ -1,7 +1,7 @@
 /* A sequentially consistent memory fence, callable from Python.
  *
  * CPython exposes no fence. Kalos orders its shared-memory channel with one: see
- * kalos/sync.py for the argument. The compiler builtin emits MFENCE (or a locked
+ * kalos/ipc/sync.py for the argument. The compiler builtin emits MFENCE (or a locked
  * instruction) on x86-64 and DMB ISH on aarch64, and also stops the C compiler from
  * moving memory accesses across the call.
  */
@@ -24,7 +24,7 @@ static PyMethodDef fence_methods[] = {
 };
 
 static struct PyModuleDef fence_module = {
-    PyModuleDef_HEAD_INIT, "kalos._fence",
+    PyModuleDef_HEAD_INIT, "kalos.ipc._fence",
     "A sequentially consistent memory fence for the shared-memory channel.", -1, fence_methods,
 };
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from kalos.config import GPU_POLLING, default_store_path, settings
 from kalos.errors import InvalidArgument, KalosError
-from kalos.store import check_keys
+from kalos.validation import check_keys
 
 __all__ = ["main"]
 
@@ -248,7 +248,7 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--clients", default="8x64",
                        help="GPU suite: aggregate throughput of CxB = C client processes each sending batches of B "
                        "at once, comma-separated; empty for none (default: %(default)s)")
-    from kalos.crowd import add_crowd_arguments
+    from kalos.tools.crowd import add_crowd_arguments
 
     add_crowd_arguments(bench)
     bench.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this file")
@@ -269,7 +269,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _store_arg(text: str) -> Any:
-    from kalos.stores import store_spec
+    from kalos.store.spec import store_spec
 
     return store_spec(text)
 
@@ -292,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(_glue_negative_values(list(sys.argv[1:] if argv is None else argv)))
     if args.command == "serve" and argv is None:
-        from kalos.blas import settle_blas_threads
+        from kalos.server.blas import settle_blas_threads
 
         settle_blas_threads()  # re-executes this process once, so BLAS loads with its spinning cut short
     # The text embedder loads from the installed package; this process never needs a model hub.
@@ -308,15 +308,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def new_store_hint() -> str:
     """How to create a store, in the command's own words (shared with ``kalos doctor``)."""
-    from kalos.embed import DEFAULT_DIM, DEFAULT_MODEL
+    from kalos.client.embed import DEFAULT_DIM, DEFAULT_MODEL
 
     return (f"pass --dim {DEFAULT_DIM} to create it for text memories (the dimension of the default embedder, "
             f"{DEFAULT_MODEL}), or --dim D for vectors of your own of dimension D")
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kalos.sidecar import Sidecar, SidecarConfig
-    from kalos.stores import describe_store, is_store_url
+    from kalos.server.sidecar import Sidecar, SidecarConfig
+    from kalos.store.spec import describe_store, is_store_url
 
     store = args.store or default_store_path()
     # The store would say "pass dim" (its API's argument); a user of this command needs the flag.
@@ -404,12 +404,12 @@ def _load_npy(path: Path) -> np.ndarray:
 
 
 def _add(args: argparse.Namespace) -> int:
-    from kalos.client import Client
+    from kalos.client.client import Client
 
     if args.batch < 1:
         raise InvalidArgument("--batch must be >= 1")
     if args.ttl is not None:
-        from kalos.store import check_ttl
+        from kalos.validation import check_ttl
 
         check_ttl(args.ttl, 1)  # before anything is sent: a bad --ttl adds nothing
     if not args.file.exists():
@@ -437,7 +437,7 @@ def _add(args: argparse.Namespace) -> int:
 
 
 def _recall(args: argparse.Namespace) -> int:
-    from kalos.client import Client
+    from kalos.client.client import Client
 
     if args.text is not None:
         if args.store is not None:
@@ -467,13 +467,13 @@ def _recall(args: argparse.Namespace) -> int:
 
 def _recall_on_server(args: argparse.Namespace, vector: np.ndarray) -> int:
     """The fallback without a sidecar: pgvector's exact cosine search inside PostgreSQL."""
-    from kalos.stores import is_store_url
+    from kalos.store.spec import is_store_url
 
     if not is_store_url(args.store):
         raise InvalidArgument("--store takes a postgresql:// URL (a SQLite store is searched by its sidecar)")
     if args.since is not None or args.until is not None or args.where is not None:
         raise InvalidArgument("--since/--until/--where need a sidecar; the server search filters by namespace only")
-    from kalos.pg_store import PostgresStore
+    from kalos.store.postgres import PostgresStore
 
     with PostgresStore.open(args.store, readonly=True) as store:
         hits = store.search(np.asarray(vector, dtype=np.float32), args.k,
@@ -499,8 +499,8 @@ def _print_hits(rows: list[dict[str, Any]], *, as_json: bool) -> int:
 
 
 def _recall_text(args: argparse.Namespace) -> int:
-    from kalos.client import Client
-    from kalos.embed import load_progress
+    from kalos.client.client import Client
+    from kalos.client.embed import load_progress
 
     where = _where_arg(args.where)
     with Client(args.name) as client, load_progress(sys.stderr):  # the model's load takes seconds: show it
@@ -512,8 +512,8 @@ def _recall_text(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
-    from kalos.client import Client
-    from kalos.importer import Columns, import_file, validate_file
+    from kalos.client.client import Client
+    from kalos.tools.importer import Columns, import_file, validate_file
 
     if args.batch < 1:
         raise InvalidArgument("--batch must be >= 1")
@@ -544,13 +544,13 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from kalos.doctor import run_doctor
+    from kalos.tools.doctor import run_doctor
 
     return run_doctor(args)
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from kalos.client import Client
+    from kalos.client.client import Client
 
     with Client(args.name) as client:
         stats = client.stats()
@@ -570,7 +570,7 @@ def _where_arg(text: str | None) -> dict | None:
 def _list(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from kalos.client import Client
+    from kalos.client.client import Client
 
     where = _where_arg(args.where)
     cursor = args.cursor
@@ -595,7 +595,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _count(args: argparse.Namespace) -> int:
-    from kalos.client import Client
+    from kalos.client.client import Client
 
     with Client(args.name) as client:
         print(client.count(namespace=args.namespace, where=_where_arg(args.where)))
@@ -620,17 +620,17 @@ def format_stats(stats: dict[str, Any]) -> str:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kalos.demo import run_demo
+    from kalos.tools.demo import run_demo
 
     return run_demo(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
     if args.crowd:
-        from kalos.crowd import run_crowd
+        from kalos.tools.crowd import run_crowd
 
         return run_crowd(args)
-    from kalos.bench import run_bench
+    from kalos.tools.bench import run_bench
 
     return run_bench(args)
 

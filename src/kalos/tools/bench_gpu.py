@@ -31,13 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from kalos.timing import percentiles, time_calls
-from kalos.client import Client
+from kalos.client.client import Client
 from kalos.config import GPU_POLLING
 from kalos.engine import Filter
 from kalos.errors import InvalidArgument
-from kalos.launcher import SidecarProcess
-from kalos.store import Store
+from kalos.server.launcher import SidecarProcess
+from kalos.store.sqlite import Store
+from kalos.tools.timing import percentiles, time_calls
 
 __all__ = ["run_gpu_bench"]
 

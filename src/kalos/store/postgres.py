@@ -1,15 +1,15 @@
 """PostgreSQL as the store of record: one database shared by the sidecars of several hosts.
 
 Length: one job (the store's whole surface in PostgreSQL's dialect, plus its change log);
-what it shares with :mod:`kalos.store` is the surface, not the SQL.
+what it shares with :mod:`kalos.store.sqlite` is the surface, not the SQL.
 
 ``kalos serve --store postgresql://user:password@host:port/db`` serves a :class:`PostgresStore`
-instead of the embedded SQLite :class:`kalos.store.Store`. The public surface is the same
+instead of the embedded SQLite :class:`kalos.store.sqlite.Store`. The public surface is the same
 (open, add, upsert, update, delete, delete_keys, delete_where, delete_expired, get, get_keys,
 list_items, count_items, expiries, namespaces, namespace_counts, count, iter_rows,
 integrity_check, size_bytes, close), so the sidecar, ``kalos doctor`` and ``kalos stats`` use either. What is
 new is that other sidecars write to the same database: every add and delete also appends to
-a change log, and each sidecar follows that log (:mod:`kalos.follow`) to keep its engine equal
+a change log, and each sidecar follows that log (:mod:`kalos.store.follow`) to keep its engine equal
 to the database.
 
 Schema (version 1; tables are unqualified, so the connection's ``search_path`` picks the
@@ -84,26 +84,23 @@ from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsp
 import numpy as np
 
 from kalos.errors import DimensionMismatch, InvalidArgument, NotAKalosStore, StoreError, UnknownKey
-from kalos.follow import ChangeFollower
-from kalos.store import (
-    UNSET,
+from kalos.store.follow import ChangeFollower
+from kalos.store.sqlite import FORMAT_NAME, SCHEMA_VERSION, Store, _update_columns
+from kalos.validation import (
     DEFAULT_NAMESPACE,
-    FORMAT_NAME,
-    SCHEMA_VERSION,
+    UNSET,
     Item,
-    Store,
     Update,
-    _check_dim,
-    _check_ids,
-    _check_list_args,
-    _expiry_column,
-    _keys_for_lookup,
-    _update_columns,
-    check_keys,
     check_add,
-    check_request_id,
+    check_dim,
+    check_ids,
+    check_keys,
+    check_list_args,
     check_namespace,
+    check_request_id,
     check_vectors,
+    expiry_column,
+    keys_for_lookup,
 )
 
 try:  # the optional 'postgres' extra; only this module needs it
@@ -124,7 +121,7 @@ __all__ = [
     "fetch_changes",
 ]
 
-log = logging.getLogger("kalos.pg_store")
+log = logging.getLogger("kalos.store.postgres")
 
 CHANNEL = "kalos_changes"  # NOTIFY channel; the payload (the seq) is informational only
 # One key for every Kalos writer of a database: serialises writers so that seq order is
@@ -361,7 +358,7 @@ class RowSnapshot:
 
 
 class ChangeLog:
-    """A database's change log as a :class:`kalos.follow.ChangeFollower` reads it: connections
+    """A database's change log as a :class:`kalos.store.follow.ChangeFollower` reads it: connections
     (the follower's, which never retry a lost server in place), :func:`fetch_changes`, the
     NOTIFY channel, and messages with the password masked."""
 
@@ -388,7 +385,7 @@ class ChangeLog:
 class PostgresStore:
     """A Kalos store in a PostgreSQL database. Open with :meth:`PostgresStore.open`.
 
-    Thread-safe (one lock serialises the connection), like :class:`kalos.store.Store`. Unlike
+    Thread-safe (one lock serialises the connection), like :class:`kalos.store.sqlite.Store`. Unlike
     it, many writers (sidecars on other hosts) may have the same store open: there is no
     single-writer lock, and :attr:`shared` tells the sidecar to follow the change log.
     """
@@ -425,14 +422,14 @@ class PostgresStore:
     @classmethod
     def open(cls, url: str, *, dim: int | None = None, readonly: bool = False) -> "PostgresStore":
         """Opens the Kalos store in the database at ``url``, creating its tables (with dimension
-        ``dim``) on first use. Errors as :meth:`kalos.store.Store.open`: NotAKalosStore,
+        ``dim``) on first use. Errors as :meth:`kalos.store.sqlite.Store.open`: NotAKalosStore,
         StoreError for a newer schema, DimensionMismatch when ``dim`` differs from the store's.
         ``readonly`` opens never create anything and refuse every write.
         """
         if not is_postgres_url(url):
             raise InvalidArgument(f"not a PostgreSQL URL (postgresql://...): {mask_url(str(url))}")
         if dim is not None:
-            dim = _check_dim(dim)
+            dim = check_dim(dim)
         store = cls()
         store._url = url
         store.path = mask_url(url)
@@ -645,7 +642,7 @@ class PostgresStore:
         request_id: str | None = None,
         expires_at: np.ndarray | None = None,
     ) -> tuple[np.ndarray, int, np.ndarray]:
-        """As :meth:`kalos.store.Store.add`: ``(ids int64[n], namespace_id, created_at float64[n])``,
+        """As :meth:`kalos.store.sqlite.Store.add`: ``(ids int64[n], namespace_id, created_at float64[n])``,
         returned after COMMIT. Bad input raises before anything is sent to the server.
         ``request_id`` is remembered with the add (for a day), for :meth:`find_request`."""
         request_id = check_request_id(request_id)
@@ -658,7 +655,7 @@ class PostgresStore:
                                           "which PostgreSQL text cannot store")
         blobs = [vecs[i].tobytes() for i in range(n)]
         embeddings = [_vector_literal(v) for v in vecs] if self.has_vector else None
-        expiry_col = _expiry_column(expires_at, n)
+        expiry_col = expiry_column(expires_at, n)
         if expires_at is not None and not self._expiring:
             raise StoreError(f"store {self.path} has no expires_at column (open it writable once to migrate it)")
 
@@ -696,7 +693,7 @@ class PostgresStore:
         request_id: str | None = None,
         expires_at: np.ndarray | None = None,
     ) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
-        """As :meth:`kalos.store.Store.upsert`: one transaction, one 'upsert' change-log entry
+        """As :meth:`kalos.store.sqlite.Store.upsert`: one transaction, one 'upsert' change-log entry
         naming every id of the call (the followers swap those rows)."""
         request_id = check_request_id(request_id)
         vecs, ns, text_col, meta_col, times = check_add(vectors, self.dim, namespace, texts, metadata, created_at)
@@ -711,7 +708,7 @@ class PostgresStore:
             raise StoreError(f"store {self.path} has no key columns (open it writable once to migrate it)")
         blobs = [vecs[i].tobytes() for i in range(n)]
         embeddings = [_vector_literal(v) for v in vecs] if self.has_vector else None
-        expiry_col = _expiry_column(expires_at, n)
+        expiry_col = expiry_column(expires_at, n)
         if not self._expiring:
             raise StoreError(f"store {self.path} has no expires_at column (open it writable once to migrate it)")
         now = time.time()
@@ -764,7 +761,7 @@ class PostgresStore:
         return self._run("upsert", body, write=True)
 
     def update(self, change: Update) -> tuple[int, int, float]:
-        """As :meth:`kalos.store.Store.update`: one transaction and one 'update' change-log entry
+        """As :meth:`kalos.store.sqlite.Store.update`: one transaction and one 'update' change-log entry
         naming the id (a follower swaps the row in, as for an upsert)."""
         if change.key is not None and not self._keyed:
             raise StoreError(f"store {self.path} has no key columns (open it writable once to migrate it)")
@@ -801,7 +798,7 @@ class PostgresStore:
         return self._run("update", body, write=True)
 
     def delete_expired(self, now: float | None = None) -> np.ndarray:
-        """As :meth:`kalos.store.Store.delete_expired`: one transaction and one 'delete' change-log
+        """As :meth:`kalos.store.sqlite.Store.delete_expired`: one transaction and one 'delete' change-log
         entry (every sidecar on the store sweeps; a row is deleted, and logged, once)."""
         now = time.time() if now is None else float(now)
         if not self._expiring:
@@ -821,14 +818,14 @@ class PostgresStore:
         return self._run("delete_expired", body, write=True)
 
     def expiries(self, ids: Sequence[int] | np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """As :meth:`kalos.store.Store.expiries`."""
+        """As :meth:`kalos.store.sqlite.Store.expiries`."""
         if not self._expiring:
             return np.empty(0, np.int64), np.empty(0)
         if ids is None:
             rows = self._run("expiries", lambda conn: conn.execute(
                 "SELECT id, expires_at FROM kalos_items WHERE expires_at IS NOT NULL").fetchall())
         else:
-            wanted = np.unique(_check_ids(ids, "expiries")).tolist()
+            wanted = np.unique(check_ids(ids, "expiries")).tolist()
             rows = self._run("expiries", lambda conn: conn.execute(
                 "SELECT id, expires_at FROM kalos_items WHERE id = ANY(%s) AND expires_at IS NOT NULL",
                 (wanted,)).fetchall()) if wanted else []
@@ -837,8 +834,8 @@ class PostgresStore:
 
     def list_items(self, *, namespace: str | None = None, where: Any = None, limit: int = 100,
                    after: int = 0) -> tuple[list[Item], int | None]:
-        """As :meth:`kalos.store.Store.list_items` (one transaction per page)."""
-        ns, limit, after = _check_list_args(namespace, limit, after)
+        """As :meth:`kalos.store.sqlite.Store.list_items` (one transaction per page)."""
+        ns, limit, after = check_list_args(namespace, limit, after)
         now = time.time()
 
         def body(conn: Any) -> list[Item]:
@@ -869,7 +866,7 @@ class PostgresStore:
         return out, None
 
     def count_items(self, *, namespace: str | None = None, where: Any = None) -> int:
-        """As :meth:`kalos.store.Store.count_items`."""
+        """As :meth:`kalos.store.sqlite.Store.count_items`."""
         ns = None if namespace is None else check_namespace(namespace)
         now = time.time()
 
@@ -883,7 +880,7 @@ class PostgresStore:
         return self._run("count", body)
 
     def delete_where(self, *, namespace: str | None, where: Any = None) -> np.ndarray:
-        """As :meth:`kalos.store.Store.delete_where`: one transaction, one 'delete' change-log
+        """As :meth:`kalos.store.sqlite.Store.delete_where`: one transaction, one 'delete' change-log
         entry (the followers drop the rows)."""
         ns = None if namespace is None else check_namespace(namespace)
 
@@ -919,8 +916,8 @@ class PostgresStore:
         return (now,) if self._expiring else ()
 
     def delete_keys(self, keys: Sequence[str], namespace: str) -> np.ndarray:
-        """As :meth:`kalos.store.Store.delete_keys` (logged as a delete: followers drop the rows)."""
-        wanted = list(dict.fromkeys(_keys_for_lookup(keys)))
+        """As :meth:`kalos.store.sqlite.Store.delete_keys` (logged as a delete: followers drop the rows)."""
+        wanted = list(dict.fromkeys(keys_for_lookup(keys)))
         ns = check_namespace(namespace)
         if not wanted or not self._keyed:
             with self._lock:
@@ -950,8 +947,8 @@ class PostgresStore:
         return self._run("find_request", body, write=True)
 
     def undo_add(self, ids: Sequence[int] | np.ndarray, request_id: str | None = None) -> None:
-        """As :meth:`kalos.store.Store.undo_add` (followers see the rows deleted)."""
-        wanted = np.unique(_check_ids(ids, "undo_add")).tolist()
+        """As :meth:`kalos.store.sqlite.Store.undo_add` (followers see the rows deleted)."""
+        wanted = np.unique(check_ids(ids, "undo_add")).tolist()
         request_id = check_request_id(request_id)
 
         def body(conn: Any) -> None:
@@ -966,7 +963,7 @@ class PostgresStore:
 
     def delete(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Deletes items in one transaction; returns the ids actually deleted (int64, ascending)."""
-        wanted = np.unique(_check_ids(ids, "delete"))
+        wanted = np.unique(check_ids(ids, "delete"))
         if len(wanted) == 0:
             with self._lock:
                 self._connection(write=True)  # a closed or read-only store still says so
@@ -985,7 +982,7 @@ class PostgresStore:
 
     def get(self, ids: Sequence[int] | np.ndarray) -> list[Item | None]:
         """The items of ``ids``, aligned with them: None where an id is absent."""
-        wanted = _check_ids(ids, "get")
+        wanted = check_ids(ids, "get")
         unique = np.unique(wanted).tolist()
         now = time.time()  # an expired item is absent from that moment, before the sweep deletes it
 
@@ -1005,7 +1002,7 @@ class PostgresStore:
 
     def vectors(self, ids: Sequence[int] | np.ndarray) -> dict[int, np.ndarray]:
         """The stored (normalised float32) vectors of those ``ids`` that exist: id -> ``[dim]``."""
-        unique = np.unique(_check_ids(ids, "vectors")).tolist()
+        unique = np.unique(check_ids(ids, "vectors")).tolist()
 
         def body(conn: Any) -> dict[int, np.ndarray]:
             found: dict[int, np.ndarray] = {}
@@ -1024,8 +1021,8 @@ class PostgresStore:
         return f"i.id, n.name, i.text, i.metadata, i.created_at, {keyed}, {expiry}"
 
     def ids_of_keys(self, keys: Sequence[str], namespace: str) -> list[int | None]:
-        """As :meth:`kalos.store.Store.ids_of_keys`."""
-        wanted = _keys_for_lookup(keys)
+        """As :meth:`kalos.store.sqlite.Store.ids_of_keys`."""
+        wanted = keys_for_lookup(keys)
         ns = check_namespace(namespace)
         if not wanted or not self._keyed:
             with self._lock:
@@ -1044,7 +1041,7 @@ class PostgresStore:
         return [found.get(k) for k in wanted]
 
     def get_keys(self, keys: Sequence[str], namespace: str) -> list[Item | None]:
-        """As :meth:`kalos.store.Store.get_keys`."""
+        """As :meth:`kalos.store.sqlite.Store.get_keys`."""
         ids = self.ids_of_keys(keys, namespace)
         present = [i for i in ids if i is not None]
         by_id = {item.id: item for item in self.get(present) if item is not None} if present else {}
@@ -1136,7 +1133,7 @@ class PostgresStore:
 
     def follower(self, mark: int, *, apply: Callable[[ChangeBatch], None],
                  lock: Any = None, poll_interval_s: float = 2.0) -> Any:
-        """A :class:`kalos.follow.ChangeFollower` of this store's change log from ``mark`` (not started)."""
+        """A :class:`kalos.store.follow.ChangeFollower` of this store's change log from ``mark`` (not started)."""
         return ChangeFollower(ChangeLog(self._url, self.dim), mark, apply=apply, lock=lock,
                               poll_interval_s=poll_interval_s)
 

@@ -19,9 +19,9 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from kalos.client import Client
-from kalos.launcher import SidecarProcess
-from kalos.timing import percentiles, time_calls  # noqa: F401 - also kalos.bench's, for its users
+from kalos.client.client import Client
+from kalos.server.launcher import SidecarProcess
+from kalos.tools.timing import percentiles, time_calls  # noqa: F401 - also kalos.tools.bench's, for its users
 
 __all__ = ["run_bench", "percentiles", "time_calls", "cpu_seconds", "cpu_after_recalls"]
 
@@ -134,12 +134,12 @@ def _eventfd_round_trips(count: int, *, idle_s: float) -> list[float]:
 
 def run_bench(args: argparse.Namespace) -> int:
     if args.device.startswith("cuda"):
-        from kalos.bench_gpu import run_gpu_bench
+        from kalos.tools.bench_gpu import run_gpu_bench
 
         return run_gpu_bench(args)
     plot_path = getattr(args, "plot", None)
     if plot_path is not None:
-        from kalos.plot import require_matplotlib
+        from kalos.tools.plot import require_matplotlib
 
         require_matplotlib()  # before minutes of measuring, not after
     rng = np.random.default_rng(20261130)
@@ -247,7 +247,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _plot(path: Path, samples: dict[str, list[float]], info: dict[str, Any], args: argparse.Namespace) -> None:
-    from kalos.plot import Panel, Series, plot_latency_cdfs
+    from kalos.tools.plot import Panel, Series, plot_latency_cdfs
 
     panels = [
         Panel(f"end-to-end recall, N={args.n:,} x dim {args.dim}, k={args.k}", [

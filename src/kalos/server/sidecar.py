@@ -1,8 +1,8 @@
 """The Kalos sidecar: one process that owns the store, the engine and the shared segment.
 
 Length: this module still does several jobs (lifecycle, the control operations, the recall loop
-and its filter cache, expiry, the embedder's glue); splitting them into a server package is
-issue 21's open work, not a design choice.
+and its filter cache, expiry, the embedder's glue); splitting them into modules of the server
+package is the restructuring's remaining step, not a design choice.
 
 Threads:
   * the sweep (the thread that calls :meth:`Sidecar.serve_forever`): finds every pending
@@ -32,9 +32,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import errno
+import fcntl
 import heapq
 import json
-import fcntl
 import logging
 import math
 import os
@@ -49,21 +49,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kalos.channel import Endpoint, Segment, SidecarChannel
-from kalos.cohort import Cohort
 from kalos.config import GPU_POLLING, RuntimeDir, open_runtime_dir, settings
-from kalos.control import (
-    PROTOCOL_VERSION,
-    ConnectionClosed,
-    array_blob,
-    blob_array,
-    error_reply,
-    ok_reply,
-    recv_fd,
-    recv_frame,
-    send_fd,
-    send_frame,
-)
 from kalos.engine import Engine, Filter, make_engine
 from kalos.errors import (
     DimensionMismatch,
@@ -75,11 +61,26 @@ from kalos.errors import (
     SidecarAlreadyRunning,
     UnknownFilter,
 )
-from kalos.metrics import Metrics
-from kalos.protocol import Layout, Op, RequestFlag, SlotView
-from kalos.store import (
+from kalos.ipc.channel import Endpoint, Segment, SidecarChannel
+from kalos.ipc.control import (
+    PROTOCOL_VERSION,
+    ConnectionClosed,
+    array_blob,
+    blob_array,
+    error_reply,
+    ok_reply,
+    recv_fd,
+    recv_frame,
+    send_fd,
+    send_frame,
+)
+from kalos.ipc.protocol import Layout, Op, RequestFlag, SlotView
+from kalos.server.cohort import Cohort
+from kalos.server.metrics import Metrics
+from kalos.store.spec import StoreSpec, open_store
+from kalos.store.sqlite import Store
+from kalos.validation import (
     UNSET,
-    Store,
     bad_vector_rows,
     check_keys,
     check_namespace,
@@ -87,14 +88,14 @@ from kalos.store import (
     check_ttl,
     check_update,
     check_vectors,
+    normalise_rows,
+    row_scales,
 )
-from kalos.stores import StoreSpec, open_store
-from kalos.where import Where
-from kalos.where import compile_where
+from kalos.where import Where, compile_where
 
-__all__ = ["SidecarConfig", "Sidecar", "normalise_rows", "row_scales"]
+__all__ = ["SidecarConfig", "Sidecar"]
 
-log = logging.getLogger("kalos.sidecar")
+log = logging.getLogger("kalos.server.sidecar")
 _PEERCRED = struct.Struct("3i")
 _SOCKET_CHECK_S = 1.0  # how often the heartbeat checks that the control socket's name is still ours
 # Plain ints: IntFlag arithmetic costs microseconds, and these are tested on every request.
@@ -137,7 +138,7 @@ _NO_SCALES = np.empty(0, np.float64)
 
 @dataclasses.dataclass(frozen=True)
 class SidecarConfig:
-    store: StoreSpec  # a SQLite file path, or a postgresql:// URL (kalos.stores)
+    store: StoreSpec  # a SQLite file path, or a postgresql:// URL (kalos.store.spec)
     name: str = "default"
     dim: int | None = None
     device: str = "auto"
@@ -158,7 +159,7 @@ class SidecarConfig:
     # with the whole GPU), "resident" (one kernel resident on every SM), or "off" (the sweep
     # answers everything). BENCHMARKS.md has both measured beside the sweep.
     gpu_polling: str = "off"
-    # The text embedder clients without their own use (kalos.sidecar_embed): loaded at the
+    # The text embedder clients without their own use (kalos.server.sidecar_embed): loaded at the
     # first text ("lazy"), in the background at start ("start"), or never ("off"); on
     # "auto" (ONNX on a CPU sidecar, sentence-transformers on a GPU one), "onnx" or "torch".
     embed: str = "lazy"
@@ -177,7 +178,7 @@ class SidecarConfig:
             raise InvalidArgument(f"gpu_polling must be one of {', '.join(GPU_POLLING)}, got {self.gpu_polling!r}")
         if not 0 < self.heartbeat_interval_s <= 1:
             raise InvalidArgument(f"heartbeat interval must be in (0, 1] s, got {self.heartbeat_interval_s}")
-        from kalos.sidecar_embed import EMBED_MODES, EMBED_RUNTIMES
+        from kalos.server.sidecar_embed import EMBED_MODES, EMBED_RUNTIMES
 
         if self.embed not in EMBED_MODES:
             raise InvalidArgument(f"embed must be one of {', '.join(EMBED_MODES)}, got {self.embed!r}")
@@ -398,7 +399,7 @@ class Sidecar:
             self._where_handles: collections.OrderedDict[str, int] = collections.OrderedDict()
             self._next_where_handle = secrets.randbits(48) | 1
             self._where_lock = threading.Lock()
-            from kalos.sidecar_embed import EmbedService
+            from kalos.server.sidecar_embed import EmbedService
 
             self.embedding = EmbedService(config.embed, config.embed_runtime, str(self.engine.device))
             self.layout = Layout(config.slots, self.store.dim, config.max_k, config.max_batch)
@@ -418,7 +419,7 @@ class Sidecar:
             self._listener = self._listen(self._rundir, self.endpoint.socket_name)
             self._socket_id = self._socket_identity()
             if config.seed_compat:
-                from kalos.seed_compat import SeedCompatServer
+                from kalos.server.seed_compat import SeedCompatServer
 
                 self._seed = SeedCompatServer(
                     search=self._search_all, dim=self.store.dim, spin_us=config.spin_us, log=log,
@@ -634,7 +635,7 @@ class Sidecar:
 
         Until a checkpoint, acknowledged writes live only in the -wal file; with it deleted or
         damaged after a crash they are gone (the store then refuses to open, see
-        kalos.store._record_ack). Checkpointing at every pause bounds that to the writes of
+        kalos.store.sqlite._record_ack). Checkpointing at every pause bounds that to the writes of
         the last burst, at no cost to a burst itself.
         """
         idle_s = settings().checkpoint_idle_s
@@ -1486,7 +1487,7 @@ class Sidecar:
     def _apply_followed(self, batch: Any) -> None:
         """Applies changes other sidecars made to a shared store (called by the follower with
         ``_write_lock`` held, like _op_add)."""
-        from kalos.follow import apply_to_engine
+        from kalos.store.follow import apply_to_engine
 
         written = [c.ids for c in batch.changes if c.op != "delete" and len(c.ids)]
         touched = np.unique(np.concatenate(written)) if written else np.empty(0, np.int64)
@@ -1741,7 +1742,7 @@ class Sidecar:
 
     def _op_embed(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
         """Embeds ``texts`` with the sidecar's model (batched with other clients' pending texts)."""
-        from kalos.embed import _check_texts
+        from kalos.client.embed import _check_texts
 
         texts = message.get("texts")
         if not isinstance(texts, list) or not texts:
@@ -1766,42 +1767,6 @@ class Sidecar:
         "compact": _op_compact,
         "where": _op_where,
     }
-
-
-def normalise_rows(rows: np.ndarray, *, what: str, error: type[KalosError]) -> np.ndarray:
-    """Rows scaled to unit norm in place; ``error`` names the first NaN/inf or zero row."""
-    rows *= row_scales(rows, what=what, error=error)[:, None]
-    return rows
-
-
-def row_scales(rows: np.ndarray, *, what: str, error: type[KalosError]) -> np.ndarray:
-    """``1 / |row|`` per row, in float64; ``error`` names the first NaN/inf or zero row.
-
-    ``rows * scales[:, None]`` rounded to float32 is the unit row, whether NumPy computes it
-    on the host or a GPU kernel does it while copying the query (``search_attached``). A batch
-    normalised on the GPU sums the squares in another order: its scale may differ in the last
-    bit of the float64, so the unit row, rarely, in the last bit of a float32.
-    """
-    if len(rows) == 1:  # the common single query: one float64 dot product, Python floats
-        row = rows[0].astype(np.float64)  # float64 as the batch's einsum: the same scale alone or batched
-        squared1 = float(np.dot(row, row))
-        if math.isfinite(squared1) and squared1 > 0:
-            return np.array([1.0 / math.sqrt(squared1)])
-        squared = np.array([squared1])
-    else:
-        squared = np.einsum("ij,ij->i", rows, rows, dtype=np.float64)
-    if not (np.isfinite(squared).all() and squared.min() > 0):
-        # Slow path, also for float32 overflow/underflow of the fast sum: decide in float64.
-        with np.errstate(over="ignore", invalid="ignore"):
-            squared = np.einsum("ij,ij->i", rows.astype(np.float64), rows.astype(np.float64))
-        bad = ~np.isfinite(squared) | (squared <= 0)
-        if bad.any():
-            row = int(np.flatnonzero(bad)[0])
-            reason = "contains NaN or infinity" if not np.all(np.isfinite(rows[row])) else "is all zeros"
-            raise error(f"{what} {row} {reason}; it has no direction to compare by cosine")
-    # The scale stays float64: for a norm below float32's smallest normal its reciprocal
-    # would overflow float32.
-    return 1.0 / np.sqrt(squared)
 
 
 def _optional_namespace(value: Any) -> str | None:

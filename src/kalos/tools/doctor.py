@@ -263,7 +263,7 @@ def check_shared_memory(dim: int) -> Iterator[Finding]:
     import fcntl
 
     from kalos.config import settings
-    from kalos.protocol import Layout
+    from kalos.ipc.protocol import Layout
 
     s = settings()
     need = Layout(s.slots, dim, s.max_k, s.max_batch).size
@@ -306,7 +306,7 @@ def _mem_available() -> int | None:
 
 def _check_dev_shm() -> Iterator[Finding]:
     """/dev/shm: only ``--seed-compat`` uses it (the seed protocol names its segment there)."""
-    from kalos.seed_compat import SEGMENT_SIZE
+    from kalos.server.seed_compat import SEGMENT_SIZE
 
     shm = Path("/dev/shm")
     if not shm.is_dir():
@@ -337,9 +337,9 @@ def _check_dev_shm() -> Iterator[Finding]:
 
 
 def check_runtime(name: str) -> Iterator[Finding]:
-    from kalos.channel import Endpoint
     from kalos.config import runtime_dir
     from kalos.errors import KalosError
+    from kalos.ipc.channel import Endpoint
 
     try:
         directory = runtime_dir()
@@ -374,7 +374,7 @@ def check_runtime(name: str) -> Iterator[Finding]:
 def check_pg_store(url: str) -> tuple[list[Finding], int | None]:
     """A PostgreSQL store, opened readonly: reachable, schema, counts, pgvector, change log."""
     from kalos.errors import KalosError
-    from kalos.pg_store import PostgresStore, mask_url
+    from kalos.store.postgres import PostgresStore, mask_url
 
     where = mask_url(url)
     try:
@@ -412,8 +412,8 @@ def check_pg_store(url: str) -> tuple[list[Finding], int | None]:
 
 def check_store(path: Any) -> tuple[list[Finding], int | None]:
     from kalos.errors import KalosError
-    from kalos.store import Store
-    from kalos.stores import is_store_url
+    from kalos.store.spec import is_store_url
+    from kalos.store.sqlite import Store
 
     if is_store_url(path):
         return check_pg_store(path)
@@ -459,7 +459,7 @@ def check_store(path: Any) -> tuple[list[Finding], int | None]:
 
 def damaged_vectors(store: Any) -> list[int]:
     """Ids of the stored items whose vectors are not finite unit vectors (a sidecar quarantines them)."""
-    from kalos.store import bad_vector_rows
+    from kalos.validation import bad_vector_rows
 
     bad: list[int] = []
     for ids, vectors, _namespaces, _created in store.iter_rows():
@@ -480,9 +480,9 @@ def serve_command(name: str, store: Any) -> str:
     without it. A URL is shown with its password masked (give it by PGPASSWORD)."""
     import shlex
 
+    from kalos.client.embed import DEFAULT_DIM
     from kalos.config import default_store_path
-    from kalos.embed import DEFAULT_DIM
-    from kalos.stores import describe_store, is_store_url
+    from kalos.store.spec import describe_store, is_store_url
 
     words = ["kalos", "serve"]
     if name != "default":
@@ -495,7 +495,7 @@ def serve_command(name: str, store: Any) -> str:
 
 
 def check_sidecar(name: str, store: Path) -> Iterator[Finding]:
-    from kalos.client import Client
+    from kalos.client.client import Client
     from kalos.errors import KalosError, SidecarUnavailable
 
     try:
@@ -515,7 +515,7 @@ def check_sidecar(name: str, store: Path) -> Iterator[Finding]:
         f"{stats['slots']} slots in use, {stats['queries']:,} recalls"
         + (f", service p50 {p50:,.1f} us" if p50 is not None else "")
     ))
-    from kalos.stores import describe_store, is_store_url
+    from kalos.store.spec import describe_store, is_store_url
 
     same = (stats["store"] == describe_store(store) if is_store_url(store)
             else Path(stats["store"]).resolve() == Path(store).resolve())
@@ -524,7 +524,7 @@ def check_sidecar(name: str, store: Path) -> Iterator[Finding]:
 
 
 def check_embedder(store_dim: int | None) -> Iterator[Finding]:
-    from kalos.embed import DEFAULT_DIM, DEFAULT_MODEL, embed_extra_available
+    from kalos.client.embed import DEFAULT_DIM, DEFAULT_MODEL, embed_extra_available
 
     if not embed_extra_available():
         yield Finding("text API", NOTE, "the default embedder is not installed, so remember/recall_text need an "
@@ -537,7 +537,7 @@ def check_embedder(store_dim: int | None) -> Iterator[Finding]:
 
 
 def check_all(name: str, store: Path, *, smi: Any = "probe", torch: Any = "probe") -> list[Finding]:
-    from kalos.sync import FENCE_IMPLEMENTATION
+    from kalos.ipc.sync import FENCE_IMPLEMENTATION
 
     findings = [Finding("system", OK, f"Python {platform.python_version()} on {platform.system()} "
                         f"{platform.machine()}, {os.cpu_count()} CPUs; memory fence: {FENCE_IMPLEMENTATION}")]

@@ -1,7 +1,7 @@
 """What an LLM service imports: :class:`Client`.
 
 Length: the client, its result types (Recall, Hit, Item, Page) and the request words shared
-with :mod:`kalos.aio`; one job (the caller's side of the sidecar), many calls.
+with :mod:`kalos.client.aio`; one job (the caller's side of the sidecar), many calls.
 
 Recalls go through the client's slot in shared memory and never touch a socket; writes
 (add, update, delete, drop_namespace) and lookups (get, list, count, stats) go over the control
@@ -24,9 +24,20 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from kalos.channel import ClientChannel, Endpoint, Segment, SidecarExited
 from kalos.config import open_runtime_dir, settings
-from kalos.control import (
+from kalos.engine.base import MISSING_ID
+from kalos.errors import (
+    DimensionMismatch,
+    InvalidArgument,
+    InvalidQuery,
+    KalosError,
+    ProtocolMismatch,
+    SidecarUnavailable,
+    UnknownFilter,
+    error_from_code,
+)
+from kalos.ipc.channel import ClientChannel, Endpoint, Segment, SidecarExited
+from kalos.ipc.control import (
     PROTOCOL_VERSION,
     ConnectionClosed,
     array_blob,
@@ -39,20 +50,9 @@ from kalos.control import (
     send_fd,
     send_frame,
 )
-from kalos.engine.base import MISSING_ID
-from kalos.errors import (
-    DimensionMismatch,
-    InvalidArgument,
-    InvalidQuery,
-    KalosError,
-    ProtocolMismatch,
-    SidecarUnavailable,
-    UnknownFilter,
-    error_from_code,
-)
-from kalos.protocol import Layout, Op, RequestFlag, SlotView
-from kalos.where import Where, compile_where
-from kalos.store import (
+from kalos.ipc.protocol import Layout, Op, RequestFlag, SlotView
+from kalos.validation import (
+    MAX_ID,
     MAX_LIST_LIMIT,
     MAX_NAMESPACE_BYTES,
     UNSET,
@@ -67,6 +67,7 @@ from kalos.store import (
     check_vectors,
     encode_metadata,
 )
+from kalos.where import Where, compile_where
 
 __all__ = ["Client", "Recall", "RecallBatch", "Item", "Hit", "Page"]
 
@@ -227,9 +228,9 @@ class Client:
     ``embedder`` turns text into vectors for :meth:`remember` and :meth:`recall_text`: None (the
     default: the sidecar embeds, with its one all-MiniLM-L6-v2 for every client of the host,
     so this process needs NumPy only; the sidecar needs the ``embed`` extra), or an embedder of
-    this process: ``kalos.embed.default_embedder()`` (the same model here; needs the extra
+    this process: ``kalos.client.embed.default_embedder()`` (the same model here; needs the extra
     here), a SentenceTransformer, a LangChain Embeddings, a function ``list[str] -> [n, dim]``
-    or a :class:`kalos.embed.Embedder`. Its dimension must be the store's.
+    or a :class:`kalos.client.embed.Embedder`. Its dimension must be the store's.
     """
 
     def __init__(
@@ -409,7 +410,7 @@ class Client:
             raise error_from_code(status, channel.slot.read_message())
 
     def _write_request(self, conn: _Connection, rows: np.ndarray, request: tuple[Any, ...], op: Op = Op.RECALL) -> None:
-        """Writes one request into the slot, not yet submitted (also :class:`kalos.aio.AsyncClient`'s,
+        """Writes one request into the slot, not yet submitted (also :class:`kalos.client.aio.AsyncClient`'s,
         which then waits without blocking its event loop)."""
         slot = conn.channel.slot
         n = len(rows)
@@ -712,7 +713,7 @@ class Client:
                 if self._embedder_spec is None:
                     self._embedder = self._sidecar_embedder()
                 else:
-                    from kalos.embed import as_embedder
+                    from kalos.client.embed import as_embedder
 
                     self._embedder = as_embedder(self._embedder_spec)
             embedder = self._embedder
@@ -726,9 +727,9 @@ class Client:
         return embedder
 
     def _sidecar_embedder(self) -> "_SidecarEmbedder":
-        """The sidecar's model, loaded there now (inside ``kalos.embed.load_progress`` the wait
+        """The sidecar's model, loaded there now (inside ``kalos.client.embed.load_progress`` the wait
         draws a progress bar). A sidecar from before sidecar embedding: the model in this process."""
-        from kalos.embed import _load_stream, _LoadBar, as_embedder
+        from kalos.client.embed import _load_stream, _LoadBar, as_embedder
 
         bar = _LoadBar(_load_stream.get())
         loaded = False
@@ -822,7 +823,7 @@ class Client:
 
 
 class _SidecarEmbedder:
-    """The sidecar's model as an :class:`kalos.embed.Embedder`: texts go over the control socket
+    """The sidecar's model as an :class:`kalos.client.embed.Embedder`: texts go over the control socket
     (op ``embed``), unit float32 vectors come back. Batches of texts travel in frames well
     under the sidecar's message limit."""
 
@@ -836,7 +837,7 @@ class _SidecarEmbedder:
         self.runtime = info.get("runtime")
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
-        from kalos.embed import _check_texts
+        from kalos.client.embed import _check_texts
 
         texts = _check_texts(texts)
         out = np.empty((len(texts), self.dim), np.float32)
@@ -917,7 +918,7 @@ def _decode_cursor(cursor: Any) -> int:
     if cursor is None:
         return 0
     match = _CURSOR.fullmatch(cursor) if isinstance(cursor, str) else None
-    if match is None or int(match.group(1), 16) > _MAX_ID:
+    if match is None or int(match.group(1), 16) > MAX_ID:
         raise InvalidArgument(f"cursor {cursor!r:.80} is not one that list() returned")
     return int(match.group(1), 16)
 
@@ -1143,10 +1144,8 @@ def _id_list(ids: Any) -> list[int]:
         array = array[None]
     if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
         raise InvalidArgument(f"ids must be a 1-D sequence of integers, got dtype {array.dtype} shape {array.shape}")
-    if array.dtype.kind == "u" and array.size and int(array.max()) > _MAX_ID:
+    if array.dtype.kind == "u" and array.size and int(array.max()) > MAX_ID:
         # [2**63] is a uint64 array, and astype(int64) wrapped it to -2**63 (issue 19).
         raise InvalidArgument(f"id {int(array.max())} does not fit in int64 (ids are below 2**63)")
     return array.astype(np.int64).tolist()
 
-
-_MAX_ID = (1 << 63) - 1

@@ -8,7 +8,7 @@ owns ``resp_seq`` and the response fields, so every word has one writer.
 Waiting. Each side spins on the other's sequence number for a configurable window while
 traffic is hot (no system call on the hot path), then announces that it is going to sleep in
 a ``*_sleeping`` word and blocks in ``poll`` on an eventfd doorbell. The other side rings the
-doorbell only when it sees that word set, after a full fence (see :mod:`kalos.sync` for why
+doorbell only when it sees that word set, after a full fence (see :mod:`kalos.ipc.sync` for why
 the fence is needed on both sides). A client spins only while every client can have a core;
 past two clients per core it first naps (timed sleeps of 100 us, re-reading its sequence
 number, for up to 2 ms) so that the sidecar need not write its wake-up. A client's poll also watches its control socket: when
@@ -33,8 +33,8 @@ import numpy as np
 
 from kalos.config import runtime_dir
 from kalos.errors import InvalidArgument, ProtocolMismatch, SidecarUnavailable
-from kalos.protocol import HEADER_DTYPE, HeaderView, Layout, SlotColumns, SlotView
-from kalos.sync import full_fence
+from kalos.ipc.protocol import HEADER_DTYPE, HeaderView, Layout, SlotColumns, SlotView
+from kalos.ipc.sync import full_fence
 
 __all__ = ["Endpoint", "Segment", "ClientChannel", "SidecarChannel", "SidecarExited"]
 
@@ -244,7 +244,7 @@ class ClientChannel:
         self._seq = seq
         full_fence()  # release: the request fields and query rows are visible before req_seq
         slot.req_seq[0] = seq
-        full_fence()  # store req_seq, then load sidecar_sleeping (Dekker, see kalos.sync)
+        full_fence()  # store req_seq, then load sidecar_sleeping (Dekker, see kalos.ipc.sync)
         if self.header.sidecar_sleeping[0]:
             try:
                 os.eventfd_write(self._doorbell_fd, 1)
@@ -307,7 +307,7 @@ class ClientChannel:
         (the word is cleared again); False: sleep, and clear the word on waking."""
         slot = self.slot
         slot.client_sleeping[0] = 1
-        full_fence()  # store client_sleeping, then load resp_seq (Dekker, see kalos.sync)
+        full_fence()  # store client_sleeping, then load resp_seq (Dekker, see kalos.ipc.sync)
         if slot.resp_seq[0] == seq:
             slot.client_sleeping[0] = 0
             return True
@@ -320,7 +320,7 @@ class ClientChannel:
         except BlockingIOError:
             pass
 
-    # -- for kalos.aio.AsyncClient, which waits with the same protocol as _block but on its
+    # -- for kalos.client.aio.AsyncClient, which waits with the same protocol as _block but on its
     # -- event loop (loop.add_reader on these descriptors) instead of in poll().
 
     @property
@@ -477,7 +477,7 @@ class SidecarChannel:
             self.columns.resp_seq[slots] = seqs  # one aligned 8-byte store per slot, in order
             self.answered[slots] = seqs
             self._woken[slots] = seqs
-            full_fence()  # store resp_seq, then load client_sleeping (Dekker, see kalos.sync)
+            full_fence()  # store resp_seq, then load client_sleeping (Dekker, see kalos.ipc.sync)
             self._wake(slots)
 
     def _publish_one(self, slot: int, seq: int, generation: int | None) -> None:
@@ -488,7 +488,7 @@ class SidecarChannel:
             self.slots[slot].resp_seq[0] = seq
             self.answered[slot] = seq
             self._woken[slot] = seq
-            full_fence()  # store resp_seq, then load client_sleeping (Dekker, see kalos.sync)
+            full_fence()  # store resp_seq, then load client_sleeping (Dekker, see kalos.ipc.sync)
             if self.slots[slot].client_sleeping[0]:
                 self._ring([slot])
 
@@ -521,7 +521,7 @@ class SidecarChannel:
     def sleep(self, timeout_s: float, extra_fds: tuple[int, ...] = ()) -> None:
         """Blocks until a client rings the doorbell (or ``timeout_s``), unless work is pending."""
         self.header.sidecar_sleeping[0] = 1
-        full_fence()  # store sidecar_sleeping, then load every req_seq (Dekker, see kalos.sync)
+        full_fence()  # store sidecar_sleeping, then load every req_seq (Dekker, see kalos.ipc.sync)
         try:
             if len(self.pending()[0]):
                 return

@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kalos.embed import (
+from kalos.client.embed import (
     DEFAULT_DIM,
     DEFAULT_MODEL,
     EmbedderUnavailable,
@@ -51,7 +51,7 @@ from kalos.embed import (
 
 __all__ = ["EMBED_MODES", "EMBED_RUNTIMES", "EmbedService", "OnnxEmbedder", "load_embedder", "cache_dir"]
 
-log = logging.getLogger("kalos.embed")
+log = logging.getLogger("kalos.client.embed")
 
 #: ``kalos serve --embed``: when the sidecar loads its model (or never).
 EMBED_MODES = ("lazy", "start", "off")
@@ -198,7 +198,7 @@ def _export(model: Path, graph: Path) -> None:
     """Exports the packaged model to ``graph`` (atomically) and checks it against sentence-transformers."""
     import torch
 
-    from kalos.embed import _load_sentence_transformer
+    from kalos.client.embed import _load_sentence_transformer
 
     st = _load_sentence_transformer(str(model), device="cpu", local_files_only=True)
     max_len, normalise = _pooling_config(model)

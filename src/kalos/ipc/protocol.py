@@ -24,7 +24,7 @@ one writer and no compare-and-swap is ever needed::
 A request is pending while ``req_seq != resp_seq``. The client fills the request and query
 rows, then increments ``req_seq``; the sidecar answers by writing the result rows and the
 response, then storing ``resp_seq = req_seq``. Why those stores become visible in that order
-to the other process is argued in :mod:`kalos.sync`.
+to the other process is argued in :mod:`kalos.ipc.sync`.
 
 Every slot and every area starts on a 64-byte boundary (no false sharing between the
 client's request line and the sidecar's response line) and slots are whole pages, so the

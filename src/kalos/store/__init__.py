@@ -1,0 +1,3 @@
+"""The durable store of record: SQLite (sqlite), PostgreSQL (postgres), a follower that
+applies another sidecar's changes (follow), and choosing one from its spec (spec).
+"""
