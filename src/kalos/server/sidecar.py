@@ -33,10 +33,8 @@ import collections
 import dataclasses
 import errno
 import fcntl
-import heapq
 import json
 import logging
-import math
 import os
 import secrets
 import signal
@@ -76,6 +74,7 @@ from kalos.ipc.control import (
 )
 from kalos.ipc.protocol import Layout, Op, RequestFlag, SlotView
 from kalos.server.cohort import Cohort
+from kalos.server.expiry import ExpirySchedule
 from kalos.server.metrics import Metrics
 from kalos.store.spec import StoreSpec, open_store
 from kalos.store.sqlite import Store
@@ -325,10 +324,7 @@ class Sidecar:
         self._slot_server: Any = None  # kalos.engine.gpu.slot_server.SlotGraphServer, when the GPU polls
         self.quarantined: list[int] = []  # ids of stored items with damaged vectors (not served)
         self._wrote = threading.Event()  # set by every write: the checkpointer waits for a pause
-        # TTL (issue 22), under _state_lock: id -> expires_at of every served row that expires, and
-        # a heap of (expires_at, id) whose entries are stale unless they agree with the dict.
-        self._expiry: dict[int, float] = {}
-        self._expiry_heap: list[tuple[float, int]] = []
+        self._expiry = ExpirySchedule()  # TTL (issue 22), under _state_lock
         self._expiry_wake = threading.Event()  # an earlier expiry was noted: the expirer re-plans
         # Rows may have expired in the store while these differ (they do at start): _expire_due
         # counts each round that tombstoned rows, the expirer the rounds it swept from the store.
@@ -1132,54 +1128,25 @@ class Sidecar:
         """Records when the rows of ``ids`` expire (NaN or None: never; ``_state_lock`` held, or
         before serving). A row whose expiry is already past is tombstoned by the next
         :meth:`_expire_due`, before any recall."""
-        if expires_at is None:
-            if self._expiry:
-                for i in np.asarray(ids).tolist():
-                    self._expiry.pop(i, None)
-            return
-        earliest = self._expiry_heap[0][0] if self._expiry_heap else math.inf
-        for i, t in zip(np.asarray(ids).tolist(), np.asarray(expires_at, dtype=np.float64).tolist()):
-            if math.isnan(t):
-                self._expiry.pop(i, None)
-                continue
-            self._expiry[i] = t
-            heapq.heappush(self._expiry_heap, (t, i))
-        if len(self._expiry_heap) > 2 * len(self._expiry) + 1024:  # upserts left many stale entries
-            self._expiry_heap = [(t, i) for i, t in self._expiry.items()]
-            heapq.heapify(self._expiry_heap)
-        if self._expiry_heap and self._expiry_heap[0][0] < earliest:
+        if self._expiry.note(ids, expires_at):
             self._expiry_wake.set()
 
     def _forget_expiries(self, ids: np.ndarray) -> None:
-        """Deleted rows expire no more (``_state_lock`` held); their heap entries go stale."""
-        if self._expiry:
-            for i in np.asarray(ids).tolist():
-                self._expiry.pop(i, None)
+        """Deleted rows expire no more (``_state_lock`` held)."""
+        self._expiry.forget(ids)
 
     def _expiry_near(self) -> bool:
         """Whether a row expires within ``_EXPIRY_LEAD_S`` (``_state_lock`` held): the sweep keeps
-        the GPU's polling kernel off until then. Stale entries on top (rows deleted, or upserted
-        with another expiry) are dropped first, so that they never pause the polling."""
-        heap, expiry = self._expiry_heap, self._expiry
-        while heap and expiry.get(heap[0][1]) != heap[0][0]:
-            heapq.heappop(heap)
-        return bool(heap) and heap[0][0] - time.time() < _EXPIRY_LEAD_S
+        the GPU's polling kernel off until then (rows deleted or re-timed since do not count)."""
+        earliest = self._expiry.earliest()
+        return earliest is not None and earliest - time.time() < _EXPIRY_LEAD_S
 
     def _expire_due(self) -> None:
         """Tombstones in the engine every row whose expiry has come (``_state_lock`` held). Called
         before each answering pass, so no recall returns a row after its ``expires_at``; the
-        cost when nothing is due is one look at the heap's top. The expirer thread deletes the
-        rows from the store afterwards (get and list skip them meanwhile)."""
-        heap = self._expiry_heap
-        if not heap or heap[0][0] > time.time():
-            return
-        now = time.time()
-        due = []
-        while heap and heap[0][0] <= now:
-            t, i = heapq.heappop(heap)
-            if self._expiry.get(i) == t:
-                del self._expiry[i]
-                due.append(i)
+        cost when nothing is due is one look at the schedule's top. The expirer thread deletes
+        the rows from the store afterwards (get and list skip them meanwhile)."""
+        due = self._expiry.due(time.time())
         if due:
             self._pause_slot_server()
             self.engine.delete(np.asarray(due, dtype=np.int64))
@@ -1194,7 +1161,7 @@ class Sidecar:
         while not self._stopping.is_set():
             with self._state_lock:
                 self._expire_due()
-                top = self._expiry_heap[0][0] if self._expiry_heap else None
+                top = self._expiry.earliest()
             now = time.time()
             if self._swept_rounds != self._expiry_rounds and now >= next_store:
                 next_store = now + _EXPIRY_STORE_S
