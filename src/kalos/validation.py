@@ -41,6 +41,7 @@ __all__ = [
     "check_update",
     "check_ttl",
     "check_request_id",
+    "check_embed_texts",
     "normalise_rows",
     "row_scales",
 ]
@@ -505,3 +506,16 @@ def row_scales(rows: np.ndarray, *, what: str, error: type[KalosError]) -> np.nd
     # The scale stays float64: for a norm below float32's smallest normal its reciprocal
     # would overflow float32.
     return 1.0 / np.sqrt(squared)
+
+
+def check_embed_texts(texts: Any) -> list[str]:
+    """Texts to embed as a list of non-empty str (a lone str is refused: wrap it in a list)."""
+    if isinstance(texts, str):
+        raise InvalidArgument("embed takes a sequence of strings; wrap a single text in a list")
+    texts = list(texts)
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise InvalidArgument(f"texts[{i}] must be a str, got {type(t).__name__}")
+        if not t.strip():
+            raise InvalidArgument(f"texts[{i}] is empty: an empty text has no meaning to embed")
+    return texts

@@ -837,9 +837,9 @@ class _SidecarEmbedder:
         self.runtime = info.get("runtime")
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
-        from kalos.client.embed import _check_texts
+        from kalos.validation import check_embed_texts
 
-        texts = _check_texts(texts)
+        texts = check_embed_texts(texts)
         out = np.empty((len(texts), self.dim), np.float32)
         with self._client._lock:
             limit = self._client._connection().max_message_bytes or settings().max_message_bytes

@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence, TextIO, runtime_
 import numpy as np
 
 from kalos.errors import EmbedderUnavailable, InvalidArgument
+from kalos.validation import check_embed_texts
 
 __all__ = [
     "Embedder",
@@ -68,18 +69,6 @@ class Embedder(Protocol):
 def embed_extra_available() -> bool:
     """Whether the default embedder can be loaded (sentence-transformers and the packaged model)."""
     return all(importlib.util.find_spec(m) is not None for m in ("sentence_transformers", _MODEL_PACKAGE))
-
-
-def _check_texts(texts: Any) -> list[str]:
-    if isinstance(texts, str):
-        raise InvalidArgument("embed takes a sequence of strings; wrap a single text in a list")
-    texts = list(texts)
-    for i, t in enumerate(texts):
-        if not isinstance(t, str):
-            raise InvalidArgument(f"texts[{i}] must be a str, got {type(t).__name__}")
-        if not t.strip():
-            raise InvalidArgument(f"texts[{i}] is empty: an empty text has no meaning to embed")
-    return texts
 
 
 def _check_output(array: Any, n: int, dim: int, name: str) -> np.ndarray:
@@ -120,7 +109,7 @@ class SentenceTransformerEmbedder:
         self._lock = threading.Lock()
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
-        texts = _check_texts(texts)
+        texts = check_embed_texts(texts)
         if not texts:
             return np.empty((0, self.dim), np.float32)
         with self._lock:
@@ -153,7 +142,7 @@ class CallableEmbedder:
         self.dim = dim
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
-        texts = _check_texts(texts)
+        texts = check_embed_texts(texts)
         if not texts:
             return np.empty((0, self.dim), np.float32)
         return _check_output(self.fn(texts), len(texts), self.dim, self.name)

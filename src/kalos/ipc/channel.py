@@ -11,9 +11,9 @@ a ``*_sleeping`` word and blocks in ``poll`` on an eventfd doorbell. The other s
 doorbell only when it sees that word set, after a full fence (see :mod:`kalos.ipc.sync` for why
 the fence is needed on both sides). A client spins only while every client can have a core;
 past two clients per core it first naps (timed sleeps of 100 us, re-reading its sequence
-number, for up to 2 ms) so that the sidecar need not write its wake-up. A client's poll also watches its control socket: when
-the sidecar dies the kernel closes that socket and the client wakes at once; a sidecar that
-hangs is noticed through its heartbeat stamp going stale.
+number, for up to 2 ms) so that the sidecar need not write its wake-up. A client's poll also
+watches its control socket: when the sidecar dies the kernel closes that socket and the client
+wakes at once; a sidecar that hangs is noticed through its heartbeat stamp going stale.
 """
 from __future__ import annotations
 
@@ -262,11 +262,11 @@ class ClientChannel:
         slot = self.slot
         resp_seq = slot.resp_seq
         clock = time.perf_counter
-        clients = int(self.header.clients[0])
-        spin_until = clock() + (self._spin_s if clients <= self._spin_clients else 0.0)
+        spin_s, nap = self._budgets(int(self.header.clients[0]))
+        spin_until = clock() + spin_s
         while resp_seq[0] != seq:
             if clock() >= spin_until:
-                if clients <= self._nap_clients or not self._nap(seq):
+                if not (nap and self._nap(seq)):
                     self._block(seq)
                 break
         full_fence()  # acquire: resp_seq is read before the response fields and result rows
@@ -340,7 +340,12 @@ class ClientChannel:
 
     def spin_budget_s(self) -> float:
         """How long :meth:`wait` spins right now: none while the clients outnumber the cores."""
-        return self._spin_s if self.header.clients[0] <= self._spin_clients else 0.0
+        return self._budgets(int(self.header.clients[0]))[0]
+
+    def _budgets(self, clients: int) -> tuple[float, bool]:
+        """How a wait goes with ``clients`` connected: how long it spins, and whether it then
+        naps (:meth:`_nap`) before it announces its sleep."""
+        return (self._spin_s if clients <= self._spin_clients else 0.0), clients > self._nap_clients
 
     def check_epoch(self) -> None:
         """SidecarUnavailable unless the segment is still the one this client's sidecar made."""

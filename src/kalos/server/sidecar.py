@@ -1131,10 +1131,6 @@ class Sidecar:
         if self._expiry.note(ids, expires_at):
             self._expiry_wake.set()
 
-    def _forget_expiries(self, ids: np.ndarray) -> None:
-        """Deleted rows expire no more (``_state_lock`` held)."""
-        self._expiry.forget(ids)
-
     def _expiry_near(self) -> bool:
         """Whether a row expires within ``_EXPIRY_LEAD_S`` (``_state_lock`` held): the sweep keeps
         the GPU's polling kernel off until then (rows deleted or re-timed since do not count)."""
@@ -1186,7 +1182,7 @@ class Sidecar:
                 with self._state_lock:
                     self._pause_slot_server()
                     self.engine.delete(deleted)  # rows the heap did not know of (a follower's, say)
-                    self._forget_expiries(deleted)
+                    self._expiry.forget(deleted)
                 self._wrote.set()
 
     def _search_all(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -1415,7 +1411,7 @@ class Sidecar:
                 self.engine.add(ids, unit, np.int32(namespace_id), created_at, message.get("metadata"))
                 self._namespaces[namespace.encode()] = namespace_id
                 # The call's expiry replaces the stored one (None: these rows never expire).
-                self._note_expiries(ids, expires_at if expires_at is not None else np.full(len(ids), np.nan))
+                self._note_expiries(ids, expires_at)
         except BaseException as exc:
             if not replaced.any():
                 self._undo_add(ids, request_id, exc)  # only new rows: take them back, as an add does
@@ -1439,7 +1435,7 @@ class Sidecar:
                 # tombstone them, or recall could return what the store no longer has.
                 self._pause_slot_server()
                 self.engine.delete(ids)
-                self._forget_expiries(ids)
+                self._expiry.forget(ids)
             self.store.undo_add(ids, request_id)
         except Exception:
             log.exception("add of %d rows (ids %d-%d) committed, the engine failed (%s: %s), and taking it back "
@@ -1466,9 +1462,9 @@ class Sidecar:
             apply_to_engine(self.engine, self._namespaces, batch)
             for change in batch.changes:
                 if change.op == "delete":
-                    self._forget_expiries(change.ids)
+                    self._expiry.forget(change.ids)
             # Written rows expire only if the store says so (an upsert may have dropped a ttl).
-            self._note_expiries(touched, np.full(len(touched), np.nan))
+            self._expiry.forget(touched)
             self._note_expiries(expiring, expires_at)
             self._expire_due()  # a replayed row that has expired meanwhile goes again at once
 
@@ -1498,7 +1494,7 @@ class Sidecar:
             with self._state_lock:
                 self._pause_slot_server()
                 self.engine.delete(deleted)
-                self._forget_expiries(deleted)
+                self._expiry.forget(deleted)
             self._wrote.set()
         return deleted
 
@@ -1709,12 +1705,12 @@ class Sidecar:
 
     def _op_embed(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
         """Embeds ``texts`` with the sidecar's model (batched with other clients' pending texts)."""
-        from kalos.client.embed import _check_texts
+        from kalos.validation import check_embed_texts
 
         texts = message.get("texts")
         if not isinstance(texts, list) or not texts:
             raise InvalidArgument(f"embed: texts must be a non-empty list of str, got {str(texts)[:80]}")
-        texts = _check_texts(texts)
+        texts = check_embed_texts(texts)
         self._op_embedder({}, _blob)  # the dimension check, before the (slow) load
         vectors = self.embedding.embed(texts)
         spec, blob = array_blob(vectors, "float32")

@@ -46,8 +46,8 @@ from kalos.client.embed import (
     EmbedderUnavailable,
     SentenceTransformerEmbedder,
     _check_output,
-    _check_texts,
 )
+from kalos.validation import check_embed_texts
 
 __all__ = ["EMBED_MODES", "EMBED_RUNTIMES", "EmbedService", "OnnxEmbedder", "load_embedder", "cache_dir"]
 
@@ -164,7 +164,7 @@ class OnnxEmbedder:
         self._lock = threading.Lock()
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
-        texts = _check_texts(texts)
+        texts = check_embed_texts(texts)
         out = np.empty((len(texts), self.dim), np.float32)
         with self._lock:
             encoded = self.tokenizer.encode_batch(texts)
