@@ -450,6 +450,59 @@ def test_napping_clients_need_no_wake_up_and_fall_back_to_sleep(harness):
     assert 0 < len(rings) < 3 * 700 // 4, len(rings)
 
 
+def test_clients_past_the_cores_spin_yielding_and_need_no_wake_up(harness, monkeypatch):
+    """Between one client per core and two, a waiting client spins as before but yields its core
+    at every look: an answer inside its spin budget needs no wake-up, and an answer later than
+    the budget still arrives through the announced sleep and the ring."""
+    yields = []
+    real_yield = os.sched_yield
+    monkeypatch.setattr(os, "sched_yield", lambda: (yields.append(1), real_yield())[1])
+    h = harness(n_slots=3, max_batch=2)
+    cores = len(os.sched_getaffinity(0))
+    mid = cores + 1  # past cores - 1 clients, not past 2 * cores
+    for _ in range(3):
+        h.add_client(spin_s=0.05)
+    rings: list[int] = []
+    ring = h.side._ring
+    late = set(range(5, 300, 50))  # answered past the spin budget
+
+    def counting_ring(slots):
+        rings.extend(int(s) for s in slots)
+        ring(slots)
+
+    def on_request(slot: int, seq: int) -> None:
+        h.side.header.clients[0] = mid
+        if seq in late:
+            time.sleep(0.1)
+
+    h.side._ring = counting_ring
+    h.side.header.clients[0] = mid
+    h.serve(sleep_when_idle=False, on_request=on_request)
+    worst = run_clients(h, 300)
+    assert max(worst) < 20.0
+    assert yields, "a client past the cores spun without yielding"
+    # Sleepers would cost a ring for nearly all 900 requests; yielding spinners only for the
+    # answers later than their budget (each late answer holds up its whole pass).
+    assert 0 < len(rings) < 900 // 4, len(rings)
+
+
+def test_wait_policy_by_clients_per_core(harness):
+    """Up to cores - 1 clients spin and keep their core; up to two per core they spin yielding
+    it (AsyncClient does not spin then); past that they nap, then sleep."""
+    h = harness(n_slots=1)
+    channel = h.add_client(spin_s=0.25)
+    cores = len(os.sched_getaffinity(0))
+    assert channel._budgets(1) == (0.25, False, False)
+    assert channel._budgets(cores - 1) == (0.25, False, False)
+    assert channel._budgets(cores) == (0.25, False, True)
+    assert channel._budgets(2 * cores) == (0.25, False, True)
+    assert channel._budgets(2 * cores + 1) == (0.0, True, False)
+    h.side.header.clients[0] = 1
+    assert channel.spin_budget_s() == 0.25
+    h.side.header.clients[0] = 2 * cores
+    assert channel.spin_budget_s() == 0.0
+
+
 def test_single_client_ping_pong_with_pauses(harness):
     """The sidecar falls asleep between requests (pauses), so every request must ring it."""
     h = harness(n_slots=1)

@@ -220,14 +220,15 @@ class ClientChannel:
         self._epoch = epoch
         self._timeout_ns = int(timeout * 1e9)
         self._spin_s = spin_s
-        # Spinning pays only while every waiting client and the sidecar's sweep have a core:
-        # past that, spinners take the cores the sweep and the woken clients need, and the
-        # crowd is slower than if everyone slept (issue 18).
+        # Spinning alone pays only while every waiting client and the sidecar's sweep have a
+        # core. Past that, up to two clients per core, a spinner yields its core at every look
+        # (the sweep and the clients it answered run first), which beat sleeping on the card
+        # (issue 18; BENCHMARKS.md). Past two per core, the wake-ups the sweep writes at the end
+        # of each pass (one per sleeper, one after another) cost it more than a nap costs each
+        # client, and spinners that yield leave the sweep waiting for them to come back.
         # (Every connected client counts, idle ones too: on the safe side.)
         cores = len(os.sched_getaffinity(0))
         self._spin_clients = cores - 1
-        # Past two clients per core, the wake-ups the sweep writes at the end of each pass (one
-        # per sleeper, one after another) cost it more than a nap costs each client.
         self._nap_clients = 2 * cores
         self._seq = int(self.slot.req_seq[0])
         self._poller = select.poll()
@@ -262,13 +263,15 @@ class ClientChannel:
         slot = self.slot
         resp_seq = slot.resp_seq
         clock = time.perf_counter
-        spin_s, nap = self._budgets(int(self.header.clients[0]))
+        spin_s, nap, give_way = self._budgets(int(self.header.clients[0]))
         spin_until = clock() + spin_s
         while resp_seq[0] != seq:
             if clock() >= spin_until:
                 if not (nap and self._nap(seq)):
                     self._block(seq)
                 break
+            if give_way:
+                os.sched_yield()
         full_fence()  # acquire: resp_seq is read before the response fields and result rows
         return int(slot.status[0])
 
@@ -339,13 +342,21 @@ class ClientChannel:
         return self._slice_ms / 1000
 
     def spin_budget_s(self) -> float:
-        """How long :meth:`wait` spins right now: none while the clients outnumber the cores."""
-        return self._budgets(int(self.header.clients[0]))[0]
+        """How long a plain spin (one that keeps its core) pays right now: none once the clients
+        outnumber the cores. (AsyncClient spins only then: past the cores it waits on its event
+        loop at once, as a spin would hold the loop and take a core the crowd needs.)"""
+        spin_s, _nap, give_way = self._budgets(int(self.header.clients[0]))
+        return 0.0 if give_way else spin_s
 
-    def _budgets(self, clients: int) -> tuple[float, bool]:
-        """How a wait goes with ``clients`` connected: how long it spins, and whether it then
-        naps (:meth:`_nap`) before it announces its sleep."""
-        return (self._spin_s if clients <= self._spin_clients else 0.0), clients > self._nap_clients
+    def _budgets(self, clients: int) -> tuple[float, bool, bool]:
+        """How a wait goes with ``clients`` connected: how long it spins, whether it then
+        naps (:meth:`_nap`) before it announces its sleep, and whether it yields its core at
+        each look while it spins."""
+        if clients <= self._spin_clients:
+            return self._spin_s, False, False
+        if clients <= self._nap_clients:
+            return self._spin_s, False, True
+        return 0.0, True, False
 
     def check_epoch(self) -> None:
         """SidecarUnavailable unless the segment is still the one this client's sidecar made."""
