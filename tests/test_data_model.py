@@ -676,7 +676,8 @@ def test_gpu_polling_stops_before_an_expiry_and_stays_off_until_it_passed(runtim
     import os
 
     from kalos.ipc.control import array_blob
-    from kalos.server.sidecar import _EXPIRY_LEAD_S, Sidecar, SidecarConfig
+    from kalos.server.expirer import _EXPIRY_LEAD_S
+    from kalos.server.sidecar import Sidecar, SidecarConfig
 
     directory = short_tempdir("gpx")
     sidecar = Sidecar(SidecarConfig(store=os.path.join(directory, "s.db"), name=unique_name("gpx"), dim=DIM,
@@ -685,18 +686,19 @@ def test_gpu_polling_stops_before_an_expiry_and_stays_off_until_it_passed(runtim
     try:
         vectors = rng.standard_normal((2, DIM)).astype(np.float32)
         spec, blob = array_blob(vectors, "float32")
-        _, out = sidecar._op_add({"vectors": spec, "namespace": "t", "ttl": [1.0, None]}, bytearray(blob))
+        _, out = sidecar._control._op_add({"vectors": spec, "namespace": "t", "ttl": [1.0, None]}, bytearray(blob))
         doomed, kept = np.frombuffer(out, np.int64).tolist()
-        expires_at = sidecar._expiry.expires_at(doomed)
+        expires_at = sidecar._expirer.schedule.expires_at(doomed)
         # A row that was to expire first, upserted since without a ttl: its stale heap entry
         # must not stop the polling.
         for ttl in ([0.3], None):
             spec, blob = array_blob(vectors[1:], "float32")
-            sidecar._op_add({"vectors": spec, "namespace": "u", "keys": ["s"], "ttl": ttl}, bytearray(blob))
-        assert sidecar._expiry.earliest() == expires_at  # the re-timed row counts no more
-        kernel = sidecar._slot_server = _PollingKernel(sidecar.layout.n_slots)  # polling, as after a recall
+            sidecar._control._op_add({"vectors": spec, "namespace": "u", "keys": ["s"], "ttl": ttl}, bytearray(blob))
+        assert sidecar._expirer.schedule.earliest() == expires_at  # the re-timed row counts no more
+        kernel = _PollingKernel(sidecar.layout.n_slots)
         channel = sidecar.channel
-        thread = threading.Thread(target=sidecar._sweep_until_stopped, args=(channel,), daemon=True)
+        sidecar._polling.install(kernel, channel)  # polling, as after a recall
+        thread = threading.Thread(target=sidecar._recall_loop._sweep_until_stopped, args=(channel,), daemon=True)
         thread.start()
         wait_until(lambda: kernel.stops, "the sweep to stop the polling kernel", timeout=5)
         assert expires_at - 0.5 < kernel.stops[0] < expires_at, (kernel.stops[0] - expires_at, _EXPIRY_LEAD_S)

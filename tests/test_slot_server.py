@@ -439,7 +439,7 @@ def test_cuda_sidecar_with_gpu_polling_under_clients_adds_and_deletes(rng, runti
     d = 256
     config = SidecarConfig(store=tmp_path / "m.db", name="gp", dim=d, slots=8, max_k=32, max_batch=8, gpu_polling="graph")
     sidecar = Sidecar(config, engine_factory=lambda _dev, dim, cap: TorchEngine(dim, device="cuda", capacity=cap))
-    assert sidecar._slot_server is not None
+    assert sidecar._polling.server is not None
     thread = threading.Thread(target=sidecar.serve_forever, daemon=True)
     thread.start()
     failures: list[str] = []

@@ -530,12 +530,12 @@ def test_the_sweep_groups_single_recalls_by_where_and_refuses_unknown_handles(ru
         for ns in ("a", "b"):
             rows = [i for i in range(n) if namespaces[i] == ns]
             spec, blob = array_blob(vectors[rows], "float32")
-            reply, out = sidecar._op_add({"vectors": spec, "namespace": ns, "metadata": [metas[i] for i in rows]},
+            reply, out = sidecar._control._op_add({"vectors": spec, "namespace": ns, "metadata": [metas[i] for i in rows]},
                                          bytearray(blob))
             ids.update(zip(np.frombuffer(out, np.int64).tolist(), rows))
         clauses = [{"user_id": "u0"}, {"year": {"$lt": 2010}}, {"serial": 7}]
-        handles = [sidecar._op_where({"where": json.dumps(c)}, bytearray())[0]["handle"] for c in clauses]
-        assert sidecar._op_where({"where": json.dumps(clauses[0])}, bytearray())[0]["handle"] == handles[0]
+        handles = [sidecar._control._op_where({"where": json.dumps(c)}, bytearray())[0]["handle"] for c in clauses]
+        assert sidecar._control._op_where({"where": json.dumps(clauses[0])}, bytearray())[0]["handle"] == handles[0]
         # (where index, namespace): None = no where / every namespace; "bogus" = an unknown handle.
         requests = [(0, "a"), (0, "b"), (1, None), (1, "a"), (None, "a"), (None, None), (2, None), ("bogus", "b")]
         channel = sidecar.channel
@@ -553,7 +553,7 @@ def test_the_sweep_groups_single_recalls_by_where_and_refuses_unknown_handles(ru
             view.namespace[0], view.namespace_len[0] = encoded, len(encoded)
             view.queries[0] = queries[slot]
         slots = np.arange(len(requests))
-        sidecar._answer(slots, np.ones(len(requests), np.uint64))
+        sidecar._recall_loop._answer(slots, np.ones(len(requests), np.uint64))
         all_ids = np.array(sorted(ids), dtype=np.int64)
         all_vectors = vectors[[ids[i] for i in all_ids.tolist()]]
         for slot, (w, ns) in enumerate(requests):
@@ -569,20 +569,20 @@ def test_the_sweep_groups_single_recalls_by_where_and_refuses_unknown_handles(ru
             assert_topk_matches(view.ids[:1, :k], view.scores[:1, :k], all_ids, all_vectors, queries[slot : slot + 1],
                                 k, eligible, context=f"slot {slot}: where {w} namespace {ns}")
         # The rows a where selects, for count / scoped delete: the same index.
-        got = sidecar._rows_where("a", compile_where(clauses[0]))
+        got = sidecar._control._rows_where("a", compile_where(clauses[0]))
         want = sorted(i for i in ids if namespaces[ids[i]] == "a" and compile_where(clauses[0]).matches(metas[ids[i]]))
         assert got.tolist() == want
-        assert sidecar._rows_where("never-used", None).tolist() == []
-        assert len(sidecar._rows_where(None, None)) == n
+        assert sidecar._control._rows_where("never-used", None).tolist() == []
+        assert len(sidecar._control._rows_where(None, None)) == n
         # An evicted handle is refused, never read as another clause.
-        import kalos.server.sidecar as sidecar_module
+        import kalos.server.recall_loop as recall_loop
 
         old = handles[0]
-        for j in range(sidecar_module._MAX_WHERE_HANDLES + 1):
-            sidecar._op_where({"where": json.dumps({"filler": j})}, bytearray())
+        for j in range(recall_loop._MAX_WHERE_HANDLES + 1):
+            sidecar._control._op_where({"where": json.dumps({"filler": j})}, bytearray())
         with pytest.raises(UnknownFilter):
-            sidecar._filter_for(int(RequestFlag.HAS_WHERE | RequestFlag.ALL_NAMESPACES), b"", None, None, old + 10**9)
-        assert old not in sidecar._wheres
+            sidecar._filter_cache.filter_for(int(RequestFlag.HAS_WHERE | RequestFlag.ALL_NAMESPACES), b"", None, None, old + 10**9)
+        assert old not in sidecar._filter_cache.wheres
     finally:
         sidecar.close()
 

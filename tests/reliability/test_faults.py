@@ -31,6 +31,7 @@ from conftest import DEADLINE_S, unique_name, wait_until
 from kalos import Client, InvalidArgument, ServerError, SidecarUnavailable
 from kalos.engine import NumpyEngine
 from kalos.ipc.control import ConnectionClosed
+from kalos.server.operations import ControlServer
 from kalos.server.sidecar import Sidecar, SidecarConfig
 from kalos.store.sqlite import Store
 from kalos.tools.doctor import PROBLEM, check_store
@@ -268,17 +269,17 @@ def test_an_add_whose_reply_is_lost_is_retried_without_a_duplicate(in_process, s
     name = unique_name("lost")
     path = store_dir / "l.db"
     in_process(path, name)
-    real_add = Sidecar._handlers["add"]
+    real_add = ControlServer._handlers["add"]
     calls: list[int] = []
 
-    def add_then_hang_up(sidecar: Sidecar, message: dict, blob: bytearray) -> Any:
-        reply = real_add(sidecar, message, blob)  # committed and in the engine
+    def add_then_hang_up(control: ControlServer, message: dict, blob: bytearray) -> Any:
+        reply = real_add(control, message, blob)  # committed and in the engine
         calls.append(1)
         if len(calls) == 1:
             raise ConnectionClosed("injected: the connection broke before the reply")
         return reply
 
-    monkeypatch.setitem(Sidecar._handlers, "add", add_then_hang_up)
+    monkeypatch.setitem(ControlServer._handlers, "add", add_then_hang_up)
     vectors = _unit(rng, 50)
     with Client(name, timeout=10.0) as client:
         ids = client.add(vectors)

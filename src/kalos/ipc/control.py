@@ -34,6 +34,7 @@ __all__ = [
     "recv_frame",
     "send_fd",
     "recv_fd",
+    "peer_credentials",
     "ok_reply",
     "error_reply",
     "raise_for_reply",
@@ -177,6 +178,15 @@ def recv_fd(sock: socket.socket) -> int:
             socket.close(fd)
         raise ProtocolMismatch("expected a file descriptor from the peer")
     return fds[0]
+
+
+_PEERCRED = struct.Struct("3i")
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
+    pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return pid, uid, gid
 
 
 def ok_reply(**fields: Any) -> dict[str, Any]:

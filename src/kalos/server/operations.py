@@ -1,0 +1,643 @@
+"""The control socket's side of the sidecar: connections, and the operations they ask for.
+
+Everything that is not a recall comes here (hello and its slot, add, delete, update, get, list,
+count, stats, compact, where, the embedder), one thread per connection, off the hot path. Kept
+apart from the lifecycle (which binds the socket and owns the threads) and from the recall loop
+(which must not wait for any of this): the operations are where the store and the engine are
+written in the same order, under ``_write_lock``, and each engine change is made under
+``_state_lock`` with the GPU's polling stopped (:class:`kalos.server.slot_polling.SlotPolling`).
+
+Control connections are bounded: at most ``slots + spare_connections`` at once; one stuck
+mid-frame, or one without a slot that stays silent, is dropped (``control_stall_s``,
+``control_idle_s``); one that holds a slot may idle between requests for ever.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from kalos.config import settings
+from kalos.engine import Engine, Filter
+from kalos.errors import DimensionMismatch, InvalidArgument, KalosError, ProtocolMismatch, ServerError
+from kalos.ipc.channel import Endpoint
+from kalos.ipc.control import (
+    PROTOCOL_VERSION,
+    ConnectionClosed,
+    array_blob,
+    blob_array,
+    error_reply,
+    ok_reply,
+    peer_credentials,
+    recv_fd,
+    recv_frame,
+    send_fd,
+    send_frame,
+)
+from kalos.ipc.protocol import Layout
+from kalos.server.cohort import Cohort
+from kalos.server.expirer import Expirer
+from kalos.server.metrics import Metrics
+from kalos.server.recall_loop import FilterCache
+from kalos.server.slot_polling import SlotPolling
+from kalos.validation import (
+    UNSET,
+    check_keys,
+    check_namespace,
+    check_request_id,
+    check_ttl,
+    check_update,
+    check_vectors,
+    normalise_rows,
+)
+from kalos.where import Where, compile_where
+
+if TYPE_CHECKING:
+    from kalos.server.sidecar import Sidecar
+    from kalos.server.sidecar_embed import EmbedService
+
+__all__ = ["ControlServer"]
+
+# The sidecar's one logger, whichever of its modules logs.
+log = logging.getLogger("kalos.server.sidecar")
+# How often a control connection's thread wakes from a silent socket to check its deadlines.
+_CONTROL_POLL_S = 1.0
+
+
+class ControlServer:
+    """Serves the control connections of one sidecar: :meth:`accept` is the acceptor thread.
+
+    The state the operations act on is handed over explicitly, once. Three things are read
+    from ``sidecar`` at each use instead, because its lifecycle changes them under running
+    threads: the listening socket (bound again when its name is removed), and the channel and
+    the segment (taken away by ``close``, which a connection thread may outlive).
+    """
+
+    def __init__(self, sidecar: Sidecar, *, name: str, endpoint: Endpoint, epoch: int, layout: Layout,
+                 engine: Engine, store: Any, metrics: Metrics, cohort: Cohort, embedding: EmbedService,
+                 seed: Any, quarantined: list[int], namespaces: dict[bytes, int], filters: FilterCache,
+                 polling: SlotPolling, expirer: Expirer, state_lock: threading.Lock, write_lock: threading.Lock,
+                 wrote: threading.Event, stopping: threading.Event, client_spin_us: float,
+                 start_thread: Callable[..., None]) -> None:
+        self._sidecar = sidecar
+        self._name = name
+        self.endpoint = endpoint
+        self.epoch = epoch
+        self.layout = layout
+        self.engine = engine
+        self.store = store  # a Store or a PostgresStore
+        self.metrics = metrics
+        self.cohort = cohort
+        self.embedding = embedding
+        self._seed = seed  # the seed-compat server, or None
+        self.quarantined = quarantined  # the sidecar's list: an update that replaces a damaged vector shortens it
+        self._namespaces = namespaces
+        self._filters = filters
+        self._polling = polling
+        self._expirer = expirer
+        self._state_lock = state_lock
+        self._write_lock = write_lock
+        self._wrote = wrote
+        self._stopping = stopping
+        self.client_spin_us = client_spin_us
+        self._start_thread = start_thread
+        self.connections: set[socket.socket] = set()
+        self._refused = 0
+
+    def accept(self) -> None:
+        """The acceptor thread's body: admits each control connection and serves it in a thread of its own."""
+        while not self._stopping.is_set():
+            listener = self._sidecar.listener
+            if listener is None:
+                return  # closed by close()
+            try:
+                conn, _ = listener.accept()
+            except OSError as exc:
+                if self._stopping.is_set():
+                    return  # listener closed by close()
+                if listener is not self._sidecar.listener:
+                    continue  # _check_socket bound a new one
+
+                # Out of file descriptors (EMFILE: a flood of connections) or an aborted peer.
+                # Returning here stopped all accepting for the sidecar's lifetime, even after the
+                # flood was gone (tests/reliability/test_hostile.py): wait a little, then go on.
+                log.warning("accepting a control connection failed (%s); retrying", exc)
+                time.sleep(0.05)
+                continue
+            pid, uid, _gid = peer_credentials(conn)
+            if uid != os.getuid():
+                log.warning("refused a control connection from uid %d (pid %d): not this sidecar's user", uid, pid)
+                try:
+                    send_frame(conn, error_reply(ProtocolMismatch(f"uid {uid} may not use the sidecar of uid {os.getuid()}")))
+                except OSError:
+                    # It hung up before hearing why. Raising here ended this thread, and with it
+                    # every later connection of anyone (tests/reliability/test_security.py).
+                    pass
+                finally:
+                    conn.close()
+                continue
+            limit = self.layout.n_slots + settings().spare_connections
+            if len(self.connections) >= limit:
+                # Each connection costs a thread and its buffers: 300 that announced 200 MB
+                # frames and went silent cost ~1 MiB each, without limit (issue 19). Slot
+                # holders fit below the limit by construction; the spare ones time out.
+                self._refused += 1
+                if self._refused in (1, 10, 100) or self._refused % 1000 == 0:
+                    log.warning("refused control connection %d of pid %d: %d connections are open (limit %d)",
+                                self._refused, pid, len(self.connections), limit)
+                try:
+                    conn.settimeout(0.1)
+                    send_frame(conn, error_reply(InvalidArgument(
+                        f"sidecar {self._name!r} has {len(self.connections)} control connections open, its "
+                        f"limit ({self.layout.n_slots} slots + KALOS_SPARE_CONNECTIONS={settings().spare_connections}); "
+                        f"try again later"
+                    )))
+                except OSError:
+                    pass
+                finally:
+                    conn.close()
+                continue
+            self.connections.add(conn)
+            self._start_thread(self._serve_connection, f"kalos-conn-{pid}", conn)
+
+    def _serve_connection(self, conn: socket.socket) -> None:
+        slot: int | None = None
+        config = settings()
+        max_bytes, stall_s, idle_s = config.max_message_bytes, config.control_stall_s, config.control_idle_s
+
+        def on_wait(started: bool, idle: float) -> None:
+            # Called every _CONTROL_POLL_S that no byte moved. A frame (or reply) stuck halfway
+            # is dropped after stall_s; so is a connection that never said hello after idle_s.
+            # A client that holds a slot may idle between requests for ever: it is legitimate.
+            if self._stopping.is_set():
+                raise ConnectionClosed("the sidecar is stopping")
+            if started and idle >= stall_s:
+                raise TimeoutError(f"nothing moved for {idle:.1f} s in the middle of a frame (KALOS_CONTROL_STALL_S)")
+            if not started and slot is None and idle >= idle_s:
+                raise TimeoutError(f"no request for {idle:.1f} s and no slot held (KALOS_CONTROL_IDLE_S)")
+
+        try:
+            conn.settimeout(_CONTROL_POLL_S)
+            while not self._stopping.is_set():
+                try:
+                    message, blob = recv_frame(conn, max_bytes=max_bytes, on_wait=on_wait)
+                except ProtocolMismatch as exc:
+                    send_frame(conn, error_reply(exc), on_wait=on_wait)
+                    return  # the stream is out of step: drop the connection
+                op = message.get("op")
+                try:
+                    if op == "hello":
+                        if slot is not None:
+                            raise InvalidArgument("this connection already holds a slot")
+                        # The hello's fd exchange follows its frame at once: bounded by the stall time.
+                        conn.settimeout(max(stall_s, _CONTROL_POLL_S))
+                        try:
+                            slot = self._hello(conn, message)
+                        finally:
+                            conn.settimeout(_CONTROL_POLL_S)
+                        continue
+                    handler = self._handlers.get(op) if isinstance(op, str) else None
+                    if handler is None:
+                        raise InvalidArgument(f"unknown control operation {op!r}")
+                    reply, out_blob = handler(self, message, blob)
+                except (ConnectionClosed, ConnectionError, TimeoutError):
+                    # The client hung up mid-operation (it died, e.g. mid-hello), or stalled in
+                    # the hello's fd exchange: not a server error, so no traceback in the log;
+                    # the finally below frees what it held.
+                    raise
+                except KalosError as exc:
+                    reply, out_blob = error_reply(exc), b""
+                except Exception as exc:
+                    log.exception("control operation %r failed", op)
+                    reply, out_blob = error_reply(ServerError(f"{op} failed: {type(exc).__name__}: {exc}")), b""
+                send_frame(conn, reply, out_blob, on_wait=on_wait)
+        except TimeoutError as exc:
+            log.info("dropped a control connection: %s", exc)
+        except (ConnectionClosed, OSError):
+            pass
+        finally:
+            channel = self._sidecar.channel
+            if slot is not None and channel is not None:
+                self._polling.change_slots(lambda: channel.deactivate(slot))
+            self.connections.discard(conn)
+            conn.close()
+
+    def _hello(self, conn: socket.socket, message: dict[str, Any]) -> int | None:
+        # type() is int: True == 1 in Python, and "protocol": true is not a version (issue 19).
+        if type(message.get("protocol")) is not int or message.get("protocol") != PROTOCOL_VERSION:
+            raise ProtocolMismatch(
+                f"client speaks control protocol {message.get('protocol')!r}, this sidecar {PROTOCOL_VERSION}"
+            )
+        wake_fd = recv_fd(conn)
+        slot = self._polling.change_slots(lambda: self._sidecar.channel.take_slot(wake_fd))
+        if slot is not None:
+            self.cohort.forget(slot)  # a new client: quick until it shows otherwise
+        if slot is None:
+            os.close(wake_fd)
+            raise InvalidArgument(f"all {self.layout.n_slots} slots are in use; restart the sidecar with more --slots")
+        try:
+            send_frame(conn, ok_reply(
+                slot=slot, segment=self.endpoint.segment_name, epoch=self.epoch, dim=self.layout.dim,
+                max_k=self.layout.max_k, max_batch=self.layout.max_batch, n_slots=self.layout.n_slots,
+                client_spin_us=self.client_spin_us, max_message_bytes=settings().max_message_bytes,
+            ))
+            send_fd(conn, self._sidecar.channel.doorbell_fd)
+            send_fd(conn, self._sidecar.segment.fileno())  # the segment has no name: protocol 2
+        except BaseException:
+            # The client hung up before it learnt its slot (it died mid-hello). The caller never
+            # receives the slot number, so its cleanup cannot free it: free it here, or the slot
+            # leaks for the sidecar's lifetime (found by tests/reliability/test_client_death.py).
+            self._polling.change_slots(lambda: self._sidecar.channel.deactivate(slot))
+            raise
+        return slot
+
+    def _op_add(self, message: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        request_id = check_request_id(message.get("request_id"))
+        vectors, _ = blob_array(message.get("vectors"), blob)
+        if vectors.dtype != np.float32:
+            raise InvalidArgument(f"vectors must be float32, got {vectors.dtype}")
+        namespace = message.get("namespace", "default")
+        # The store's own checks (shape, dimension, NaN/inf, zero rows), before normalising.
+        unit = normalise_rows(check_vectors(vectors, self.store.dim).copy(), what="vector", error=InvalidArgument)
+        keys = message.get("keys")
+        if keys is not None:
+            keys = check_keys(keys, len(unit))  # duplicates in the call refused here: nothing written
+        ttl = check_ttl(message.get("ttl"), len(unit))
+        with self._write_lock:
+            if request_id is not None:
+                done = self.store.find_request(request_id)
+                if done is not None:
+                    # A retry of an add that committed but whose reply never arrived (the
+                    # connection broke; the sidecar was stopped or restarted meanwhile): the
+                    # ids of that add, not a second copy (issue 19).
+                    if len(done) != len(unit):
+                        raise InvalidArgument(
+                            f"request_id {request_id!r} was an add of {len(done)} rows; this add has {len(unit)}"
+                        )
+                    spec, out = array_blob(done, "int64")
+                    return ok_reply(ids=spec, repeated=True), out
+            # Room in the engine first: an allocation that fails (MemoryError, CUDA out of
+            # memory) then fails an add that stored nothing. After the commit it left rows that
+            # recall could not see, and a retry stored them twice (issue 19).
+            with self._state_lock:
+                self._polling.pause()
+                self.engine.reserve(len(unit))
+            # The sidecar's clock sets the expiry: the one its recalls, gets and lists compare with.
+            expires_at = None if ttl is None else time.time() + ttl
+            if keys is not None:
+                ids = self._upsert(unit, keys, namespace, message, request_id, expires_at)
+                spec, out = array_blob(ids, "int64")
+                return ok_reply(ids=spec), out
+            ids, namespace_id, created_at = self.store.add(
+                unit, namespace=namespace, texts=message.get("texts"), metadata=message.get("metadata"),
+                created_at=message.get("created_at"), request_id=request_id, expires_at=expires_at,
+            )
+            try:
+                with self._state_lock:
+                    self._polling.pause()
+                    self.engine.add(ids, unit, np.int32(namespace_id), created_at, message.get("metadata"))
+                    self._namespaces[namespace.encode()] = namespace_id
+                    self._expirer.note(ids, expires_at)
+            except BaseException as exc:
+                self._undo_add(ids, request_id, exc)
+                raise
+            self._wrote.set()
+        spec, out = array_blob(ids, "int64")
+        return ok_reply(ids=spec), out
+
+    def _upsert(self, unit: np.ndarray, keys: list[str], namespace: str, message: dict[str, Any],
+                request_id: str | None, expires_at: np.ndarray | None = None) -> np.ndarray:
+        """A keyed add (``_write_lock`` held, room reserved): the store's upsert commits, then the
+        engine swaps each replaced row for its new vector under one ``_state_lock`` hold, so no
+        recall (the sweep holds that lock while it searches) sees both versions or neither.
+        A replaced item keeps its id: its row is tombstoned and the id added again."""
+        ids, namespace_id, created_at, replaced = self.store.upsert(
+            unit, keys=keys, namespace=namespace, texts=message.get("texts"), metadata=message.get("metadata"),
+            created_at=message.get("created_at"), request_id=request_id, expires_at=expires_at,
+        )
+        try:
+            with self._state_lock:
+                self._polling.pause()
+                if replaced.any():
+                    self.engine.delete(ids[replaced])
+                self.engine.add(ids, unit, np.int32(namespace_id), created_at, message.get("metadata"))
+                self._namespaces[namespace.encode()] = namespace_id
+                # The call's expiry replaces the stored one (None: these rows never expire).
+                self._expirer.note(ids, expires_at)
+        except BaseException as exc:
+            if not replaced.any():
+                self._undo_add(ids, request_id, exc)  # only new rows: take them back, as an add does
+                raise
+            # The old versions are overwritten in the store and cannot be put back; the store
+            # holds exactly one (the new) version of each key, which a restart serves.
+            log.exception("upsert of %d rows committed but the engine failed", len(ids))
+            raise ServerError(
+                f"upsert committed ({len(ids)} rows) but the engine failed ({type(exc).__name__}: {exc}): "
+                "the new versions are stored and are served after the sidecar restarts"
+            ) from exc
+        self._wrote.set()
+        return ids
+
+    def _undo_add(self, ids: np.ndarray, request_id: str | None, exc: BaseException) -> None:
+        """Takes a committed add back out of the store after the engine refused it, so that the
+        error the client gets means what it says: nothing was stored (``_write_lock`` held)."""
+        try:
+            with self._state_lock:
+                # The engine may hold the rows' ids already (it failed writing their vectors):
+                # tombstone them, or recall could return what the store no longer has.
+                self._polling.pause()
+                self.engine.delete(ids)
+                self._expirer.schedule.forget(ids)
+            self.store.undo_add(ids, request_id)
+        except Exception:
+            log.exception("add of %d rows (ids %d-%d) committed, the engine failed (%s: %s), and taking it back "
+                          "failed too: the rows are stored but not served until a restart",
+                          len(ids), int(ids[0]), int(ids[-1]), type(exc).__name__, exc)
+            raise ServerError(
+                f"add failed after its commit ({type(exc).__name__}: {exc}) and could not be undone: its "
+                f"{len(ids)} rows (ids {int(ids[0])}-{int(ids[-1])}) are stored but not served until the sidecar restarts"
+            ) from exc
+        self._wrote.set()
+
+    def _op_delete(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        """Deletes by ``keys`` (in ``namespace``), by ``ids``, or by ``where`` (in ``namespace``,
+        None: every namespace; one store transaction, so a crash leaves all of them or none)."""
+        keys, where = message.get("keys"), message.get("where")
+        if sum(value is not None for value in (keys, message.get("ids"), where)) > 1:
+            raise InvalidArgument("delete: give keys, ids or where (exactly one)")
+        if keys is not None:
+            namespace = check_namespace(message.get("namespace", "default"))
+            delete = lambda: self.store.delete_keys(keys, namespace)  # noqa: E731
+        elif where is not None:
+            clause = compile_where(where)
+            namespace = _optional_namespace(message.get("namespace", "default"))
+            delete = lambda: self.store.delete_where(namespace=namespace, where=clause)  # noqa: E731
+        else:
+            ids = _int_list(message.get("ids"), "ids")
+            delete = lambda: self.store.delete(ids)  # noqa: E731
+        return ok_reply(deleted=len(self._delete_committed(delete))), b""
+
+    def _delete_committed(self, delete: Callable[[], np.ndarray]) -> np.ndarray:
+        """Runs a store delete, then tombstones what it deleted in the engine (``_write_lock``
+        keeps the two in the store's order); returns the ids deleted."""
+        with self._write_lock:
+            deleted = delete()
+            with self._state_lock:
+                self._polling.pause()
+                self.engine.delete(deleted)
+                self._expirer.schedule.forget(deleted)
+            self._wrote.set()
+        return deleted
+
+    def _op_drop_namespace(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        """Deletes every memory of one namespace (one transaction). The name stays registered
+        with its id, so no other namespace can ever take that id (an engine row or a follower's
+        map that still names it could then leak one namespace's memories into another's)."""
+        namespace = check_namespace(message.get("namespace"))
+        deleted = self._delete_committed(lambda: self.store.delete_where(namespace=namespace, where=None))
+        return ok_reply(deleted=len(deleted)), b""
+
+    def _op_list(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        """One page of items in id order after ``after``: ``items`` and ``next`` (the id to page
+        on from, None on the last page)."""
+        where = message.get("where")
+        items, after = self.store.list_items(
+            namespace=_optional_namespace(message.get("namespace")),
+            where=None if where is None else compile_where(where),
+            limit=message.get("limit", 100), after=message.get("after", 0),
+        )
+        size = sum(len(item.text or "") + len(json.dumps(item.metadata)) for item in items)
+        limit = settings().max_message_bytes
+        if size > limit:
+            raise InvalidArgument(f"list: the page would be too large: about {size} bytes > limit {limit} "
+                                  f"(KALOS_MAX_MESSAGE_BYTES); ask for a smaller limit")
+        return ok_reply(items=[dataclasses.asdict(item) for item in items], next=after), b""
+
+    def _op_count(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        where = message.get("where")
+        count = self.store.count_items(namespace=_optional_namespace(message.get("namespace")),
+                                       where=None if where is None else compile_where(where))
+        return ok_reply(count=count), b""
+
+    def _op_update(self, message: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        """Changes what the message carries of one memory (``text``, ``metadata``, a vector in the
+        blob; a field absent from the message is kept). A new vector replaces the engine's row
+        under one ``_state_lock`` hold, after the store's commit, as an upsert does: a recall
+        sees the old vector or the new, never both or neither."""
+        if ("key" in message) == ("id" in message):
+            raise InvalidArgument("update: the message names a key or an id (exactly one)")
+        item = message["key"] if "key" in message else message["id"]
+        vector: Any = UNSET
+        if message.get("vector") is not None:
+            vector, _ = blob_array(message["vector"], blob)
+            if vector.dtype != np.float32:
+                raise InvalidArgument(f"vector must be float32, got {vector.dtype}")
+        change = check_update(
+            item, self.store.dim, namespace=message.get("namespace", "default"),
+            text=message["text"] if "text" in message else UNSET,
+            metadata=message["metadata"] if "metadata" in message else UNSET,
+            vector=vector, merge=message.get("merge", False),
+        )
+        if change.vector is not None:
+            unit = normalise_rows(change.vector[None].copy(), what="vector", error=InvalidArgument)
+            change = dataclasses.replace(change, vector=unit[0])
+        with self._write_lock:
+            if change.vector is not None:
+                with self._state_lock:  # room first, as an add: an allocation failure stores nothing
+                    self._polling.pause()
+                    self.engine.reserve(1)
+            item_id, namespace_id, created_at = self.store.update(change)
+            indexed = None
+            if change.vector is not None or change.metadata is not UNSET:
+                # What where filters see from now on: the stored metadata (merged or replaced).
+                stored = self.store.get([item_id])[0]
+                indexed = [stored.metadata if stored is not None else None]
+                if change.vector is None:
+                    with self._state_lock:
+                        self._polling.pause()
+                        self.engine.set_metadata(np.array([item_id], dtype=np.int64), indexed)
+            if change.vector is not None:
+                try:
+                    with self._state_lock:
+                        self._polling.pause()
+                        ids = np.array([item_id], dtype=np.int64)
+                        self.engine.delete(ids)
+                        self.engine.add(ids, unit, np.int32(namespace_id), np.array([created_at]), indexed)
+                    if item_id in self.quarantined:  # a damaged vector replaced: served again
+                        self.quarantined.remove(item_id)
+                except BaseException as exc:
+                    log.exception("update of id %d committed but the engine failed", item_id)
+                    raise ServerError(
+                        f"update of id {item_id} committed but the engine failed ({type(exc).__name__}: {exc}): "
+                        "the new vector is stored and is served after the sidecar restarts"
+                    ) from exc
+            self._wrote.set()
+        return ok_reply(id=item_id), b""
+
+    def _op_get(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        keys = message.get("keys")
+        if keys is not None and message.get("ids") is not None:
+            raise InvalidArgument("get: the message names keys or ids (one of them), got both")
+        wanted = keys if keys is not None else _int_list(message.get("ids"), "ids")
+        if isinstance(wanted, list) and len(set(map(repr, wanted))) != len(wanted):
+            # Each repeat was a full copy in the reply: get([id] * 100) of a 1 MiB text cost the
+            # sidecar 108 MiB (issue 19). Client.get sends each id (key) once and repeats locally.
+            dup, times = collections.Counter(map(repr, wanted)).most_common(1)[0]
+            what = "key" if keys is not None else "id"
+            raise InvalidArgument(f"get: {what}s must be distinct; {what} {dup} appears {times} times")
+        if keys is not None:
+            items = self.store.get_keys(keys, check_namespace(message.get("namespace", "default")))
+        else:
+            items = self.store.get(wanted)
+        with_vectors = message.get("with_vectors", False)
+        if not isinstance(with_vectors, bool):
+            raise InvalidArgument(f"get: with_vectors must be true or false, got {with_vectors!r}")
+        size = sum(len(item.text or "") + len(json.dumps(item.metadata)) for item in items if item is not None)
+        if with_vectors:
+            size += 4 * self.store.dim * sum(item is not None for item in items)
+        limit = settings().max_message_bytes
+        if size > limit:
+            raise InvalidArgument(f"get: the reply would be too large: about {size} bytes > limit {limit} "
+                                  f"(KALOS_MAX_MESSAGE_BYTES); ask for fewer ids at a time")
+        if not with_vectors:
+            return ok_reply(items=[_item_fields(item) for item in items]), b""
+        found = [item.id for item in items if item is not None]
+        by_id = self.store.vectors(found) if found else {}
+        # An item deleted between the two reads is absent, not an item without its vector.
+        items = [item if item is not None and item.id in by_id else None for item in items]
+        present = [item.id for item in items if item is not None]
+        # One row per item present, in the order of the items.
+        matrix = np.zeros((len(present), self.store.dim), np.float32)
+        for row, item_id in enumerate(present):
+            matrix[row] = by_id[item_id]
+        spec, blob = array_blob(matrix, "float32")
+        return ok_reply(items=[_item_fields(item) for item in items],
+                        vectors=spec), blob
+
+    def _op_stats(self, _message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        with self._state_lock:
+            engine = {
+                "count": len(self.engine), "capacity": self.engine.capacity, "tombstones": self.engine.tombstones,
+                "device": self.engine.device, "engine": self.engine.name, "engine_bytes": self.engine.memory_bytes(),
+                "clients": int(self._sidecar.channel.active.sum()),
+                # Single recalls the GPU's polling answered by itself (not in "queries").
+                "gpu_polled": self._polling.server.served if self._polling.server is not None else 0,
+                # The engine's own counters (searches, fallbacks, graph captures and errors).
+                "engine_stats": {key: value for key, value in getattr(self.engine, "stats", {}).items()
+                                 if isinstance(value, (int, float, str))},
+                **self.cohort.stats(),
+            }
+        return ok_reply(
+            name=self._name, pid=os.getpid(), epoch=self.epoch, dim=self.store.dim,
+            store=str(self.store.path), store_bytes=self.store.size_bytes(),
+            namespaces=self.store.namespace_counts(), slots=self.layout.n_slots, max_k=self.layout.max_k,
+            max_batch=self.layout.max_batch, **engine, **self.metrics.snapshot(),
+            seed_compat=self._seed.stats if self._seed is not None else None,
+            quarantined=len(self.quarantined), quarantined_ids=self.quarantined[:100],
+        ), b""
+
+    def _op_compact(self, _message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        with self._write_lock, self._state_lock:
+            self._polling.pause()
+            before = self.engine.tombstones
+            self.engine.compact()
+        return ok_reply(removed=before), b""
+
+    def _op_where(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        """Registers a where clause (JSON text) for recalls: its handle, which a slot's request
+        carries (``where_handle`` with the HAS_WHERE flag), and its canonical form."""
+        text = message.get("where")
+        if not isinstance(text, str):
+            raise InvalidArgument(f"where: the clause travels as JSON text, got {type(text).__name__}")
+        where = Where.from_json(text)
+        handle = self._filters.register(where)
+        return ok_reply(handle=handle, key=where.key), b""
+
+    def _rows_where(self, namespace: str | None, where: Where | None) -> np.ndarray:
+        """Ids (int64, ascending) of the rows the engine serves in ``namespace`` (None: every
+        namespace) whose metadata passes ``where`` (None: all): the same index and cached mask
+        a filtered recall uses. Rows the engine does not serve (quarantined) are not counted."""
+        flt_where = None if where is None or where.is_trivial else where
+        with self._state_lock:
+            if namespace is not None:
+                ns = self._namespaces.get(namespace.encode())
+                if ns is None:
+                    return np.empty(0, np.int64)
+            else:
+                ns = None
+            ids = self.engine.ids_where(Filter(namespace=ns, where=flt_where))
+        return np.sort(ids)
+
+    def _op_embedder(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        """The sidecar's model (name, dim, runtime); ``"load": true`` waits until it is loaded."""
+        if message.get("load", False) is not False:
+            if message.get("load") is not True:
+                raise InvalidArgument(f"embedder: load must be true or false, got {message.get('load')!r}")
+            self.embedding.load()
+        info = self.embedding.info()
+        if info["dim"] != self.store.dim:
+            raise DimensionMismatch(
+                f"embedder {info['name']} makes {info['dim']}-dimensional vectors but sidecar {self._name!r} "
+                f"serves a store of dimension {self.store.dim}: serve a store created with --dim {info['dim']}, "
+                f"or pass Client(embedder=...) a model of dimension {self.store.dim}"
+            )
+        return ok_reply(**info), b""
+
+    def _op_embed(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        """Embeds ``texts`` with the sidecar's model (batched with other clients' pending texts)."""
+        from kalos.validation import check_embed_texts
+
+        texts = message.get("texts")
+        if not isinstance(texts, list) or not texts:
+            raise InvalidArgument(f"embed: texts must be a non-empty list of str, got {str(texts)[:80]}")
+        texts = check_embed_texts(texts)
+        self._op_embedder({}, _blob)  # the dimension check, before the (slow) load
+        vectors = self.embedding.embed(texts)
+        spec, blob = array_blob(vectors, "float32")
+        return ok_reply(vectors=spec), blob
+
+    _handlers: dict[str, Callable[["ControlServer", dict[str, Any], bytearray], tuple[dict[str, Any], bytes]]] = {
+        "embedder": _op_embedder,
+        "embed": _op_embed,
+        "add": _op_add,
+        "delete": _op_delete,
+        "get": _op_get,
+        "update": _op_update,
+        "list": _op_list,
+        "count": _op_count,
+        "drop_namespace": _op_drop_namespace,
+        "stats": _op_stats,
+        "compact": _op_compact,
+        "where": _op_where,
+    }
+
+
+def _optional_namespace(value: Any) -> str | None:
+    """A namespace name, or None for every namespace."""
+    return None if value is None else check_namespace(value)
+
+
+def _int_list(value: Any, label: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise InvalidArgument(f"{label} must be a list of integers")
+    if any(not -(2**63) <= v < 2**63 for v in value):
+        raise InvalidArgument(f"{label} must fit in int64")
+    return value
+
+
+def _item_fields(item: Any) -> dict[str, Any] | None:
+    """An Item of a get's reply as JSON fields; its vector travels in the blob, never here (a
+    client from before ``Item.vector`` builds ``Item(**fields)`` and knows no such field)."""
+    if item is None:
+        return None
+    fields = dataclasses.asdict(item)
+    fields.pop("vector", None)
+    return fields

@@ -1,0 +1,568 @@
+"""The recall loop: the sweep that finds every pending recall in the slots and answers it.
+
+This is the hot path, where tens of microseconds per pass matter, so it is kept apart from
+setup and from the control socket: one object whose collaborators (channel, engine, cohort,
+filter cache, expirer, GPU polling) are bound once as its attributes, so that a pass pays one
+attribute hop to reach any of them, and nothing here is decided per query that could be
+decided once. The filter cache lives here because the loop is what reads it on every request;
+the control operations only register where clauses into it.
+
+The loop runs in the thread that called ``Sidecar.serve_forever`` and holds the sidecar's
+``_state_lock`` for each pass (the writers take it to change the engine), never the channel's
+slot-table lock across a search.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import secrets
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from kalos.engine import Engine, Filter
+from kalos.errors import InvalidArgument, InvalidQuery, KalosError, ServerError, UnknownFilter
+from kalos.ipc.channel import SidecarChannel
+from kalos.ipc.protocol import Layout, Op, RequestFlag, SlotView
+from kalos.server.cohort import Cohort
+from kalos.server.expirer import Expirer
+from kalos.server.metrics import Metrics
+from kalos.server.slot_polling import SlotPolling
+from kalos.validation import check_namespace, row_scales
+from kalos.where import Where
+
+__all__ = ["FilterCache", "RecallLoop"]
+
+# The sidecar's one logger, whichever of its modules logs.
+log = logging.getLogger("kalos.server.sidecar")
+# Plain ints: IntFlag arithmetic costs microseconds, and these are tested on every request.
+_ALL_NAMESPACES = int(RequestFlag.ALL_NAMESPACES)
+_HAS_SINCE = int(RequestFlag.HAS_SINCE)
+_HAS_UNTIL = int(RequestFlag.HAS_UNTIL)
+_HAS_WHERE = int(RequestFlag.HAS_WHERE)
+_KNOWN_FLAGS = _ALL_NAMESPACES | _HAS_SINCE | _HAS_UNTIL | _HAS_WHERE
+# The flags a single recall may carry and still take the columns' path (_answer_singles).
+_SINGLE_FLAGS = _ALL_NAMESPACES | _HAS_WHERE
+# Registered where clauses a sidecar keeps (op "where"); the oldest registration goes first.
+_MAX_WHERE_HANDLES = 4096
+_RECALL = int(Op.RECALL)
+_PING = int(Op.PING)
+
+_NO_FILTER = Filter()
+# The filter of a namespace that never held a memory (issue 22): answered with no hits, without
+# a search. Compared by identity, and never cached, so that the namespace's first add (or a
+# follower's) is seen by the next recall.
+_NOTHING = Filter(namespace=-1)
+_NO_ROWS = np.empty((0, 0), np.float32)
+_NO_SCALES = np.empty(0, np.float64)
+
+#: What identifies a request's filter: (flags, namespace, since, until, where handle).
+FilterKey = tuple[int, bytes, float | None, float | None, int]
+
+
+class FilterCache:
+    """The engine filter of each request's words, validated once and then cached; and the where
+    clauses registered over the control socket (op "where"), which a request names by handle.
+
+    ``namespaces`` (name bytes -> id) is the sidecar's map, which its writers keep up to date.
+    """
+
+    def __init__(self, namespaces: dict[bytes, int]) -> None:
+        self.namespaces = namespaces
+        self.cached: dict[FilterKey, Filter] = {}
+        # Registered clauses: handle -> clause and canonical JSON -> handle, oldest first (the
+        # table is bounded: _MAX_WHERE_HANDLES). Handles are never reused and start at random,
+        # so a stale handle (evicted, or from before a restart) is refused as unknown, never
+        # read as another clause.
+        self.wheres: dict[int, Where] = {}
+        self._handles: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._next_handle = secrets.randbits(48) | 1
+        self._lock = threading.Lock()
+
+    def register(self, where: Where) -> int:
+        """The handle of ``where``: the one it already has, or a new one (the oldest
+        registration is evicted past ``_MAX_WHERE_HANDLES``)."""
+        with self._lock:
+            handle = self._handles.get(where.key)
+            if handle is not None:
+                self._handles.move_to_end(where.key)
+            else:
+                handle = self._next_handle
+                self._next_handle += 1
+                self.wheres[handle] = where
+                self._handles[where.key] = handle
+                while len(self._handles) > _MAX_WHERE_HANDLES:
+                    _key, old = self._handles.popitem(last=False)
+                    del self.wheres[old]
+        return handle
+
+    def filter_for(self, flags: int, namespace_bytes: bytes, since: float | None, until: float | None,
+                   where_handle: int = 0) -> Filter:
+        """The engine filter a request's words describe (validated, then cached)."""
+        where = None
+        if flags & _HAS_WHERE:
+            where = self.wheres.get(where_handle)
+            if where is None:
+                raise UnknownFilter(
+                    f"where handle {where_handle} is not registered with this sidecar (it restarted, or the "
+                    "handle was evicted): register the clause again"
+                )
+        namespace = None
+        if not flags & _ALL_NAMESPACES:
+            namespace = self.namespaces.get(namespace_bytes)
+            if namespace is None:
+                # A name no add ever used: a valid one holds nothing yet (a new user's first
+                # recall), so it is answered with no hits (issue 22); a malformed one is still
+                # the caller's error, named.
+                try:
+                    check_namespace(namespace_bytes.decode("utf-8"))
+                except UnicodeDecodeError:
+                    shown = namespace_bytes.decode("utf-8", "replace")
+                    raise InvalidQuery(f"namespace {shown!r} is not valid UTF-8") from None
+                except InvalidArgument as exc:  # too long, control characters: a bad query
+                    raise InvalidQuery(str(exc)) from None
+        for label, value in (("since", since), ("until", until)):
+            if value is not None and not np.isfinite(value):
+                raise InvalidQuery(f"{label} must be a finite time, got {value}")
+        if since is not None and until is not None and since >= until:
+            raise InvalidQuery(f"empty time range: since={since} is not before until={until}")
+        if not flags & _ALL_NAMESPACES and namespace is None:
+            return _NOTHING
+        if len(self.cached) >= 1024:  # clients sweeping time windows: keep the cache bounded
+            self.cached.clear()
+        flt = Filter(namespace, since, until, where)
+        self.cached[(flags, namespace_bytes, since, until, where_handle)] = flt
+        return flt
+
+
+class RecallLoop:
+    """Answers the recalls in the slots until the sidecar stops: :meth:`run`.
+
+    Each pass finds every pending request (one per client at most), answers them as one engine
+    pass per filter (single recalls are read from the slots' columns at once, so 64 waiting
+    agents cost one pass, not 64), and publishes the answers.
+    """
+
+    def __init__(self, *, engine: Engine, channel: SidecarChannel, layout: Layout, metrics: Metrics,
+                 cohort: Cohort, filters: FilterCache, polling: SlotPolling, expirer: Expirer,
+                 state_lock: threading.Lock, stopping: threading.Event, spin_us: float) -> None:
+        self.engine = engine
+        self.channel = channel
+        self.layout = layout
+        self.metrics = metrics
+        self.cohort = cohort
+        # Bound once: the pass reads them at one attribute's cost, as it read them off the sidecar.
+        self._filters = filters.cached
+        self._filter_for = filters.filter_for
+        self._namespaces = filters.namespaces
+        self._polling = polling
+        self._expire_due = expirer.expire_due
+        self._expiry_near = expirer.near
+        self._state_lock = state_lock
+        self._stopping = stopping
+        self._spin_s = spin_us / 1e6
+        self.zero_copy = False  # the engine reads the queries in the slots: attach()
+
+    # -- zero copy -----------------------------------------------------------------------
+
+    def attach(self, buffer: Any) -> bool:
+        """Lets a GPU engine read the queries in the slots of ``buffer`` (the segment) and write
+        the answers into them; whether it does now."""
+        if not self.engine.supports_attached_host:
+            return False
+        try:
+            self.engine.attach_host(buffer)
+        except Exception as exc:  # noqa: BLE001 - serving through host copies still works
+            log.warning("zero-copy off: the GPU engine could not attach the shared segment (%s)", exc)
+            return False
+        layout = self.layout
+        base = np.array([layout.slot_offset(s) for s in range(layout.n_slots)], np.int64)
+        # Element offsets (float32 queries and scores, int64 ids) of each slot's row 0.
+        self._query_at = (base + layout.queries_offset) // 4
+        self._ids_at = (base + layout.ids_offset) // 8
+        self._scores_at = (base + layout.scores_offset) // 4
+        self.zero_copy = True
+        return True
+
+    def detach(self) -> None:
+        """Unpins the segment (``_state_lock`` held, the GPU's polling stopped), before it is unmapped."""
+        if self.zero_copy:
+            self.engine.detach_host()
+            self.zero_copy = False
+
+    def warm(self) -> None:
+        """Runs one pass of every size a crowd of single recalls can form (1, 2, 4, ... up to the
+        slot count), with and without a filter, before the first client connects: the GPU
+        engine compiles and captures each kind of pass on first use, which takes seconds that
+        would otherwise stall every waiting client (and the heartbeat) in the middle of a crowd."""
+        if not len(self.engine):
+            return  # nothing to scan yet: the first passes compile on first use
+        layout = self.layout
+        rng = np.random.default_rng(0)
+        queries = rng.standard_normal((layout.n_slots, layout.dim)).astype(np.float32)
+        self.channel.columns.query_row0[:] = queries
+        k = min(8, layout.max_k)
+        sizes, q = [], 1
+        while q <= layout.n_slots:
+            sizes.append(q)
+            q *= 2
+        if sizes[-1] < layout.n_slots:
+            sizes.append(layout.n_slots)
+        for flt in (_NO_FILTER, Filter(since=-1e300)):
+            for q in sizes:
+                scales = 1.0 / np.linalg.norm(queries[:1].astype(np.float64), axis=1) if q == 1 else None
+                self.engine.search_attached(self._query_at[:q], scales, self._ids_at[:q], self._scores_at[:q], k, flt)
+            self.channel.stamp_heartbeat()
+        self.channel.columns.query_row0[:] = 0
+
+    # -- the sweep -----------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Sweeps the slots in this thread until the sidecar stops."""
+        channel = self.channel
+        streams = self.engine.supports_streams
+        if streams:
+            self.engine.bind_stream()  # this thread's GPU work all goes to the engine's stream
+        try:
+            self._sweep_until_stopped(channel)
+        finally:
+            if streams:
+                self.engine.unbind_stream()
+
+    def _sweep_until_stopped(self, channel: SidecarChannel) -> None:
+        spin_s = self._spin_s
+        cohort = self.cohort
+        polling = self._polling
+        clock = time.perf_counter
+        last_work = clock()
+        while not self._stopping.is_set():
+            with self._state_lock:
+                server = polling.server
+                # While the GPU polls, it answers single recalls itself; the sweep takes what it
+                # hands over, and wakes the clients of its answers that slept.
+                serving = server is not None and polling.running(server)
+                if serving and self._expiry_near():  # (the kernel would serve a row past its expiry)
+                    polling.pause()
+                    serving = False
+                slots, seqs = channel.pending(server.handed if serving else None)
+                if len(slots) and not serving:
+                    slots, seqs = cohort.gather(slots, seqs, channel.pending, channel.requested, channel.active)
+                if len(slots):
+                    self._answer(slots, seqs, channel.pending_generations)
+                    cohort.answered(slots)
+                if serving:
+                    channel.wake_answered()
+                elif polling.server is not None and len(slots) and not self._expiry_near():
+                    polling.start(polling.server, self._namespaces)
+            if len(slots) or serving:
+                last_work = clock()
+            elif clock() - last_work < spin_s:
+                # Hot: keep sweeping, but hand the GIL to a waiting control thread at once
+                # instead of after the interpreter's 5 ms switch interval. sched_yield, not
+                # time.sleep(0): a timed sleep may be stretched by the kernel's timer slack.
+                os.sched_yield()
+            else:
+                channel.sleep(timeout_s=0.5)
+                last_work = clock() - spin_s  # spin again only once a request has arrived
+
+    def search_all(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Search over every namespace (the seed-compat protocol has no filters)."""
+        with self._state_lock:
+            self._expire_due()
+            return self.engine.search(queries, k, Filter())
+
+    # -- answering -----------------------------------------------------------------------
+
+    def _answer(self, slots: np.ndarray, seqs: np.ndarray, generations: np.ndarray | None = None) -> None:
+        """Answers the requests in ``slots`` (all of them, errors included), then publishes.
+
+        Single recalls (one query, all namespaces or one, no time window: what an agent sends)
+        are read from the slots' columns in a few NumPy calls and searched as one batch per
+        namespace, so a pass costs about the same whether 1 or 64 clients are waiting. Anything
+        else (batches, time windows, pings, malformed requests) is read slot by slot.
+        """
+        self._expire_due()
+        started = time.perf_counter()
+        if len(slots) == 1:  # one client: scalar reads cost less than the columns' NumPy calls
+            n_queries = self._answer_each(slots)
+        else:
+            columns = self.channel.columns
+            ks = columns.k[slots]
+            flags = columns.flags[slots]
+            single = (columns.op[slots] == _RECALL) & (columns.n_queries[slots] == 1)
+            single &= (ks >= 1) & (ks <= self.layout.max_k) & ((flags | _SINGLE_FLAGS) == _SINGLE_FLAGS)
+            n_queries = self._answer_singles(slots[single], ks[single], flags[single]) if single.any() else 0
+            if not single.all():
+                n_queries += self._answer_each(slots[~single])
+        self.channel.publish(slots, seqs, generations)
+        if n_queries:
+            self.metrics.record(n_queries, time.perf_counter() - started)
+
+    def _answer_singles(self, slots: np.ndarray, ks: np.ndarray, flags: np.ndarray, handle: int | None = None) -> int:
+        """Single recalls grouped by where clause (``handle``: the one of these slots) and
+        namespace, one engine pass per group; returns how many."""
+        columns = self.channel.columns
+        if handle is None:
+            with_where = (flags & _HAS_WHERE) != 0
+            if with_where.any():  # one group per where handle, each grouped by namespace below
+                answered = 0
+                where_at = np.flatnonzero(with_where)
+                handles = columns.where_handle[slots[where_at]]
+                for h in np.unique(handles).tolist():
+                    sub = where_at[handles == h]
+                    answered += self._answer_singles(slots[sub], ks[sub], flags[sub], int(h))
+                if not with_where.all():
+                    plain = ~with_where
+                    answered += self._answer_singles(slots[plain], ks[plain], flags[plain])
+                return answered
+        wflags, wkey = (0, 0) if handle is None else (_HAS_WHERE, handle)
+        everywhere = (flags & _ALL_NAMESPACES) != 0
+        groups: list[tuple[np.ndarray, np.ndarray, Filter]] = []
+        answered = 0
+        if everywhere.any():
+            if handle is None:
+                groups.append((slots[everywhere], ks[everywhere], _NO_FILTER))
+            else:
+                key = (_ALL_NAMESPACES | _HAS_WHERE, b"", None, None, handle)
+                try:
+                    groups.append((slots[everywhere], ks[everywhere], self._filters.get(key) or self._filter_for(*key)))
+                except KalosError as exc:
+                    for index in slots[everywhere].tolist():
+                        self._answer_error(self.channel.slots[index], exc)
+        named, named_ks = slots[~everywhere], ks[~everywhere]
+        if len(named):
+            names = columns.namespace[named]  # bytes, trailing NULs dropped
+            odd = columns.namespace_len[named] != np.char.str_len(names)
+            if odd.any():  # a length word that disagrees with the bytes: read as the slot says
+                answered += self._answer_each(named[odd])
+                named, named_ks, names = named[~odd], named_ks[~odd], names[~odd]
+            if (names == names[0]).all():  # the usual crowd: one namespace, no sort needed
+                unique, inverse = names[:1], np.zeros(len(names), dtype=np.intp)
+            else:
+                unique, inverse = np.unique(names, return_inverse=True)
+            for group, name in enumerate(unique.tolist()):
+                members = inverse == group
+                flt = self._filters.get((wflags, name, None, None, wkey))
+                if flt is None:
+                    try:
+                        flt = self._filter_for(wflags, name, None, None, wkey)
+                    except KalosError as exc:
+                        for index in named[members].tolist():
+                            self._answer_error(self.channel.slots[index], exc)
+                        continue
+                if flt is _NOTHING:
+                    answered += self._answer_nothing(named[members], named_ks[members])
+                    continue
+                groups.append((named[members], named_ks[members], flt))
+        for members, member_ks, flt in groups:
+            try:
+                members, member_ks = self._search_singles(members, member_ks, flt)
+            except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
+                log.exception("engine search failed")
+                for index in members.tolist():
+                    self._answer_error(self.channel.slots[index], ServerError(f"search failed: {type(exc).__name__}: {exc}"))
+                continue
+            columns.n_results[members] = member_ks
+            columns.status[members] = 0
+            answered += len(members)
+        return answered
+
+    def _answer_nothing(self, slots: np.ndarray, ks: np.ndarray) -> int:
+        """Answers single recalls in a namespace that holds nothing: no search, every one of the
+        k results padding (id -1, score -inf), as for a filter that no row passes."""
+        columns = self.channel.columns
+        columns.ids_row0[slots] = -1
+        columns.scores_row0[slots] = -np.inf
+        columns.n_results[slots] = ks
+        columns.status[slots] = 0
+        return len(slots)
+
+    def _search_singles(self, slots: np.ndarray, ks: np.ndarray, flt: Filter) -> tuple[np.ndarray, np.ndarray]:
+        """One pass over the rows for the single queries in ``slots``; the answers go into the
+        slots. Returns the slots answered and their k (the rest got an error: no direction)."""
+        columns = self.channel.columns
+        k_max = int(ks.max())
+        if self.zero_copy and len(slots) > 1:
+            # The GPU reads each query from its slot, normalises it and writes the answer back.
+            scales = self.engine.search_attached(
+                self._query_at[slots], None, self._ids_at[slots], self._scores_at[slots], k_max, flt
+            )
+            usable = np.isfinite(scales) & (scales > 0)
+            if not usable.all():
+                self._refuse_queries(slots[~usable], columns.query_row0[slots[~usable]])
+                return slots[usable], ks[usable]
+            return slots, ks
+        rows = columns.query_row0[slots]  # a copy: what the clients wrote, read once
+        with np.errstate(over="ignore", invalid="ignore"):
+            squared = np.einsum("ij,ij->i", rows, rows, dtype=np.float64)
+        usable = np.isfinite(squared) & (squared > 0)
+        if not usable.all():
+            self._refuse_queries(slots[~usable], rows[~usable])
+            slots, ks, rows, squared = slots[usable], ks[usable], rows[usable], squared[usable]
+            if not len(slots):
+                return slots, ks
+        scales = 1.0 / np.sqrt(squared)  # float64, as row_scales: the same unit row alone or batched
+        if self.zero_copy:  # one query: its scale from here, the rows straight from its slot
+            slot = int(slots[0])
+            self.engine.search_attached(
+                self._query_at[slot : slot + 1], scales, self._ids_at[slot : slot + 1],
+                self._scores_at[slot : slot + 1], k_max, flt,
+            )
+            return slots, ks
+        ids, scores = self.engine.search((rows * scales[:, None]).astype(np.float32), k_max, flt)
+        columns.ids_row0[slots, :k_max] = ids
+        columns.scores_row0[slots, :k_max] = scores
+        return slots, ks
+
+    def _refuse_queries(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        """Answers each of ``slots`` with the reason its query has no direction."""
+        for index, row in zip(slots.tolist(), rows):
+            reason = "contains NaN or infinity" if not np.all(np.isfinite(row)) else "is all zeros"
+            self._answer_error(self.channel.slots[index],
+                               InvalidQuery(f"query 0 {reason}; it has no direction to compare by cosine"))
+
+    def _answer_each(self, slots: np.ndarray) -> int:
+        """Requests read slot by slot (batches, time windows, pings, bad words), grouped by
+        filter; returns the queries answered."""
+        groups: dict[Filter, list[tuple[SlotView, int, np.ndarray, np.ndarray]]] = {}
+        n_queries = 0
+        for index in slots.tolist():
+            view = self.channel.slots[index]
+            try:
+                op, k, flt, rows, scales = self._read_request(view)
+            except KalosError as exc:
+                self._answer_error(view, exc)
+                continue
+            except Exception as exc:  # whatever a slot holds must not take the sweep down
+                log.exception("unexpected failure reading slot %d", index)
+                self._answer_error(view, ServerError(f"could not read the request: {type(exc).__name__}: {exc}"))
+                continue
+            if op == _PING:
+                view.status[0] = 0
+                view.n_results[0] = 0
+                continue
+            if flt is _NOTHING:  # a namespace that holds nothing: every query 0 hits, no search
+                view.ids[: len(rows), :k] = -1  # recall_many returns these as its padding rows
+                view.scores[: len(rows), :k] = -np.inf
+                view.n_results[0] = k  # k results, all padding: as for a filter no row passes
+                view.status[0] = 0
+                n_queries += len(rows)
+                continue
+            groups.setdefault(flt, []).append((view, k, rows, scales))
+            n_queries += len(rows)
+        for flt, members in groups.items():
+            k_max = max(member[1] for member in members)
+            try:
+                if self.zero_copy:
+                    members = self._search_in_place(members, k_max, flt)
+                else:
+                    self._search_copied(members, k_max, flt)
+            except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
+                log.exception("engine search failed")
+                for view, *_ in members:
+                    self._answer_error(view, ServerError(f"search failed: {type(exc).__name__}: {exc}"))
+                continue
+            for view, k, _rows, _scales in members:
+                view.n_results[0] = k
+                view.status[0] = 0
+        return n_queries
+
+    def _search_copied(self, members: list, k_max: int, flt: Filter) -> None:
+        """Normalised copies of the queries to the engine; its answers copied into the slots."""
+        if len(members) == 1:
+            _view, _k, rows, scales = members[0]
+            batch = rows * scales[:, None]
+        else:
+            batch = np.concatenate([rows * scales[:, None] for _v, _k, rows, scales in members])
+        batch = batch.astype(np.float32, copy=False)
+        ids, scores = self.engine.search(batch, k_max, flt)
+        row = 0
+        for view, k, rows, _scales in members:
+            n = len(rows)
+            view.ids[:n, :k] = ids[row : row + n, :k]
+            view.scores[:n, :k] = scores[row : row + n, :k]
+            row += n
+
+    def _search_in_place(self, members: list, k_max: int, flt: Filter) -> list:
+        """The GPU engine reads each query from its slot and writes the answer into it.
+        Returns the members answered; the others got their error (a query with no direction)."""
+        dim, max_k = self.layout.dim, self.layout.max_k
+        if len(members) == 1 and len(members[0][2]) == 1:
+            # The common single recall: slices of the per-slot offsets, no arange/concatenate
+            # (a few microseconds of NumPy calls on the hot path).
+            slot = members[0][0].index
+            self.engine.search_attached(
+                self._query_at[slot : slot + 1], members[0][3], self._ids_at[slot : slot + 1],
+                self._scores_at[slot : slot + 1], k_max, flt,
+            )
+            return members
+        query_at, ids_at, scores_at = [], [], []
+        for view, _k, rows, _scales in members:
+            r = np.arange(len(rows), dtype=np.int64)
+            query_at.append(self._query_at[view.index] + r * dim)
+            ids_at.append(self._ids_at[view.index] + r * max_k)
+            scores_at.append(self._scores_at[view.index] + r * max_k)
+        # Batches are normalised on the device (_read_request left their scales out): on the
+        # host, the float64 pass over every query took 31% of this thread at batch 256 (py-spy).
+        scales = self.engine.search_attached(
+            np.concatenate(query_at), None, np.concatenate(ids_at), np.concatenate(scores_at), k_max, flt
+        )
+        usable = np.isfinite(scales) & (scales > 0)
+        if usable.all():
+            return members
+        answered, row = [], 0
+        for member in members:
+            view, _k, rows, _scales = member
+            row += len(rows)
+            if usable[row - len(rows) : row].all():
+                answered.append(member)
+                continue
+            try:
+                row_scales(rows, what="query", error=InvalidQuery)  # names the row and the reason
+            except InvalidQuery as exc:
+                self._answer_error(view, exc)
+            else:  # (both sum the squares in float64: they agree unless a bug makes them differ)
+                self._answer_error(view, InvalidQuery("a query has no direction to compare by cosine"))
+        return answered
+
+    def _answer_error(self, view: SlotView, exc: KalosError) -> None:
+        self.metrics.record_error()
+        view.n_results[0] = 0
+        view.write_message(str(exc))
+        view.status[0] = int(exc.code)
+
+    def _read_request(self, view: SlotView) -> tuple[int, int, Filter, np.ndarray, np.ndarray]:
+        """Validates one slot's request: ``(op, k, filter, query rows, their scales)``.
+
+        The rows are the slot's own memory, not a copy (the client waits, untouching, until
+        the answer is published; one that rewrites its slot meanwhile can only spoil its own
+        answer, since the offsets are the sidecar's); ``scales`` (float64) normalise them, or
+        are left empty for a batch that the GPU engine normalises itself (zero-copy).
+        """
+        layout = self.layout
+        op = int(view.op[0])
+        if op == _PING:
+            return op, 0, _NO_FILTER, _NO_ROWS, _NO_SCALES
+        if op != _RECALL:
+            raise InvalidQuery(f"unknown operation code {op}")
+        n, k, flags = int(view.n_queries[0]), int(view.k[0]), int(view.flags[0])
+        if not 1 <= n <= layout.max_batch:
+            raise InvalidQuery(f"batch of {n} queries: a request carries 1 to {layout.max_batch}")
+        if not 1 <= k <= layout.max_k:
+            raise InvalidQuery(f"k={k} is out of range: 1 <= k <= {layout.max_k}")
+        if flags & ~_KNOWN_FLAGS:
+            raise InvalidQuery(f"unknown request flags {flags & ~_KNOWN_FLAGS:#x}")
+        key = (flags, view.read_namespace() if not flags & _ALL_NAMESPACES else b"",
+               float(view.since[0]) if flags & _HAS_SINCE else None,
+               float(view.until[0]) if flags & _HAS_UNTIL else None,
+               int(view.where_handle[0]) if flags & _HAS_WHERE else 0)
+        flt = self._filters.get(key)
+        if flt is None:
+            flt = self._filter_for(*key)
+        rows = view.queries[:n]
+        if n > 1 and self.zero_copy:
+            return op, k, flt, rows, _NO_SCALES  # the GPU engine normalises batches (_search_in_place)
+        return op, k, flt, rows, row_scales(rows, what="query", error=InvalidQuery)

@@ -1,0 +1,98 @@
+"""The GPU's polling of the slots (``--gpu-polling``), as the rest of the sidecar sees it.
+
+The polling kernel (kalos.engine.gpu.slot_server) answers single recalls by itself and knows
+nothing of writes, expiries or slots that change hands. So every part of the sidecar that
+changes the engine or the slot table (the control operations, the expirer, the lifecycle)
+stops it first, and the recall loop starts it again on the next request. They share one
+:class:`SlotPolling`: one place says how the kernel is stopped, started and given up after a
+fault, and none of them needs to know the others.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+from kalos.ipc.channel import SidecarChannel
+
+__all__ = ["SlotPolling"]
+
+# The sidecar's one logger, whichever of its modules logs.
+log = logging.getLogger("kalos.server.sidecar")
+
+
+class SlotPolling:
+    """The polling kernel of one sidecar, shared by everything that must stop it.
+
+    ``server`` is the kernel (a SlotGraphServer), or None: no GPU polling here, or a fault
+    turned it off for good. Every method but :meth:`change_slots` expects the sidecar's
+    ``_state_lock`` held; :meth:`change_slots` takes it.
+    """
+
+    def __init__(self, state_lock: threading.Lock) -> None:
+        self.server: Any = None
+        self.channel: SidecarChannel | None = None  # whose answers a pause wakes (set with the server)
+        self._state_lock = state_lock
+
+    def install(self, server: Any, channel: SidecarChannel) -> None:
+        """Starts using ``server`` (warmed up, its answered words adopted by ``channel``)."""
+        self.server = server
+        self.channel = channel
+
+    def pause(self) -> None:
+        """Stops the GPU's polling before the engine or the slots change; the sweep starts it
+        again on the next request."""
+        server = self.server
+        if server is None:
+            return
+        try:
+            server.stop()
+        except Exception:  # a kernel fault: keep serving through the sweep alone
+            self.failed("failed")
+        channel = self.channel
+        if channel is not None:
+            channel.wake_answered()  # its last answers' clients may be asleep
+
+    def close(self) -> None:
+        """Stops the polling for good (before the segment it reads is unpinned)."""
+        self.pause()
+        self.server = None
+
+    def failed(self, what: str) -> None:
+        """Turns GPU polling off for good after a fault; the sweep serves every request."""
+        log.exception("the GPU slot server %s; recalls go through the sweep from now on", what)
+        self.server = None
+
+    def running(self, server: Any) -> bool:
+        try:
+            return server.running()
+        except Exception:  # a kernel fault, or programs that could not all be resident
+            self.failed("failed")
+            return False
+
+    def start(self, server: Any, namespaces: dict[bytes, int]) -> None:
+        """Launches the resident kernel once traffic has arrived; it exits by itself after the
+        sidecar's spin window without a request."""
+        channel = self.channel
+        try:
+            channel.wake_answered()  # answers of its previous run, seen before it exited
+            server.set_namespaces(namespaces)
+            server.start(channel.active)
+        except Exception:
+            self.failed("failed to start")
+
+    def change_slots(self, change: Callable[[], Any]) -> Any:
+        """Runs a change of the slot table. Without GPU polling it takes the channel's lock alone
+        (microseconds, never a search). The polling kernel watches the slots in use at its
+        launch and writes answers into them by itself: it is stopped first, so a slot never
+        changes hands under it (the next request starts it again)."""
+        if self.server is None:
+            return change()
+        with self._state_lock:
+            self.pause()
+            result = change()
+            server = self.server
+            if server is not None:
+                for slot in range(self.channel.layout.n_slots):
+                    server.forget(slot)
+            return result
