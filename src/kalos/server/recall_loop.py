@@ -243,7 +243,7 @@ class RecallLoop:
                 server = polling.server
                 # While the GPU polls, it answers single recalls itself; the sweep takes what it
                 # hands over, and wakes the clients of its answers that slept.
-                serving = server is not None and polling.running(server)
+                serving = polling.running()
                 if serving and self._expiry_near():  # (the kernel would serve a row past its expiry)
                     polling.pause()
                     serving = False
@@ -256,7 +256,7 @@ class RecallLoop:
                 if serving:
                     channel.wake_answered()
                 elif polling.server is not None and len(slots) and not self._expiry_near():
-                    polling.start(polling.server, self._namespaces)
+                    polling.start(self._namespaces)
             if len(slots) or serving:
                 last_work = clock()
             elif clock() - last_work < spin_s:

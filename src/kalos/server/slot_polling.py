@@ -63,17 +63,23 @@ class SlotPolling:
         log.exception("the GPU slot server %s; recalls go through the sweep from now on", what)
         self.server = None
 
-    def running(self, server: Any) -> bool:
+    def running(self) -> bool:
+        """Whether the kernel is polling now (False without one, or after a fault)."""
+        server = self.server
+        if server is None:
+            return False
         try:
             return server.running()
         except Exception:  # a kernel fault, or programs that could not all be resident
             self.failed("failed")
             return False
 
-    def start(self, server: Any, namespaces: dict[bytes, int]) -> None:
+    def start(self, namespaces: dict[bytes, int]) -> None:
         """Launches the resident kernel once traffic has arrived; it exits by itself after the
         sidecar's spin window without a request."""
-        channel = self.channel
+        server, channel = self.server, self.channel
+        if server is None:
+            return
         try:
             channel.wake_answered()  # answers of its previous run, seen before it exited
             server.set_namespaces(namespaces)
