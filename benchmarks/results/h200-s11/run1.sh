@@ -1,6 +1,8 @@
 #!/bin/bash
 # (run from .snap/run1.sh on the device: the repo root is one folder up)
 # Session 11 run 1: the sidecar split (890ff4e + review 5f23ad6, = HEAD) beside the commit before it (5095d55), one run, alternated.
+# Needs .snap/trees/pre/src: mkdir -p .snap/trees/pre && git archive 5095d55 src | tar -x -C .snap/trees/pre.
+# Its $OUT files are kept here as run1-<name> (head.txt -> run1-head.txt).
 cd "$(dirname "$0")/.."
 ext=$(python3-config --extension-suffix); inc=$(python3-config --includes)
 for t in src .snap/trees/pre/src; do gcc -O2 -shared -fPIC $inc $t/kalos/ipc/_fence.c -o $t/kalos/ipc/_fence$ext || exit 1; done
