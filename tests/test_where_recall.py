@@ -672,3 +672,88 @@ def test_where_on_a_postgres_store_loads_and_follows_metadata(pg_url, sidecars, 
             a.update(int(added[0]), metadata={"user_id": "moved"})
             wait_until(lambda: answer(b, {"user_id": "moved"}) == [int(added[0])], "B to index A's update")
             assert answer(b, {"user_id": "late"}) == sorted(added[1:].tolist())
+
+
+def test_a_crowd_of_one_kind_of_recall_is_answered_as_one_group_and_odd_slots_fall_back(runtime_dir, rng):
+    """The sweep's shortcut for a crowd whose slots all hold the same kind of single recall
+    (RecallLoop._answer_uniform): it answers them as one group when op, k, flags, where handle
+    and namespace agree, and leaves any pass where one slot differs (or a length word disagrees
+    with its bytes) to the general path; every answer matches the float64 reference either way."""
+    directory = short_tempdir("wsu")
+    sidecar = Sidecar(SidecarConfig(store=os.path.join(directory, "s.db"), name=unique_name("wsu"), dim=SIDECAR_DIM,
+                                    device="cpu", slots=8))
+    try:
+        n = 300
+        vectors = as_unit_rows(rng.standard_normal((n, SIDECAR_DIM)))
+        metas = random_metadata(rng, n)
+        namespaces = ["a" if i % 3 else "b" for i in range(n)]
+        ids = {}
+        for ns in ("a", "b"):
+            rows = [i for i in range(n) if namespaces[i] == ns]
+            spec, blob = array_blob(vectors[rows], "float32")
+            _reply, out = sidecar._control._op_add(
+                {"vectors": spec, "namespace": ns, "metadata": [metas[i] for i in rows]}, bytearray(blob))
+            ids.update(zip(np.frombuffer(out, np.int64).tolist(), rows))
+        clause = {"year": {"$lt": 2010}}
+        handle = sidecar._control._op_where({"where": json.dumps(clause)}, bytearray())[0]["handle"]
+        loop, channel = sidecar._recall_loop, sidecar.channel
+        mixed_passes = []
+        general = loop._answer_mixed
+        loop._answer_mixed = lambda slots: mixed_passes.append(len(slots)) or general(slots)
+        all_ids = np.array(sorted(ids), dtype=np.int64)
+        all_vectors = vectors[[ids[i] for i in all_ids.tolist()]]
+        n_slots = sidecar.layout.n_slots
+
+        def answer(requests: list[dict]) -> list:
+            """Writes one single recall per slot (namespace None: every namespace), runs one pass."""
+            queries = as_unit_rows(rng.standard_normal((len(requests), SIDECAR_DIM)))
+            for slot, request in enumerate(requests):
+                view = channel.slots[slot]
+                ns = request.get("namespace", "a")
+                flags = int(RequestFlag.ALL_NAMESPACES) if ns is None else 0
+                if request.get("where") is not None:
+                    flags |= int(RequestFlag.HAS_WHERE)
+                    view.where_handle[0] = request["where"]
+                view.op[0], view.k[0], view.n_queries[0], view.flags[0] = 1, request.get("k", 5), 1, flags
+                raw = request.get("raw", (ns or "").encode())
+                view.namespace[0], view.namespace_len[0] = raw, request.get("length", len((ns or "").encode()))
+                view.queries[0] = queries[slot]
+            loop._answer(np.arange(len(requests)), np.ones(len(requests), np.uint64))
+            return [(channel.slots[s], queries[s : s + 1]) for s in range(len(requests))]
+
+        def check(requests: list[dict], results: list) -> None:
+            for slot, (request, (view, query)) in enumerate(zip(requests, results)):
+                assert int(view.status[0]) == 0, (slot, view.read_message())
+                k, ns, w = request.get("k", 5), request.get("namespace", "a"), request.get("where")
+                where = None if w is None else compile_where(clause)
+                eligible = np.array([(ns is None or namespaces[ids[i]] == ns) and (where is None or where.matches(metas[ids[i]]))
+                                     for i in all_ids.tolist()])
+                assert int(view.n_results[0]) == k
+                assert_topk_matches(view.ids[:1, :k], view.scores[:1, :k], all_ids, all_vectors, query, k, eligible,
+                                    context=f"slot {slot}: {request}")
+
+        for uniform in ({}, {"namespace": "b", "k": 7}, {"namespace": None}, {"where": handle},
+                        {"namespace": None, "where": handle}):
+            requests = [dict(uniform) for _ in range(n_slots)]
+            check(requests, answer(requests))
+            assert not mixed_passes, f"{uniform}: a crowd of one kind took the general path"
+        # One slot apart (its k, its namespace, a tail of bytes past its length word, a length
+        # word that disagrees with the bytes of every slot): the general path, still right.
+        for odd in ({"k": 3}, {"namespace": "b"}, {"raw": b"a\0tail", "length": 1}, {"namespace": None}):
+            requests = [{} for _ in range(n_slots - 1)] + [odd]
+            check(requests, answer(requests))
+            assert mixed_passes.pop() == n_slots, odd
+        requests = [{"raw": b"a\0tail", "length": 1} for _ in range(n_slots)]
+        check(requests, answer(requests))
+        assert mixed_passes.pop() == n_slots
+        # A namespace nothing was added to: every answer k padding rows, no search.
+        for view, _query in answer([{"namespace": "never-used"} for _ in range(n_slots)]):
+            assert int(view.status[0]) == 0 and int(view.n_results[0]) == 5
+            assert view.ids[0, :5].tolist() == [-1] * 5 and np.isneginf(view.scores[0, :5]).all()
+        # An unknown where handle, or a k out of range, in every slot: each slot gets the error.
+        for bad, code in (({"where": 12345}, ErrorCode.UNKNOWN_FILTER), ({"k": 0}, ErrorCode.INVALID_QUERY)):
+            for view, _query in answer([dict(bad) for _ in range(n_slots)]):
+                assert int(view.status[0]) == code, view.read_message()
+        assert not mixed_passes or mixed_passes == [n_slots]  # (k=0 is not a single recall: the general path)
+    finally:
+        sidecar.close()

@@ -107,6 +107,10 @@ REQUEST_DTYPE = np.dtype(
     }
 )
 
+#: The request words that say what kind of request a slot holds, in their order in memory
+#: (``SlotColumns.kind``).
+REQUEST_KIND_FIELDS = ("op", "k", "n_queries", "flags")
+
 RESPONSE_DTYPE = np.dtype(
     {
         "names": ["resp_seq", "status", "n_results", "message_len", "message"],
@@ -358,3 +362,12 @@ class SlotColumns:
         self.query_row0 = rows(np.float32, layout.queries_offset, layout.dim)
         self.ids_row0 = rows(np.int64, layout.ids_offset, layout.max_k)
         self.scores_row0 = rows(np.float32, layout.scores_offset, layout.max_k)
+        # The same words seen wider, so that the sweep can tell in two comparisons that a crowd
+        # sent one kind of request (RecallLoop._answer): each slot's (op, k, n_queries, flags),
+        # adjacent uint32 words, and its namespace bytes as uint64 words.
+        kind_at = REQUEST_DTYPE.fields["op"][1]
+        if [REQUEST_DTYPE.fields[f][1] - kind_at for f in REQUEST_KIND_FIELDS] != [0, 4, 8, 12]:
+            raise AssertionError(f"{REQUEST_KIND_FIELDS} must be adjacent uint32 words of a request")
+        self.kind = rows(np.uint32, request + kind_at, len(REQUEST_KIND_FIELDS))
+        namespace_at = REQUEST_DTYPE.fields["namespace"][1]
+        self.namespace_words = rows(np.uint64, request + namespace_at, NAMESPACE_BYTES // 8)

@@ -63,6 +63,14 @@ _NO_SCALES = np.empty(0, np.float64)
 FilterKey = tuple[int, bytes, float | None, float | None, int]
 
 
+def _rows_alike(rows: np.ndarray) -> bool:
+    """Whether every row of ``rows`` (a fresh C-ordered copy) equals the first, byte for byte.
+    One comparison of bytes objects: an elementwise NumPy comparison and its reduction cost
+    several times more on the few hundred words a crowd's pass reads."""
+    raw = rows.tobytes()
+    return raw == raw[: rows.nbytes // len(rows)] * len(rows)
+
+
 class FilterCache:
     """The engine filter of each request's words, validated once and then cached; and the where
     clauses registered over the control socket (op "where"), which a request names by handle.
@@ -289,17 +297,64 @@ class RecallLoop:
         if len(slots) == 1:  # one client: scalar reads cost less than the columns' NumPy calls
             n_queries = self._answer_each(slots)
         else:
-            columns = self.channel.columns
-            ks = columns.k[slots]
-            flags = columns.flags[slots]
-            single = (columns.op[slots] == _RECALL) & (columns.n_queries[slots] == 1)
-            single &= (ks >= 1) & (ks <= self.layout.max_k) & ((flags | _SINGLE_FLAGS) == _SINGLE_FLAGS)
-            n_queries = self._answer_singles(slots[single], ks[single], flags[single]) if single.any() else 0
-            if not single.all():
-                n_queries += self._answer_each(slots[~single])
+            n_queries = self._answer_uniform(slots)
+            if n_queries is None:
+                n_queries = self._answer_mixed(slots)
         self.channel.publish(slots, seqs, generations)
         if n_queries:
             self.metrics.record(n_queries, time.perf_counter() - started)
+
+    def _answer_uniform(self, slots: np.ndarray) -> int | None:
+        """The usual crowd: every slot holds the same kind of single recall (op, k, flags, where
+        handle and namespace alike), told in a few comparisons of whole words and answered as
+        one group; None, with nothing answered, when the slots differ (:meth:`_answer_mixed`)."""
+        columns = self.channel.columns
+        kinds = columns.kind[slots]  # (op, k, n_queries, flags) per slot
+        if not _rows_alike(kinds):
+            return None
+        op, k, n_queries, flags = kinds[0].tolist()
+        if op != _RECALL or n_queries != 1 or not 1 <= k <= self.layout.max_k or flags & ~_SINGLE_FLAGS:
+            return None
+        handle = 0
+        if flags & _HAS_WHERE:
+            handles = columns.where_handle[slots]
+            if not (handles == handles[0]).all():
+                return None
+            handle = int(handles[0])
+        name = b""
+        if not flags & _ALL_NAMESPACES:
+            lengths = columns.namespace_len[slots]
+            if not (_rows_alike(columns.namespace_words[slots]) and _rows_alike(lengths)):
+                return None
+            name = columns.namespace[int(slots[0])]  # bytes, trailing NULs dropped
+            if len(name) != int(lengths[0]):
+                return None  # a length word that disagrees with the bytes: read as each slot says
+        key = (flags, name, None, None, handle)
+        flt = self._filters.get(key)
+        if flt is None:
+            try:
+                flt = self._filter_for(*key)
+            except KalosError as exc:
+                for index in slots.tolist():
+                    self._answer_error(self.channel.slots[index], exc)
+                return 0
+        ks = kinds[:, 1]
+        if flt is _NOTHING:
+            return self._answer_nothing(slots, ks)
+        return self._search_group(slots, ks, flt)
+
+    def _answer_mixed(self, slots: np.ndarray) -> int:
+        """Requests of several kinds: single recalls grouped (:meth:`_answer_singles`), the rest
+        read slot by slot."""
+        columns = self.channel.columns
+        ks = columns.k[slots]
+        flags = columns.flags[slots]
+        single = (columns.op[slots] == _RECALL) & (columns.n_queries[slots] == 1)
+        single &= (ks >= 1) & (ks <= self.layout.max_k) & ((flags | _SINGLE_FLAGS) == _SINGLE_FLAGS)
+        n_queries = self._answer_singles(slots[single], ks[single], flags[single]) if single.any() else 0
+        if not single.all():
+            n_queries += self._answer_each(slots[~single])
+        return n_queries
 
     def _answer_singles(self, slots: np.ndarray, ks: np.ndarray, flags: np.ndarray, handle: int | None = None) -> int:
         """Single recalls grouped by where clause (``handle``: the one of these slots) and
@@ -339,7 +394,9 @@ class RecallLoop:
             if odd.any():  # a length word that disagrees with the bytes: read as the slot says
                 answered += self._answer_each(named[odd])
                 named, named_ks, names = named[~odd], named_ks[~odd], names[~odd]
-            if (names == names[0]).all():  # the usual crowd: one namespace, no sort needed
+            if not len(names):
+                unique, inverse = names, np.zeros(0, dtype=np.intp)
+            elif (names == names[0]).all():  # the usual crowd: one namespace, no sort needed
                 unique, inverse = names[:1], np.zeros(len(names), dtype=np.intp)
             else:
                 unique, inverse = np.unique(names, return_inverse=True)
@@ -358,17 +415,23 @@ class RecallLoop:
                     continue
                 groups.append((named[members], named_ks[members], flt))
         for members, member_ks, flt in groups:
-            try:
-                members, member_ks = self._search_singles(members, member_ks, flt)
-            except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
-                log.exception("engine search failed")
-                for index in members.tolist():
-                    self._answer_error(self.channel.slots[index], ServerError(f"search failed: {type(exc).__name__}: {exc}"))
-                continue
-            columns.n_results[members] = member_ks
-            columns.status[members] = 0
-            answered += len(members)
+            answered += self._search_group(members, member_ks, flt)
         return answered
+
+    def _search_group(self, slots: np.ndarray, ks: np.ndarray, flt: Filter) -> int:
+        """Searches the single recalls of ``slots`` (one filter) in one pass and completes their
+        answers; returns how many were answered (the rest got their error)."""
+        try:
+            slots, ks = self._search_singles(slots, ks, flt)
+        except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
+            log.exception("engine search failed")
+            for index in slots.tolist():
+                self._answer_error(self.channel.slots[index], ServerError(f"search failed: {type(exc).__name__}: {exc}"))
+            return 0
+        columns = self.channel.columns
+        columns.n_results[slots] = ks
+        columns.status[slots] = 0
+        return len(slots)
 
     def _answer_nothing(self, slots: np.ndarray, ks: np.ndarray) -> int:
         """Answers single recalls in a namespace that holds nothing: no search, every one of the
