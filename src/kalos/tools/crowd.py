@@ -152,7 +152,9 @@ def _crowd_client(name: str, data: str, k: int, seconds: float, index: int, read
                     continue
                 samples[done] = clock() - t0
                 done += 1
-                if set(hits.ids.tolist()) != sets[q] or not np.allclose(hits.scores, ref_scores[q], atol=1e-4):
+                # (The largest difference, not np.allclose: its Python costs a client more CPU
+                # than the recall itself, CPU the crowd's other clients and the sidecar need.)
+                if set(hits.ids.tolist()) != sets[q] or not np.abs(hits.scores - ref_scores[q]).max() <= 1e-4:
                     result["wrong"] += 1
                 i += 1
     finally:
