@@ -87,3 +87,18 @@ def test_each_pass_waits_only_for_the_clients_of_the_pass_before() -> None:
     cohort.quick[0] = True
     assert _gather(cohort, fake).tolist() == [1]  # no pass published since: no one awaited
     assert cohort.waits == waits
+
+
+def test_gathering_stops_when_told_to_go_now() -> None:
+    """With a pass in flight the sweep passes ``stop`` (that pass landed: the GPU would idle):
+    the wait ends at the first look that says so, whoever is still awaited."""
+    cohort, fake = Cohort(8, window_s=10.0), FakeSlots(8)
+    cohort.answered(np.array([1, 2]))
+    fake.requested_now[1] = True
+    fake.arrive_after = {2: 10**9}  # never back within the test
+    looks = []
+    slots, _ = cohort.gather(*fake.pending(), fake.pending, fake.requested, fake.active,
+                             stop=lambda: looks.append(1) or len(looks) >= 3)
+    assert slots.tolist() == [1]
+    assert len(looks) == 3
+    assert not cohort.quick[2]  # not back when the pass went: not waited for next time

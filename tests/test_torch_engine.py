@@ -641,6 +641,64 @@ def test_search_attached_normalises_on_the_device(rng, backend):
     np.testing.assert_array_equal(got_sc[good], want_sc)
 
 
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=needs_interpreter),
+                                    pytest.param("cuda", marks=[cuda, needs_cuda])])
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_passes_in_flight_answer_as_search_attached_does(rng, precision, device):
+    """search_attached_start: up to two passes in flight (a third finishes the oldest first),
+    on staging areas of their own, each answering exactly what search_attached answers, the
+    float64 reference too; in fast mode a pass whose certificate fails (near-duplicates) is
+    re-run while the other pass is still in flight, and both stay right; a write (an add)
+    finishes the passes in flight first, so they answer from the rows before it."""
+    d, k = 32, 6
+    eng = TorchEngine(d, device=device, backend="triton", precision=precision, capacity=8)
+    m = Mirror(eng, rng)
+    m.add(150)
+    base = rng.standard_normal(d)
+    m.add(40, base + 1e-5 * rng.standard_normal((40, d)))  # where fast mode's certificate fails
+    cases = [attached_case(m, rng, nq, k, d) for nq in (3, 2, 4)]
+    near = cases[1][0]  # the second pass asks next to the near-duplicates
+    f32 = np.frombuffer(near, np.float32)
+    f32[cases[1][1][0] : cases[1][1][0] + d] = base + 1e-4 * rng.standard_normal(d)
+    buf = mmap.mmap(-1, sum(len(c[0]) for c in cases))  # page-aligned, as the sidecar's segment
+    offsets, at = [], 0
+    for case in cases:  # the three cases side by side in one attached buffer
+        buf[at : at + len(case[0])] = case[0]
+        offsets.append(at)
+        at += len(case[0])
+    eng.attach_host(buf)
+    try:
+        passes, wanted = [], []
+        for case, off in zip(cases, offsets):
+            _buf, query_at, _scales, ids_at, scores_at, _unit = case
+            query_at, ids_at, scores_at = query_at + off // 4, ids_at + off // 8, scores_at + off // 4
+            rows = np.stack([np.frombuffer(buf, np.float32)[a : a + d] for a in query_at])
+            unit = normalise_rows(rows.astype(np.float32), what="query", error=InvalidQuery)
+            wanted.append((ids_at, scores_at, unit))
+            passes.append(eng.search_attached_start(query_at, None, ids_at, scores_at, k))
+            assert len(eng._flights) <= 2
+        assert [p.side for p in passes] == [0, 1, 0]
+        for p, (ids_at, scores_at, unit) in zip(passes, wanted):
+            scales = p.finish()
+            assert p.done() and (np.isfinite(scales) & (scales > 0)).all()
+            got_ids, got_sc = read_attached(buf, ids_at, scores_at, k)
+            for qi, (ref_ids, ref_sc) in enumerate(m.reference(unit, Filter())):
+                assert_topk(got_ids[qi], got_sc[qi], ref_ids, ref_sc, k)
+        if precision == "fast":
+            assert eng.stats["fallbacks"] >= 1
+        # A write finishes the pass in flight first: its answer is the one from before the add.
+        ids_at, scores_at, unit = wanted[0]
+        before = read_attached(buf, ids_at, scores_at, k)
+        query_at = cases[0][1] + offsets[0] // 4
+        pending = eng.search_attached_start(query_at, None, ids_at, scores_at, k)
+        m.add(5, np.repeat(unit[:1], 5, axis=0))  # rows that would be every query 0's best
+        assert not eng._flights
+        pending.finish()
+        np.testing.assert_array_equal(read_attached(buf, ids_at, scores_at, k)[0], before[0])
+    finally:
+        eng.detach_host()
+
+
 @needs_interpreter
 def test_search_attached_fast_fallback(rng):
     d = 32

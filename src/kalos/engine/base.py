@@ -218,8 +218,9 @@ class Engine(ABC):
     #: ``search_start(queries, k, flt) -> waiter``: a search queued now, its answer awaited later
     #: (the shards of :class:`~kalos.engine.sharded.ShardedEngine` scan at the same time).
     supports_search_start: bool = False
-    #: ``attach_host(buffer)``, ``detach_host()``, ``search_attached(...)``: queries read and
-    #: answers written in place in a host buffer (the sidecar's segment: zero copy).
+    #: ``attach_host(buffer)``, ``detach_host()``, ``search_attached(...)`` and its queued form
+    #: ``search_attached_start(...)``: queries read and answers written in place in a host
+    #: buffer (the sidecar's segment: zero copy).
     supports_attached_host: bool = False
     #: ``bind_stream()``, ``unbind_stream()``: the calling thread's GPU work on the engine's stream.
     supports_streams: bool = False

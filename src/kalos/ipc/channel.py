@@ -453,14 +453,17 @@ class SidecarChannel:
         answered[:] = self.answered
         self.answered = answered
 
-    def pending(self, handed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def pending(self, handed: np.ndarray | None = None, busy: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Slots with an unanswered request, and the req_seq seen for each; with ``handed``
-        (while a GPU kernel serves the slots), only requests it handed to the host."""
+        (while a GPU kernel serves the slots), only requests it handed to the host; with
+        ``busy`` (a mask of slots whose requests are being answered already), not those."""
         req_seq = self.columns.req_seq
         with self._lock:
             mine = (req_seq != self.answered) & self.active
             if handed is not None:
                 mine &= req_seq == handed
+            if busy is not None:
+                mine &= ~busy
             ready = np.flatnonzero(mine)
             if not len(ready):
                 return ready, _NO_SEQS

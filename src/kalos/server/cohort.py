@@ -52,10 +52,12 @@ class Cohort:
         pending: Callable[[], tuple[np.ndarray, np.ndarray]],
         requested: Callable[[np.ndarray], np.ndarray],
         active: np.ndarray,
+        stop: Callable[[], bool] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """The pending requests ``slots`` / ``seqs`` (non-empty), or more of them: waits until
-        the previous pass's quick clients are back or its window is over. ``requested(slots)``
-        says which of ``slots`` have a request pending (cheaper than ``pending()``)."""
+        the previous pass's quick clients are back or its window is over, or ``stop()`` says
+        to go now (the GPU is about to idle). ``requested(slots)`` says which of ``slots``
+        have a request pending (cheaper than ``pending()``)."""
         last, self._last = self._last, _NO_SLOTS
         if not self.window_s or not len(last):
             return slots, seqs
@@ -72,7 +74,7 @@ class Cohort:
         began = clock()
         until = self._last_at + self.window_s
         arrived = requested(awaited)
-        while not arrived.all() and clock() < until:
+        while not arrived.all() and clock() < until and not (stop is not None and stop()):
             os.sched_yield()  # the GIL for a control thread meanwhile, the core for the clients
             arrived = requested(awaited)
         self.quick[awaited[~arrived]] = False

@@ -21,13 +21,18 @@ class Metrics:
         self.batches = 0
         self.errors = 0
         self.busy_s = 0.0  # time spent answering: with a crowd's wall time, how loaded the sweep is
+        self._busy_to = 0.0  # when the last pass recorded ended (passes in flight overlap)
         self.started = time.time()
 
     def record(self, n_queries: int, service_s: float) -> None:
+        """A pass that just ended, ``service_s`` after it began (busy time counts the part of
+        it that no pass recorded before covered: passes queued on the GPU overlap)."""
+        ended = time.perf_counter()
         with self._lock:
             self.queries += n_queries
             self.batches += 1
-            self.busy_s += service_s
+            self.busy_s += max(0.0, min(service_s, ended - self._busy_to))
+            self._busy_to = ended
             self._service_s.append(service_s)
             self._stamps.append((time.monotonic(), n_queries))
 

@@ -14,6 +14,7 @@ slot-table lock across a search.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import secrets
@@ -146,12 +147,29 @@ class FilterCache:
         return flt
 
 
+@dataclasses.dataclass(slots=True)
+class _Flight:
+    """A crowd's pass queued on the GPU: what publishing its answers needs once it lands."""
+
+    slots: np.ndarray
+    seqs: np.ndarray
+    generations: np.ndarray | None
+    ks: np.ndarray
+    search: Any  # the engine's AttachedPass: done(), finish() -> scales
+    started: float
+
+
 class RecallLoop:
     """Answers the recalls in the slots until the sidecar stops: :meth:`run`.
 
     Each pass finds every pending request (one per client at most), answers them as one engine
     pass per filter (single recalls are read from the slots' columns at once, so 64 waiting
     agents cost one pass, not 64), and publishes the answers.
+
+    With a GPU engine that reads the slots (zero copy), a crowd's pass is queued on the GPU and
+    the sweep goes on: it gathers the next crowd and queues its pass behind the first, then
+    publishes each as it lands. The host's share of a pass (reading the slots, launching,
+    publishing) then overlaps the device's, instead of adding to it.
     """
 
     def __init__(self, *, engine: Engine, channel: SidecarChannel, layout: Layout, metrics: Metrics,
@@ -173,6 +191,8 @@ class RecallLoop:
         self._stopping = stopping
         self._spin_s = spin_us / 1e6
         self.zero_copy = False  # the engine reads the queries in the slots: attach()
+        self._flights: collections.deque[_Flight] = collections.deque()  # queued passes, oldest first
+        self._in_flight = np.zeros(layout.n_slots, dtype=bool)  # their slots (not pending again)
 
     # -- zero copy -----------------------------------------------------------------------
 
@@ -197,6 +217,7 @@ class RecallLoop:
 
     def detach(self) -> None:
         """Unpins the segment (``_state_lock`` held, the GPU's polling stopped), before it is unmapped."""
+        self._land_all()
         if self.zero_copy:
             self.engine.detach_host()
             self.zero_copy = False
@@ -223,6 +244,11 @@ class RecallLoop:
             for q in sizes:
                 scales = 1.0 / np.linalg.norm(queries[:1].astype(np.float64), axis=1) if q == 1 else None
                 self.engine.search_attached(self._query_at[:q], scales, self._ids_at[:q], self._scores_at[:q], k, flt)
+                if q > 1:  # a crowd's passes queued two deep: each staging area's kind of pass
+                    passes = [self.engine.search_attached_start(self._query_at[:q], None, self._ids_at[:q],
+                                                                self._scores_at[:q], k, flt) for _ in range(2)]
+                    for queued in passes:
+                        queued.finish()
             self.channel.stamp_heartbeat()
         self.channel.columns.query_row0[:] = 0
 
@@ -237,6 +263,8 @@ class RecallLoop:
         try:
             self._sweep_until_stopped(channel)
         finally:
+            with self._state_lock:
+                self._land_all()  # the clients of passes in flight get their answers
             if streams:
                 self.engine.unbind_stream()
 
@@ -255,16 +283,25 @@ class RecallLoop:
                 if serving and self._expiry_near():  # (the kernel would serve a row past its expiry)
                     polling.pause()
                     serving = False
-                slots, seqs = channel.pending(server.handed if serving else None)
+                flights = self._flights
+                if flights:
+                    self._land_ready()
+                busy = self._in_flight if flights else None
+                slots, seqs = channel.pending(server.handed if serving else None, busy)
                 if len(slots) and not serving:
-                    slots, seqs = cohort.gather(slots, seqs, channel.pending, channel.requested, channel.active)
+                    # With a pass in flight, gathering stops once it lands: the GPU would idle.
+                    slots, seqs = cohort.gather(slots, seqs, lambda: channel.pending(None, busy), channel.requested,
+                                                channel.active, stop=flights[0].search.done if flights else None)
                 if len(slots):
                     self._answer(slots, seqs, channel.pending_generations)
-                    cohort.answered(slots)
                 if serving:
                     channel.wake_answered()
                 elif polling.server is not None and len(slots) and not self._expiry_near():
                     polling.start(self._namespaces)
+            if flights and not len(slots):
+                last_work = clock()
+                os.sched_yield()  # a pass in flight: look again soon, the cores to the clients meanwhile
+                continue
             if len(slots) or serving:
                 last_work = clock()
             elif clock() - last_work < spin_s:
@@ -285,7 +322,8 @@ class RecallLoop:
     # -- answering -----------------------------------------------------------------------
 
     def _answer(self, slots: np.ndarray, seqs: np.ndarray, generations: np.ndarray | None = None) -> None:
-        """Answers the requests in ``slots`` (all of them, errors included), then publishes.
+        """Answers the requests in ``slots`` (all of them, errors included), then publishes;
+        or queues their pass on the GPU, published when it lands (:meth:`_land_ready`).
 
         Single recalls (one query, all namespaces or one, no time window: what an agent sends)
         are read from the slots' columns in a few NumPy calls and searched as one batch per
@@ -294,20 +332,28 @@ class RecallLoop:
         """
         self._expire_due()
         started = time.perf_counter()
+        if len(slots) > 1:
+            uniform = self._uniform_key(slots)
+            if uniform is not None and self._answer_uniform(slots, seqs, generations, started, *uniform):
+                return
+        self._land_all()  # (this pass is answered here and now: those queued before it first)
         if len(slots) == 1:  # one client: scalar reads cost less than the columns' NumPy calls
             n_queries = self._answer_each(slots)
         else:
-            n_queries = self._answer_uniform(slots)
-            if n_queries is None:
-                n_queries = self._answer_mixed(slots)
+            n_queries = self._answer_mixed(slots)
+        self._publish(slots, seqs, generations, n_queries, started)
+
+    def _publish(self, slots: np.ndarray, seqs: np.ndarray, generations: np.ndarray | None, n_queries: int,
+                 started: float) -> None:
         self.channel.publish(slots, seqs, generations)
+        self.cohort.answered(slots)
         if n_queries:
             self.metrics.record(n_queries, time.perf_counter() - started)
 
-    def _answer_uniform(self, slots: np.ndarray) -> int | None:
-        """The usual crowd: every slot holds the same kind of single recall (op, k, flags, where
-        handle and namespace alike), told in a few comparisons of whole words and answered as
-        one group; None, with nothing answered, when the slots differ (:meth:`_answer_mixed`)."""
+    def _uniform_key(self, slots: np.ndarray) -> tuple[FilterKey, np.ndarray] | None:
+        """The usual crowd: when every slot holds the same kind of single recall (op, k, flags,
+        where handle and namespace alike, told in a few comparisons of whole words), the key of
+        their filter and their k; None when the slots differ (:meth:`_answer_mixed`)."""
         columns = self.channel.columns
         kinds = columns.kind[slots]  # (op, k, n_queries, flags) per slot
         if not _rows_alike(kinds):
@@ -329,7 +375,13 @@ class RecallLoop:
             name = columns.namespace[int(slots[0])]  # bytes, trailing NULs dropped
             if len(name) != int(lengths[0]):
                 return None  # a length word that disagrees with the bytes: read as each slot says
-        key = (flags, name, None, None, handle)
+        return (flags, name, None, None, handle), kinds[:, 1]
+
+    def _answer_uniform(self, slots: np.ndarray, seqs: np.ndarray, generations: np.ndarray | None, started: float,
+                        key: FilterKey, ks: np.ndarray) -> bool:
+        """Answers a crowd of one kind (:meth:`_uniform_key`) as one group, or queues its pass
+        on the GPU (zero copy, no GPU polling, no where clause); False, nothing answered, when
+        passes are in flight and this one cannot be queued behind them."""
         flt = self._filters.get(key)
         if flt is None:
             try:
@@ -337,11 +389,66 @@ class RecallLoop:
             except KalosError as exc:
                 for index in slots.tolist():
                     self._answer_error(self.channel.slots[index], exc)
-                return 0
-        ks = kinds[:, 1]
+                self._publish(slots, seqs, generations, 0, started)
+                return True
         if flt is _NOTHING:
-            return self._answer_nothing(slots, ks)
-        return self._search_group(slots, ks, flt)
+            self._publish(slots, seqs, generations, self._answer_nothing(slots, ks), started)
+            return True
+        if self.zero_copy and self._polling.server is None and flt.where is None:
+            try:
+                search = self.engine.search_attached_start(
+                    self._query_at[slots], None, self._ids_at[slots], self._scores_at[slots], int(ks[0]), flt
+                )
+            except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
+                log.exception("engine search failed")
+                for index in slots.tolist():
+                    self._answer_error(self.channel.slots[index], ServerError(f"search failed: {type(exc).__name__}: {exc}"))
+                self._publish(slots, seqs, generations, 0, started)
+                return True
+            self._in_flight[slots] = True
+            self._flights.append(_Flight(slots, seqs, generations, ks, search, started))
+            return True
+        if self._flights:
+            return False
+        self._publish(slots, seqs, generations, self._search_group(slots, ks, flt), started)
+        return True
+
+    # -- passes in flight ----------------------------------------------------------------
+
+    def _land(self, flight: "_Flight") -> None:
+        """Completes and publishes the answers of a pass that was in flight."""
+        slots, ks = flight.slots, flight.ks
+        columns = self.channel.columns
+        try:
+            scales = flight.search.finish()
+        except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
+            log.exception("engine search failed")
+            for index in slots.tolist():
+                self._answer_error(self.channel.slots[index], ServerError(f"search failed: {type(exc).__name__}: {exc}"))
+            answered = 0
+        else:
+            usable = np.isfinite(scales) & (scales > 0)
+            good, good_ks = slots, ks
+            if not usable.all():
+                self._refuse_queries(slots[~usable], columns.query_row0[slots[~usable]])
+                good, good_ks = slots[usable], ks[usable]
+            columns.n_results[good] = good_ks
+            columns.status[good] = 0
+            answered = len(good)
+        self._in_flight[slots] = False
+        self._publish(slots, flight.seqs, flight.generations, answered, flight.started)
+
+    def _land_ready(self) -> None:
+        """Publishes the passes in flight that the GPU has finished, oldest first."""
+        flights = self._flights
+        while flights and flights[0].search.done():
+            self._land(flights.popleft())
+
+    def _land_all(self) -> None:
+        """Waits for every pass in flight and publishes it."""
+        flights = self._flights
+        while flights:
+            self._land(flights.popleft())
 
     def _answer_mixed(self, slots: np.ndarray) -> int:
         """Requests of several kinds: single recalls grouped (:meth:`_answer_singles`), the rest

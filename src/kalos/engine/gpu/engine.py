@@ -22,6 +22,15 @@ because ``n`` travels in the header, adds and deletes need no re-capture. A resi
 matrix, so it drops the graphs (captured again on next use). Fast mode's answers are exact
 by certificate (:mod:`kalos.engine.gpu.bounds`); a query whose certificate fails is re-run
 with the float32 scan.
+
+Passes in flight
+----------------
+:meth:`TorchEngine.search_attached_start` queues a search in place and returns at once, so
+that the sidecar's sweep prepares (and queues) the next crowd's pass while the GPU runs this
+one: the host's share of a pass then hides behind the device's. Two such passes may be in
+flight, each with a staging area of its own (the host words the kernels read at run time and
+the status words they write); the device-side buffers are shared, which stream order makes
+safe. Any other use of the engine finishes them first (:meth:`TorchEngine.settle`).
 """
 from __future__ import annotations
 
@@ -53,7 +62,7 @@ from kalos.engine.gpu.planner import (
 from kalos.engine.gpu.torch_path import RowSink, TorchPath
 from kalos.errors import InvalidArgument, InvalidQuery
 
-__all__ = ["TorchEngine", "load_kernels"]
+__all__ = ["AttachedPass", "TorchEngine", "load_kernels"]
 
 _NO_FILTER = Filter()
 _HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -74,6 +83,39 @@ def load_kernels(require_interpreter: bool):
         if not isinstance(tk.scan_topk_kernel, InterpretedFunction):
             return None
     return tk
+
+
+class AttachedPass:
+    """A search in place queued by :meth:`TorchEngine.search_attached_start`."""
+
+    __slots__ = ("side", "_event", "_finish", "_scales")
+
+    def __init__(self, side: int, event: "torch.cuda.Event | None") -> None:
+        self.side = side  # the staging area it holds while in flight
+        self._event = event
+        self._finish: Callable[[], np.ndarray] | None = None
+        self._scales: np.ndarray | None = None
+
+    @classmethod
+    def finished(cls, scales: np.ndarray) -> "AttachedPass":
+        """A pass that ran already (its search could not be queued)."""
+        done = cls(-1, None)
+        done._scales = scales
+        return done
+
+    def bind(self, finish: Callable[[], np.ndarray]) -> None:
+        self._finish = finish
+
+    def done(self) -> bool:
+        """Whether :meth:`finish` would return without waiting for the GPU."""
+        return self._scales is not None or self._event is None or self._event.query()
+
+    def finish(self) -> np.ndarray:
+        """Waits for the answers to be in the buffer (fallbacks included); returns the scales
+        applied (the caller checks them as for :meth:`TorchEngine.search_attached`)."""
+        if self._scales is None:
+            self._scales = self._finish()
+        return self._scales
 
 
 class TorchEngine(Engine):
@@ -176,6 +218,7 @@ class TorchEngine(Engine):
         # The waiter of a search_start not yet awaited: every other use of the staging areas
         # (searches, adds, deletes, compaction) first finishes it (settle).
         self._pending: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None
+        self._flights: list[AttachedPass] = []  # search_attached_start's passes, oldest first
         # (host mask, its device copy) of the last ``where`` filter searched: _where_live.
         self._where_dev: tuple[np.ndarray, torch.Tensor] | None = None
         self._graph_pool = None
@@ -185,6 +228,9 @@ class TorchEngine(Engine):
                                      else None, int8=int8)
         #: The page-locked staging area (:class:`~kalos.engine.gpu.buffers.Staging`).
         self.staging = Staging(self.max_batch, dim, dev, pin=self.on_gpu)
+        # A second one for a pass queued while another is in flight (search_attached_start);
+        # the rest of the engine uses the first only.
+        self.stagings = (self.staging, Staging(self.max_batch, dim, dev, pin=self.on_gpu) if tk is not None else None)
         pipeline: Pipeline  # (made below: the planner asks it about compiled kernels)
         #: Launch plans (:class:`~kalos.engine.gpu.planner.Planner`).
         self.planner = Planner(dim, self.on_gpu, sms, occupancy=lambda *a: pipeline.programs_per_sm(*a),
@@ -192,7 +238,7 @@ class TorchEngine(Engine):
         #: The Triton stages (:class:`~kalos.engine.gpu.pipeline.Pipeline`; with the torch backend
         #: only its planning helpers are used).
         self.pipeline = pipeline = Pipeline(
-            tk, self.columns, self.staging, self.planner, dim=dim, device=dev, max_batch=self.max_batch,
+            tk, self.columns, self.stagings, self.planner, dim=dim, device=dev, max_batch=self.max_batch,
             half=_HALF_DTYPES[half], errors=errors, attached=lambda: self._attached, on_stream=self.on_stream,
             on_realloc=self._drop_graphs, props=props,
         )
@@ -217,9 +263,12 @@ class TorchEngine(Engine):
         return self._attached
 
     def settle(self) -> None:
-        """Finishes a search that search_start queued (its waiter then returns the kept answer)."""
+        """Finishes the searches that search_start and search_attached_start queued (their
+        waiters then return the kept answers)."""
         if self._pending is not None:
             self._pending()
+        while self._flights:
+            self._flights[0].finish()
 
     def _resize(self, capacity: int) -> None:
         self.settle()
@@ -420,6 +469,7 @@ class TorchEngine(Engine):
         """Forgets the attached buffer (its graphs too) and unpins it; idempotent."""
         if self._attached is None:
             return
+        self.settle()  # passes in flight read and write the buffer, and their fallbacks search it
         if self.on_gpu:
             # The whole device, not only the engine's stream: a kernel on another stream (the
             # slot server's) may read the buffer too.
@@ -453,6 +503,61 @@ class TorchEngine(Engine):
         caller checks them when it passed None: a query whose scale is zero, infinite or NaN
         (all zeros, or NaN / inf values) has no direction, and its answer is unspecified.
         """
+        query_at, scales, ids_at, scores_at, device_norms = self._attached_args(query_at, scales, ids_at, scores_at, k)
+        nq = len(query_at)
+        if nq == 0:
+            return scales
+        self.settle()
+        n = self.rows.size
+        # A where filter's mask replaces the live column, which the attached passes (and their
+        # graphs) do not take: those queries are gathered and searched through search().
+        if self.backend != "triton" or n == 0 or flt.where is not None:
+            if device_norms:  # no kernel here: the same float64 scales on the host
+                rows = self._attached.f32_np[query_at[:, None] + np.arange(self.dim)]
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    scales = 1.0 / np.sqrt(np.einsum("ij,ij->i", rows, rows, dtype=np.float64))
+            good = np.flatnonzero(np.isfinite(scales) & (scales > 0)) if device_norms else np.arange(nq)
+            ids, scores = self.search(self._gather(query_at[good], scales[good]), k, flt)
+            self._scatter(ids, scores, ids_at[good], scores_at[good], k)
+            return scales
+        flt = self.rows.simplify(flt)
+        for s in range(0, nq, self.max_batch):
+            e = min(nq, s + self.max_batch)
+            batch = query_at[s:e], scales[s:e], ids_at[s:e], scores_at[s:e]
+            scales[s:e] = self._attached_launch(*batch, k, flt, device_norms, 0).finish()
+        return scales
+
+    def search_attached_start(
+        self,
+        query_at: np.ndarray,
+        scales: np.ndarray | None,
+        ids_at: np.ndarray,
+        scores_at: np.ndarray,
+        k: int,
+        flt: Filter = Filter(),
+    ) -> "AttachedPass":
+        """:meth:`search_attached`, queued: returns its pass at once, whose ``finish()`` waits
+        for the answers to be in the buffer and returns the scales (``done()`` says whether it
+        would wait). Up to two passes are in flight at a time (a third waits for the oldest);
+        anything else the engine is asked meanwhile finishes them first. Where the search
+        cannot be queued (no Triton on CUDA, a where filter, more than ``max_batch`` queries,
+        no rows) it runs here, and the pass returned is done. Arguments are checked here."""
+        query_at, scales, ids_at, scores_at, device_norms = self._attached_args(query_at, scales, ids_at, scores_at, k)
+        nq = len(query_at)
+        if (self.stagings[1] is None or nq == 0 or nq > self.max_batch
+                or self.rows.size == 0 or flt.where is not None):
+            return AttachedPass.finished(self.search_attached(query_at, None if device_norms else scales, ids_at,
+                                                              scores_at, k, flt))
+        if self._pending is not None:
+            self._pending()  # search_start's pass uses the first staging
+        if len(self._flights) == 2:
+            self._flights[0].finish()
+        side = 1 - self._flights[0].side if self._flights else 0
+        return self._attached_launch(query_at, scales, ids_at, scores_at, k, self.rows.simplify(flt), device_norms, side)
+
+    def _attached_args(self, query_at, scales, ids_at, scores_at, k: int) -> tuple:
+        """search_attached's arguments checked: int64 offsets inside the buffer, float64 scales
+        (NaN for ``None``: the device computes them), and whether it does."""
         if self._attached is None:
             raise InvalidArgument("search_attached needs a buffer: call attach_host first")
         self._check_k(k)
@@ -464,7 +569,7 @@ class TorchEngine(Engine):
         if not (len(scales) == len(ids_at) == len(scores_at) == nq):
             raise InvalidArgument("query_at, scales, ids_at and scores_at must have one entry per query")
         if nq == 0:
-            return scales
+            return query_at, scales, ids_at, scores_at, device_norms
         for name, at, width, size in (("query_at", query_at, self.dim, len(f32)), ("ids_at", ids_at, k, len(i64)),
                                       ("scores_at", scores_at, k, len(f32))):
             # (Python ints for the common single query: a NumPy reduction costs more than it.)
@@ -473,49 +578,52 @@ class TorchEngine(Engine):
                 raise InvalidArgument(f"{name} points outside the attached buffer")
         if not device_norms and not (math.isfinite(float(scales[0])) if nq == 1 else np.isfinite(scales).all()):
             raise InvalidQuery("query scales must be finite")
-        self.settle()
-        n = self.rows.size
-        # A where filter's mask replaces the live column, which the attached passes (and their
-        # graphs) do not take: those queries are gathered and searched through search().
-        if self.backend != "triton" or n == 0 or flt.where is not None:
-            if device_norms:  # no kernel here: the same float64 scales on the host
-                rows = f32[query_at[:, None] + np.arange(self.dim)]
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    scales = 1.0 / np.sqrt(np.einsum("ij,ij->i", rows, rows, dtype=np.float64))
-            good = np.flatnonzero(np.isfinite(scales) & (scales > 0)) if device_norms else np.arange(nq)
-            ids, scores = self.search(self._gather(query_at[good], scales[good]), k, flt)
-            self._scatter(ids, scores, ids_at[good], scores_at[good], k)
-            return scales
-        flt = self.rows.simplify(flt)
-        for s in range(0, nq, self.max_batch):
-            e = min(nq, s + self.max_batch)
-            scales[s:e] = self._attached_batch(query_at[s:e], scales[s:e], ids_at[s:e], scores_at[s:e], k, flt,
-                                               device_norms)
-        return scales
+        return query_at, scales, ids_at, scores_at, device_norms
 
-    def _attached_batch(self, query_at, scales, ids_at, scores_at, k: int, flt: Filter, device_norms: bool) -> np.ndarray:
+    def _attached_launch(self, query_at, scales, ids_at, scores_at, k: int, flt: Filter, device_norms: bool,
+                         side: int) -> "AttachedPass":
+        """Queues one batch of at most ``max_batch`` attached queries on staging ``side``
+        (``flt`` simplified, no where); its pass is in flight until finished."""
         nq = len(query_at)
         n = self.rows.size
+        st = self.stagings[side]
         kind = self.scan_kind(nq, k, self.precision)
-        self.fill_header(n, nq, k, flt)
-        self.staging.set_table(nq, query_at, ids_at, scores_at, scales)
+        self.fill_header(n, nq, k, flt, staging=st)
+        st.set_table(nq, query_at, ids_at, scores_at, scales)
         self.stats["searches"] += nq
-        self._run(self._key(kind, nq, k, flt, True, True, True, device_norms), None)
-        if device_norms:
-            scales = self.staging.scales(nq)  # stage_in_kernel wrote them
-        if kind != "f32" and n > fast_candidates(k):
-            failed = self.staging.r_status[:nq] != 0
+        self._run(self._key(kind, nq, k, flt, True, True, True, device_norms, side), None, wait=False)
+        event = None
+        if self.on_gpu:
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        flight = AttachedPass(side, event)
+        certified = kind != "f32" and n > fast_candidates(k)
+
+        def finish() -> np.ndarray:
+            if event is not None:
+                event.synchronize()
+            if flight in self._flights:  # first: a failure below must not leave it in flight
+                self._flights.remove(flight)
+            got = st.scales(nq) if device_norms else scales
+            if not certified:
+                return got
+            failed = st.r_status[:nq] != 0
             if device_norms:  # a query with no direction has no answer to certify
-                failed &= np.isfinite(scales) & (scales > 0)
+                failed &= np.isfinite(got) & (got > 0)
             bad = np.flatnonzero(failed)
             if len(bad):  # the certificate failed: redo those queries with the float32 scan
+                self.settle()  # (the other pass in flight may hold the first staging, which the scan uses)
                 self.stats["fallbacks"] += len(bad)
-                queries = self._gather(query_at[bad], scales[bad])
+                queries = self._gather(query_at[bad], got[bad])
                 ids = np.empty((len(bad), k), np.int64)
                 scores = np.empty((len(bad), k), np.float32)
                 self._triton_batch(queries, k, flt, ids, scores, True, "f32", None)
                 self._scatter(ids, scores, ids_at[bad], scores_at[bad], k)
-        return scales
+            return got
+
+        flight.bind(finish)
+        self._flights.append(flight)
+        return flight
 
     def _gather(self, query_at: np.ndarray, scales: np.ndarray) -> np.ndarray:
         """Queries of the attached buffer, normalised on the host (the paths without kernels)."""
@@ -579,11 +687,12 @@ class TorchEngine(Engine):
 
     # -- the Triton pipeline (the stages: kalos.engine.gpu.pipeline) ----------------------------
 
-    def fill_header(self, n: int, nq: int, k: int, flt: Filter, hdr: np.ndarray | None = None) -> None:
+    def fill_header(self, n: int, nq: int, k: int, flt: Filter, hdr: np.ndarray | None = None, *,
+                    staging: Staging | None = None) -> None:
         """Writes a staging header for ``n`` rows, ``nq`` queries, ``k`` and ``flt``, with the
-        engine's certificate terms: the engine's own (``hdr`` None), or ``hdr`` (int64 words of
-        another header, the slot server's)."""
-        st = self.staging
+        engine's certificate terms: the header of ``staging`` (None: the engine's first), or
+        ``hdr`` (int64 words of another header, the slot server's)."""
+        st = staging or self.staging
         hdrf = st.h_hdrf if hdr is None else hdr.view(np.float64)
         fill_header(st.h_hdr if hdr is None else hdr, hdrf, n, nq, k, flt, self.columns.max_norm,
                     self.columns.max_resid8 * self._i8_r)
@@ -620,12 +729,12 @@ class TorchEngine(Engine):
             self._triton_batch(redo, k, flt, RowSink(out_i, bad), RowSink(out_s, bad), want_ids, "f32", live)
 
     def _key(self, kind: str, nq: int, k: int, flt: Filter, want_ids: bool, host_q: bool, attached: bool,
-             device_norms: bool = False) -> tuple:
+             device_norms: bool = False, side: int = 0) -> tuple:
         """The graph key of a batch: what its launches depend on (attached last: detach_host)."""
         qb, kp = next_pow2(nq), k_bucket(k)
         plan = self.pipeline.plan(kind, qb, kp)
         slices = -(-self.rows.size // plan.gemm_rows) if plan.gemm_rows else 0
-        return (kind, qb, kp, not flt.is_trivial, want_ids, host_q, slices, device_norms, attached)
+        return (kind, qb, kp, not flt.is_trivial, want_ids, host_q, slices, device_norms, side, attached)
 
     def _run(self, key, live, *, wait: bool = True) -> None:
         """Replays the graph of ``key`` (capturing it on first use), or launches eagerly; waits

@@ -25,7 +25,8 @@ __all__ = ["Pipeline", "BatchKey"]
 _COLLECT_STEP = 8  # groups collect_kernel reads per step (a random query picks ~K of them)
 
 #: What a batch's launches depend on (a CUDA graph per key): (kind, query bucket, k bucket,
-#: filtered, want ids, queries from host memory, GEMM slices, device norms, attached buffer).
+#: filtered, want ids, queries from host memory, GEMM slices, device norms, staging side,
+#: attached buffer).
 BatchKey = tuple
 
 
@@ -45,20 +46,23 @@ def _tf32_matmul():
 class Pipeline:
     """The stages of a search over ``columns`` with the kernel module ``kernels``.
 
-    ``staging``: the engine's staging area; ``half``: the 16-bit dtype; ``errors``: the error-bound terms per scan kind
+    ``stagings``: the engine's staging areas (a batch names its side; the second may be None);
+    ``half``: the 16-bit dtype; ``errors``: the error-bound terms per scan kind
     (:mod:`kalos.engine.gpu.bounds`); ``attached``: the engine's attached host buffer, if
     any; ``on_stream``: a context that runs work on the engine's stream; ``on_realloc``:
     called before a workspace is replaced (captured graphs point at the old one).
     """
 
-    def __init__(self, kernels: Any, columns: DeviceColumns, staging: Staging, planner: Planner, *, dim: int,
+    def __init__(self, kernels: Any, columns: DeviceColumns, stagings: tuple[Staging, Staging | None],
+                 planner: Planner, *, dim: int,
                  device: torch.device, max_batch: int, half: torch.dtype,
                  errors: dict[str, tuple[float, float, float]],
                  attached: Callable[[], AttachedHost | None], on_stream: Callable[[], Any],
                  on_realloc: Callable[[], None], props: Any = None) -> None:
         self.kernels = kernels
         self.columns = columns
-        self.staging = staging
+        self.stagings = stagings
+        self.staging = stagings[0]
         self.planner = planner
         self.dim = dim
         self.device = device
@@ -127,8 +131,8 @@ class Pipeline:
         """Runs one batch: stage-in (header, table, queries from host memory), scan, merges,
         final (results straight into host memory: the engine's result area or the attached
         buffer)."""
-        cols, st = self.columns, self.staging
-        kind, qb, kp, filtered, want_ids, host_q, slices, device_norms, attached = key
+        kind, qb, kp, filtered, want_ids, host_q, slices, device_norms, side, attached = key
+        cols, st = self.columns, self.stagings[side]
         plan = self.plan(kind, qb, kp)
         cap = cols.x32.shape[0]
         with self.on_stream():  # the workspace belongs to the stream that uses it
@@ -147,7 +151,7 @@ class Pipeline:
             over = None
             if plan.gemm_rows:
                 stride = plan.ws_keys
-                over = self.gemm_scores(kind, qb, plan, slices, ws_a, stride, live_t, filtered)
+                over = self.gemm_scores(kind, qb, plan, slices, ws_a, stride, live_t, filtered, staging=st)
             else:
                 stride = self.scan_keys(kind, plan, qb, st.d_hdr, st.d_hdrf, st.d_q, live_t, filtered,
                                          ws_a, ws_s, st.d_bound)
@@ -225,7 +229,7 @@ class Pipeline:
         )
 
     def gemm_scores(self, kind: str, qb: int, plan: Plan, slices: int, ws_a: torch.Tensor, stride: int,
-                    live_t: torch.Tensor, filtered: bool) -> torch.Tensor:
+                    live_t: torch.Tensor, filtered: bool, *, staging: Staging | None = None) -> torch.Tensor:
         """Batched scores by cuBLAS (tensor cores: fp16 rows, or fp32 rows read as tf32), a
         slice of rows at a time, each slice reduced to a superset of its top-K keys at once.
 
@@ -236,7 +240,7 @@ class Pipeline:
         after theirs are set to SENTINEL so the merge sees no stale keys. Returns the
         per-query overflow words the final kernel checks.
         """
-        cols, st = self.columns, self.staging
+        cols, st = self.columns, staging or self.staging
         tk, g, chunk = self.kernels, plan.gemm_rows, plan.score_chunk
         cap = cols.x32.shape[0]
         q = st.d_q[:qb]

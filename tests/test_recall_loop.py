@@ -1,0 +1,246 @@
+"""kalos.server.recall_loop's passes in flight: a crowd's pass queued on the GPU is published
+only when it lands, its slots are not read again meanwhile, passes land oldest first, and a
+request that cannot be queued lands every pass before it is answered. The engine is a fake
+whose queued passes finish when the test says (the GPU engine's own passes in flight:
+tests/test_torch_engine.py); the channel, the columns and the loop are the real ones."""
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+from conftest import unique_name
+
+from kalos.engine import Filter
+from kalos.errors import ErrorCode
+from kalos.ipc.channel import Segment, SidecarChannel
+from kalos.ipc.protocol import Layout, Op, RequestFlag
+from kalos.server.cohort import Cohort
+from kalos.server.metrics import Metrics
+from kalos.server.recall_loop import FilterCache, RecallLoop
+from kalos.server.slot_polling import SlotPolling
+
+DIM, K = 8, 4
+
+
+class FakePass:
+    def __init__(self, engine: "FakeEngine", slots: np.ndarray, scales: np.ndarray) -> None:
+        self.engine, self.slots, self.scales = engine, slots, scales
+        self.landed = False  # the test sets it: the GPU finished
+        self.fail = False
+
+    def done(self) -> bool:
+        return self.landed
+
+    def finish(self) -> np.ndarray:
+        if self.fail:
+            raise RuntimeError("the kernel faulted")
+        self.engine.write_answers(self.slots)
+        return self.scales
+
+
+class FakeEngine:
+    """Answers slot s with ids s*100 + 0..k-1; queued passes wait for the test."""
+
+    supports_attached_host = True
+    supports_streams = False
+    device = "fake"
+
+    def __init__(self) -> None:
+        self.loop: RecallLoop | None = None
+        self.passes: list[FakePass] = []
+        self.synchronous = 0
+        self.directionless: set[int] = set()
+
+    def __len__(self) -> int:
+        return 1
+
+    def attach_host(self, buffer) -> None:
+        pass
+
+    def detach_host(self) -> None:
+        pass
+
+    def _slots(self, ids_at: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.loop._ids_at, ids_at)
+
+    def write_answers(self, slots: np.ndarray) -> None:
+        columns = self.loop.channel.columns
+        columns.ids_row0[slots, :K] = slots[:, None] * 100 + np.arange(K)
+        columns.scores_row0[slots, :K] = 0.5
+
+    def _scales(self, slots: np.ndarray) -> np.ndarray:
+        return np.array([np.nan if s in self.directionless else 1.0 for s in slots.tolist()])
+
+    def search_attached(self, query_at, scales, ids_at, scores_at, k, flt=Filter()) -> np.ndarray:
+        slots = self._slots(np.asarray(ids_at))
+        self.synchronous += 1
+        self.write_answers(slots)
+        return self._scales(slots) if scales is None else np.asarray(scales, dtype=np.float64)
+
+    def search_attached_start(self, query_at, scales, ids_at, scores_at, k, flt=Filter()) -> FakePass:
+        slots = self._slots(np.asarray(ids_at))
+        queued = FakePass(self, slots, self._scales(slots))
+        self.passes.append(queued)
+        return queued
+
+
+class NoExpiry:
+    def expire_due(self) -> None:
+        pass
+
+    def near(self) -> bool:
+        return False
+
+
+@pytest.fixture
+def loop():
+    layout = Layout(8, DIM, 16, 4)
+    segment = Segment.create(unique_name("rl"), layout.size)
+    layout.write_header(segment.buf, epoch=1, pid=os.getpid())
+    channel = SidecarChannel(segment, layout, epoch=1)
+    engine = FakeEngine()
+    lock = threading.Lock()
+    recall_loop = RecallLoop(engine=engine, channel=channel, layout=layout, metrics=Metrics(), cohort=Cohort(8, 0),
+                             filters=FilterCache({b"default": 0}), polling=SlotPolling(lock), expirer=NoExpiry(),
+                             state_lock=lock, stopping=threading.Event(), spin_us=0)
+    engine.loop = recall_loop
+    assert recall_loop.attach(segment.buf)
+    for slot in range(layout.n_slots):
+        channel.activate(slot, os.eventfd(0, os.EFD_NONBLOCK))
+    yield recall_loop
+    channel.close()
+    segment.close()
+
+
+def _submit(loop: RecallLoop, slots, *, n_queries: int = 1) -> None:
+    """Single recalls (or batches) of namespace "default" from ``slots``, one more request each."""
+    rng = np.random.default_rng(0)
+    for slot in slots:
+        view = loop.channel.slots[slot]
+        view.op[0], view.k[0], view.n_queries[0], view.flags[0] = int(Op.RECALL), K, n_queries, 0
+        view.namespace[0], view.namespace_len[0] = b"default", 7
+        view.queries[:n_queries] = rng.standard_normal((n_queries, DIM))
+        view.req_seq[0] = int(view.req_seq[0]) + 1
+
+
+def _sweep(loop: RecallLoop) -> np.ndarray:
+    """One look of the sweep: land what is done, answer or queue what is pending."""
+    channel = loop.channel
+    if loop._flights:
+        loop._land_ready()
+    slots, seqs = channel.pending(None, loop._in_flight if loop._flights else None)
+    if len(slots):
+        loop._answer(slots, seqs, channel.pending_generations)
+    return slots
+
+
+def _published(loop: RecallLoop, slots) -> bool:
+    columns = loop.channel.columns
+    return bool((columns.resp_seq[slots] == columns.req_seq[slots]).all())
+
+
+def test_a_crowd_pass_is_published_when_it_lands_and_its_slots_are_not_read_again(loop):
+    engine = loop.engine
+    _submit(loop, [0, 1, 2])
+    assert _sweep(loop).tolist() == [0, 1, 2]
+    assert len(engine.passes) == 1 and engine.synchronous == 0
+    assert not _published(loop, [0, 1, 2])
+    assert _sweep(loop).tolist() == []  # in flight: not pending again, not published
+    _submit(loop, [3, 4])  # the next crowd is queued behind it
+    assert _sweep(loop).tolist() == [3, 4]
+    assert len(engine.passes) == 2
+    engine.passes[1].landed = True  # the younger pass is done, the older is not: neither lands
+    _sweep(loop)
+    assert not _published(loop, [0, 1, 2, 3, 4])
+    engine.passes[0].landed = True
+    _sweep(loop)
+    assert _published(loop, [0, 1, 2, 3, 4]) and not loop._flights and not loop._in_flight.any()
+    columns = loop.channel.columns
+    for slot in range(5):
+        assert int(columns.status[slot]) == 0 and int(columns.n_results[slot]) == K
+        assert columns.ids_row0[slot, :K].tolist() == [slot * 100 + j for j in range(K)]
+    assert loop.metrics.queries == 5
+
+
+def test_a_request_that_cannot_be_queued_lands_every_pass_first(loop):
+    engine = loop.engine
+    _submit(loop, [0, 1])
+    _sweep(loop)
+    _submit(loop, [5], n_queries=3)  # a batch: answered here and now, after the pass in flight
+    assert _sweep(loop).tolist() == [5]
+    assert _published(loop, [0, 1, 5]) and not loop._flights
+    assert engine.synchronous == 1
+
+
+def test_a_failed_pass_answers_each_of_its_clients_with_an_error_and_the_sweep_goes_on(loop):
+    engine = loop.engine
+    _submit(loop, [0, 1, 2])
+    _sweep(loop)
+    engine.passes[0].fail = True
+    engine.passes[0].landed = True
+    _sweep(loop)
+    columns = loop.channel.columns
+    assert _published(loop, [0, 1, 2])
+    assert all(int(columns.status[s]) == ErrorCode.INTERNAL for s in (0, 1, 2))
+    assert "the kernel faulted" in loop.channel.slots[0].read_message()
+    _submit(loop, [0, 1])
+    _sweep(loop)
+    engine.passes[1].landed = True
+    _sweep(loop)
+    assert _published(loop, [0, 1]) and int(columns.status[0]) == 0
+
+
+def test_a_query_with_no_direction_gets_its_error_and_the_rest_their_answers(loop):
+    engine = loop.engine
+    engine.directionless = {1}
+    _submit(loop, [0, 1, 2])
+    _sweep(loop)
+    engine.passes[0].landed = True
+    _sweep(loop)
+    columns = loop.channel.columns
+    assert int(columns.status[1]) == ErrorCode.INVALID_QUERY
+    assert "no direction" in loop.channel.slots[1].read_message()
+    assert int(columns.status[0]) == int(columns.status[2]) == 0
+
+
+def test_a_client_that_left_while_its_pass_flew_is_not_published_to(loop):
+    engine, channel = loop.engine, loop.channel
+    _submit(loop, [0, 1])
+    _sweep(loop)
+    channel.deactivate(1)
+    channel.activate(1, os.eventfd(0, os.EFD_NONBLOCK))  # a new client in the slot
+    engine.passes[0].landed = True
+    _sweep(loop)
+    assert _published(loop, [0])
+    assert int(channel.columns.resp_seq[1]) == 0  # the newcomer sees no answer it did not ask for
+
+
+def test_stopping_the_sweep_lands_the_passes_in_flight(loop):
+    _submit(loop, [0, 1])
+    _sweep(loop)
+    loop._stopping.set()
+    loop.run()  # returns at once (stopping), landing what flies
+    assert _published(loop, [0, 1]) and not loop._flights
+
+
+def test_where_clauses_and_time_windows_are_never_queued(loop):
+    """(A where clause's mask, a time window: searched here, through the engine's other paths.)"""
+    from kalos.where import compile_where
+
+    engine, channel = loop.engine, loop.channel
+    handle = loop._filter_for.__self__.register(compile_where({"user": "u1"}))
+    _submit(loop, [0, 1])
+    for slot in (0, 1):
+        channel.slots[slot].flags[0] = int(RequestFlag.HAS_WHERE)
+        channel.slots[slot].where_handle[0] = handle
+    _sweep(loop)
+    _submit(loop, [2, 3])
+    for slot in (2, 3):
+        channel.slots[slot].flags[0] = int(RequestFlag.HAS_SINCE)
+        channel.slots[slot].since[0] = 0.0
+    _sweep(loop)
+    assert not engine.passes and engine.synchronous == 2  # one pass per filter
+    assert _published(loop, [0, 1, 2, 3])
+    assert all(int(channel.columns.status[s]) == 0 for s in range(4))
