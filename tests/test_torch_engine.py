@@ -700,6 +700,39 @@ def test_passes_in_flight_answer_as_search_attached_does(rng, precision, device)
 
 
 @needs_interpreter
+def test_a_compaction_finishes_the_pass_in_flight_before_the_rows_move(rng):
+    """A writer (here a compaction) while a fast pass whose certificate fails is in flight: the
+    pass, its float32 re-run included, is finished against the rows as they were, so its
+    answers are the reference's (run after the compaction, the re-run found no rows)."""
+    d, k = 32, 6
+    eng = triton_engine(d, precision="fast", capacity=8)
+    m = Mirror(eng, rng)
+    early = m.add(150)
+    base = rng.standard_normal(d)
+    m.add(40, base + 1e-5 * rng.standard_normal((40, d)))  # the certificate fails near these
+    m.delete(early[:120])  # tombstones (below the automatic compaction's threshold)
+    case, query_at, _scales, ids_at, scores_at, _unit = attached_case(m, rng, 2, k, d)
+    f32 = np.frombuffer(case, np.float32)
+    for at in query_at:
+        f32[at : at + d] = base + 1e-4 * rng.standard_normal(d)
+    buf = mmap.mmap(-1, len(case))
+    buf[:] = case
+    rows = np.stack([np.frombuffer(buf, np.float32)[at : at + d] for at in query_at])
+    unit = normalise_rows(rows.astype(np.float32), what="query", error=InvalidQuery)
+    eng.attach_host(buf)
+    try:
+        queued = eng.search_attached_start(query_at, None, ids_at, scores_at, k)
+        eng.compact()
+        queued.finish()
+        assert eng.stats["fallbacks"] >= 1
+        got_ids, got_sc = read_attached(buf, ids_at, scores_at, k)
+        for qi, (ref_ids, ref_sc) in enumerate(m.reference(unit, Filter())):
+            assert_topk(got_ids[qi], got_sc[qi], ref_ids, ref_sc, k)
+    finally:
+        eng.detach_host()
+
+
+@needs_interpreter
 def test_search_attached_fast_fallback(rng):
     d = 32
     eng = triton_engine(d, precision="fast", capacity=4)

@@ -77,7 +77,8 @@ class Cohort:
         while not arrived.all() and clock() < until and not (stop is not None and stop()):
             os.sched_yield()  # the GIL for a control thread meanwhile, the core for the clients
             arrived = requested(awaited)
-        self.quick[awaited[~arrived]] = False
+        if clock() >= until:  # (not when stop() ended the wait: they had no window to come back in)
+            self.quick[awaited[~arrived]] = False
         self.waits += 1
         self.waited_s += clock() - began
         before = len(slots)

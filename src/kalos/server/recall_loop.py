@@ -292,6 +292,8 @@ class RecallLoop:
                     # With a pass in flight, gathering stops once it lands: the GPU would idle.
                     slots, seqs = cohort.gather(slots, seqs, lambda: channel.pending(None, busy), channel.requested,
                                                 channel.active, stop=flights[0].search.done if flights else None)
+                    if flights:
+                        self._land_ready()  # (what landed meanwhile is published before the next launch)
                 if len(slots):
                     self._answer(slots, seqs, channel.pending_generations)
                 if serving:

@@ -88,13 +88,14 @@ def load_kernels(require_interpreter: bool):
 class AttachedPass:
     """A search in place queued by :meth:`TorchEngine.search_attached_start`."""
 
-    __slots__ = ("side", "_event", "_finish", "_scales")
+    __slots__ = ("side", "_event", "_finish", "_scales", "_error")
 
     def __init__(self, side: int, event: "torch.cuda.Event | None") -> None:
         self.side = side  # the staging area it holds while in flight
         self._event = event
         self._finish: Callable[[], np.ndarray] | None = None
         self._scales: np.ndarray | None = None
+        self._error: BaseException | None = None
 
     @classmethod
     def finished(cls, scales: np.ndarray) -> "AttachedPass":
@@ -108,14 +109,24 @@ class AttachedPass:
 
     def done(self) -> bool:
         """Whether :meth:`finish` would return without waiting for the GPU."""
-        return self._scales is not None or self._event is None or self._event.query()
+        return self._scales is not None or self._error is not None or self._event is None or self._event.query()
 
     def finish(self) -> np.ndarray:
         """Waits for the answers to be in the buffer (fallbacks included); returns the scales
-        applied (the caller checks them as for :meth:`TorchEngine.search_attached`)."""
-        if self._scales is None:
-            self._scales = self._finish()
+        applied (the caller checks them as for :meth:`TorchEngine.search_attached`). A failure
+        is raised here, to each call, never to another pass's owner."""
+        self.finish_quietly()
+        if self._error is not None:
+            raise self._error
         return self._scales
+
+    def finish_quietly(self) -> None:
+        """:meth:`finish` with the failure kept for the owner (the engine settling its passes)."""
+        if self._scales is None and self._error is None:
+            try:
+                self._scales = self._finish()
+            except Exception as exc:  # noqa: BLE001 - kept: its owner's finish() raises it
+                self._error = exc
 
 
 class TorchEngine(Engine):
@@ -264,11 +275,30 @@ class TorchEngine(Engine):
 
     def settle(self) -> None:
         """Finishes the searches that search_start and search_attached_start queued (their
-        waiters then return the kept answers)."""
+        waiters then return the kept answers; a queued pass's failure is kept for its owner,
+        not raised to whoever settles it)."""
         if self._pending is not None:
             self._pending()
         while self._flights:
-            self._flights[0].finish()
+            self._flights[0].finish_quietly()
+
+    # Every change of the rows finishes the passes in flight first: a fallback re-run while
+    # settling must see the rows, the header's count and the device matrix as they were.
+    def add(self, *args, **kwargs) -> None:
+        self.settle()
+        super().add(*args, **kwargs)
+
+    def reserve(self, extra: int) -> None:
+        self.settle()
+        super().reserve(extra)
+
+    def delete(self, ids: np.ndarray) -> int:
+        self.settle()
+        return super().delete(ids)
+
+    def compact(self) -> None:
+        self.settle()
+        super().compact()
 
     def _resize(self, capacity: int) -> None:
         self.settle()
@@ -551,7 +581,7 @@ class TorchEngine(Engine):
         if self._pending is not None:
             self._pending()  # search_start's pass uses the first staging
         if len(self._flights) == 2:
-            self._flights[0].finish()
+            self._flights[0].finish_quietly()
         side = 1 - self._flights[0].side if self._flights else 0
         return self._attached_launch(query_at, scales, ids_at, scores_at, k, self.rows.simplify(flt), device_norms, side)
 
@@ -600,10 +630,10 @@ class TorchEngine(Engine):
         certified = kind != "f32" and n > fast_candidates(k)
 
         def finish() -> np.ndarray:
-            if event is not None:
-                event.synchronize()
             if flight in self._flights:  # first: a failure below must not leave it in flight
                 self._flights.remove(flight)
+            if event is not None:
+                event.synchronize()
             got = st.scales(nq) if device_norms else scales
             if not certified:
                 return got
