@@ -244,3 +244,32 @@ def test_where_clauses_and_time_windows_are_never_queued(loop):
     assert not engine.passes and engine.synchronous == 2  # one pass per filter
     assert _published(loop, [0, 1, 2, 3])
     assert all(int(channel.columns.status[s]) == 0 for s in range(4))
+
+
+def test_the_sweep_thread_keeps_a_pass_in_flight_apart_and_publishes_it_when_it_lands(loop):
+    """The real sweep (its own thread): a crowd's pass stays in flight while the GPU (the test)
+    holds it; the sweep neither queues its slots again nor sleeps meanwhile, and publishes
+    the answers as soon as the pass lands."""
+    import time
+
+    from conftest import wait_until
+
+    engine = loop.engine
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    try:
+        _submit(loop, [0, 1, 2])
+        os.eventfd_write(loop.channel.doorbell_fd, 1)  # as a client does when the sweep sleeps
+        wait_until(lambda: engine.passes, "the crowd's pass to be queued", timeout=5)
+        time.sleep(0.7)  # longer than the sweep's sleep timeout: it would have slept and looked again
+        assert len(engine.passes) == 1, "slots in flight were read and queued again"
+        assert not _published(loop, [0, 1, 2])
+        landed_at = time.perf_counter()
+        engine.passes[0].landed = True
+        wait_until(lambda: _published(loop, [0, 1, 2]), "the landed pass's answers", timeout=5, interval=0.0005)
+        assert time.perf_counter() - landed_at < 0.2, "the sweep slept with a pass in flight"
+    finally:
+        loop._stopping.set()
+        loop.channel.ring()
+        thread.join(5)
+    assert not thread.is_alive()
