@@ -533,7 +533,10 @@ class TorchEngine(Engine):
         caller checks them when it passed None: a query whose scale is zero, infinite or NaN
         (all zeros, or NaN / inf values) has no direction, and its answer is unspecified.
         """
-        query_at, scales, ids_at, scores_at, device_norms = self._attached_args(query_at, scales, ids_at, scores_at, k)
+        return self._attached_now(*self._attached_args(query_at, scales, ids_at, scores_at, k), k, flt)
+
+    def _attached_now(self, query_at, scales, ids_at, scores_at, device_norms: bool, k: int, flt: Filter) -> np.ndarray:
+        """search_attached of checked arguments (:meth:`_attached_args`), waited for."""
         nq = len(query_at)
         if nq == 0:
             return scales
@@ -576,8 +579,7 @@ class TorchEngine(Engine):
         nq = len(query_at)
         if (self.stagings[1] is None or nq == 0 or nq > self.max_batch
                 or self.rows.size == 0 or flt.where is not None):
-            return AttachedPass.finished(self.search_attached(query_at, None if device_norms else scales, ids_at,
-                                                              scores_at, k, flt))
+            return AttachedPass.finished(self._attached_now(query_at, scales, ids_at, scores_at, device_norms, k, flt))
         if self._pending is not None:
             self._pending()  # search_start's pass uses the first staging
         if len(self._flights) == 2:
