@@ -162,12 +162,15 @@ def test_operation_sequences_equal_in_memory_store(client8: Client, seed: int):
         r = gen.r.random()
         ops = [gen.op() for _ in range(gen.r.randint(2, 4))] if r < 0.15 else [gen.op()]
         # Reads see the state before the batch, as in InMemoryStore (computed before the puts).
-        want = expected(oracle, ops) if not any(isinstance(o, ListNamespacesOp) for o in ops) or len(ops) == 1 \
-            else None
-        if want is None:  # a batch listing namespaces and putting: list first, alone
-            continue
-        got = asyncio.run(kalos.abatch(ops)) if gen.r.random() < 0.3 else kalos.batch(ops)
-        same(got, want)
+        # A batch that lists namespaces runs one op at a time: expected() lists the namespaces
+        # holding items after the oracle's puts, not before. Skipping it instead would leave the
+        # generator believing in puts that never ran, and its next get would touch a namespace
+        # in InMemoryStore only (a leftover that changes InMemoryStore's namespace order).
+        mixed = len(ops) > 1 and any(isinstance(o, ListNamespacesOp) for o in ops)
+        for batch in ([op] for op in ops) if mixed else [ops]:
+            want = expected(oracle, batch)
+            got = asyncio.run(kalos.abatch(batch)) if gen.r.random() < 0.3 else kalos.batch(batch)
+            same(got, want)
     # The convenience API on top of batch, and a last full comparison.
     for ns in sorted(gen.used):
         same(kalos.search(ns, limit=100), oracle.search(ns, limit=100))
