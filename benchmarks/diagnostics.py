@@ -508,6 +508,8 @@ def gpu_main() -> int:
     ap.add_argument("--n", type=int, default=65536)
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--batches", default="", help="only profile the graphs of these batch sizes (e.g. 64,256)")
+    ap.add_argument("--precisions", default="exact,fast", help="with --batches: these precisions (default: both)")
+    ap.add_argument("--thresholds", default="on,off", help="with --batches: threshold selection on, off, or both")
     ap.add_argument("--final-tiles", action="store_true",
                     help="only time the fast Q=1 graph for several final-kernel tiles (single_final_tile, single_final_warps)")
     args = ap.parse_args()
@@ -526,9 +528,9 @@ def gpu_main() -> int:
         return 0
     if args.batches:
         batches = [int(b) for b in args.batches.split(",")]
-        for precision in ("exact", "fast"):
+        for precision in args.precisions.split(","):
             eng = build(args.n, args.dim, precision, max_batch=max(batches))
-            for threshold in (True, False):
+            for threshold in [t == "on" for t in args.thresholds.split(",")]:
                 eng.retune({"threshold_select": threshold})
                 for nq in batches:
                     emit(part="select", precision=precision, q=nq, threshold=threshold,

@@ -85,6 +85,12 @@ class FakeEngine:
         self.passes.append(queued)
         return queued
 
+    def attach_places(self, query_at, ids_at, scores_at, k_max) -> None:
+        assert np.array_equal(ids_at, self.loop._ids_at)  # one place per slot, in slot order
+
+    def search_places_start(self, places, k, flt=Filter()) -> FakePass:
+        return self.search_attached_start(None, None, self.loop._ids_at[places], None, k, flt)
+
 
 class NoExpiry:
     def expire_due(self) -> None:

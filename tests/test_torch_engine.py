@@ -699,6 +699,82 @@ def test_passes_in_flight_answer_as_search_attached_does(rng, precision, device)
         eng.detach_host()
 
 
+def places_buffer(n_places: int, dim: int, k_max: int):
+    """A page-aligned buffer holding ``n_places`` single queries and their answer areas, as the
+    sidecar's slots do: (buffer, query_at, ids_at, scores_at)."""
+    stride = dim + 3 * k_max + 16  # float32 elements per place
+    buf = mmap.mmap(-1, 4 * (n_places * stride + 16))
+    base = np.arange(n_places, dtype=np.int64) * stride
+    query_at = base + 4
+    scores_at = query_at + dim
+    ids_at = (scores_at + k_max + 2) // 2  # int64 elements: past the scores, 8-byte aligned
+    return buf, query_at, ids_at, scores_at
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=needs_interpreter),
+                                    pytest.param("cuda", marks=[cuda, needs_cuda])])
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_places_answer_as_the_float64_reference(rng, precision, device):
+    """search_places_start: passes that name declared places by index answer each place's query
+    as the float64 reference does (queries of any length, normalised on the device), two in
+    flight on their own staging areas; a query with no direction comes back with an unusable
+    scale; more places than a batch holds go through search_attached_start (at once) and are
+    right too, under a namespace filter; in fast mode a failed certificate is re-run from the
+    places."""
+    d, k, k_max, n_places = 32, 6, 8, 7
+    eng = TorchEngine(d, device=device, backend="triton", precision=precision, capacity=8, max_batch=4)
+    m = Mirror(eng, rng)
+    m.add(150)
+    base = rng.standard_normal(d)
+    m.add(40, base + 1e-5 * rng.standard_normal((40, d)))  # where fast mode's certificate fails
+    buf, query_at, ids_at, scores_at = places_buffer(n_places, d, k_max)
+    f32 = np.frombuffer(buf, np.float32)
+    raw = rng.standard_normal((n_places, d)) * rng.uniform(0.01, 100, (n_places, 1))
+    raw[2] = 50 * (base + 1e-4 * rng.standard_normal(d))  # next to the near-duplicates
+    raw[5] = 0.0  # no direction
+    for j in range(n_places):
+        f32[query_at[j] : query_at[j] + d] = raw[j]
+    unit = as_unit_rows(np.where(np.abs(raw).sum(axis=1, keepdims=True) > 0, raw, 1.0))
+    eng.attach_host(buf)
+    try:
+        with pytest.raises(InvalidArgument, match="attach_places"):
+            eng.search_places_start(np.array([0]), k)
+        eng.attach_places(query_at, ids_at, scores_at, k_max)
+        with pytest.raises(InvalidQuery, match="k="):
+            eng.search_places_start(np.array([0]), k_max + 1)
+        before = bytes(buf)
+        with pytest.raises(InvalidQuery):
+            eng.search_places_start(np.array([0]), 0)
+        assert bytes(buf) == before  # a refused pass writes nothing
+        batches = [np.array([0, 2, 5]), np.array([1, 3]), np.array([4, 6, 0, 2]), np.array([6, 5, 4, 3, 2, 1])]
+        passes = []
+        for places in batches[:3]:
+            passes.append(eng.search_places_start(places, k))
+            assert len(eng._flights) <= 2
+        assert [p.side for p in passes] == [0, 1, 0]
+        # Then more places than a batch holds: searched at once, in batches, under a namespace.
+        flts = [Filter()] * 3 + [Filter(namespace=1)]
+        for i, (places, flt) in enumerate(zip(batches, flts)):
+            queued = passes[i] if i < 3 else eng.search_places_start(places, k, flt)
+            scales = queued.finish()
+            assert queued.done()
+            usable = np.isfinite(scales) & (scales > 0)
+            assert usable.tolist() == [p != 5 for p in places.tolist()]
+            got_ids, got_sc = read_attached(buf, ids_at[places], scores_at[places], k)
+            for row, place in enumerate(places.tolist()):
+                if place != 5:
+                    (ref_ids, ref_sc), = m.reference(unit[place : place + 1], flt)
+                    assert_topk(got_ids[row], got_sc[row], ref_ids, ref_sc, k)
+        if precision == "fast":
+            assert eng.stats["fallbacks"] >= 1
+        with pytest.raises(InvalidArgument, match="outside"):
+            eng.attach_places(query_at, ids_at, scores_at + len(f32), k_max)
+    finally:
+        eng.detach_host()
+    with pytest.raises(InvalidArgument, match="attach_places"):  # detached: the places went too
+        eng.search_places_start(np.array([0]), k)
+
+
 @needs_interpreter
 def test_a_compaction_finishes_the_pass_in_flight_before_the_rows_move(rng):
     """A writer (here a compaction) while a fast pass whose certificate fails is in flight: the

@@ -59,6 +59,8 @@ class RowTable:
         self.live_count = 0
         self._row_of: dict[int, int] = {}
         self._masks: dict[Filter, np.ndarray] = {}
+        # A filter without its namespace condition, made once: simplify() runs on every pass.
+        self._without_namespace: dict[Filter, Filter] = {}
         # Live rows per namespace id: a filter on a namespace that holds every live row is
         # no filter at all, and engines skip the mask for it.
         self.namespace_live: collections.Counter[int] = collections.Counter()
@@ -142,7 +144,12 @@ class RowTable:
         if flt.where is not None and flt.where.is_trivial:
             flt = dataclasses.replace(flt, where=None)
         if flt.namespace is not None and self.namespace_live[flt.namespace] == self.live_count:
-            return dataclasses.replace(flt, namespace=None)
+            plain = self._without_namespace.get(flt)
+            if plain is None:
+                if len(self._without_namespace) >= 1024:  # clients sweeping time windows
+                    self._without_namespace.clear()
+                plain = self._without_namespace[flt] = dataclasses.replace(flt, namespace=None)
+            return plain
         return flt
 
     def should_compact(self) -> bool:
@@ -220,7 +227,8 @@ class Engine(ABC):
     supports_search_start: bool = False
     #: ``attach_host(buffer)``, ``detach_host()``, ``search_attached(...)`` and its queued form
     #: ``search_attached_start(...)``: queries read and answers written in place in a host
-    #: buffer (the sidecar's segment: zero copy).
+    #: buffer (the sidecar's segment: zero copy); ``attach_places(...)`` and
+    #: ``search_places_start(places, k, flt)``: single queries at places of it declared once.
     supports_attached_host: bool = False
     #: ``bind_stream()``, ``unbind_stream()``: the calling thread's GPU work on the engine's stream.
     supports_streams: bool = False

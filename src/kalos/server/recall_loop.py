@@ -201,17 +201,20 @@ class RecallLoop:
         the answers into them; whether it does now."""
         if not self.engine.supports_attached_host:
             return False
-        try:
-            self.engine.attach_host(buffer)
-        except Exception as exc:  # noqa: BLE001 - serving through host copies still works
-            log.warning("zero-copy off: the GPU engine could not attach the shared segment (%s)", exc)
-            return False
         layout = self.layout
         base = np.array([layout.slot_offset(s) for s in range(layout.n_slots)], np.int64)
         # Element offsets (float32 queries and scores, int64 ids) of each slot's row 0.
         self._query_at = (base + layout.queries_offset) // 4
         self._ids_at = (base + layout.ids_offset) // 8
         self._scores_at = (base + layout.scores_offset) // 4
+        try:
+            self.engine.attach_host(buffer)
+            # A crowd's pass then names its slots, each checked once here (search_places_start).
+            self.engine.attach_places(self._query_at, self._ids_at, self._scores_at, layout.max_k)
+        except Exception as exc:  # noqa: BLE001 - serving through host copies still works
+            log.warning("zero-copy off: the GPU engine could not attach the shared segment (%s)", exc)
+            self.engine.detach_host()
+            return False
         self.zero_copy = True
         return True
 
@@ -398,9 +401,7 @@ class RecallLoop:
             return True
         if self.zero_copy and self._polling.server is None and flt.where is None:
             try:
-                search = self.engine.search_attached_start(
-                    self._query_at[slots], None, self._ids_at[slots], self._scores_at[slots], int(ks[0]), flt
-                )
+                search = self.engine.search_places_start(slots, int(ks[0]), flt)
             except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
                 log.exception("engine search failed")
                 for index in slots.tolist():

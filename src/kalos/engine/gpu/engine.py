@@ -46,7 +46,7 @@ from kalos.engine.base import MISSING_ID, Engine, Filter
 from kalos.engine.gpu.bounds import fast_error_terms, int8_error_terms
 from kalos.engine.gpu.buffers import AttachedHost, HostBuffer, Staging, fill_header, register_host_buffer
 from kalos.engine.gpu.columns import DeviceColumns
-from kalos.engine.gpu.layout import check_kernel_layout
+from kalos.engine.gpu.layout import TAB_WORDS, TABLE, check_kernel_layout
 from kalos.engine.gpu.pipeline import Pipeline
 from kalos.engine.gpu.planner import (
     DEFAULT_TUNING,
@@ -234,6 +234,16 @@ class TorchEngine(Engine):
         self._where_dev: tuple[np.ndarray, torch.Tensor] | None = None
         self._graph_pool = None
         self._attached: AttachedHost | None = None  # see attach_host
+        # attach_places: a gather-table row per place (query, ids, scores; scale NaN: the
+        # device normalises), checked once, and the largest k their answers hold.
+        self._places: np.ndarray | None = None
+        self._places_k = 0
+        # One CUDA event per staging side, recorded again by each pass that takes the side (a
+        # side is taken only once the pass that held it finished: search_attached_start).
+        self._side_events: list = [None, None]
+        # (nq, k, filtered, rows in use, capacity) -> (kind, graph key, certified): what a
+        # queued pass's launch derives from its shape, derived once (_launch_plan).
+        self._launch_plans: dict[tuple, tuple] = {}
         #: The rows on the device (:class:`~kalos.engine.gpu.columns.DeviceColumns`).
         self.columns = DeviceColumns(dim, self.rows.capacity, dev, half=_HALF_DTYPES[half] if precision == "fast"
                                      else None, int8=int8)
@@ -507,6 +517,7 @@ class TorchEngine(Engine):
         self._graphs = {key: g for key, g in self._graphs.items() if not key[-1]}
         host = self._attached.host
         self._attached = None
+        self._places = None
         host.unregister()
 
     def search_attached(
@@ -577,15 +588,67 @@ class TorchEngine(Engine):
         no rows) it runs here, and the pass returned is done. Arguments are checked here."""
         query_at, scales, ids_at, scores_at, device_norms = self._attached_args(query_at, scales, ids_at, scores_at, k)
         nq = len(query_at)
-        if (self.stagings[1] is None or nq == 0 or nq > self.max_batch
-                or self.rows.size == 0 or flt.where is not None):
+        if not self._queueable(nq, flt):
             return AttachedPass.finished(self._attached_now(query_at, scales, ids_at, scores_at, device_norms, k, flt))
+        return self._attached_launch(query_at, scales, ids_at, scores_at, k, self.rows.simplify(flt), device_norms,
+                                     self._free_side())
+
+    def attach_places(self, query_at: np.ndarray, ids_at: np.ndarray, scores_at: np.ndarray, k_max: int) -> None:
+        """Declares, once, where single queries live in the attached buffer and where their
+        answers go: place ``j`` is the query at float32 element ``query_at[j]``, its ids at
+        int64 element ``ids_at[j]`` and its scores at float32 element ``scores_at[j]`` (up to
+        ``k_max`` of each), as for :meth:`search_attached`. Checked here, so that
+        :meth:`search_places_start` names places by index and checks nothing per pass (the
+        sidecar's slots, one place each). Replaces earlier places; detach_host forgets them."""
+        if self._attached is None:
+            raise InvalidArgument("attach_places needs a buffer: call attach_host first")
+        self._check_k(k_max)
+        query_at, _scales, ids_at, scores_at, _device = self._attached_args(query_at, None, ids_at, scores_at, k_max)
+        table = np.empty((len(query_at), TAB_WORDS), np.int64)
+        table[:, TABLE.query_at] = query_at
+        table[:, TABLE.ids_at] = ids_at
+        table[:, TABLE.scores_at] = scores_at
+        table.view(np.float64)[:, TABLE.scale] = np.nan  # the stage-in kernel normalises (NORM)
+        self._places, self._places_k = table, int(k_max)
+
+    def search_places_start(self, places: np.ndarray, k: int, flt: Filter = Filter()) -> "AttachedPass":
+        """:meth:`search_attached_start` of the single queries at ``places`` (indices of the
+        places :meth:`attach_places` declared; int64, each at most once), normalised on the
+        device: the sweep's pass of a crowd, with nothing but ``k`` to check per pass. The
+        pass's ``finish()`` returns the scales applied, as search_attached_start's does."""
+        table = self._places
+        if table is None:
+            raise InvalidArgument("search_places_start needs attach_places first")
+        if not (type(k) is int and 1 <= k <= self._places_k):
+            self._check_k(k)
+            raise InvalidQuery(f"k={k} is more than the places hold ({self._places_k})")
+        nq = len(places)
+        if not self._queueable(nq, flt):
+            rows = table[places]
+            return self.search_attached_start(rows[:, TABLE.query_at], None, rows[:, TABLE.ids_at],
+                                              rows[:, TABLE.scores_at], k, flt)
+        side = self._free_side()
+        self.stagings[side].h_tab[:nq] = table[places]
+        def where_from() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            rows = table[places]
+            return rows[:, TABLE.query_at], rows[:, TABLE.ids_at], rows[:, TABLE.scores_at]
+
+        return self._queue_pass(nq, k, self.rows.simplify(flt), True, side, None, where_from)
+
+    def _queueable(self, nq: int, flt: Filter) -> bool:
+        """Whether a pass of ``nq`` attached queries under ``flt`` can be queued (two staging
+        areas, Triton on CUDA, rows to scan, no where mask); else it runs at once."""
+        return (self.stagings[1] is not None and 0 < nq <= self.max_batch and self.rows.size > 0
+                and flt.where is None)
+
+    def _free_side(self) -> int:
+        """The staging side a new queued pass takes: the one no unfinished pass holds (with two
+        in flight, the oldest is finished first)."""
         if self._pending is not None:
             self._pending()  # search_start's pass uses the first staging
         if len(self._flights) == 2:
             self._flights[0].finish_quietly()
-        side = 1 - self._flights[0].side if self._flights else 0
-        return self._attached_launch(query_at, scales, ids_at, scores_at, k, self.rows.simplify(flt), device_norms, side)
+        return 1 - self._flights[0].side if self._flights else 0
 
     def _attached_args(self, query_at, scales, ids_at, scores_at, k: int) -> tuple:
         """search_attached's arguments checked: int64 offsets inside the buffer, float64 scales
@@ -617,19 +680,41 @@ class TorchEngine(Engine):
         """Queues one batch of at most ``max_batch`` attached queries on staging ``side``
         (``flt`` simplified, no where); its pass is in flight until finished."""
         nq = len(query_at)
+        self.stagings[side].set_table(nq, query_at, ids_at, scores_at, scales)
+        return self._queue_pass(nq, k, flt, device_norms, side, scales, lambda: (query_at, ids_at, scores_at))
+
+    def _launch_plan(self, nq: int, k: int, flt: Filter, device_norms: bool, side: int) -> tuple[tuple, bool]:
+        """(graph key, certified) of a queued pass of ``nq`` attached queries on staging
+        ``side``, derived once per shape and rows in use (the plans and graphs a key names
+        go with a retune, and so do these)."""
         n = self.rows.size
+        shape = (nq, k, flt.is_trivial, device_norms, side, n, self.rows.capacity)
+        plan = self._launch_plans.get(shape)
+        if plan is None:
+            if len(self._launch_plans) > 256:  # the rows in use change with every add
+                self._launch_plans.clear()
+            kind = self.scan_kind(nq, k, self.precision)
+            key = self._key(kind, nq, k, flt, True, True, True, device_norms, side)
+            plan = self._launch_plans[shape] = (key, kind != "f32" and n > fast_candidates(k))
+        return plan
+
+    def _queue_pass(self, nq: int, k: int, flt: Filter, device_norms: bool, side: int, scales,
+                    where_from: Callable[[], tuple]) -> "AttachedPass":
+        """Queues the pass whose gather table staging ``side`` holds already; ``scales``: the
+        host's (None with ``device_norms``); ``where_from()``: the batch's (query_at, ids_at,
+        scores_at), read only by a fallback re-run."""
         st = self.stagings[side]
-        kind = self.scan_kind(nq, k, self.precision)
-        self.fill_header(n, nq, k, flt, staging=st)
-        st.set_table(nq, query_at, ids_at, scores_at, scales)
+        key, certified = self._launch_plan(nq, k, flt, device_norms, side)
+        self.fill_header(self.rows.size, nq, k, flt, staging=st)
         self.stats["searches"] += nq
-        self._run(self._key(kind, nq, k, flt, True, True, True, device_norms, side), None, wait=False)
+        self._run(key, None, wait=False)
         event = None
         if self.on_gpu:
-            event = torch.cuda.Event()
+            event = self._side_events[side]
+            if event is None:
+                event = self._side_events[side] = torch.cuda.Event()
             event.record(self._stream)
         flight = AttachedPass(side, event)
-        certified = kind != "f32" and n > fast_candidates(k)
 
         def finish() -> np.ndarray:
             if flight in self._flights:  # first: a failure below must not leave it in flight
@@ -639,13 +724,17 @@ class TorchEngine(Engine):
             got = st.scales(nq) if device_norms else scales
             if not certified:
                 return got
-            failed = st.r_status[:nq] != 0
+            status = st.r_status[:nq]
+            if not status.any():
+                return got
+            failed = status != 0
             if device_norms:  # a query with no direction has no answer to certify
                 failed &= np.isfinite(got) & (got > 0)
             bad = np.flatnonzero(failed)
             if len(bad):  # the certificate failed: redo those queries with the float32 scan
                 self.settle()  # (the other pass in flight may hold the first staging, which the scan uses)
                 self.stats["fallbacks"] += len(bad)
+                query_at, ids_at, scores_at = where_from()
                 queries = self._gather(query_at[bad], got[bad])
                 ids = np.empty((len(bad), k), np.int64)
                 scores = np.empty((len(bad), k), np.float32)
@@ -813,6 +902,7 @@ class TorchEngine(Engine):
         self.stats["graph_captures"] += 1
 
     def _drop_graphs(self) -> None:
+        self._launch_plans.clear()
         self._graphs.clear()
         self._uncapturable.clear()
         self._graph_pool = None  # a pool id with no live graph may not be captured into again
