@@ -26,7 +26,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kalos.ipc.sync as sync_module
 from kalos.errors import InvalidArgument, ProtocolMismatch, SidecarUnavailable
 from kalos.ipc.channel import ClientChannel, Endpoint, Segment, SidecarChannel
 from kalos.ipc.protocol import (
@@ -449,45 +448,6 @@ def test_napping_clients_need_no_wake_up_and_fall_back_to_sleep(harness):
     # ones only for answers later than the window: the late ones, and others that the GIL of
     # this one-process harness delays (each late answer holds up its whole pass).
     assert 0 < len(rings) < 3 * 700 // 4, len(rings)
-
-
-def test_a_nap_sleeps_through_most_of_the_usual_wait_then_looks_often(harness, monkeypatch):
-    """A napping client's first sleep covers NAP_FIRST_SHARE of the time its answers have been
-    taking (a moving average it keeps), later ones NAP_S; the average follows what it sees."""
-    import kalos.ipc.channel as channel_module
-
-    h = harness(n_slots=1, max_batch=1)
-    client = h.add_client(spin_s=0.0)
-    sleeps: list[float] = []
-    answer_after = {"naps": 3}
-
-    def fake_nap(seconds: float) -> None:  # the sidecar answers once the client napped 3 times
-        sleeps.append(seconds)
-        if len(sleeps) == answer_after["naps"]:
-            h.side.columns.resp_seq[0] = client.slot.req_seq[0]
-
-    monkeypatch.setattr(channel_module, "nap", fake_nap)
-    client._answer_s = 400e-6
-    seq = client.submit()
-    assert client._nap(seq)
-    first, *rest = sleeps
-    assert ClientChannel.NAP_FIRST_SHARE * 400e-6 - 50e-6 < first <= ClientChannel.NAP_FIRST_SHARE * 400e-6
-    assert rest == [ClientChannel.NAP_S] * 2
-    assert client._answer_s != 400e-6  # moved toward the wait it saw
-    # A client whose answers come fast sleeps NAP_S at a time from the start.
-    sleeps.clear()
-    client._answer_s = 10e-6
-    answer_after["naps"] = 1
-    seq = client.submit()
-    assert client._nap(seq) and sleeps == [ClientChannel.NAP_S]
-
-
-@pytest.mark.skipif(sync_module.nap is time.sleep, reason="kalos.ipc._fence has no precise_sleep here")
-def test_precise_sleep_refuses_a_bad_duration():
-    for bad in (-1.0, float("nan"), 2.0):
-        with pytest.raises(ValueError, match="seconds"):
-            sync_module.nap(bad)
-    sync_module.nap(0.0)
 
 
 def test_clients_past_the_cores_spin_yielding_and_need_no_wake_up(harness, monkeypatch):

@@ -61,21 +61,22 @@ def _install() -> None:
         current["q"] = len(slots)
         return real_answer(self, slots, seqs, generations)
 
-    real_start = engine_mod.TorchEngine.search_attached_start
+    def timed(real_start):
+        def start(self, first, *args, **kwargs):
+            import torch
 
-    def start(self, query_at, scales, ids_at, scores_at, k, flt=None):
-        import torch
+            ev0 = torch.cuda.Event(enable_timing=True)
+            ev0.record(self._stream)
+            flight = real_start(self, first, *args, **kwargs)
+            ev1 = torch.cuda.Event(enable_timing=True)
+            ev1.record(self._stream)
+            rec = [current.get("read", 0.0), clock(), len(first), ev0, ev1, 0.0, 0.0,
+                   cpu() - current.get("read_cpu", 0.0), 0.0]
+            passes.append(rec)
+            current["flight_" + str(id(flight))] = rec
+            return flight
 
-        ev0 = torch.cuda.Event(enable_timing=True)
-        ev0.record(self._stream)
-        flight = real_start(self, query_at, scales, ids_at, scores_at, k, *(() if flt is None else (flt,)))
-        ev1 = torch.cuda.Event(enable_timing=True)
-        ev1.record(self._stream)
-        rec = [current.get("read", 0.0), clock(), len(query_at), ev0, ev1, 0.0, 0.0,
-               cpu() - current.get("read_cpu", 0.0), 0.0]
-        passes.append(rec)
-        current["flight_" + str(id(flight))] = rec
-        return flight
+        return start
 
     real_land = loop_mod.RecallLoop._land
 
@@ -104,7 +105,9 @@ def _install() -> None:
     channel_mod.SidecarChannel.pending = pending
     channel_mod.SidecarChannel.publish = publish
     loop_mod.RecallLoop._answer = answer
-    engine_mod.TorchEngine.search_attached_start = start
+    engine_mod.TorchEngine.search_attached_start = timed(engine_mod.TorchEngine.search_attached_start)
+    if hasattr(engine_mod.TorchEngine, "search_places_start"):  # (the trees before it have none)
+        engine_mod.TorchEngine.search_places_start = timed(engine_mod.TorchEngine.search_places_start)
     loop_mod.RecallLoop._land = land
     atexit.register(dump)
 

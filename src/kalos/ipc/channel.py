@@ -10,9 +10,8 @@ traffic is hot (no system call on the hot path), then announces that it is going
 a ``*_sleeping`` word and blocks in ``poll`` on an eventfd doorbell. The other side rings the
 doorbell only when it sees that word set, after a full fence (see :mod:`kalos.ipc.sync` for why
 the fence is needed on both sides). A client spins only while every client can have a core;
-past two clients per core it first naps (timed sleeps, re-reading its sequence number, for up
-to 2 ms) so that the sidecar need not write its wake-up: it sleeps through most of the time its
-answers have been taking, then looks every 25 us. A client's poll also
+past two clients per core it first naps (timed sleeps of 100 us, re-reading its sequence
+number, for up to 2 ms) so that the sidecar need not write its wake-up. A client's poll also
 watches its control socket: when the sidecar dies the kernel closes that socket and the client
 wakes at once; a sidecar that hangs is noticed through its heartbeat stamp going stale.
 """
@@ -35,7 +34,7 @@ import numpy as np
 from kalos.config import runtime_dir
 from kalos.errors import InvalidArgument, ProtocolMismatch, SidecarUnavailable
 from kalos.ipc.protocol import HEADER_DTYPE, HeaderView, Layout, SlotColumns, SlotView
-from kalos.ipc.sync import full_fence, nap
+from kalos.ipc.sync import full_fence
 
 __all__ = ["Endpoint", "Segment", "ClientChannel", "SidecarChannel", "SidecarExited"]
 
@@ -197,11 +196,8 @@ class SidecarExited(SidecarUnavailable):
 class ClientChannel:
     """A client's end of one slot: submit a request, wait for its answer."""
 
-    NAP_S = 25e-6
+    NAP_S = 100e-6
     NAP_WINDOW_S = 2e-3
-    # The first nap sleeps through this share of the time the client's answers have been
-    # taking (a moving average): waking once, just before the answer, instead of every NAP_S.
-    NAP_FIRST_SHARE = 0.75
 
     def __init__(
         self,
@@ -235,8 +231,6 @@ class ClientChannel:
         self._spin_clients = cores - 1
         self._nap_clients = 2 * cores
         self._seq = int(self.slot.req_seq[0])
-        self._submitted = 0.0  # perf_counter() at the latest submit()
-        self._answer_s = 100e-6  # moving average of submit-to-answer time while napping
         self._poller = select.poll()
         self._poller.register(wake_fd, select.POLLIN)
         self._poller.register(control, select.POLLIN | select.POLLHUP | select.POLLERR)
@@ -249,7 +243,6 @@ class ClientChannel:
         slot = self.slot
         seq = self._seq + 1
         self._seq = seq
-        self._submitted = time.perf_counter()
         full_fence()  # release: the request fields and query rows are visible before req_seq
         slot.req_seq[0] = seq
         full_fence()  # store req_seq, then load sidecar_sleeping (Dekker, see kalos.ipc.sync)
@@ -283,24 +276,17 @@ class ClientChannel:
         return int(slot.status[0])
 
     def _nap(self, seq: int) -> bool:
-        """Waits for ``seq``'s answer for up to ``NAP_WINDOW_S``, woken by this client's own
-        timer; True once it is there. Used while clients outnumber the cores twice over: the
-        wake-ups the sweep writes at the end of each pass (one per sleeper, one after another)
-        took a third of the sweep (issue 18; BENCHMARKS.md). It first sleeps through
-        ``NAP_FIRST_SHARE`` of the time its answers have been taking, then looks every
-        ``NAP_S``; the sleeps carry no timer slack (:data:`kalos.ipc.sync.nap`)."""
+        """Polls ``resp_seq`` between short timed sleeps (``NAP_S``) for up to ``NAP_WINDOW_S``;
+        True once ``seq`` is answered. Used while clients outnumber the cores twice over: a
+        napping client is woken by its own core's timer, not by the sidecar, whose wake-ups are
+        written one after another at the end of each pass, several microseconds each, so that
+        with many sleepers they took a third of the sweep (issue 18; BENCHMARKS.md)."""
         resp_seq = self.slot.resp_seq
-        clock = time.perf_counter
-        now = clock()
-        until = now + self.NAP_WINDOW_S
-        first = self._submitted + self.NAP_FIRST_SHARE * self._answer_s - now
-        if first > self.NAP_S:
-            nap(min(first, self.NAP_WINDOW_S))
+        until = time.perf_counter() + self.NAP_WINDOW_S
         while resp_seq[0] != seq:
-            if clock() >= until:
+            if time.perf_counter() >= until:
                 return False
-            nap(self.NAP_S)
-        self._answer_s += (clock() - self._submitted - self._answer_s) * 0.125
+            time.sleep(self.NAP_S)
         return True
 
     def _block(self, seq: int) -> None:

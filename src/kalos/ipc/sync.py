@@ -25,8 +25,7 @@ channel needs two orderings, and this module is where both come from.
    is allowed on *both* x86-64 and aarch64, so without a full fence on both sides each could
    read the other's old value and the wake-up would be lost. :func:`full_fence` is that fence.
 
-The fence comes from ``kalos.ipc._fence`` (a small C extension built at install, which also
-gives the napping clients a sleep without timer slack: :data:`nap`). Where it
+The fence comes from ``kalos.ipc._fence`` (a ten-line C extension built at install). Where it
 could not be built, x86-64 falls back to acquiring and releasing a lock: CPython's lock is a
 pthread mutex or semaphore whose acquire is a ``lock``-prefixed read-modify-write, and every
 locked instruction is a full barrier on x86-64. That argument does not hold on aarch64
@@ -36,12 +35,11 @@ from __future__ import annotations
 
 import platform
 import threading
-import time
 from typing import Callable
 
 from kalos.errors import KalosError
 
-__all__ = ["full_fence", "FENCE_IMPLEMENTATION", "nap"]
+__all__ = ["full_fence", "FENCE_IMPLEMENTATION"]
 
 
 def _lock_fence_factory() -> Callable[[], None]:
@@ -68,11 +66,3 @@ except ImportError:  # pragma: no cover - depends on how the package was built
         ) from None
     full_fence = _lock_fence_factory()
     FENCE_IMPLEMENTATION = "lock (x86-64 fallback)"
-
-#: ``nap(seconds)``: a sleep that the kernel does not postpone by the thread's timer slack
-#: (50 us by default), from the same extension; ``time.sleep`` where it is missing.
-nap: Callable[[float], None]
-try:
-    from kalos.ipc._fence import precise_sleep as nap  # type: ignore[attr-defined,no-redef]
-except ImportError:  # pragma: no cover - depends on how the package was built
-    nap = time.sleep
