@@ -363,11 +363,13 @@ class TorchEngine(Engine):
             # where-filtered passes replay its address (_run). A new capacity dropped every
             # graph already (_resize).
             live = cached[1] if cached is not None and cached[1].numel() == cap else None
-            if live is None:
-                live = torch.zeros(cap, dtype=torch.uint8, device=self.torch_device)
             host = np.zeros(cap, dtype=np.uint8)
             host[: len(mask)] = mask
             with self.on_stream():  # ordered after any pass that read the previous mask
+                if live is None:
+                    # (Made on this stream too: a fill on another one could land after the copy,
+                    # and the first scan would then see no row; it did in a CUDA test.)
+                    live = torch.empty(cap, dtype=torch.uint8, device=self.torch_device)
                 live.copy_(torch.from_numpy(host))
             self._where_dev = cached = (mask, live)
         return _NO_FILTER, cached[1]
@@ -765,8 +767,11 @@ class TorchEngine(Engine):
         scores = np.full((nq, k), -np.inf, np.float32)
         live = None
         if mask is not None:
-            live = torch.zeros(self.rows.capacity, dtype=torch.uint8, device=self.torch_device)
-            live[:n].copy_(torch.from_numpy(mask.view(np.uint8)))
+            # Made and filled on the engine's stream, which the search then runs on: on another
+            # stream its fill and copy would be unordered with the scan that reads them.
+            with self.on_stream():
+                live = torch.zeros(self.rows.capacity, dtype=torch.uint8, device=self.torch_device)
+                live[:n].copy_(torch.from_numpy(mask.view(np.uint8)))
         self._search_rows(queries, k, Filter(), rows, scores, want_ids=False, live=live)
         return rows, scores
 
