@@ -13,7 +13,7 @@ import pytest
 from conftest import unique_name
 
 from kalos.engine import Filter
-from kalos.errors import ErrorCode
+from kalos.errors import ErrorCode, InvalidArgument
 from kalos.ipc.channel import Segment, SidecarChannel
 from kalos.ipc.protocol import Layout, Op, RequestFlag
 from kalos.server.cohort import Cohort
@@ -57,10 +57,10 @@ class FakeEngine:
         return 1
 
     def attach_host(self, buffer) -> None:
-        pass
+        self.attached = True
 
     def detach_host(self) -> None:
-        pass
+        self.attached = False
 
     def _slots(self, ids_at: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.loop._ids_at, ids_at)
@@ -86,7 +86,14 @@ class FakeEngine:
         return queued
 
     def attach_places(self, query_at, ids_at, scores_at, k_max) -> None:
-        assert np.array_equal(ids_at, self.loop._ids_at)  # one place per slot, in slot order
+        # One place per slot, in slot order: row 0 of each slot's queries, ids and scores.
+        layout = self.loop.layout
+        base = np.array([layout.slot_offset(s) for s in range(layout.n_slots)])
+        assert np.array_equal(query_at, (base + layout.queries_offset) // 4)
+        assert np.array_equal(ids_at, (base + layout.ids_offset) // 8)
+        assert np.array_equal(scores_at, (base + layout.scores_offset) // 4)
+        assert k_max == layout.max_k
+        self.places_attached = True
 
     def search_places_start(self, places, k, flt=Filter()) -> FakePass:
         return self.search_attached_start(None, None, self.loop._ids_at[places], None, k, flt)
@@ -279,3 +286,16 @@ def test_the_sweep_thread_keeps_a_pass_in_flight_apart_and_publishes_it_when_it_
         loop.channel.ring()
         thread.join(5)
     assert not thread.is_alive()
+
+
+def test_an_engine_that_refuses_the_places_is_detached_and_zero_copy_is_off(loop):
+    """attach() with an engine that takes the segment but refuses the slots' places: the engine
+    gives the segment back and the loop answers through host copies (zero copy off)."""
+    engine = loop.engine
+
+    def refuse(*_args) -> None:
+        raise InvalidArgument("no places here")
+
+    engine.attach_places = refuse
+    assert not loop.attach(bytearray(4096))
+    assert engine.attached is False and loop.zero_copy is False

@@ -199,6 +199,7 @@ class RecallLoop:
     def attach(self, buffer: Any) -> bool:
         """Lets a GPU engine read the queries in the slots of ``buffer`` (the segment) and write
         the answers into them; whether it does now."""
+        self.zero_copy = False
         if not self.engine.supports_attached_host:
             return False
         layout = self.layout

@@ -241,8 +241,8 @@ class TorchEngine(Engine):
         # One CUDA event per staging side, recorded again by each pass that takes the side (a
         # side is taken only once the pass that held it finished: search_attached_start).
         self._side_events: list = [None, None]
-        # (nq, k, filtered, rows in use, capacity) -> (kind, graph key, certified): what a
-        # queued pass's launch derives from its shape, derived once (_launch_plan).
+        # (nq, k, filtered, device norms, side, rows in use, capacity) -> (graph key, certified):
+        # what a queued pass's launch derives from its shape, derived once (_launch_plan).
         self._launch_plans: dict[tuple, tuple] = {}
         #: The rows on the device (:class:`~kalos.engine.gpu.columns.DeviceColumns`).
         self.columns = DeviceColumns(dim, self.rows.capacity, dev, half=_HALF_DTYPES[half] if precision == "fast"
@@ -266,6 +266,11 @@ class TorchEngine(Engine):
         #: The error-bound terms per scan kind (:mod:`kalos.engine.gpu.bounds`).
         self.error_terms = errors
         self._torch = TorchPath(self.columns, self.rows, on_stream=self.on_stream, errors=errors, stats=self.stats)
+        if self._stream is not None:
+            # The columns and staging areas above were filled (ids -1, scales 1, ...) on the
+            # caller's stream; the engine's own stream, which does not wait for it by itself,
+            # orders every later use after those fills.
+            self._stream.wait_stream(torch.cuda.current_stream(dev))
 
     # -- storage ------------------------------------------------------------------------------
 
@@ -614,28 +619,32 @@ class TorchEngine(Engine):
         self._places, self._places_k = table, int(k_max)
 
     def search_places_start(self, places: np.ndarray, k: int, flt: Filter = Filter()) -> "AttachedPass":
-        """:meth:`search_attached_start` of the single queries at ``places`` (indices of the
-        places :meth:`attach_places` declared; int64, each at most once), normalised on the
-        device: the sweep's pass of a crowd, with nothing but ``k`` to check per pass. The
-        pass's ``finish()`` returns the scales applied, as search_attached_start's does."""
+        """:meth:`search_attached_start` of the single queries at ``places`` (a 1-d integer array
+        of indices of the places :meth:`attach_places` declared), normalised on the device:
+        the sweep's pass of a crowd, which checks only that ``k`` and the indices are in range.
+        The pass's ``finish()`` returns the scales applied, as search_attached_start's does."""
         table = self._places
         if table is None:
             raise InvalidArgument("search_places_start needs attach_places first")
-        if not (type(k) is int and 1 <= k <= self._places_k):
-            self._check_k(k)
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= self._places_k:
+            self._check_k(k)  # (names a k that is no integer, or out of [1, MAX_K])
             raise InvalidQuery(f"k={k} is more than the places hold ({self._places_k})")
+        k = int(k)
+        if not (isinstance(places, np.ndarray) and places.ndim == 1 and places.dtype.kind in "iu"):
+            raise InvalidArgument("places must be a 1-d integer array of place indices")
         nq = len(places)
+        if nq:
+            lo, hi = (int(places[0]),) * 2 if nq == 1 else (int(places.min()), int(places.max()))
+            if lo < 0 or hi >= len(table):
+                raise InvalidArgument(f"places must be in [0, {len(table)}): got {lo}..{hi}")
+        rows = table[places]  # (a copy: the caller may reuse its array while the pass flies)
         if not self._queueable(nq, flt):
-            rows = table[places]
             return self.search_attached_start(rows[:, TABLE.query_at], None, rows[:, TABLE.ids_at],
                                               rows[:, TABLE.scores_at], k, flt)
         side = self._free_side()
-        self.stagings[side].h_tab[:nq] = table[places]
-        def where_from() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            rows = table[places]
-            return rows[:, TABLE.query_at], rows[:, TABLE.ids_at], rows[:, TABLE.scores_at]
-
-        return self._queue_pass(nq, k, self.rows.simplify(flt), True, side, None, where_from)
+        self.stagings[side].h_tab[:nq] = rows
+        return self._queue_pass(nq, k, self.rows.simplify(flt), True, side, None,
+                                lambda: (rows[:, TABLE.query_at], rows[:, TABLE.ids_at], rows[:, TABLE.scores_at]))
 
     def _queueable(self, nq: int, flt: Filter) -> bool:
         """Whether a pass of ``nq`` attached queries under ``flt`` can be queued (two staging
