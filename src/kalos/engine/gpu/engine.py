@@ -30,7 +30,15 @@ that the sidecar's sweep prepares (and queues) the next crowd's pass while the G
 one: the host's share of a pass then hides behind the device's. Two such passes may be in
 flight, each with a staging area of its own (the host words the kernels read at run time and
 the status words they write); the device-side buffers are shared, which stream order makes
-safe. Any other use of the engine finishes them first (:meth:`TorchEngine.settle`).
+safe. Any other use of the engine finishes them first (:meth:`TorchEngine.settle`). The
+sweep's crowds take :meth:`TorchEngine.search_places_start`: the slots' offsets are declared
+once (:meth:`TorchEngine.attach_places`) and a pass names its slots, so that the host's share
+of a pass (checks, table, header, launch) stays below the device's.
+
+Length: over 900 lines, one job (the engine over its parts). The searches in place in an
+attached buffer (``search_attached*``, ``attach_places``, ``search_places_start``, the queued
+pass and its handle :class:`AttachedPass`) are a third of it and could stand as a module of
+their own; they share the staging sides, the graphs and ``settle`` with the rest.
 """
 from __future__ import annotations
 
@@ -605,8 +613,9 @@ class TorchEngine(Engine):
         answers go: place ``j`` is the query at float32 element ``query_at[j]``, its ids at
         int64 element ``ids_at[j]`` and its scores at float32 element ``scores_at[j]`` (up to
         ``k_max`` of each), as for :meth:`search_attached`. Checked here, so that
-        :meth:`search_places_start` names places by index and checks nothing per pass (the
-        sidecar's slots, one place each). Replaces earlier places; detach_host forgets them."""
+        :meth:`search_places_start` names places by index and checks only the indices and ``k``
+        per pass (the sidecar's slots, one place each). Replaces earlier places; detach_host
+        forgets them."""
         if self._attached is None:
             raise InvalidArgument("attach_places needs a buffer: call attach_host first")
         self._check_k(k_max)
