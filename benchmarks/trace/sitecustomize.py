@@ -21,11 +21,16 @@ def _install() -> None:
 
     import kalos.ipc.channel as channel_mod
     import kalos.server.recall_loop as loop_mod
-    from kalos.engine.gpu import engine as engine_mod
+
+    try:
+        from kalos.engine.gpu import engine as engine_mod
+    except ImportError:  # no torch here: the turnaround alone is traced
+        engine_mod = None
 
     clock = time.perf_counter
     cpu = time.thread_time
-    passes: list = []  # [t_read, t_queued, q, start_event, end_event, t_landed, t_published, cohort_wait]
+    # [t_read, t_queued, q, start_event, end_event, t_landed, t_published, queue_cpu, land_cpu]
+    passes: list = []
     turnaround: list = []
     published_at = np.zeros(4096)
     seen_seq = np.zeros(4096, np.uint64)
@@ -105,9 +110,10 @@ def _install() -> None:
     channel_mod.SidecarChannel.pending = pending
     channel_mod.SidecarChannel.publish = publish
     loop_mod.RecallLoop._answer = answer
-    engine_mod.TorchEngine.search_attached_start = timed(engine_mod.TorchEngine.search_attached_start)
-    if hasattr(engine_mod.TorchEngine, "search_places_start"):  # (the trees before it have none)
-        engine_mod.TorchEngine.search_places_start = timed(engine_mod.TorchEngine.search_places_start)
+    if engine_mod is not None:
+        engine_mod.TorchEngine.search_attached_start = timed(engine_mod.TorchEngine.search_attached_start)
+        if hasattr(engine_mod.TorchEngine, "search_places_start"):  # (the trees before it have none)
+            engine_mod.TorchEngine.search_places_start = timed(engine_mod.TorchEngine.search_places_start)
     loop_mod.RecallLoop._land = land
     atexit.register(dump)
 
