@@ -653,7 +653,7 @@ class TorchEngine(Engine):
         side = self._free_side()
         self.stagings[side].h_tab[:nq] = rows
         return self._queue_pass(nq, k, self.rows.simplify(flt), True, side, None,
-                                lambda: (rows[:, TABLE.query_at], rows[:, TABLE.ids_at], rows[:, TABLE.scores_at]))
+                                rows[:, TABLE.query_at], rows[:, TABLE.ids_at], rows[:, TABLE.scores_at])
 
     def _queueable(self, nq: int, flt: Filter) -> bool:
         """Whether a pass of ``nq`` attached queries under ``flt`` can be queued (two staging
@@ -701,7 +701,7 @@ class TorchEngine(Engine):
         (``flt`` simplified, no where); its pass is in flight until finished."""
         nq = len(query_at)
         self.stagings[side].set_table(nq, query_at, ids_at, scores_at, scales)
-        return self._queue_pass(nq, k, flt, device_norms, side, scales, lambda: (query_at, ids_at, scores_at))
+        return self._queue_pass(nq, k, flt, device_norms, side, scales, query_at, ids_at, scores_at)
 
     def _launch_plan(self, nq: int, k: int, flt: Filter, device_norms: bool, side: int) -> tuple[tuple, bool]:
         """(graph key, certified) of a queued pass of ``nq`` attached queries on staging
@@ -719,10 +719,10 @@ class TorchEngine(Engine):
         return plan
 
     def _queue_pass(self, nq: int, k: int, flt: Filter, device_norms: bool, side: int, scales,
-                    where_from: Callable[[], tuple]) -> "AttachedPass":
+                    query_at: np.ndarray, ids_at: np.ndarray, scores_at: np.ndarray) -> "AttachedPass":
         """Queues the pass whose gather table staging ``side`` holds already; ``scales``: the
-        host's (None with ``device_norms``); ``where_from()``: the batch's (query_at, ids_at,
-        scores_at), read only by a fallback re-run."""
+        host's (None with ``device_norms``); ``query_at``, ``ids_at``, ``scores_at``: the
+        table's offsets again, which only a fallback re-run reads."""
         st = self.stagings[side]
         key, certified = self._launch_plan(nq, k, flt, device_norms, side)
         self.fill_header(self.rows.size, nq, k, flt, staging=st)
@@ -754,7 +754,6 @@ class TorchEngine(Engine):
             if len(bad):  # the certificate failed: redo those queries with the float32 scan
                 self.settle()  # (the other pass in flight may hold the first staging, which the scan uses)
                 self.stats["fallbacks"] += len(bad)
-                query_at, ids_at, scores_at = where_from()
                 queries = self._gather(query_at[bad], got[bad])
                 ids = np.empty((len(bad), k), np.int64)
                 scores = np.empty((len(bad), k), np.float32)
