@@ -335,6 +335,9 @@ def scale_run(args: argparse.Namespace) -> None:
             query = {q: embedder.embed([q])[0] for q in QUESTIONS}
             bare = timed(lambda q: c.recall(query[q], k=8, namespace=NAMESPACE), rounds)
             rows.append(("  of which: recall of the embedded question (shared memory, no texts)", *pct(bare)))
+            found = {q: c.recall(query[q], k=8, namespace=NAMESPACE).ids for q in QUESTIONS}
+            fetch = timed(lambda q: c.get(found[q]), rounds)
+            rows.append(("  of which: the get of the hits' texts (control socket)", *pct(fetch)))
             side_hits = {q: [h.id for h in c.recall_text(q, k=8, namespace=NAMESPACE)] for q in QUESTIONS}
             print(f"uptime after the sidecar's recalls: {os.popen('uptime').read().strip()}")
 
@@ -395,7 +398,7 @@ def main() -> None:
     parser.add_argument("--filler", choices=["embed", "random"], default="embed",
                         help="the scaled run's filler: synthetic sentences of the passages' words embedded by the "
                         "sidecar, or random unit vectors with short texts (default: %(default)s)")
-    parser.add_argument("--embed-runtime", choices=["torch", "onnx", "auto"], default="torch",
+    parser.add_argument("--embed-runtime", choices=["torch", "onnx", "graphs", "auto"], default="torch",
                         help="the scaled run's sidecar embedder runtime (default: %(default)s)")
     parser.add_argument("--serve-args", default="",
                         help="more kalos serve options for the scaled run's sidecar, given with an = sign: "

@@ -635,3 +635,43 @@ def test_an_answer_is_not_published_to_a_slot_that_changed_hands_during_its_pass
     assert h.side.pending()[0].tolist() == [0], "the newcomer's request is still to be answered"
     h.side.publish(*h.side.pending(), h.side.pending_generations)
     assert int(h.side.slots[0].resp_seq[0]) == newcomer_seq
+
+
+def test_the_sweeps_spin_sees_free_requests_only_and_releases_the_gil():
+    """kalos.ipc._fence.spin_pending: True once a slot that is active and not busy holds an
+    unanswered request; False at its timeout otherwise; and the GIL is free while it looks."""
+    from kalos.ipc.sync import spin_pending
+
+    if spin_pending is None:
+        pytest.skip("the native extension is not built here (the sweep then spins in Python)")
+    n = 8
+    words = np.zeros((n, 4), np.uint64)
+    req_seq = words[:, 1]  # strided, as the slots' column is
+    answered = np.zeros(n, np.uint64)
+    active = np.zeros(n, bool)
+    busy = np.zeros(n, bool)
+    assert spin_pending(req_seq, answered, active, busy, 1_000_000) is False
+    req_seq[3] = 5  # a request in a slot nobody holds: not pending
+    assert spin_pending(req_seq, answered, active, busy, 1_000_000) is False
+    active[3] = True
+    busy[3] = True  # its pass is in flight already
+    assert spin_pending(req_seq, answered, active, busy, 1_000_000) is False
+    busy[3] = False
+    assert spin_pending(req_seq, answered, active, busy, 10_000_000_000) is True
+    answered[3] = 5
+    assert spin_pending(req_seq, answered, active, busy, 1_000_000) is False
+
+    # A request that arrives while it looks ends the look. Storing it takes the GIL: held by
+    # the look, the store would wait for its 30 s timeout, and the look would answer False.
+    seen: list[bool] = []
+    looker = threading.Thread(target=lambda: seen.append(spin_pending(req_seq, answered, active, busy, 30_000_000_000)))
+    looker.start()
+    time.sleep(0.2)
+    req_seq[3] = 6
+    looker.join(DEADLINE_S)
+    assert seen == [True]
+
+    for bad in ((req_seq, answered[:4], active, busy), (req_seq, answered, active.astype(np.int32), busy),
+                (req_seq, answered.astype(np.uint32), active, busy)):
+        with pytest.raises(ValueError, match="req_seq|answered|active|busy"):
+            spin_pending(*bad, 1)

@@ -295,12 +295,81 @@ def test_onnx_impossible_falls_back_to_sentence_transformers_with_a_reason(monke
     assert isinstance(embedder, FakeST) and embedder.runtime == "torch (cpu)"
     assert made[0][1]["device"] == "cpu" and made[0][1]["local_files_only"] is True
     assert "ONNX runtime" in caplog.text and "the exporter is broken here" in caplog.text
-    # On a GPU sidecar auto is sentence-transformers on its (first) GPU, without trying ONNX.
+    # On a GPU sidecar auto is the CUDA graphs on its (first) GPU, without trying ONNX; when
+    # they are impossible, sentence-transformers there, with the reason logged.
+    import kalos.server.embed_graphs as eg
+
     made.clear()
+    graphed = []
+
+    def no_graphs(model, device):
+        graphed.append(device)
+        raise RuntimeError("capture refused")
+
     monkeypatch.setattr(se, "onnx_embedder", lambda: pytest.fail("ONNX tried on a GPU sidecar"))
-    assert se.load_embedder("auto", "cuda:1,cuda:2").runtime == "torch (cuda:1)"
+    monkeypatch.setattr(eg, "GraphedEmbedder", no_graphs)
+    monkeypatch.setattr(se, "_model_path", lambda: Path("/nonexistent/model"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kalos.client.embed"):
+        assert se.load_embedder("auto", "cuda:1,cuda:2").runtime == "torch (cuda:1)"
+    assert graphed == ["cuda:1"] and "capture refused" in caplog.text
+    with pytest.raises(EmbedderUnavailable, match="graphs needs a GPU"):
+        se.load_embedder("graphs", "cpu")
     with pytest.raises(ValueError, match="embed runtime"):
         se.load_embedder("tensorrt", "cpu")
+
+
+def _graphed(device: str):
+    from kalos.server.embed_graphs import GraphedEmbedder
+    from kalos.server.sidecar_embed import _model_path
+
+    return GraphedEmbedder(_model_path(), device)
+
+
+def _graph_texts() -> list[str]:
+    # Passages of Python's help (long: truncated at the model's 256 tokens), short questions,
+    # facts, and more texts than one run holds (MAX_RUN).
+    return ([p.text for p in passages()[::40][:20]] + list(PYDOC_QUESTIONS) + FACTS + [q for q, _ in QUESTIONS]
+            + [p.text[:80] for p in passages()[::7][:30]])
+
+
+def test_the_graph_buckets_equal_sentence_transformers_on_real_text():
+    """The GPU runtime's padding into shape buckets, run eagerly on the CPU device: the same
+    vectors as sentence-transformers, whatever bucket a text lands in."""
+    from kalos.server.embed_graphs import MAX_RUN, MIN_TOKENS
+
+    graphed = _graphed("cpu")
+    assert graphed.runtime.startswith("buckets (cpu")
+    texts = _graph_texts()
+    assert len(texts) > MAX_RUN
+    reference = default_embedder().embed(texts)
+    batched = graphed.embed(texts)
+    alone = np.vstack([graphed.embed([t]) for t in texts[:24]])
+    assert _cosines(batched, reference).min() >= 0.9999
+    assert _cosines(alone, reference[:24]).min() >= 0.9999
+    np.testing.assert_allclose(np.linalg.norm(batched, axis=1), 1.0, atol=1e-5)
+    texts_per_bucket, tokens_per_bucket = zip(*graphed.buckets)
+    assert max(texts_per_bucket) == MAX_RUN and min(tokens_per_bucket) == MIN_TOKENS
+    assert max(tokens_per_bucket) == graphed.max_tokens  # the long passages: truncated, not refused
+    with pytest.raises(InvalidArgument, match="empty"):
+        graphed.embed(["fine", "  "])
+
+
+@pytest.mark.cuda
+def test_the_gpu_runtime_replays_graphs_equal_to_sentence_transformers():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kalos.server.sidecar_embed import load_embedder
+
+    graphed = load_embedder("auto", "cuda")
+    assert graphed.runtime == "graphs (cuda)", "auto on a GPU sidecar: the CUDA graphs"
+    texts = _graph_texts()
+    reference = default_embedder().embed(texts)
+    assert _cosines(graphed.embed(texts), reference).min() >= 0.9999
+    alone = np.vstack([graphed.embed([t]) for t in texts[:24]])
+    assert _cosines(alone, reference[:24]).min() >= 0.9999
+    assert all(graphed._buckets[b].graph is not None for b in graphed.buckets)
 
 
 def test_a_big_request_is_embedded_in_slices_beside_the_small_ones(monkeypatch):

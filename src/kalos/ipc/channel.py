@@ -34,7 +34,7 @@ import numpy as np
 from kalos.config import runtime_dir
 from kalos.errors import InvalidArgument, ProtocolMismatch, SidecarUnavailable
 from kalos.ipc.protocol import HEADER_DTYPE, HeaderView, Layout, SlotColumns, SlotView
-from kalos.ipc.sync import full_fence
+from kalos.ipc.sync import full_fence, spin_pending
 
 __all__ = ["Endpoint", "Segment", "ClientChannel", "SidecarChannel", "SidecarExited"]
 
@@ -473,6 +473,17 @@ class SidecarChannel:
             self.pending_generations = self.generation[ready]  # for publish(..., generations=)
         full_fence()  # acquire: req_seq was read before the request fields and rows
         return ready, seqs
+
+    def spin_for_request(self, timeout_s: float, busy: np.ndarray) -> None:
+        """Spins until a request may be pending in a slot that is not ``busy`` (a bool mask),
+        or ``timeout_s``: a hint, :meth:`pending` reads the requests. The looks run without the
+        GIL (kalos.ipc._fence.spin_pending), so that a control thread (a hello, a get) runs at
+        once instead of after the interpreter's switch interval; without the extension, one
+        yield of the core."""
+        if spin_pending is None:
+            os.sched_yield()
+            return
+        spin_pending(self.columns.req_seq, self.answered, self.active, busy, int(timeout_s * 1e9))
 
     def requested(self, slots: np.ndarray) -> np.ndarray:
         """Which of ``slots`` hold an unanswered request (a peek: :meth:`pending` reads them)."""

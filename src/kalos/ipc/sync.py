@@ -39,7 +39,7 @@ from typing import Callable
 
 from kalos.errors import KalosError
 
-__all__ = ["full_fence", "FENCE_IMPLEMENTATION"]
+__all__ = ["full_fence", "FENCE_IMPLEMENTATION", "spin_pending"]
 
 
 def _lock_fence_factory() -> Callable[[], None]:
@@ -66,3 +66,11 @@ except ImportError:  # pragma: no cover - depends on how the package was built
         ) from None
     full_fence = _lock_fence_factory()
     FENCE_IMPLEMENTATION = "lock (x86-64 fallback)"
+
+
+try:
+    # The sweep's wait for a request with the GIL released (see _fence.c); None without the
+    # extension, where the sweep spins in Python as before.
+    from kalos.ipc._fence import spin_pending  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - depends on how the package was built
+    spin_pending = None

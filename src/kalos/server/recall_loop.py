@@ -311,10 +311,10 @@ class RecallLoop:
             if len(slots) or serving:
                 last_work = clock()
             elif clock() - last_work < spin_s:
-                # Hot: keep sweeping, but hand the GIL to a waiting control thread at once
-                # instead of after the interpreter's 5 ms switch interval. sched_yield, not
-                # time.sleep(0): a timed sleep may be stretched by the kernel's timer slack.
-                os.sched_yield()
+                # Hot: watch the slots until the spin window ends, with the GIL released, so
+                # that a control thread (a hello, an embed, a get) runs at once instead of after
+                # the interpreter's 5 ms switch interval.
+                channel.spin_for_request(last_work + spin_s - clock(), self._in_flight)
             else:
                 channel.sleep(timeout_s=0.5)
                 last_work = clock() - spin_s  # spin again only once a request has arrived

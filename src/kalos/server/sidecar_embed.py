@@ -18,10 +18,14 @@ Runtimes of the packaged all-MiniLM-L6-v2 (:func:`load_embedder`):
   model files and the versions of the packages that made it; a cached graph loads without
   torch. Each fresh export is checked against sentence-transformers on probe sentences
   (cosine >= 0.9999 each) before it is kept. Nothing is downloaded.
-* ``torch``: sentence-transformers, on the sidecar's GPU when it has one (the default there).
+* ``graphs`` (the default on a GPU sidecar): the same model on the sidecar's GPU, each forward
+  pass a replay of a captured CUDA graph (:mod:`kalos.server.embed_graphs`), checked against
+  sentence-transformers at load.
+* ``torch``: sentence-transformers as it is (eager), on the sidecar's device.
 
-When ONNX is impossible (a package missing, the export or its check failing) the sidecar logs
-why and uses sentence-transformers instead; it never fails a request for it.
+When ONNX or the graphs are impossible (a package missing, the export, a capture or a check
+failing) the sidecar logs why and uses sentence-transformers instead; it never fails a request
+for it.
 """
 from __future__ import annotations
 
@@ -55,8 +59,8 @@ log = logging.getLogger("kalos.client.embed")
 
 #: ``kalos serve --embed``: when the sidecar loads its model (or never).
 EMBED_MODES = ("lazy", "start", "off")
-#: ``kalos serve --embed-runtime``: auto is onnx on a CPU sidecar, torch on a GPU one.
-EMBED_RUNTIMES = ("auto", "onnx", "torch")
+#: ``kalos serve --embed-runtime``: auto is onnx on a CPU sidecar, graphs on a GPU one.
+EMBED_RUNTIMES = ("auto", "onnx", "graphs", "torch")
 #: What one embedding call of the service takes from its queue (EmbedService._work): at most
 #: this many texts, and about this many characters (a text counted up to _TEXT_CHARS: the model
 #: reads 256 tokens of it at most), shared among the pending requests: a call then takes about
@@ -284,6 +288,17 @@ def load_embedder(runtime: str = "auto", device: str = "cpu") -> Any:
     torch_device = str(device).split(",")[0] if on_gpu else "cpu"
     if torch_device == "cuda:all":
         torch_device = "cuda"
+    if runtime == "graphs" and not on_gpu:
+        raise EmbedderUnavailable("--embed-runtime graphs needs a GPU sidecar (--device cuda); this one runs on "
+                                  f"{device}: use onnx or torch")
+    if runtime == "graphs" or (runtime == "auto" and on_gpu):
+        from kalos.server.embed_graphs import GraphedEmbedder
+
+        try:
+            return GraphedEmbedder(model, torch_device)
+        except Exception as exc:  # noqa: BLE001 - any failure of the faster runtime keeps the model
+            log.warning("the CUDA graphs of %s are not available (%s: %s); embedding with sentence-transformers",
+                        DEFAULT_MODEL, type(exc).__name__, exc)
     embedder = SentenceTransformerEmbedder(str(model), name=DEFAULT_MODEL, device=torch_device, local_files_only=True)
     embedder.runtime = f"torch ({torch_device})"  # type: ignore[attr-defined]
     return embedder

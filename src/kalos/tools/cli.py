@@ -80,12 +80,13 @@ def _build_parser() -> argparse.ArgumentParser:
                        "first text does not wait (costs ~150 MB of memory even if no text comes); off: clients must "
                        "embed themselves. "
                        "Needs pip install 'kalos-recall[embed]' where the sidecar runs (default: %(default)s)")
-    serve.add_argument("--embed-runtime", choices=["auto", "onnx", "torch"], default="auto",
+    serve.add_argument("--embed-runtime", choices=["auto", "onnx", "graphs", "torch"], default="auto",
                        help="how the sidecar runs the embedder: onnx (ONNX Runtime over a graph exported once from "
                        "the packaged weights and cached under ~/.cache/kalos; same vectors within cosine 0.9999, "
-                       "about twice as fast on a small CPU), torch (sentence-transformers), auto (onnx on a CPU sidecar, "
-                       "torch on the GPU of a GPU sidecar). When onnx is not possible the sidecar logs why and uses "
-                       "torch (default: %(default)s)")
+                       "about twice as fast on a small CPU), graphs (the model on the sidecar's GPU, each forward pass "
+                       "a replay of a captured CUDA graph, checked against sentence-transformers at load), torch "
+                       "(sentence-transformers as it is), auto (onnx on a CPU sidecar, graphs on a GPU sidecar). When "
+                       "onnx or graphs are not possible the sidecar logs why and uses torch (default: %(default)s)")
     serve.add_argument("--seed-compat", action="store_true",
                        help="also serve the seed article's recall_shm_t protocol (top-8 over all namespaces)")
     serve.add_argument("--seed-compat-shm", default="/kalos_recall_shm",

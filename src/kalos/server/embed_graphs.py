@@ -1,0 +1,192 @@
+"""The packaged model on a GPU as replays of captured CUDA graphs (``--embed-runtime graphs``).
+
+Why. sentence-transformers' forward pass of one short text launches about a hundred small
+kernels from Python, one after another, and returns in milliseconds on a GPU that would run
+those kernels in a fraction of that (issue 20: on the H200 the embedding was most of a
+``recall_text``). Replayed from a captured CUDA graph, the pass costs the kernels' own time.
+
+How. The ``tokenizers`` fast tokenizer cuts the texts as :class:`OnnxEmbedder` does (truncated
+to the model's ``max_seq_length``, unpadded). A call's texts are sorted by length and split
+into runs of at most :data:`MAX_RUN` texts; each run is padded to a bucket, a power of two of
+texts and a power of two of tokens (at least :data:`MIN_TOKENS`, at most ``max_seq_length``),
+whose graph is captured on first use: the transformer, the mean over the unmasked tokens and
+the L2 normalisation, from one static input buffer to one static output. Padding tokens are
+masked out of the attention and the mean, so a text's vector does not depend on its bucket
+beyond float rounding; every load checks the vectors against sentence-transformers' on probe
+texts of several lengths (cosine >= 0.9999 each, as the ONNX export is checked), and a model
+that fails the check is not used (the sidecar falls back to sentence-transformers).
+
+On PyTorch's CPU device (the tests) the same buckets run eagerly, without graphs.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from kalos.client.embed import DEFAULT_DIM, DEFAULT_MODEL, _check_output, _load_sentence_transformer
+from kalos.validation import check_embed_texts
+
+__all__ = ["GraphedEmbedder", "MAX_RUN", "MIN_TOKENS"]
+
+#: Most texts one replay embeds (a call of more texts replays several graphs).
+MAX_RUN = 32
+#: The narrowest token bucket: shorter texts share one graph.
+MIN_TOKENS = 16
+#: Buckets captured at load (texts, tokens): what one agent's query usually needs.
+_WARM_BUCKETS = ((1, 16), (1, 32))
+
+
+def _pow2_at_least(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << (max(1, n) - 1).bit_length())
+
+
+class _Bucket:
+    """One padded shape: its input buffer (ids, attention mask, token types), its output, and
+    the graph that maps one to the other (None on the CPU device)."""
+
+    __slots__ = ("texts", "tokens", "host", "device_in", "host_out", "out", "graph")
+
+    def __init__(self, texts: int, tokens: int, torch: Any, device: Any, pinned: bool) -> None:
+        self.texts, self.tokens = texts, tokens
+        self.host = torch.zeros((3, texts, tokens), dtype=torch.int64, pin_memory=pinned)
+        self.device_in = torch.zeros((3, texts, tokens), dtype=torch.int64, device=device)
+        self.host_out = torch.empty((texts, DEFAULT_DIM), dtype=torch.float32, pin_memory=pinned)
+        self.out: Any = None
+        self.graph: Any = None
+
+
+class GraphedEmbedder:
+    """all-MiniLM-L6-v2 on ``device`` ("cuda", "cuda:N"; "cpu" runs the buckets eagerly): an
+    :class:`~kalos.client.embed.Embedder` whose forward passes are CUDA graph replays."""
+
+    def __init__(self, model: Path, device: str = "cuda") -> None:
+        import torch
+        from tokenizers import Tokenizer
+
+        from kalos.server.sidecar_embed import _pooling_config
+
+        self._torch = torch
+        self.name = DEFAULT_MODEL
+        self.dim = DEFAULT_DIM
+        self.device = torch.device(device)
+        self._on_gpu = self.device.type == "cuda"
+        self.runtime = f"graphs ({self.device})" if self._on_gpu else f"buckets ({self.device}, no graphs)"
+        self.max_tokens, self._normalise = _pooling_config(model)
+        self.tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+        self.tokenizer.enable_truncation(max_length=self.max_tokens)
+        self.tokenizer.no_padding()
+        self._pad_id = int((self.tokenizer.padding or {}).get("pad_id", 0))
+        self._reference = _load_sentence_transformer(str(model), device=str(self.device), local_files_only=True)
+        self._transformer = self._reference[0].auto_model.eval()
+        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._stream = torch.cuda.Stream(self.device) if self._on_gpu else None
+        self._pool = torch.cuda.graph_pool_handle() if self._on_gpu else None
+        self._lock = threading.Lock()
+        for texts, tokens in _WARM_BUCKETS:
+            self._bucket(texts, min(tokens, self.max_tokens))
+        self._check()
+        self._reference = None  # (the check was its last use: its weights are the transformer's)
+
+    # -- the forward pass ----------------------------------------------------------------
+
+    def _forward(self, inputs: Any) -> Any:
+        ids, mask, types = inputs[0], inputs[1], inputs[2]
+        tokens = self._transformer(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+        weights = mask.unsqueeze(-1).to(tokens.dtype)
+        mean = (tokens * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+        return self._torch.nn.functional.normalize(mean, p=2, dim=1) if self._normalise else mean
+
+    def _bucket(self, texts: int, tokens: int) -> _Bucket:
+        """The bucket of that shape, its graph captured on first use."""
+        bucket = self._buckets.get((texts, tokens))
+        if bucket is not None:
+            return bucket
+        torch = self._torch
+        bucket = _Bucket(texts, tokens, torch, self.device, self._on_gpu)
+        bucket.host[1, :, 0] = 1  # every row attends to something: an all-masked row is NaN
+        bucket.device_in.copy_(bucket.host)
+        with torch.inference_mode():
+            if not self._on_gpu:
+                bucket.out = self._forward(bucket.device_in)
+            else:
+                stream = self._stream
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # lazy initialisations (cuBLAS handles, kernels) before the capture
+                        self._forward(bucket.device_in)
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                    bucket.out = self._forward(bucket.device_in)
+                bucket.graph = graph
+        self._buckets[(texts, tokens)] = bucket
+        return bucket
+
+    def _run(self, bucket: _Bucket, n: int) -> np.ndarray:
+        """The vectors of the first ``n`` rows of ``bucket.host`` (filled by the caller)."""
+        torch = self._torch
+        if not self._on_gpu:
+            bucket.device_in.copy_(bucket.host)
+            with torch.inference_mode():
+                return self._forward(bucket.device_in)[:n].numpy().copy()
+        with torch.cuda.stream(self._stream):
+            bucket.device_in.copy_(bucket.host, non_blocking=True)
+            bucket.graph.replay()
+            bucket.host_out.copy_(bucket.out, non_blocking=True)
+        self._stream.synchronize()
+        return bucket.host_out[:n].numpy().copy()
+
+    # -- the Embedder interface ----------------------------------------------------------
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        texts = check_embed_texts(texts)
+        out = np.empty((len(texts), self.dim), np.float32)
+        if not texts:
+            return out
+        with self._lock:
+            encoded = self.tokenizer.encode_batch(texts)
+            order = sorted(range(len(texts)), key=lambda i: len(encoded[i].ids))
+            for start in range(0, len(order), MAX_RUN):
+                run = order[start:start + MAX_RUN]
+                width = len(encoded[run[-1]].ids)  # the longest of the run (sorted)
+                bucket = self._bucket(_pow2_at_least(len(run)), min(_pow2_at_least(width, MIN_TOKENS), self.max_tokens))
+                host = bucket.host.numpy()
+                host[0] = self._pad_id
+                host[1] = 0
+                host[2] = 0
+                host[1, :, 0] = 1  # (padding rows: see _bucket)
+                for row, i in enumerate(run):
+                    e = encoded[i]
+                    n = len(e.ids)
+                    host[0, row, :n] = e.ids
+                    host[1, row, :n] = e.attention_mask
+                    host[2, row, :n] = e.type_ids
+                out[run] = self._run(bucket, len(run))
+        return _check_output(out, len(texts), self.dim, self.name)
+
+    def _check(self, minimum: float = 0.9999) -> float:
+        """The least cosine between these vectors and sentence-transformers' own for probe texts
+        of several lengths and scripts (at load); RuntimeError below ``minimum``."""
+        from kalos.server.sidecar_embed import _PROBES
+
+        reference_model = self._reference
+        texts = list(_PROBES)
+        mine = self.embed(texts).astype(np.float64)
+        theirs = reference_model.encode(texts, convert_to_numpy=True, normalize_embeddings=True,
+                                        show_progress_bar=False).astype(np.float64)
+        cosines = np.einsum("ij,ij->i", mine, theirs) / (np.linalg.norm(mine, axis=1) * np.linalg.norm(theirs, axis=1))
+        least = float(cosines.min())
+        if not least >= minimum:
+            raise RuntimeError(f"the graphed model disagrees with sentence-transformers (cosine {least:.6f})")
+        return least
+
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        """The (texts, tokens) shapes captured so far."""
+        return sorted(self._buckets)
+
+    def __repr__(self) -> str:
+        return f"GraphedEmbedder({self.name!r}, dim={self.dim}, device={str(self.device)!r})"
