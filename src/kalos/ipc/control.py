@@ -64,14 +64,19 @@ def send_frame(
     sock: socket.socket, message: dict[str, Any], blob: bytes | memoryview = b"", *, on_wait: Waiter | None = None,
 ) -> None:
     body = encode_message(message)
+    head = _PREFIX.pack(len(body), len(blob)) + body
+    if len(blob) and len(blob) <= _JOINED_BLOB_BYTES:
+        # One send, so the peer wakes once: a second send for the blob cost each small reply (an
+        # embedding, ids) a wake-up of the reader, and its sender the switch back.
+        head, blob = head + bytes(blob), b""
     if on_wait is None:
-        sock.sendall(_PREFIX.pack(len(body), len(blob)) + body)
+        sock.sendall(head)
         if len(blob):
             sock.sendall(blob)
         return
     # send() in a loop rather than sendall(): sendall() that times out does not say how much it
     # sent, and a peer that stopped reading (SIGSTOP) must not hold the caller past its deadline.
-    _send_all(sock, _PREFIX.pack(len(body), len(blob)) + body, on_wait)
+    _send_all(sock, head, on_wait)
     if len(blob):
         _send_all(sock, blob, on_wait)
 
@@ -89,6 +94,10 @@ def _send_all(sock: socket.socket, data: bytes | memoryview, on_wait: Waiter) ->
         except TimeoutError:
             on_wait(True, time.monotonic() - idle_since)
 
+
+#: Blobs up to this size travel in the same send as their frame's JSON (a copy of the blob);
+#: larger ones in a send of their own, uncopied.
+_JOINED_BLOB_BYTES = 1 << 16
 
 # The first buffer of a frame: small, because a peer may announce a large frame and then send
 # nothing; the buffer grows (doubling) only as bytes actually arrive.

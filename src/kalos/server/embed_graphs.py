@@ -147,7 +147,9 @@ class GraphedEmbedder:
         if not texts:
             return out
         with self._lock:
-            encoded = self.tokenizer.encode_batch(texts)
+            # One text (an agent's query): encode, not encode_batch, which hands the work to the
+            # tokenizer's thread pool and waits for one of its threads to wake.
+            encoded = self.tokenizer.encode_batch(texts) if len(texts) > 1 else [self.tokenizer.encode(texts[0])]
             order = sorted(range(len(texts)), key=lambda i: len(encoded[i].ids))
             for start in range(0, len(order), MAX_RUN):
                 run = order[start:start + MAX_RUN]

@@ -6,7 +6,8 @@ vectors as usual, so a client needs NumPy only. :class:`EmbedService` loads the 
 (lazily on the first text, or in the background at start with ``kalos serve --embed start``)
 and runs one embedding call for whatever texts are pending when the previous call ends (a
 slice of each big request, so an import does not hold up the agents' queries), so concurrent
-``recall_text`` calls of many agents share a forward pass.
+``recall_text`` calls of many agents share a forward pass; a short request that finds nobody
+embedding runs the model in its own thread, without the queue's hand-offs.
 
 Runtimes of the packaged all-MiniLM-L6-v2 (:func:`load_embedder`):
 
@@ -67,6 +68,9 @@ EMBED_RUNTIMES = ("auto", "onnx", "graphs", "torch")
 #: a second on a small CPU whatever the texts, so that an agent's query that arrives during an
 #: import waits for one such call, not for the import.
 _MAX_PENDING_TEXTS = 256
+#: Texts a request may have and still be embedded in its caller's thread when nobody else is
+#: embedding (EmbedService.embed): an agent's query, not an import's slice.
+_INLINE_TEXTS = 8
 _CALL_CHARS = 16_000
 _TEXT_CHARS = 2_000
 #: Texts per ONNX forward pass, sorted by token count first so that a pass pads little; and
@@ -339,6 +343,9 @@ class EmbedService:
         self._worker: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._closed = False
+        # Held by whoever runs the model now (the worker, or a caller embedding in its own
+        # thread: see embed).
+        self._running = threading.Lock()
         self.calls = 0  # embedding calls made, and the texts they took (stats)
         self.texts = 0
 
@@ -400,6 +407,17 @@ class EmbedService:
     def embed(self, texts: list[str]) -> np.ndarray:
         """``float32 [len(texts), dim]``, unit rows. ``texts`` were checked by the caller."""
         embedder = self.load()
+        if len(texts) <= _INLINE_TEXTS and self._queue.empty() and self._running.acquire(blocking=False):
+            # Nobody else is embedding: this thread runs the model itself, without the two
+            # thread hand-offs of the queue (a short query is what an agent's recall_text sends,
+            # and on a GPU its embedding is a fraction of a millisecond).
+            try:
+                vectors = embedder.embed(texts)
+            finally:
+                self._running.release()
+            self.calls += 1
+            self.texts += len(vectors)
+            return vectors
         pending = _Pending(texts, embedder.dim)
         with self._start_lock:
             if self._worker is None:
@@ -457,7 +475,8 @@ class EmbedService:
                 for p, a, b in parts:
                     rows = p.rows(a, b)
                     texts += p.texts[rows] if isinstance(rows, slice) else [p.texts[i] for i in rows]
-                vectors = self._embedder.embed(texts)
+                with self._running:
+                    vectors = self._embedder.embed(texts)
                 self.calls += 1
                 self.texts += len(vectors)
                 at = 0
