@@ -10,11 +10,18 @@
  * an add, a get) that wants it then waits for the interpreter's switch interval (5 ms), since
  * the sweep takes the lock back before the waiting thread wakes. Here the looks run with the
  * lock released.
+ *
+ * same_rows(), pending_slots(), publish_slots(): the sweep's per-pass reads and writes of the
+ * slots' words, which in NumPy are a dozen calls on arrays of a few dozen items, each costing
+ * more in the call than in the work (issue 18: the sweep's share of a crowd's pass). The
+ * layout stays kalos.ipc.protocol's: every word is reached through the strided views it
+ * declares (SlotColumns), passed in by the caller.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <sched.h>
 #include <stdint.h>
+#include <string.h>
 #include <time.h>
 
 static PyObject *
@@ -109,6 +116,215 @@ fence_spin_pending(PyObject *self, PyObject *args)
     return PyBool_FromLong(found);
 }
 
+/* ``view`` of ``obj``: a 1-d buffer of ``itemsize``-byte items, or a 2-d one whose rows are
+ * contiguous items (a column of SlotColumns); ``row_bytes`` is set to the bytes of one row. */
+static int
+get_rows(PyObject *obj, Py_buffer *view, Py_ssize_t *row_bytes, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_STRIDES) < 0)
+        return -1;
+    if (view->ndim == 1) {
+        *row_bytes = view->itemsize;
+        return 0;
+    }
+    if (view->ndim == 2 && view->strides[1] == view->itemsize) {
+        *row_bytes = view->shape[1] * view->itemsize;
+        return 0;
+    }
+    PyErr_Format(PyExc_ValueError, "%s must be a 1-d array or a 2-d array of contiguous rows", what);
+    PyBuffer_Release(view);
+    return -1;
+}
+
+/* ``view`` of ``obj``: a contiguous 1-d int64 array of slot indices, each in [0, rows). */
+static int
+get_slots(PyObject *obj, Py_buffer *view, Py_ssize_t rows, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    const char *format = view->format ? view->format : "B";
+    char code = format[0] == '<' || format[0] == '=' || format[0] == '@' ? format[1] : format[0];
+    if (view->ndim != 1 || view->itemsize != 8 || (code != 'l' && code != 'q')) {
+        PyErr_Format(PyExc_ValueError, "%s must be a 1-d int64 array", what);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    const int64_t *at = view->buf;
+    for (Py_ssize_t i = 0; i < view->shape[0]; i++) {
+        if (at[i] < 0 || at[i] >= rows) {
+            PyErr_Format(PyExc_ValueError, "%s holds slot %lld, outside [0, %zd)", what, (long long)at[i], rows);
+            PyBuffer_Release(view);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+#define ROW(view, i) ((char *)(view).buf + (Py_ssize_t)(i) * (view).strides[0])
+
+static PyObject *
+fence_same_rows(PyObject *self, PyObject *args)
+{
+    PyObject *column_obj, *slots_obj;
+    Py_buffer column, slots;
+    Py_ssize_t row_bytes;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OO", &column_obj, &slots_obj))
+        return NULL;
+    if (get_rows(column_obj, &column, &row_bytes, "column") < 0)
+        return NULL;
+    if (get_slots(slots_obj, &slots, column.shape[0], "slots") < 0) {
+        PyBuffer_Release(&column);
+        return NULL;
+    }
+    const int64_t *at = slots.buf;
+    int same = 1;
+    for (Py_ssize_t i = 1; i < slots.shape[0] && same; i++)
+        same = memcmp(ROW(column, at[0]), ROW(column, at[i]), (size_t)row_bytes) == 0;
+    PyBuffer_Release(&column);
+    PyBuffer_Release(&slots);
+    return PyBool_FromLong(same);
+}
+
+static PyObject *
+fence_pending_slots(PyObject *self, PyObject *args)
+{
+    PyObject *req_obj, *answered_obj, *active_obj, *busy_obj, *slots_obj, *seqs_obj;
+    Py_buffer req, answered, active, busy, slots_out, seqs_out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOOOO", &req_obj, &answered_obj, &active_obj, &busy_obj, &slots_obj, &seqs_obj))
+        return NULL;
+    if (get_column(req_obj, &req, 8, "req_seq") < 0)
+        return NULL;
+    Py_buffer *held[6] = {&req, NULL, NULL, NULL, NULL, NULL};
+    int n_held = 1;
+    Py_ssize_t found = -1;
+    if (get_column(answered_obj, &answered, 8, "answered") < 0)
+        goto done;
+    held[n_held++] = &answered;
+    if (get_column(active_obj, &active, 1, "active") < 0)
+        goto done;
+    held[n_held++] = &active;
+    if (get_column(busy_obj, &busy, 1, "busy") < 0)
+        goto done;
+    held[n_held++] = &busy;
+    if (PyObject_GetBuffer(slots_obj, &slots_out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        goto done;
+    held[n_held++] = &slots_out;
+    if (PyObject_GetBuffer(seqs_obj, &seqs_out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        goto done;
+    held[n_held++] = &seqs_out;
+    const Py_ssize_t n = req.shape[0];
+    if (answered.shape[0] != n || active.shape[0] != n || busy.shape[0] != n || slots_out.itemsize != 8
+        || seqs_out.itemsize != 8 || slots_out.len < n * 8 || seqs_out.len < n * 8) {
+        PyErr_SetString(PyExc_ValueError, "req_seq, answered, active and busy must have one item per slot, and "
+                                          "slots and seqs room for as many 8-byte items");
+        goto done;
+    }
+    int64_t *slot_at = slots_out.buf;
+    uint64_t *seq_at = seqs_out.buf;
+    found = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!*ROW(active, i) || *ROW(busy, i))
+            continue;
+        const uint64_t seq = __atomic_load_n((const uint64_t *)ROW(req, i), __ATOMIC_RELAXED);
+        if (seq != *(const uint64_t *)ROW(answered, i)) {
+            slot_at[found] = i;
+            seq_at[found] = seq;
+            found++;
+        }
+    }
+    /* acquire: req_seq was read before the request's fields and rows (kalos/ipc/sync.py) */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+done:
+    for (int i = 0; i < n_held; i++)
+        PyBuffer_Release(held[i]);
+    if (found < 0)
+        return NULL;
+    return PyLong_FromSsize_t(found);
+}
+
+static PyObject *
+fence_publish_slots(PyObject *self, PyObject *args)
+{
+    PyObject *slots_obj, *seqs_obj, *generations_obj, *generation_obj, *resp_obj, *answered_obj, *woken_obj,
+        *sleeping_obj, *out_obj;
+    Py_buffer slots, seqs, generations, generation, resp, answered, woken, sleeping, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOO", &slots_obj, &seqs_obj, &generations_obj, &generation_obj, &resp_obj,
+                          &answered_obj, &woken_obj, &sleeping_obj, &out_obj))
+        return NULL;
+    Py_buffer *held[9];
+    int n_held = 0;
+    Py_ssize_t woke = -1;
+    if (get_column(resp_obj, &resp, 8, "resp_seq") < 0)
+        goto done;
+    held[n_held++] = &resp;
+    const Py_ssize_t n_slots = resp.shape[0];
+    if (get_slots(slots_obj, &slots, n_slots, "slots") < 0)
+        goto done;
+    held[n_held++] = &slots;
+    if (get_column(seqs_obj, &seqs, 8, "seqs") < 0)
+        goto done;
+    held[n_held++] = &seqs;
+    const int checked = generations_obj != Py_None;
+    if (checked) {
+        if (get_column(generations_obj, &generations, 8, "generations") < 0)
+            goto done;
+        held[n_held++] = &generations;
+    }
+    if (get_column(generation_obj, &generation, 8, "generation") < 0)
+        goto done;
+    held[n_held++] = &generation;
+    if (get_column(answered_obj, &answered, 8, "answered") < 0)
+        goto done;
+    held[n_held++] = &answered;
+    if (get_column(woken_obj, &woken, 8, "woken") < 0)
+        goto done;
+    held[n_held++] = &woken;
+    if (get_column(sleeping_obj, &sleeping, 4, "client_sleeping") < 0)
+        goto done;
+    held[n_held++] = &sleeping;
+    if (PyObject_GetBuffer(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        goto done;
+    held[n_held++] = &out;
+    const Py_ssize_t n = slots.shape[0];
+    if (seqs.shape[0] != n || (checked && generations.shape[0] != n) || generation.shape[0] != n_slots
+        || answered.shape[0] != n_slots || woken.shape[0] != n_slots || sleeping.shape[0] != n_slots
+        || out.itemsize != 8 || out.len < n * 8) {
+        PyErr_SetString(PyExc_ValueError, "seqs (and generations) must have one item per slot published, generation, "
+                                          "answered, woken and client_sleeping one per slot, out room for as many");
+        goto done;
+    }
+    const int64_t *at = slots.buf;
+    int64_t *woke_at = out.buf;
+    /* release: the answers' fields and rows before resp_seq (kalos/ipc/sync.py) */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint64_t seq = *(const uint64_t *)ROW(seqs, i);
+        if (checked && *(const uint64_t *)ROW(generation, at[i]) != *(const uint64_t *)ROW(generations, i))
+            continue; /* the client left (and maybe another came) while its pass ran */
+        __atomic_store_n((uint64_t *)ROW(resp, at[i]), seq, __ATOMIC_RELAXED);
+        *(uint64_t *)ROW(answered, at[i]) = seq;
+        *(uint64_t *)ROW(woken, at[i]) = seq;
+    }
+    /* store resp_seq, then load client_sleeping (Dekker, kalos/ipc/sync.py) */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    woke = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (checked && *(const uint64_t *)ROW(generation, at[i]) != *(const uint64_t *)ROW(generations, i))
+            continue;
+        if (__atomic_load_n((const uint32_t *)ROW(sleeping, at[i]), __ATOMIC_RELAXED))
+            woke_at[woke++] = at[i];
+    }
+done:
+    for (int i = 0; i < n_held; i++)
+        PyBuffer_Release(held[i]);
+    if (woke < 0)
+        return NULL;
+    return PyLong_FromSsize_t(woke);
+}
+
 static PyMethodDef fence_methods[] = {
     {"full", fence_full, METH_NOARGS,
      "full()\n--\n\nA sequentially consistent fence: no load or store moves across it."},
@@ -117,12 +333,27 @@ static PyMethodDef fence_methods[] = {
      "Looks at the slots' words, the GIL released, until a slot that is active and not busy has\n"
      "a req_seq other than what was answered (True) or timeout_ns have passed (False); yields\n"
      "the core between looks."},
+    {"same_rows", fence_same_rows, METH_VARARGS,
+     "same_rows(column, slots)\n--\n\n"
+     "Whether the rows of column (a 1-d array, or 2-d with contiguous rows) at slots (int64) are\n"
+     "all equal byte for byte (True for fewer than two slots)."},
+    {"pending_slots", fence_pending_slots, METH_VARARGS,
+     "pending_slots(req_seq, answered, active, busy, slots_out, seqs_out)\n--\n\n"
+     "Writes each slot that is active, not busy, and whose req_seq differs from answered into\n"
+     "slots_out (int64), its req_seq into seqs_out (uint64), in slot order; returns how many.\n"
+     "Then a full fence (acquire)."},
+    {"publish_slots", fence_publish_slots, METH_VARARGS,
+     "publish_slots(slots, seqs, generations, generation, resp_seq, answered, woken, client_sleeping, out)\n--\n\n"
+     "A full fence (release), then resp_seq, answered and woken := seqs at slots (skipping a slot\n"
+     "whose generation is no longer its entry of generations, unless generations is None), a full\n"
+     "fence (Dekker), then writes the published slots whose client_sleeping is set into out;\n"
+     "returns how many."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef fence_module = {
     PyModuleDef_HEAD_INIT, "kalos.ipc._fence",
-    "The native pieces of the shared-memory channel: a memory fence, the sweep's spin.", -1, fence_methods,
+    "The native pieces of the shared-memory channel: a memory fence, the sweep's spin and its per-pass words.", -1, fence_methods,
 };
 
 PyMODINIT_FUNC

@@ -34,12 +34,14 @@ import numpy as np
 from kalos.config import runtime_dir
 from kalos.errors import InvalidArgument, ProtocolMismatch, SidecarUnavailable
 from kalos.ipc.protocol import HEADER_DTYPE, HeaderView, Layout, SlotColumns, SlotView
-from kalos.ipc.sync import full_fence, spin_pending
+from kalos.ipc import sync
+from kalos.ipc.sync import full_fence
 
 __all__ = ["Endpoint", "Segment", "ClientChannel", "SidecarChannel", "SidecarExited"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _NO_SEQS = np.empty(0, dtype=np.uint64)
+_NO_SLOTS = np.empty(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -393,6 +395,12 @@ class SidecarChannel:
         self.generation = np.zeros(layout.n_slots, dtype=np.uint64)
         self.n_clients = 0  # slots in use: the sidecar's own count (header.clients is advice to clients)
         self.pending_generations = np.zeros(0, dtype=np.uint64)
+        # Scratch of the native pending() and publish() (kalos.ipc.sync): slots found, their
+        # req_seq, the sleepers to wake; and "no slot busy".
+        self._found = np.empty(layout.n_slots, dtype=np.int64)
+        self._found_seqs = np.empty(layout.n_slots, dtype=np.uint64)
+        self._sleepers = np.empty(layout.n_slots, dtype=np.int64)
+        self._none_busy = np.zeros(layout.n_slots, dtype=bool)
         # Held briefly by the slot table's changes, by pending() and by publishing, never across
         # a search. It also covers the wake fds: a closed number may be reused at once by
         # another file (a control socket), which a late write would then corrupt.
@@ -458,6 +466,15 @@ class SidecarChannel:
         (while a GPU kernel serves the slots), only requests it handed to the host; with
         ``busy`` (a mask of slots whose requests are being answered already), not those."""
         req_seq = self.columns.req_seq
+        if handed is None and sync.pending_slots is not None:
+            with self._lock:
+                n = sync.pending_slots(req_seq, self.answered, self.active, self._none_busy if busy is None else busy,
+                                       self._found, self._found_seqs)  # (its fence is the acquire below's)
+                if not n:
+                    return _NO_SLOTS, _NO_SEQS
+                ready, seqs = self._found[:n].copy(), self._found_seqs[:n].copy()
+                self.pending_generations = self.generation[ready]
+            return ready, seqs
         with self._lock:
             mine = (req_seq != self.answered) & self.active
             if handed is not None:
@@ -480,10 +497,10 @@ class SidecarChannel:
         GIL (kalos.ipc._fence.spin_pending), so that a control thread (a hello, a get) runs at
         once instead of after the interpreter's switch interval; without the extension, one
         yield of the core."""
-        if spin_pending is None:
+        if sync.spin_pending is None:
             os.sched_yield()
             return
-        spin_pending(self.columns.req_seq, self.answered, self.active, busy, int(timeout_s * 1e9))
+        sync.spin_pending(self.columns.req_seq, self.answered, self.active, busy, int(timeout_s * 1e9))
 
     def requested(self, slots: np.ndarray) -> np.ndarray:
         """Which of ``slots`` hold an unanswered request (a peek: :meth:`pending` reads them)."""
@@ -498,6 +515,13 @@ class SidecarChannel:
         full_fence()  # release: response fields and result rows before resp_seq
         if len(slots) == 1:
             self._publish_one(int(slots[0]), int(seqs[0]), None if generations is None else int(generations[0]))
+            return
+        if sync.publish_slots is not None:
+            with self._lock:
+                woke = sync.publish_slots(slots, seqs, generations, self.generation, self.columns.resp_seq, self.answered,
+                                          self._woken, self.columns.client_sleeping, self._sleepers)
+                if woke:
+                    self._ring(self._sleepers[:woke].tolist())
             return
         with self._lock:
             if generations is not None:

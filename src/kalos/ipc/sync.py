@@ -39,7 +39,7 @@ from typing import Callable
 
 from kalos.errors import KalosError
 
-__all__ = ["full_fence", "FENCE_IMPLEMENTATION", "spin_pending"]
+__all__ = ["full_fence", "FENCE_IMPLEMENTATION", "pending_slots", "publish_slots", "same_rows", "spin_pending"]
 
 
 def _lock_fence_factory() -> Callable[[], None]:
@@ -69,8 +69,9 @@ except ImportError:  # pragma: no cover - depends on how the package was built
 
 
 try:
-    # The sweep's wait for a request with the GIL released (see _fence.c); None without the
-    # extension, where the sweep spins in Python as before.
-    from kalos.ipc._fence import spin_pending  # type: ignore[attr-defined]
+    # The sweep's native helpers (see _fence.c): its wait for a request with the GIL released,
+    # and its per-pass reads and writes of the slots' words. None without the extension, where
+    # the sweep does the same in Python and NumPy.
+    from kalos.ipc._fence import pending_slots, publish_slots, same_rows, spin_pending  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - depends on how the package was built
-    spin_pending = None
+    pending_slots = publish_slots = same_rows = spin_pending = None

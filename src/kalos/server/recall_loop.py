@@ -26,6 +26,7 @@ import numpy as np
 
 from kalos.engine import Engine, Filter
 from kalos.errors import InvalidArgument, InvalidQuery, KalosError, ServerError, UnknownFilter
+from kalos.ipc import sync
 from kalos.ipc.channel import SidecarChannel
 from kalos.ipc.protocol import Layout, Op, RequestFlag, SlotView
 from kalos.server.cohort import Cohort
@@ -64,10 +65,16 @@ _NO_SCALES = np.empty(0, np.float64)
 FilterKey = tuple[int, bytes, float | None, float | None, int]
 
 
-def _rows_alike(rows: np.ndarray) -> bool:
-    """Whether every row of ``rows`` (a fresh C-ordered copy) equals the first, byte for byte.
-    One comparison of bytes objects: an elementwise NumPy comparison and its reduction cost
-    several times more on the few hundred words a crowd's pass reads."""
+def _same_rows(column: np.ndarray, slots: np.ndarray) -> bool:
+    """Whether the rows of ``column`` (a SlotColumns view) at ``slots`` are all equal, byte for
+    byte: natively (kalos.ipc.sync.same_rows), else one comparison of bytes objects (an
+    elementwise NumPy comparison and its reduction cost several times more on the few hundred
+    words a crowd's pass reads)."""
+    if sync.same_rows is not None:
+        return sync.same_rows(column, slots)
+    if len(slots) < 2:
+        return True
+    rows = column[slots]  # a fresh C-ordered copy
     raw = rows.tobytes()
     return raw == raw[: rows.nbytes // len(rows)] * len(rows)
 
@@ -193,6 +200,11 @@ class RecallLoop:
         self.zero_copy = False  # the engine reads the queries in the slots: attach()
         self._flights: collections.deque[_Flight] = collections.deque()  # queued passes, oldest first
         self._in_flight = np.zeros(layout.n_slots, dtype=bool)  # their slots (not pending again)
+        # The k of every slot of a uniform crowd (_uniform_key), sliced from one array per k:
+        # read-only views, made once instead of an array per pass.
+        self._k_columns = [np.full(layout.n_slots, k, np.uint32) for k in range(layout.max_k + 1)]
+        for column in self._k_columns:
+            column.flags.writeable = False
 
     # -- zero copy -----------------------------------------------------------------------
 
@@ -361,27 +373,25 @@ class RecallLoop:
         where handle and namespace alike, told in a few comparisons of whole words), the key of
         their filter and their k; None when the slots differ (:meth:`_answer_mixed`)."""
         columns = self.channel.columns
-        kinds = columns.kind[slots]  # (op, k, n_queries, flags) per slot
-        if not _rows_alike(kinds):
+        if not _same_rows(columns.kind, slots):  # (op, k, n_queries, flags) per slot
             return None
-        op, k, n_queries, flags = kinds[0].tolist()
+        first = int(slots[0])
+        op, k, n_queries, flags = columns.kind[first].tolist()
         if op != _RECALL or n_queries != 1 or not 1 <= k <= self.layout.max_k or flags & ~_SINGLE_FLAGS:
             return None
         handle = 0
         if flags & _HAS_WHERE:
-            handles = columns.where_handle[slots]
-            if not (handles == handles[0]).all():
+            if not _same_rows(columns.where_handle, slots):
                 return None
-            handle = int(handles[0])
+            handle = int(columns.where_handle[first])
         name = b""
         if not flags & _ALL_NAMESPACES:
-            lengths = columns.namespace_len[slots]
-            if not (_rows_alike(columns.namespace_words[slots]) and _rows_alike(lengths)):
+            if not (_same_rows(columns.namespace_words, slots) and _same_rows(columns.namespace_len, slots)):
                 return None
-            name = columns.namespace[int(slots[0])]  # bytes, trailing NULs dropped
-            if len(name) != int(lengths[0]):
+            name = columns.namespace[first]  # bytes, trailing NULs dropped
+            if len(name) != int(columns.namespace_len[first]):
                 return None  # a length word that disagrees with the bytes: read as each slot says
-        return (flags, name, None, None, handle), kinds[:, 1]
+        return (flags, name, None, None, handle), self._k_columns[k][: len(slots)]
 
     def _answer_uniform(self, slots: np.ndarray, seqs: np.ndarray, generations: np.ndarray | None, started: float,
                         key: FilterKey, ks: np.ndarray) -> bool:
