@@ -330,11 +330,6 @@ def scale_run(args: argparse.Namespace) -> None:
 
             side = timed(lambda q: c.recall_text(q, k=8, namespace=NAMESPACE), rounds)
             rows.append((f"kalos recall_text, embedding in the sidecar ({embedder.runtime})", *pct(side)))
-            if getattr(embedder, "text_op", False):  # one round trip (op recall_text); the three it replaced:
-                embedder.text_op = False
-                three = timed(lambda q: c.recall_text(q, k=8, namespace=NAMESPACE), rounds)
-                embedder.text_op = True
-                rows.append(("kalos recall_text as an embed, a recall and a get (three round trips)", *pct(three)))
             alone = timed(lambda q: embedder.embed([q]), rounds)
             rows.append(("  of which: the sidecar's embed op alone", *pct(alone)))
             query = {q: embedder.embed([q])[0] for q in QUESTIONS}

@@ -24,7 +24,6 @@ import pytest
 from conftest import DEADLINE_S, segment_path, short_tempdir, unique_name
 
 from kalos import Client, InvalidArgument
-from kalos.errors import KalosError
 from kalos.client.aio import AsyncClient
 from kalos.client.embed import DEFAULT_DIM, DEFAULT_MODEL, EmbedderUnavailable, default_embedder
 from kalos.server.launcher import SidecarProcess
@@ -135,65 +134,6 @@ def test_remember_and_recall_text_embed_in_the_sidecar(sidecar, onnx):
         stored = c.get(ids=ids, with_vectors=True)[0]
         assert stored.text == FACTS[3]
         assert _cosines(stored.vector[None], onnx.embed([FACTS[3]]))[0] > 0.99999
-
-
-def test_recall_text_is_one_round_trip_with_the_answers_of_three(sidecar, ns, monkeypatch):
-    """Op "recall_text" (the sidecar embeds, recalls and reads the texts) answers what an embed,
-    a recall and a get answer, filters included; a sidecar without the op gets the three."""
-    from kalos.client.client import Client as ClientClass
-
-    texts = [f"{fact} (note {i})" for i, fact in enumerate(FACTS)]
-    with Client(sidecar.name, timeout=DEADLINE_S) as c:
-        ids = c.remember(texts[:3], namespace=ns, metadata=[{"team": "a"}, {"team": "b"}, {"team": "a"}])
-        cutoff = c.get(ids=[int(ids[2])])[0].created_at
-        ids = np.concatenate([ids, c.remember(texts[3:], namespace=ns, metadata=[{"team": "b"}] * 3)])
-
-        def three_round_trips(question, k, **filters):
-            vector = c.embedder.embed([question])
-            found = c.recall_many(vector, k=k, **filters)[0]
-            items = {item.id: item for item in c.get(found.ids) if item is not None}
-            return [(int(i), round(float(s), 5), items[int(i)].text) for i, s in found if int(i) in items]
-
-        sent = []
-        real_control = ClientClass._control
-        monkeypatch.setattr(ClientClass, "_control", lambda self, m, *a: sent.append(m["op"]) or real_control(self, m, *a))
-        cases = [dict(namespace=ns), dict(namespace=None), dict(namespace=ns, where={"team": "a"}),
-                 dict(namespace=ns, since=cutoff), dict(namespace=ns, until=cutoff), dict(namespace=ns, k=1)]
-        for question, _fact in QUESTIONS:
-            for case in cases:
-                case = dict(case)
-                k = case.pop("k", 3)
-                sent.clear()
-                hits = c.recall_text(question, k=k, **case)
-                assert sent == ["recall_text"], sent
-                assert [(h.id, round(h.score, 5), h.text) for h in hits] == three_round_trips(question, k, **case)
-                assert all(h.namespace == ns for h in hits) or case["namespace"] is None
-        assert [h.id for h in c.recall_text(FACTS[0], k=6, namespace=ns, where={"team": "a"})] == [ids[0], ids[2]]
-        assert c.recall_text("anything", namespace=f"{ns}-never-used") == []
-        assert [len(r) for r in c.recall_texts([FACTS[1], FACTS[2]], k=2, namespace=ns)] == [2, 2]
-
-        # The sidecar's own checks, for a client that skips them: refused by name.
-        for message, why in (({"texts": ["a"], "k": 0}, "out of range"), ({"texts": ["a"], "k": True}, "out of range"),
-                             ({"texts": [], "k": 1}, "non-empty list"), ({"texts": ["a", 3], "k": 1}, r"texts\[1\]"),
-                             ({"texts": ["a"], "k": 1, "since": "yesterday"}, "time in seconds"),
-                             ({"texts": ["a"], "k": 1, "since": 5.0, "until": 4.0}, "empty time range"),
-                             ({"texts": ["a"], "k": 1, "where": {"team": "a"}}, "JSON text"),
-                             ({"texts": ["a"], "k": 1, "namespace": ""}, "namespace")):
-            with pytest.raises(KalosError, match=why):
-                real_control(c, {"op": "recall_text", **message})
-
-        # A sidecar from before the op: the client goes on with the three round trips.
-        def old_sidecar(self, message, *args):
-            if message["op"] == "recall_text":
-                raise InvalidArgument("unknown control operation 'recall_text'")
-            return real_control(self, message, *args)
-
-        monkeypatch.setattr(ClientClass, "_control", old_sidecar)
-        with Client(sidecar.name, timeout=DEADLINE_S) as old:
-            question = QUESTIONS[0][0]
-            expected = three_round_trips(question, 3, namespace=ns)
-            assert [(h.id, round(h.score, 5), h.text) for h in old.recall_text(question, k=3, namespace=ns)] == expected
-            assert old.embedder.text_op is False
 
 
 _CLIENT_WITHOUT_TORCH = r"""

@@ -789,12 +789,11 @@ class Client:
     ) -> list["Hit"]:
         """The ``k`` memories closest in meaning to ``text``, best first, with their texts.
 
-        With the sidecar's embedder (the default), one control round trip: the sidecar embeds
-        ``text`` (a text of any length: the model reads its first 256 tokens), recalls and reads
-        the hits' texts and metadata. With an embedder of this client's own, the text is embedded
-        here, recalled through shared memory, and the hits' texts fetched in one control round
-        trip; a memory deleted between the recall and the fetch is left out, so fewer than k hits
-        can come back. Filters as in :meth:`recall`.
+        Embeds ``text`` (the sidecar does, over the control socket, unless this client has an
+        embedder of its own; a text of any length: the model reads its first 256 tokens),
+        recalls through shared memory, then fetches the hits' texts and metadata in one control
+        round trip. A memory deleted between the recall and the fetch
+        is left out, so fewer than k hits can come back. Filters as in :meth:`recall`.
         """
         if not isinstance(text, str):
             raise InvalidArgument(f"recall_text takes one str, got {type(text).__name__}; use recall_texts for several")
@@ -812,28 +811,9 @@ class Client:
             return []
         texts = check_embed_texts(texts)
         _check_k(k, self.max_k)
-        flags, since_s, until_s, _name = _filter_words(namespace, since, until)  # (fail before the embedding)
+        _filter_words(namespace, since, until)  # bad filters fail before the (slow) embedding
         clause = _where_clause(where)
-        embedder = self.embedder
-        if isinstance(embedder, _SidecarEmbedder) and embedder.recalls_texts(texts):
-            # One round trip: the sidecar embeds, recalls and reads the hits' texts itself.
-            try:
-                reply, _ = self._control({
-                    "op": "recall_text", "texts": texts, "k": k, "namespace": namespace,
-                    "since": since_s if flags & RequestFlag.HAS_SINCE else None,
-                    "until": until_s if flags & RequestFlag.HAS_UNTIL else None,
-                    "where": None if clause is None else clause.key,
-                })
-            except InvalidArgument as exc:
-                if "unknown control operation" not in str(exc):
-                    raise
-                embedder.text_op = False  # a sidecar from before the op: the three round trips
-            else:
-                rows = reply["hits"]
-                if not isinstance(rows, list) or len(rows) != len(texts):
-                    raise ProtocolMismatch(f"recall_text of {len(texts)} texts was answered with {len(rows)} lists of hits")
-                return [[_hit_of(fields) for fields in row] for row in rows]
-        vectors = embedder.embed(texts)
+        vectors = self.embedder.embed(texts)
         batch = self.recall_many(vectors, k=k, namespace=namespace, since=since, until=until, where=clause)
         hits = [batch[i] for i in range(len(texts))]
         wanted = np.concatenate([h.ids for h in hits]) if hits else np.empty(0, np.int64)
@@ -857,16 +837,6 @@ class _SidecarEmbedder:
         self.name = str(info["name"])
         self.dim = int(info["dim"])
         self.runtime = info.get("runtime")
-        self.text_op = True  # whether the sidecar knows op "recall_text" (False once it said it does not)
-
-    def recalls_texts(self, texts: Sequence[str]) -> bool:
-        """Whether ``texts`` go to the sidecar's op "recall_text" in one frame (else: an embed,
-        a recall and a get, each in frames of its own)."""
-        if not self.text_op or len(texts) > self._TEXTS_PER_REQUEST:
-            return False
-        with self._client._lock:
-            limit = self._client._connection().max_message_bytes or settings().max_message_bytes
-        return sum(len(t) for t in texts) <= max(1, limit // 16)  # (as embed's frames: see there)
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         from kalos.validation import check_embed_texts
@@ -919,15 +889,6 @@ class Hit:
     def __repr__(self) -> str:
         text = (self.text or "").replace("\n", " ")
         return f"Hit(id={self.id}, score={self.score:.4f}, text={text[:60] + ('...' if len(text) > 60 else '')!r})"
-
-
-def _hit_of(fields: Any) -> Hit:
-    """A hit of op "recall_text": an item's fields (as a get's reply has them) and its score."""
-    if not isinstance(fields, dict) or "score" not in fields:
-        raise ProtocolMismatch(f"recall_text answered a hit that is not an item with a score: {str(fields)[:80]}")
-    fields = dict(fields)
-    score = fields.pop("score")
-    return Hit.from_item(Item(**fields), score)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import numpy as np
 
 from kalos.config import settings
 from kalos.engine import Engine, Filter
-from kalos.errors import DimensionMismatch, InvalidArgument, InvalidQuery, KalosError, ProtocolMismatch, ServerError
+from kalos.errors import DimensionMismatch, InvalidArgument, KalosError, ProtocolMismatch, ServerError
 from kalos.ipc.channel import Endpoint
 from kalos.ipc.control import (
     PROTOCOL_VERSION,
@@ -42,7 +42,7 @@ from kalos.ipc.control import (
     send_fd,
     send_frame,
 )
-from kalos.ipc.protocol import Layout, RequestFlag
+from kalos.ipc.protocol import Layout
 from kalos.server.cohort import Cohort
 from kalos.server.expirer import Expirer
 from kalos.server.metrics import Metrics
@@ -57,7 +57,6 @@ from kalos.validation import (
     check_update,
     check_vectors,
     normalise_rows,
-    row_scales,
 )
 from kalos.where import Where, compile_where
 
@@ -605,73 +604,9 @@ class ControlServer:
         spec, blob = array_blob(vectors, "float32")
         return ok_reply(vectors=spec), blob
 
-    def _op_recall_text(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
-        """Embeds ``texts`` with the sidecar's model and recalls each: ``hits``, one list per
-        text, best first, each the fields of a get's item and its ``score``. What
-        Client.recall_text otherwise makes of three round trips (an embed, a recall, a get);
-        ``k``, ``namespace`` (null: every one), ``since``, ``until`` and ``where`` (a clause's
-        JSON text) as the slot's request words say them, validated the same way."""
-        from kalos.validation import check_embed_texts
-
-        texts = message.get("texts")
-        if not isinstance(texts, list) or not texts:
-            raise InvalidArgument(f"recall_text: texts must be a non-empty list of str, got {str(texts)[:80]}")
-        texts = check_embed_texts(texts)
-        k = message.get("k")
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.layout.max_k:
-            raise InvalidQuery(f"k={k!r} is out of range: 1 <= k <= {self.layout.max_k}")
-        namespace = _optional_namespace(message.get("namespace"))
-        flags = int(RequestFlag.ALL_NAMESPACES) if namespace is None else 0
-        bounds: list[float | None] = []
-        for label, flag in (("since", RequestFlag.HAS_SINCE), ("until", RequestFlag.HAS_UNTIL)):
-            value = message.get(label)
-            if value is not None:
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    raise InvalidQuery(f"{label} must be a time in seconds, got {value!r}")
-                flags |= int(flag)
-                value = float(value)
-            bounds.append(value)
-        handle = 0
-        where_text = message.get("where")
-        if where_text is not None:
-            if not isinstance(where_text, str):
-                raise InvalidArgument(f"recall_text: the where clause travels as JSON text, got {type(where_text).__name__}")
-            where = Where.from_json(where_text)
-            if not where.is_trivial:
-                flags |= int(RequestFlag.HAS_WHERE)
-                handle = self._filters.register(where)
-        name = b"" if namespace is None else namespace.encode()
-        self._op_embedder({}, _blob)  # the dimension check, before the (slow) load
-        with self._state_lock:  # (the sweep's writers change the namespaces under it)
-            flt = self._filters.filter_for(flags, name, bounds[0], bounds[1], handle)
-            known = namespace is None or name in self._namespaces
-        vectors = self.embedding.embed(texts)
-        started = time.perf_counter()
-        if not known:  # a namespace that never held a memory: no hits, no search (as a recall)
-            ids = np.full((len(texts), k), -1, np.int64)
-            scores = np.full((len(texts), k), -np.inf, np.float32)
-        else:
-            unit = (vectors * row_scales(vectors, what="query", error=InvalidQuery)[:, None]).astype(np.float32)
-            with self._state_lock:
-                self._polling.pause()  # (the GPU's polling reads the engine's buffers; the sweep restarts it)
-                self._expirer.expire_due()
-                ids, scores = self.engine.search(unit, k, flt)
-        self.metrics.record(len(texts), time.perf_counter() - started)
-        wanted = np.unique(ids[ids >= 0])
-        items = dict(zip(wanted.tolist(), self.store.get(wanted.tolist()))) if len(wanted) else {}
-        hits = [[{**_item_fields(items[i]), "score": float(s)} for i, s in zip(row.tolist(), row_scores.tolist())
-                 if items.get(i) is not None] for row, row_scores in zip(ids, scores)]
-        size = sum(len(hit["text"] or "") + len(json.dumps(hit["metadata"])) for row in hits for hit in row)
-        limit = settings().max_message_bytes
-        if size > limit:
-            raise InvalidArgument(f"recall_text: the reply would be too large: about {size} bytes > limit {limit} "
-                                  "(KALOS_MAX_MESSAGE_BYTES); recall fewer texts or a smaller k at a time")
-        return ok_reply(hits=hits), b""
-
     _handlers: dict[str, Callable[["ControlServer", dict[str, Any], bytearray], tuple[dict[str, Any], bytes]]] = {
         "embedder": _op_embedder,
         "embed": _op_embed,
-        "recall_text": _op_recall_text,
         "add": _op_add,
         "delete": _op_delete,
         "get": _op_get,
