@@ -50,6 +50,7 @@ from kalos.server.recall_loop import FilterCache
 from kalos.server.slot_polling import SlotPolling
 from kalos.validation import (
     UNSET,
+    Item,
     check_keys,
     check_namespace,
     check_request_id,
@@ -633,11 +634,13 @@ def _int_list(value: Any, label: str) -> list[int]:
     return value
 
 
+_ITEM_FIELDS = tuple(field.name for field in dataclasses.fields(Item) if field.name != "vector")
+
+
 def _item_fields(item: Any) -> dict[str, Any] | None:
     """An Item of a get's reply as JSON fields; its vector travels in the blob, never here (a
     client from before ``Item.vector`` builds ``Item(**fields)`` and knows no such field)."""
     if item is None:
         return None
-    fields = dataclasses.asdict(item)
-    fields.pop("vector", None)
-    return fields
+    # A shallow copy: dataclasses.asdict deep-copies the metadata, which the reply only serialises.
+    return {name: getattr(item, name) for name in _ITEM_FIELDS}
