@@ -510,6 +510,9 @@ def gpu_main() -> int:
     ap.add_argument("--batches", default="", help="only profile the graphs of these batch sizes (e.g. 64,256)")
     ap.add_argument("--precisions", default="exact,fast", help="with --batches: these precisions (default: both)")
     ap.add_argument("--thresholds", default="on,off", help="with --batches: threshold selection on, off, or both")
+    ap.add_argument("--exact-scans", default="tf32",
+                    help="with --batches: what exact batches scan, tf32 (tensor cores, then the certified float32 "
+                    "re-score), ieee (float32 FMA), or both: tf32,ieee")
     ap.add_argument("--final-tiles", action="store_true",
                     help="only time the fast Q=1 graph for several final-kernel tiles (single_final_tile, single_final_warps)")
     args = ap.parse_args()
@@ -530,10 +533,11 @@ def gpu_main() -> int:
         batches = [int(b) for b in args.batches.split(",")]
         for precision in args.precisions.split(","):
             eng = build(args.n, args.dim, precision, max_batch=max(batches))
-            for threshold in [t == "on" for t in args.thresholds.split(",")]:
-                eng.retune({"threshold_select": threshold})
+            scans = args.exact_scans.split(",") if precision == "exact" else ["tf32"]
+            for threshold, scan in [(t == "on", sc) for t in args.thresholds.split(",") for sc in scans]:
+                eng.retune({"threshold_select": threshold, "exact_batch_scan": scan})
                 for nq in batches:
-                    emit(part="select", precision=precision, q=nq, threshold=threshold,
+                    emit(part="select", precision=precision, q=nq, threshold=threshold, exact_scan=scan,
                          **check_batch(eng, nq))
                     profile_graph(eng, precision, eng.stream, flush, nq)
             del eng

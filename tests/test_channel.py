@@ -709,6 +709,8 @@ def test_pending_and_publish_natively_as_in_numpy(shm_name, monkeypatch, native)
             busy = rng.random(layout.n_slots) < 0.2
             expected = [s for s in range(layout.n_slots)
                         if active[s] and not busy[s] and cols.req_seq[s] != side.answered[s]]
+            everyone = [s for s in range(layout.n_slots) if active[s] and cols.req_seq[s] != side.answered[s]]
+            assert side.pending()[0].tolist() == everyone
             slots, seqs = side.pending(None, busy)
             assert slots.tolist() == expected, (slots.tolist(), expected)
             assert slots.dtype == np.int64, slots.dtype
@@ -732,6 +734,9 @@ def test_pending_and_publish_natively_as_in_numpy(shm_name, monkeypatch, native)
             want[kept] = cols.req_seq[kept]
             assert cols.resp_seq.tolist() == want.tolist()
             assert side.answered[kept].tolist() == cols.req_seq[kept].tolist()
+            assert side._woken[kept].tolist() == cols.req_seq[kept].tolist()
+            skipped = [s for s in slots.tolist() if s in moved.tolist()]
+            assert (cols.resp_seq[skipped] == before[skipped]).all()
             rung = []
             for s, fd in enumerate(wake_fds):
                 try:
@@ -740,21 +745,38 @@ def test_pending_and_publish_natively_as_in_numpy(shm_name, monkeypatch, native)
                 except BlockingIOError:
                     pass
             assert rung == [s for s in kept if cols.client_sleeping[s]]
-        # Two crowds' words: alike, then one slot's namespace bytes differ.
-        from kalos.server.recall_loop import _same_rows
+        # Two crowds' words: alike (the row every slot holds comes back), then one slot's
+        # namespace bytes differ.
+        from kalos.server.recall_loop import _alike_row
 
         alike = np.array([3, 5, 9], np.int64)
         cols.kind[alike] = [1, 8, 1, 0]
         cols.namespace[alike] = b"team"
-        assert _same_rows(cols.kind, alike) and _same_rows(cols.namespace_words, alike)
+        kind, words = np.empty(4, np.uint32), np.empty(cols.namespace_words.shape[1], np.uint64)
+        assert _alike_row(cols.kind, alike, kind).tolist() == [1, 8, 1, 0]
+        assert _alike_row(cols.namespace_words, alike, words).tobytes().rstrip(b"\x00") == b"team"
         cols.namespace[9] = b"teal"
-        assert not _same_rows(cols.namespace_words, alike) and _same_rows(cols.kind, alike)
-        assert _same_rows(cols.kind, alike[:1]) and _same_rows(cols.kind, alike[:0])
+        assert _alike_row(cols.namespace_words, alike, words) is None
+        assert _alike_row(cols.kind, alike[:1], kind).tolist() == [1, 8, 1, 0]
+        cols.kind[3] = [1, 7, 1, 0]
+        assert _alike_row(cols.kind, alike, kind) is None
     finally:
         side.close()  # (the segment stays mapped: a failed assertion's report reads these views)
     if native:  # what the helpers refuse, by name, before touching anything
         with pytest.raises(ValueError, match="outside"):
             sync.same_rows(np.zeros(4, np.uint64), np.array([4], np.int64))
+        with pytest.raises(ValueError, match="a row's 8 bytes"):
+            sync.same_rows(np.zeros(4, np.uint64), np.array([1], np.int64), np.zeros(1, np.uint32))
+        with pytest.raises(ValueError, match="uint64"):  # raw integer bits into floats: refused
+            sync.pending_slots(np.zeros(4, np.uint64), np.zeros(4, np.uint64), np.zeros(4, bool), np.zeros(4, bool),
+                               np.zeros(4, np.int64), np.zeros(4, np.float64))
+        frozen = np.zeros(4, np.uint64)
+        frozen.flags.writeable = False
+        with pytest.raises((ValueError, BufferError), match="writable|read-only|not writable"):
+            sync.publish_slots(np.array([1], np.int64), np.ones(1, np.uint64), None, np.zeros(4, np.uint64),
+                               frozen, np.zeros(4, np.uint64), np.zeros(4, np.uint64), np.zeros(4, np.uint32),
+                               np.zeros(4, np.int64))
+        assert not frozen.any()
         with pytest.raises(ValueError, match="int64"):
             sync.same_rows(np.zeros(4, np.uint64), np.array([1], np.int32))
         with pytest.raises(ValueError, match="one item per slot"):

@@ -404,10 +404,49 @@ def test_a_big_request_is_embedded_in_slices_beside_the_small_ones(monkeypatch):
     service.close()
     # Alone, the big request's slices hold 300 characters; beside the small one, half of that.
     assert sum(len(t) for t in calls[0]) <= 300 < sum(len(t) for t in calls[0]) + 7
-    assert "small" in calls[1] and sum(len(t) for t in calls[1] if t != "small") <= 150
+    # The small request rode along with a slice of the big one (the worker had work: no
+    # embedding in the caller's thread then), which gave it half the call.
+    assert "small" in calls[1] and len(calls[1]) > 1 and sum(len(t) for t in calls[1] if t != "small") <= 150
     assert all(sum(len(t) for t in c) <= 300 for c in calls) and len(calls) > 4
     done = [t for c in calls for t in c if t != "small"]
     assert sorted(done) == sorted(big) and [len(t) for t in done] == sorted(len(t) for t in big)  # once each, shortest first
     # Each text got its own row back (the fake's row is the text's number).
     np.testing.assert_array_equal(out["big"][:, 0], [float(t.split()[1]) for t in big])
     np.testing.assert_array_equal(out["small"], [[-1.0] * 4])
+
+
+def test_a_short_request_embeds_in_its_own_thread_only_when_nobody_else_is(monkeypatch):
+    """An idle service embeds a short request in the caller's thread; while that runs, another
+    request goes through the queue (to the worker), and the worker's requests go first."""
+    import kalos.server.sidecar_embed as se
+
+    threads: list[tuple[str, str]] = []
+    entered = threading.Event()
+    release = threading.Event()
+
+    class Recording:
+        name, dim, runtime = "recording", 4, "fake"
+
+        def embed(self, texts):
+            threads.append((texts[0], threading.current_thread().name))
+            if texts[0] == "first":
+                entered.set()
+                release.wait(DEADLINE_S)
+            return np.ones((len(texts), 4), np.float32)
+
+    monkeypatch.setattr(se, "load_embedder", lambda runtime, device: Recording())
+    service = se.EmbedService("lazy", "auto", "cpu")
+    first = threading.Thread(target=service.embed, args=(["first"],), name="caller-1")
+    first.start()
+    assert entered.wait(DEADLINE_S)
+    second = threading.Thread(target=service.embed, args=(["second"],), name="caller-2")
+    second.start()
+    release.set()
+    first.join(DEADLINE_S)
+    second.join(DEADLINE_S)
+    assert threads == [("first", "caller-1"), ("second", "kalos-embed")]
+    assert service.embed(["third"]).shape == (1, 4) and threads[-1] == ("third", threading.current_thread().name)
+    assert (service.calls, service.texts) == (3, 3)
+    service.close()
+    with pytest.raises(EmbedderUnavailable, match="stopping"):
+        service.embed(["after close"])

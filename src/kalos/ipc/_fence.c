@@ -43,12 +43,37 @@ monotonic_ns(void)
 
 /* A 1-d buffer of ``n`` items of ``itemsize`` bytes (any stride), or an error naming ``what``. */
 static int
-get_column(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *what)
+get_column_for(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *what, int writable)
 {
-    if (PyObject_GetBuffer(obj, view, PyBUF_STRIDES) < 0)
+    if (PyObject_GetBuffer(obj, view, PyBUF_STRIDES | (writable ? PyBUF_WRITABLE : 0)) < 0)
         return -1;
     if (view->ndim != 1 || view->itemsize != itemsize) {
         PyErr_Format(PyExc_ValueError, "%s must be a 1-d array of %zd-byte items", what, itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+get_column(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *what)
+{
+    return get_column_for(obj, view, itemsize, what, 0);
+}
+
+/* ``view`` of ``obj``: a writable contiguous 1-d buffer of at least ``n`` 8-byte integers
+ * (``code``: 'q' signed, 'Q' unsigned; NumPy's 'l'/'L' on LP64 are the same). */
+static int
+get_out(PyObject *obj, Py_buffer *view, Py_ssize_t n, int is_signed, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0)
+        return -1;
+    const char *format = view->format ? view->format : "B";
+    char code = format[0] == '<' || format[0] == '=' || format[0] == '@' ? format[1] : format[0];
+    int ok_code = is_signed ? (code == 'l' || code == 'q') : (code == 'L' || code == 'Q');
+    if (view->ndim != 1 || view->itemsize != 8 || !ok_code || view->shape[0] < n) {
+        PyErr_Format(PyExc_ValueError, "%s must be a writable 1-d %s array of at least %zd items", what,
+                     is_signed ? "int64" : "uint64", n);
         PyBuffer_Release(view);
         return -1;
     }
@@ -91,7 +116,9 @@ fence_spin_pending(PyObject *self, PyObject *args)
         const Py_ssize_t req_step = req.strides[0], answered_step = answered.strides[0],
                          active_step = active.strides[0], busy_step = busy.strides[0];
         Py_BEGIN_ALLOW_THREADS
-        const int64_t until = monotonic_ns() + timeout_ns;
+        /* (clamped: a timeout past a century would overflow the deadline) */
+        const int64_t until = monotonic_ns() + (timeout_ns < 0 ? 0 : timeout_ns > 3155760000000000000LL
+                                                                   ? 3155760000000000000LL : timeout_ns);
         for (;;) {
             for (Py_ssize_t i = 0; i < n && !found; i++) {
                 /* req_seq is another process's word: one atomic 8-byte load. The buffers stay
@@ -162,25 +189,59 @@ get_slots(PyObject *obj, Py_buffer *view, Py_ssize_t rows, const char *what)
 
 #define ROW(view, i) ((char *)(view).buf + (Py_ssize_t)(i) * (view).strides[0])
 
+/* The most bytes of a row same_rows compares (a slot's namespace, the widest, is 256). */
+#define MAX_ROW_BYTES 1024
+
 static PyObject *
 fence_same_rows(PyObject *self, PyObject *args)
 {
-    PyObject *column_obj, *slots_obj;
-    Py_buffer column, slots;
+    PyObject *column_obj, *slots_obj, *out_obj = Py_None;
+    Py_buffer column, slots, out;
     Py_ssize_t row_bytes;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OO", &column_obj, &slots_obj))
+    if (!PyArg_ParseTuple(args, "OO|O", &column_obj, &slots_obj, &out_obj))
         return NULL;
     if (get_rows(column_obj, &column, &row_bytes, "column") < 0)
         return NULL;
+    if (row_bytes > MAX_ROW_BYTES) {
+        PyErr_Format(PyExc_ValueError, "column rows of %zd bytes: same_rows compares at most %d", row_bytes,
+                     MAX_ROW_BYTES);
+        PyBuffer_Release(&column);
+        return NULL;
+    }
     if (get_slots(slots_obj, &slots, column.shape[0], "slots") < 0) {
         PyBuffer_Release(&column);
         return NULL;
     }
+    if (out_obj != Py_None) {
+        if (PyObject_GetBuffer(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+            PyBuffer_Release(&column);
+            PyBuffer_Release(&slots);
+            return NULL;
+        }
+        if (out.len < row_bytes) {
+            PyErr_Format(PyExc_ValueError, "out must hold a row's %zd bytes", row_bytes);
+            PyBuffer_Release(&out);
+            PyBuffer_Release(&column);
+            PyBuffer_Release(&slots);
+            return NULL;
+        }
+    }
+    /* Every row, the first's included, is compared with one copy of the first: the words the
+     * caller then reads (out) are those every slot held, even if a client rewrites its own
+     * meanwhile. */
     const int64_t *at = slots.buf;
+    unsigned char first[MAX_ROW_BYTES];
     int same = 1;
-    for (Py_ssize_t i = 1; i < slots.shape[0] && same; i++)
-        same = memcmp(ROW(column, at[0]), ROW(column, at[i]), (size_t)row_bytes) == 0;
+    if (slots.shape[0] > 0) {
+        memcpy(first, ROW(column, at[0]), (size_t)row_bytes);
+        for (Py_ssize_t i = 0; i < slots.shape[0] && same; i++)
+            same = memcmp(first, ROW(column, at[i]), (size_t)row_bytes) == 0;
+        if (out_obj != Py_None)
+            memcpy(out.buf, first, (size_t)row_bytes);
+    }
+    if (out_obj != Py_None)
+        PyBuffer_Release(&out);
     PyBuffer_Release(&column);
     PyBuffer_Release(&slots);
     return PyBool_FromLong(same);
@@ -208,19 +269,17 @@ fence_pending_slots(PyObject *self, PyObject *args)
     if (get_column(busy_obj, &busy, 1, "busy") < 0)
         goto done;
     held[n_held++] = &busy;
-    if (PyObject_GetBuffer(slots_obj, &slots_out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
-        goto done;
-    held[n_held++] = &slots_out;
-    if (PyObject_GetBuffer(seqs_obj, &seqs_out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
-        goto done;
-    held[n_held++] = &seqs_out;
     const Py_ssize_t n = req.shape[0];
-    if (answered.shape[0] != n || active.shape[0] != n || busy.shape[0] != n || slots_out.itemsize != 8
-        || seqs_out.itemsize != 8 || slots_out.len < n * 8 || seqs_out.len < n * 8) {
-        PyErr_SetString(PyExc_ValueError, "req_seq, answered, active and busy must have one item per slot, and "
-                                          "slots and seqs room for as many 8-byte items");
+    if (answered.shape[0] != n || active.shape[0] != n || busy.shape[0] != n) {
+        PyErr_SetString(PyExc_ValueError, "req_seq, answered, active and busy must have one item per slot");
         goto done;
     }
+    if (get_out(slots_obj, &slots_out, n, 1, "slots_out") < 0)
+        goto done;
+    held[n_held++] = &slots_out;
+    if (get_out(seqs_obj, &seqs_out, n, 0, "seqs_out") < 0)
+        goto done;
+    held[n_held++] = &seqs_out;
     int64_t *slot_at = slots_out.buf;
     uint64_t *seq_at = seqs_out.buf;
     found = 0;
@@ -257,7 +316,7 @@ fence_publish_slots(PyObject *self, PyObject *args)
     Py_buffer *held[9];
     int n_held = 0;
     Py_ssize_t woke = -1;
-    if (get_column(resp_obj, &resp, 8, "resp_seq") < 0)
+    if (get_column_for(resp_obj, &resp, 8, "resp_seq", 1) < 0)
         goto done;
     held[n_held++] = &resp;
     const Py_ssize_t n_slots = resp.shape[0];
@@ -276,26 +335,25 @@ fence_publish_slots(PyObject *self, PyObject *args)
     if (get_column(generation_obj, &generation, 8, "generation") < 0)
         goto done;
     held[n_held++] = &generation;
-    if (get_column(answered_obj, &answered, 8, "answered") < 0)
+    if (get_column_for(answered_obj, &answered, 8, "answered", 1) < 0)
         goto done;
     held[n_held++] = &answered;
-    if (get_column(woken_obj, &woken, 8, "woken") < 0)
+    if (get_column_for(woken_obj, &woken, 8, "woken", 1) < 0)
         goto done;
     held[n_held++] = &woken;
     if (get_column(sleeping_obj, &sleeping, 4, "client_sleeping") < 0)
         goto done;
     held[n_held++] = &sleeping;
-    if (PyObject_GetBuffer(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
-        goto done;
-    held[n_held++] = &out;
     const Py_ssize_t n = slots.shape[0];
     if (seqs.shape[0] != n || (checked && generations.shape[0] != n) || generation.shape[0] != n_slots
-        || answered.shape[0] != n_slots || woken.shape[0] != n_slots || sleeping.shape[0] != n_slots
-        || out.itemsize != 8 || out.len < n * 8) {
+        || answered.shape[0] != n_slots || woken.shape[0] != n_slots || sleeping.shape[0] != n_slots) {
         PyErr_SetString(PyExc_ValueError, "seqs (and generations) must have one item per slot published, generation, "
-                                          "answered, woken and client_sleeping one per slot, out room for as many");
+                                          "answered, woken and client_sleeping one per slot");
         goto done;
     }
+    if (get_out(out_obj, &out, n, 1, "out") < 0)
+        goto done;
+    held[n_held++] = &out;
     const int64_t *at = slots.buf;
     int64_t *woke_at = out.buf;
     /* release: the answers' fields and rows before resp_seq (kalos/ipc/sync.py) */
@@ -334,9 +392,10 @@ static PyMethodDef fence_methods[] = {
      "a req_seq other than what was answered (True) or timeout_ns have passed (False); yields\n"
      "the core between looks."},
     {"same_rows", fence_same_rows, METH_VARARGS,
-     "same_rows(column, slots)\n--\n\n"
+     "same_rows(column, slots, out=None)\n--\n\n"
      "Whether the rows of column (a 1-d array, or 2-d with contiguous rows) at slots (int64) are\n"
-     "all equal byte for byte (True for fewer than two slots)."},
+     "all equal byte for byte to one copy of the first (True for no slot); that copy goes into\n"
+     "out (a writable buffer of a row's bytes) when given."},
     {"pending_slots", fence_pending_slots, METH_VARARGS,
      "pending_slots(req_seq, answered, active, busy, slots_out, seqs_out)\n--\n\n"
      "Writes each slot that is active, not busy, and whose req_seq differs from answered into\n"

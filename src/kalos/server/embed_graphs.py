@@ -9,8 +9,9 @@ How. The ``tokenizers`` fast tokenizer cuts the texts as :class:`OnnxEmbedder` d
 to the model's ``max_seq_length``, unpadded). A call's texts are sorted by length and split
 into runs of at most :data:`MAX_RUN` texts; each run is padded to a bucket, a power of two of
 texts and a power of two of tokens (at least :data:`MIN_TOKENS`, at most ``max_seq_length``),
-whose graph is captured on first use: the transformer, the mean over the unmasked tokens and
-the L2 normalisation, from one static input buffer to one static output. Padding tokens are
+whose graph is captured at load (every bucket: :meth:`GraphedEmbedder.shapes`): the
+transformer, the mean over the unmasked tokens and the L2 normalisation, from one static input
+buffer to one static output. Padding tokens are
 masked out of the attention and the mean, so a text's vector does not depend on its bucket
 beyond float rounding; every load checks the vectors against sentence-transformers' on probe
 texts of several lengths (cosine >= 0.9999 each, as the ONNX export is checked), and a model
@@ -35,8 +36,6 @@ __all__ = ["GraphedEmbedder", "MAX_RUN", "MIN_TOKENS"]
 MAX_RUN = 32
 #: The narrowest token bucket: shorter texts share one graph.
 MIN_TOKENS = 16
-#: Buckets captured at load (texts, tokens): what one agent's query usually needs.
-_WARM_BUCKETS = ((1, 16), (1, 32))
 
 
 def _pow2_at_least(n: int, floor: int = 1) -> int:
@@ -77,18 +76,31 @@ class GraphedEmbedder:
         self.max_tokens, self._normalise = _pooling_config(model)
         self.tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
         self.tokenizer.enable_truncation(max_length=self.max_tokens)
+        self._pad_id = int((self.tokenizer.padding or {}).get("pad_id", 0))  # (read before no_padding drops it)
         self.tokenizer.no_padding()
-        self._pad_id = int((self.tokenizer.padding or {}).get("pad_id", 0))
         self._reference = _load_sentence_transformer(str(model), device=str(self.device), local_files_only=True)
         self._transformer = self._reference[0].auto_model.eval()
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._stream = torch.cuda.Stream(self.device) if self._on_gpu else None
         self._pool = torch.cuda.graph_pool_handle() if self._on_gpu else None
         self._lock = threading.Lock()
-        for texts, tokens in _WARM_BUCKETS:
-            self._bucket(texts, min(tokens, self.max_tokens))
+        if self._on_gpu:
+            # Every bucket is captured here, at load: entering a capture synchronises the device,
+            # collects Python's garbage and empties the allocator's cache, which in the middle of
+            # serving would stall the sweep's passes.
+            for texts, tokens in self.shapes():
+                self._bucket(texts, tokens)
         self._check()
         self._reference = None  # (the check was its last use: its weights are the transformer's)
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every bucket's (texts, tokens): powers of two up to MAX_RUN texts, and from
+        MIN_TOKENS up to the model's max_seq_length tokens (the last bucket that, if it is no
+        power of two)."""
+        texts = [1 << i for i in range(MAX_RUN.bit_length()) if 1 << i <= MAX_RUN]
+        tokens = sorted({min(MIN_TOKENS << i, self.max_tokens)
+                         for i in range(32) if i == 0 or MIN_TOKENS << (i - 1) < self.max_tokens})
+        return [(t, n) for t in texts for n in tokens]
 
     # -- the forward pass ----------------------------------------------------------------
 
@@ -100,7 +112,8 @@ class GraphedEmbedder:
         return self._torch.nn.functional.normalize(mean, p=2, dim=1) if self._normalise else mean
 
     def _bucket(self, texts: int, tokens: int) -> _Bucket:
-        """The bucket of that shape, its graph captured on first use."""
+        """The bucket of that shape, made (and its graph captured) on first use: on a GPU, at
+        load for every shape; on the CPU, when a run first needs it."""
         bucket = self._buckets.get((texts, tokens))
         if bucket is not None:
             return bucket
@@ -119,7 +132,8 @@ class GraphedEmbedder:
                         self._forward(bucket.device_in)
                 stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                # thread_local: the sweep's own CUDA calls in other threads do not spoil the capture.
+                with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
                     bucket.out = self._forward(bucket.device_in)
                 bucket.graph = graph
         self._buckets[(texts, tokens)] = bucket

@@ -51,6 +51,9 @@ _SINGLE_FLAGS = _ALL_NAMESPACES | _HAS_WHERE
 # Registered where clauses a sidecar keeps (op "where"); the oldest registration goes first.
 _MAX_WHERE_HANDLES = 4096
 _RECALL = int(Op.RECALL)
+# The longest the idle sweep looks at the slots before it checks again whether it must stop
+# (a long --spin-us is looked through in slices of this).
+_LOOK_S = 0.005
 _PING = int(Op.PING)
 
 _NO_FILTER = Filter()
@@ -65,18 +68,21 @@ _NO_SCALES = np.empty(0, np.float64)
 FilterKey = tuple[int, bytes, float | None, float | None, int]
 
 
-def _same_rows(column: np.ndarray, slots: np.ndarray) -> bool:
-    """Whether the rows of ``column`` (a SlotColumns view) at ``slots`` are all equal, byte for
-    byte: natively (kalos.ipc.sync.same_rows), else one comparison of bytes objects (an
-    elementwise NumPy comparison and its reduction cost several times more on the few hundred
-    words a crowd's pass reads)."""
+def _alike_row(column: np.ndarray, slots: np.ndarray, scratch: np.ndarray) -> np.ndarray | None:
+    """The row of ``column`` (a SlotColumns view) that every one of ``slots`` holds, read once
+    (into ``scratch``, one row of the column's dtype), or None when they differ: natively
+    (kalos.ipc.sync.same_rows), else one comparison of bytes objects (an elementwise NumPy
+    comparison and its reduction cost several times more on the few hundred words a crowd's pass
+    reads). Read once, so that a client rewriting its words meanwhile cannot make the row returned
+    differ from the rows compared (and its k or flags apply to the others' requests)."""
     if sync.same_rows is not None:
-        return sync.same_rows(column, slots)
-    if len(slots) < 2:
-        return True
+        return scratch if sync.same_rows(column, slots, scratch) else None
     rows = column[slots]  # a fresh C-ordered copy
     raw = rows.tobytes()
-    return raw == raw[: rows.nbytes // len(rows)] * len(rows)
+    if raw != raw[: rows.nbytes // len(rows)] * len(rows):
+        return None
+    scratch[:] = rows[0]
+    return scratch
 
 
 class FilterCache:
@@ -200,6 +206,10 @@ class RecallLoop:
         self.zero_copy = False  # the engine reads the queries in the slots: attach()
         self._flights: collections.deque[_Flight] = collections.deque()  # queued passes, oldest first
         self._in_flight = np.zeros(layout.n_slots, dtype=bool)  # their slots (not pending again)
+        # One row of each column _uniform_key compares across a crowd's slots, read into these.
+        columns = channel.columns
+        self._alike = {name: np.empty(getattr(columns, name).shape[1:] or (1,), getattr(columns, name).dtype)
+                       for name in ("kind", "where_handle", "namespace_words", "namespace_len")}
         # The k of every slot of a uniform crowd (_uniform_key), sliced from one array per k:
         # read-only views, made once instead of an array per pass.
         self._k_columns = [np.full(layout.n_slots, k, np.uint32) for k in range(layout.max_k + 1)]
@@ -326,7 +336,7 @@ class RecallLoop:
                 # Hot: watch the slots until the spin window ends, with the GIL released, so
                 # that a control thread (a hello, an embed, a get) runs at once instead of after
                 # the interpreter's 5 ms switch interval.
-                channel.spin_for_request(last_work + spin_s - clock(), self._in_flight)
+                channel.spin_for_request(min(last_work + spin_s - clock(), _LOOK_S), self._in_flight)
             else:
                 channel.sleep(timeout_s=0.5)
                 last_work = clock() - spin_s  # spin again only once a request has arrived
@@ -373,23 +383,27 @@ class RecallLoop:
         where handle and namespace alike, told in a few comparisons of whole words), the key of
         their filter and their k; None when the slots differ (:meth:`_answer_mixed`)."""
         columns = self.channel.columns
-        if not _same_rows(columns.kind, slots):  # (op, k, n_queries, flags) per slot
+        scratch = self._alike
+        kind = _alike_row(columns.kind, slots, scratch["kind"])  # (op, k, n_queries, flags)
+        if kind is None:
             return None
-        first = int(slots[0])
-        op, k, n_queries, flags = columns.kind[first].tolist()
+        op, k, n_queries, flags = kind.tolist()
         if op != _RECALL or n_queries != 1 or not 1 <= k <= self.layout.max_k or flags & ~_SINGLE_FLAGS:
             return None
         handle = 0
         if flags & _HAS_WHERE:
-            if not _same_rows(columns.where_handle, slots):
+            handles = _alike_row(columns.where_handle, slots, scratch["where_handle"])
+            if handles is None:
                 return None
-            handle = int(columns.where_handle[first])
+            handle = int(handles[0])
         name = b""
         if not flags & _ALL_NAMESPACES:
-            if not (_same_rows(columns.namespace_words, slots) and _same_rows(columns.namespace_len, slots)):
+            words = _alike_row(columns.namespace_words, slots, scratch["namespace_words"])
+            lengths = _alike_row(columns.namespace_len, slots, scratch["namespace_len"]) if words is not None else None
+            if lengths is None:
                 return None
-            name = columns.namespace[first]  # bytes, trailing NULs dropped
-            if len(name) != int(columns.namespace_len[first]):
+            name = words.tobytes().rstrip(b"\x00")  # (as the namespace column reads it)
+            if len(name) != int(lengths[0]):
                 return None  # a length word that disagrees with the bytes: read as each slot says
         return (flags, name, None, None, handle), self._k_columns[k][: len(slots)]
 

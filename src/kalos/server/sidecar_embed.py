@@ -344,8 +344,11 @@ class EmbedService:
         self._start_lock = threading.Lock()
         self._closed = False
         # Held by whoever runs the model now (the worker, or a caller embedding in its own
-        # thread: see embed).
+        # thread: see embed); and whether the worker holds requests it has not finished, which
+        # then go first: a caller embeds in its own thread only while the worker has none.
         self._running = threading.Lock()
+        self._worker_busy = False
+        self._stats_lock = threading.Lock()
         self.calls = 0  # embedding calls made, and the texts they took (stats)
         self.texts = 0
 
@@ -407,16 +410,18 @@ class EmbedService:
     def embed(self, texts: list[str]) -> np.ndarray:
         """``float32 [len(texts), dim]``, unit rows. ``texts`` were checked by the caller."""
         embedder = self.load()
-        if len(texts) <= _INLINE_TEXTS and self._queue.empty() and self._running.acquire(blocking=False):
-            # Nobody else is embedding: this thread runs the model itself, without the two
-            # thread hand-offs of the queue (a short query is what an agent's recall_text sends,
-            # and on a GPU its embedding is a fraction of a millisecond).
+        if self._closed:
+            raise EmbedderUnavailable("the sidecar is stopping")
+        if (len(texts) <= _INLINE_TEXTS and not self._worker_busy and self._queue.empty()
+                and self._running.acquire(blocking=False)):
+            # Nobody else is embedding or waiting: this thread runs the model itself, without the
+            # two thread hand-offs of the queue (a short query is what an agent's recall_text
+            # sends, and on a GPU its embedding is a fraction of a millisecond).
             try:
                 vectors = embedder.embed(texts)
             finally:
                 self._running.release()
-            self.calls += 1
-            self.texts += len(vectors)
+            self._count(len(vectors))
             return vectors
         pending = _Pending(texts, embedder.dim)
         with self._start_lock:
@@ -440,11 +445,13 @@ class EmbedService:
         stopping = False
         while True:
             if not active:
+                self._worker_busy = False
                 if stopping:
                     return
                 first = self._queue.get()
                 if first is None:
                     return
+                self._worker_busy = True  # (before its turn at the model: callers queue behind it)
                 active.append(first)
             while not stopping:
                 try:
@@ -477,8 +484,7 @@ class EmbedService:
                     texts += p.texts[rows] if isinstance(rows, slice) else [p.texts[i] for i in rows]
                 with self._running:
                     vectors = self._embedder.embed(texts)
-                self.calls += 1
-                self.texts += len(vectors)
+                self._count(len(vectors))
                 at = 0
                 for p, a, b in parts:
                     p.vectors[p.rows(a, b)] = vectors[at:at + b - a]
@@ -491,6 +497,11 @@ class EmbedService:
                 if p.error is not None or p.offset == len(p.texts):
                     active.remove(p)
                     p.done.set()
+
+    def _count(self, texts: int) -> None:
+        with self._stats_lock:
+            self.calls += 1
+            self.texts += texts
 
     def close(self) -> None:
         self._closed = True

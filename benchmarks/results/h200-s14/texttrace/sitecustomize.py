@@ -34,7 +34,7 @@ def _install() -> None:
 
     class _Holder:
         pass
-    for op in ("recall_text", "embed", "get"):
+    for op in [op for op in ("recall_text", "embed", "get") if op in handlers]:
         holder = _Holder()
         holder.fn = handlers[op]
         wrap(holder, "fn", f"op {op} (handler)")
