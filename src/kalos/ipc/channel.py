@@ -33,8 +33,8 @@ import numpy as np
 
 from kalos.config import runtime_dir
 from kalos.errors import InvalidArgument, ProtocolMismatch, SidecarUnavailable
-from kalos.ipc.protocol import HEADER_DTYPE, HeaderView, Layout, SlotColumns, SlotView
 from kalos.ipc import sync
+from kalos.ipc.protocol import HEADER_DTYPE, HeaderView, Layout, SlotColumns, SlotView
 from kalos.ipc.sync import full_fence
 
 __all__ = ["Endpoint", "Segment", "ClientChannel", "SidecarChannel", "SidecarExited"]

@@ -90,7 +90,9 @@ class GraphedEmbedder:
             # serving would stall the sweep's passes.
             for texts, tokens in self.shapes():
                 self._bucket(texts, tokens)
-        self._check()
+        from kalos.server.sidecar_embed import check_against_reference
+
+        check_against_reference(self, self._reference, "the graphed model")
         self._reference = None  # (the check was its last use: its weights are the transformer's)
 
     def shapes(self) -> list[tuple[int, int]]:
@@ -182,22 +184,6 @@ class GraphedEmbedder:
                     host[2, row, :n] = e.type_ids
                 out[run] = self._run(bucket, len(run))
         return _check_output(out, len(texts), self.dim, self.name)
-
-    def _check(self, minimum: float = 0.9999) -> float:
-        """The least cosine between these vectors and sentence-transformers' own for probe texts
-        of several lengths and scripts (at load); RuntimeError below ``minimum``."""
-        from kalos.server.sidecar_embed import _PROBES
-
-        reference_model = self._reference
-        texts = list(_PROBES)
-        mine = self.embed(texts).astype(np.float64)
-        theirs = reference_model.encode(texts, convert_to_numpy=True, normalize_embeddings=True,
-                                        show_progress_bar=False).astype(np.float64)
-        cosines = np.einsum("ij,ij->i", mine, theirs) / (np.linalg.norm(mine, axis=1) * np.linalg.norm(theirs, axis=1))
-        least = float(cosines.min())
-        if not least >= minimum:
-            raise RuntimeError(f"the graphed model disagrees with sentence-transformers (cosine {least:.6f})")
-        return least
 
     @property
     def buckets(self) -> list[tuple[int, int]]:

@@ -399,7 +399,9 @@ class RecallLoop:
         name = b""
         if not flags & _ALL_NAMESPACES:
             words = _alike_row(columns.namespace_words, slots, scratch["namespace_words"])
-            lengths = _alike_row(columns.namespace_len, slots, scratch["namespace_len"]) if words is not None else None
+            if words is None:
+                return None
+            lengths = _alike_row(columns.namespace_len, slots, scratch["namespace_len"])
             if lengths is None:
                 return None
             name = words.tobytes().rstrip(b"\x00")  # (as the namespace column reads it)

@@ -160,11 +160,7 @@ class Staging:
 
     def set_table(self, nq: int, query_at, ids_at, scores_at, scales) -> None:
         """Gather-table rows ``[0, nq)``: where each query, its ids and its scores are."""
-        tab = self.h_tab
-        tab[:nq, TABLE.query_at] = query_at
-        tab[:nq, TABLE.ids_at] = ids_at
-        tab[:nq, TABLE.scores_at] = scores_at
-        self.h_tabf[:nq, TABLE.scale] = scales
+        fill_table(self.h_tab[:nq], query_at, ids_at, scores_at, scales)
 
     def own_table(self, nq: int) -> None:
         """Gather-table rows for queries in this staging's own query area."""
@@ -173,6 +169,16 @@ class Staging:
     def scales(self, nq: int) -> np.ndarray:
         """The scales the table holds (the stage-in kernel writes them when it normalises)."""
         return self.h_tabf[:nq, TABLE.scale].copy()
+
+
+def fill_table(tab: np.ndarray, query_at, ids_at, scores_at, scales) -> None:
+    """Writes gather-table rows ``tab`` (int64 ``[rows, TAB_WORDS]``): where each query, its ids
+    and its scores are (element offsets in the attached buffer) and its scale (float64; NaN: the
+    stage-in kernel normalises the query)."""
+    tab[:, TABLE.query_at] = query_at
+    tab[:, TABLE.ids_at] = ids_at
+    tab[:, TABLE.scores_at] = scores_at
+    tab.view(np.float64)[:, TABLE.scale] = scales
 
 
 # Header words as plain ints: fill_header runs once per search.

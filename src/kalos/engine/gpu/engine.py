@@ -52,7 +52,7 @@ import torch
 
 from kalos.engine.base import MISSING_ID, Engine, Filter
 from kalos.engine.gpu.bounds import fast_error_terms, int8_error_terms
-from kalos.engine.gpu.buffers import AttachedHost, HostBuffer, Staging, fill_header, register_host_buffer
+from kalos.engine.gpu.buffers import AttachedHost, HostBuffer, Staging, fill_header, fill_table, register_host_buffer
 from kalos.engine.gpu.columns import DeviceColumns
 from kalos.engine.gpu.layout import TAB_WORDS, TABLE, check_kernel_layout
 from kalos.engine.gpu.pipeline import Pipeline
@@ -621,10 +621,7 @@ class TorchEngine(Engine):
         self._check_k(k_max)
         query_at, _scales, ids_at, scores_at, _device = self._attached_args(query_at, None, ids_at, scores_at, k_max)
         table = np.empty((len(query_at), TAB_WORDS), np.int64)
-        table[:, TABLE.query_at] = query_at
-        table[:, TABLE.ids_at] = ids_at
-        table[:, TABLE.scores_at] = scores_at
-        table.view(np.float64)[:, TABLE.scale] = np.nan  # the stage-in kernel normalises (NORM)
+        fill_table(table, query_at, ids_at, scores_at, np.nan)  # (NaN: the stage-in kernel normalises)
         self._places, self._places_k = table, int(k_max)
 
     def search_places_start(self, places: np.ndarray, k: int, flt: Filter = Filter()) -> "AttachedPass":
