@@ -20,6 +20,7 @@ from kalos.server.cohort import Cohort
 from kalos.server.metrics import Metrics
 from kalos.server.recall_loop import FilterCache, RecallLoop
 from kalos.server.slot_polling import SlotPolling
+from kalos.server.state_lock import StateLock
 
 DIM, K = 8, 4
 
@@ -114,7 +115,7 @@ def loop():
     layout.write_header(segment.buf, epoch=1, pid=os.getpid())
     channel = SidecarChannel(segment, layout, epoch=1)
     engine = FakeEngine()
-    lock = threading.Lock()
+    lock = StateLock()
     recall_loop = RecallLoop(engine=engine, channel=channel, layout=layout, metrics=Metrics(), cohort=Cohort(8, 0),
                              filters=FilterCache({b"default": 0}), polling=SlotPolling(lock), expirer=NoExpiry(),
                              state_lock=lock, stopping=threading.Event(), spin_us=0)

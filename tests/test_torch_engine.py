@@ -463,12 +463,12 @@ def test_kernels_and_host_agree_on_the_header_layout():
     declaration puts it."""
     tk = load_kernels(require_interpreter=not HAVE_CUDA)
     consts = kernel_constants()
-    assert {"H_N", "H_ROW_ERR8", "T_SCALE", "HCTL_STOPPED", "CTL_TURN"} <= set(consts)
+    assert {"H_N", "H_ROW_ERR8", "T_SCALE", "T_SEQ", "HCTL_STOPPED", "CTL_TURN"} <= set(consts)
     assert {name: getattr(tk.common, name).value for name in consts} == consts
     check_kernel_layout(tk.common)
     off_by_one = types.SimpleNamespace(**{name: tk.common.__dict__[name] for name in consts})
-    off_by_one.H_SEQ = consts["H_SEQ"] + 1
-    with pytest.raises(AssertionError, match="H_SEQ"):
+    off_by_one.T_SEQ = consts["T_SEQ"] + 1
+    with pytest.raises(AssertionError, match="T_SEQ"):
         check_kernel_layout(off_by_one)
     eng = TorchEngine(8, device="cpu", backend="triton", precision="fast")
     eng.columns.max_norm, eng.columns.max_resid8 = 1.25, 0.5

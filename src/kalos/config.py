@@ -14,10 +14,14 @@ from pathlib import Path
 
 from kalos.errors import InvalidArgument
 
-__all__ = ["Settings", "settings", "default_store_path", "runtime_dir", "open_runtime_dir", "RuntimeDir", "GPU_POLLING"]
+__all__ = ["Settings", "settings", "default_store_path", "runtime_dir", "open_runtime_dir", "RuntimeDir", "GPU_POLLING",
+           "DEFAULT_GPU_WINDOW_US"]
 
 #: How a GPU sidecar may answer single recalls without Python (SidecarConfig.gpu_polling).
 GPU_POLLING = ("off", "graph")
+#: How long the GPU's polling kernel, once a request is pending, waits for the rest of the
+#: crowd (SidecarConfig.gpu_window_us).
+DEFAULT_GPU_WINDOW_US = 20.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ import numpy as np
 from kalos.engine import Engine
 from kalos.server.expiry import ExpirySchedule
 from kalos.server.slot_polling import SlotPolling
+from kalos.server.state_lock import StateLock
 
 __all__ = ["Expirer"]
 
@@ -42,7 +43,7 @@ class Expirer:
     thread's body.
     """
 
-    def __init__(self, *, engine: Engine, store: Any, polling: SlotPolling, state_lock: threading.Lock,
+    def __init__(self, *, engine: Engine, store: Any, polling: SlotPolling, state_lock: StateLock,
                  write_lock: threading.Lock, wrote: threading.Event, stopping: threading.Event) -> None:
         self.schedule = ExpirySchedule()
         self._engine = engine

@@ -48,6 +48,7 @@ from kalos.server.expirer import Expirer
 from kalos.server.metrics import Metrics
 from kalos.server.recall_loop import FilterCache
 from kalos.server.slot_polling import SlotPolling
+from kalos.server.state_lock import StateLock
 from kalos.validation import (
     UNSET,
     Item,
@@ -85,7 +86,7 @@ class ControlServer:
     def __init__(self, sidecar: Sidecar, *, name: str, endpoint: Endpoint, epoch: int, layout: Layout,
                  engine: Engine, store: Any, metrics: Metrics, cohort: Cohort, embedding: EmbedService,
                  seed: Any, quarantined: list[int], namespaces: dict[bytes, int], filters: FilterCache,
-                 polling: SlotPolling, expirer: Expirer, state_lock: threading.Lock, write_lock: threading.Lock,
+                 polling: SlotPolling, expirer: Expirer, state_lock: StateLock, write_lock: threading.Lock,
                  wrote: threading.Event, stopping: threading.Event, client_spin_us: float,
                  start_thread: Callable[..., None]) -> None:
         self._sidecar = sidecar

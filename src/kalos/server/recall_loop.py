@@ -33,6 +33,7 @@ from kalos.server.cohort import Cohort
 from kalos.server.expirer import Expirer
 from kalos.server.metrics import Metrics
 from kalos.server.slot_polling import SlotPolling
+from kalos.server.state_lock import StateLock
 from kalos.validation import check_namespace, row_scales
 from kalos.where import Where
 
@@ -187,7 +188,7 @@ class RecallLoop:
 
     def __init__(self, *, engine: Engine, channel: SidecarChannel, layout: Layout, metrics: Metrics,
                  cohort: Cohort, filters: FilterCache, polling: SlotPolling, expirer: Expirer,
-                 state_lock: threading.Lock, stopping: threading.Event, spin_us: float) -> None:
+                 state_lock: StateLock, stopping: threading.Event, spin_us: float) -> None:
         self.engine = engine
         self.channel = channel
         self.layout = layout
@@ -301,7 +302,7 @@ class RecallLoop:
         clock = time.perf_counter
         last_work = clock()
         while not self._stopping.is_set():
-            with self._state_lock:
+            with self._state_lock.for_sweep():  # (a writer waiting now goes first)
                 server = polling.server
                 # While the GPU polls, it answers single recalls itself; the sweep takes what it
                 # hands over, and wakes the clients of its answers that slept.

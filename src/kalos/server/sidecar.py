@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kalos.config import GPU_POLLING, RuntimeDir, open_runtime_dir, settings
+from kalos.config import DEFAULT_GPU_WINDOW_US, GPU_POLLING, RuntimeDir, open_runtime_dir, settings
 from kalos.engine import Engine, make_engine
 from kalos.errors import InvalidArgument, KalosError, SidecarAlreadyRunning
 from kalos.ipc.channel import Endpoint, Segment, SidecarChannel
@@ -55,6 +55,7 @@ from kalos.server.metrics import Metrics
 from kalos.server.operations import ControlServer
 from kalos.server.recall_loop import FilterCache, RecallLoop
 from kalos.server.slot_polling import SlotPolling
+from kalos.server.state_lock import StateLock
 from kalos.store.spec import StoreSpec, open_store
 from kalos.store.sqlite import Store
 from kalos.validation import bad_vector_rows
@@ -89,10 +90,12 @@ class SidecarConfig:
     # segment page-locked with cudaHostRegister); False: through host copies (benchmarks).
     zero_copy: bool = True
     # With zero copy, a GPU kernel polls the slots and answers single recalls by itself
-    # (kalos.engine.gpu.slot_server): "graph" (a CUDA graph that waits for a request, then scans
-    # with the whole GPU), "resident" (one kernel resident on every SM), or "off" (the sweep
-    # answers everything). BENCHMARKS.md has both measured beside the sweep.
+    # (kalos.engine.gpu.slot_server): "graph" (a CUDA graph that waits for requests, then scans
+    # with the whole GPU, a crowd's in one batch), or "off" (the sweep answers everything).
+    # BENCHMARKS.md has both measured. gpu_window_us: how long the polling kernel, once a
+    # request is pending, waits for the rest of the clients before its pass.
     gpu_polling: str = "off"
+    gpu_window_us: float = DEFAULT_GPU_WINDOW_US
     # The text embedder clients without their own use (kalos.server.sidecar_embed): loaded at the
     # first text ("lazy"), in the background at start ("start"), or never ("off"); on
     # "auto" (ONNX on a CPU sidecar, sentence-transformers on a GPU one), "onnx" or "torch".
@@ -110,6 +113,8 @@ class SidecarConfig:
             raise InvalidArgument(f"gather_us must be in [0, 10000] microseconds, got {self.gather_us}")
         if self.gpu_polling not in GPU_POLLING:
             raise InvalidArgument(f"gpu_polling must be one of {', '.join(GPU_POLLING)}, got {self.gpu_polling!r}")
+        if not 0 <= self.gpu_window_us <= 10_000:
+            raise InvalidArgument(f"gpu_window_us must be in [0, 10000] microseconds, got {self.gpu_window_us}")
         if not 0 < self.heartbeat_interval_s <= 1:
             raise InvalidArgument(f"heartbeat interval must be in (0, 1] s, got {self.heartbeat_interval_s}")
         from kalos.server.sidecar_embed import EMBED_MODES, EMBED_RUNTIMES
@@ -245,7 +250,7 @@ class Sidecar:
         self.epoch = secrets.randbits(63) | 1
         self.metrics = Metrics()
         self._stopping = threading.Event()
-        self._state_lock = threading.Lock()
+        self._state_lock = StateLock()
         self._write_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self.listener: socket.socket | None = None  # the control socket (bound again if its name goes)
@@ -408,7 +413,8 @@ class Sidecar:
         try:
             from kalos.engine.gpu.slot_server import SlotGraphServer
 
-            server = SlotGraphServer(self.engine, self.layout, self.channel.answered, idle_s=self.config.spin_us / 1e6)
+            server = SlotGraphServer(self.engine, self.layout, self.channel.answered, idle_s=self.config.spin_us / 1e6,
+                                     batch=self.config.max_batch, window_s=self.config.gpu_window_us / 1e6)
             server.warm()
         except Exception as exc:  # noqa: BLE001 - the sweep's own path still serves everything
             log.warning("GPU polling off: the slot server could not be set up (%s)", exc)

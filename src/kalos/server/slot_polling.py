@@ -14,6 +14,7 @@ import threading
 from typing import Any, Callable
 
 from kalos.ipc.channel import SidecarChannel
+from kalos.server.state_lock import StateLock
 
 __all__ = ["SlotPolling"]
 
@@ -29,7 +30,7 @@ class SlotPolling:
     ``_state_lock`` held; :meth:`change_slots` takes it.
     """
 
-    def __init__(self, state_lock: threading.Lock) -> None:
+    def __init__(self, state_lock: StateLock) -> None:
         self.server: Any = None
         self.channel: SidecarChannel | None = None  # whose answers a pause wakes (set with the server)
         self._state_lock = state_lock

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kalos.config import GPU_POLLING, default_store_path, settings
+from kalos.config import DEFAULT_GPU_WINDOW_US, GPU_POLLING, default_store_path, settings
 from kalos.errors import InvalidArgument, KalosError
 from kalos.validation import check_keys
 
@@ -68,9 +68,14 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="GPU engine: a kernel polls the slots and answers single recalls (k <= 16, all "
                        "namespaces or one, no time window) by itself while traffic lasts, with no Python on the "
                        "way; it stops after --spin-us without a request. 'graph' (the value when none is given): "
-                       "a CUDA graph that waits for a request, then scans with the whole GPU. Beside another "
-                       "process's GPU work it answers without waiting for a time slice, but takes that process's "
-                       "time slices while it waits. Default: %(default)s (figures: BENCHMARKS.md)")
+                       "a CUDA graph that waits for requests, then scans with the whole GPU, the requests of "
+                       "several clients in one batch. Beside another process's GPU work it answers without "
+                       "waiting for a time slice, but takes that process's time slices while it waits. "
+                       "Default: %(default)s (figures: BENCHMARKS.md)")
+    serve.add_argument("--gpu-window-us", type=float, default=DEFAULT_GPU_WINDOW_US,
+                       help="with --gpu-polling: microseconds the polling kernel, once a request is pending, waits "
+                       "for the other connected clients' requests before its pass (it stops waiting as soon as "
+                       "every client has asked); 0: take what is pending at once (default: %(default)s)")
     serve.add_argument("--embed", choices=["lazy", "start", "off"], default="lazy",
                        help="the text embedder (all-MiniLM-L6-v2) that clients without one of their own use, one "
                        "model for every client of the host: Client.remember / recall_text send text and the sidecar "
@@ -329,7 +334,8 @@ def _serve(args: argparse.Namespace) -> int:
         precision=args.precision,
         slots=args.slots, max_k=args.max_k, max_batch=args.max_batch, spin_us=args.spin_us, gather_us=args.gather_us,
         seed_compat=args.seed_compat, seed_compat_shm=args.seed_compat_shm, zero_copy=args.zero_copy,
-        gpu_polling=args.gpu_polling, embed=args.embed, embed_runtime=args.embed_runtime,
+        gpu_polling=args.gpu_polling, gpu_window_us=args.gpu_window_us, embed=args.embed,
+        embed_runtime=args.embed_runtime,
     )
     try:
         sidecar = Sidecar(config)

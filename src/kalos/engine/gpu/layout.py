@@ -11,17 +11,19 @@ float64), so an offset is a field's byte offset divided by 8::
     word 0              +------------------------------------------------------+
                         | header (HEADER_DTYPE, 16 words)                       |
                         |   n, nq, k, has_ns, ns, since, until, max_norm,       |
-                        |   k_out, slot_word, seq, slot, row_err8, spare[3]     |
+                        |   k_out, row_err8, spare[6]                           |
     word 16             +------------------------------------------------------+
-    + 4 * j             | gather table row j (TABLE_DTYPE, 4 words)             |
-                        |   query_at, ids_at, scores_at, scale                  |
+    + 8 * j             | gather table row j (TABLE_DTYPE, 8 words)             |
+                        |   query_at, ids_at, scores_at, scale,                 |
+                        |   slot_word, seq, slot, spare                         |
                         +------------------------------------------------------+
                         | queries float32[max_batch, dim] (the engine's own)    |
                         +------------------------------------------------------+
 
 ``k`` is ``min(k, n)`` (the rows a query can fill), ``k_out`` the columns written (past
-``k`` they are padding). ``slot_word``, ``seq`` and ``slot`` are written only by the slot
-server's waiting kernel, for the final kernel that publishes in the slot. ``row_err8`` is
+``k`` they are padding). A table row's ``slot_word``, ``seq`` and ``slot`` are written only by
+the slot server's waiting kernels, for the final kernel that publishes each answer in its
+slot. ``row_err8`` is
 the 8-bit rows' error per unit of query norm (:mod:`kalos.engine.gpu.bounds`), in the
 header so that adds after a CUDA graph's capture are covered.
 
@@ -50,11 +52,8 @@ HEADER_DTYPE = np.dtype([
     ("until", "<f8"),
     ("max_norm", "<f8"),  # the largest row norm ever written (the 16-bit certificate)
     ("k_out", "<i8"),  # result columns to write
-    ("slot_word", "<i8"),  # slot server: the slot's word offset in the segment
-    ("seq", "<i8"),  # slot server: the request's req_seq
-    ("slot", "<i8"),  # slot server: the slot's index
     ("row_err8", "<f8"),  # the 8-bit rows' error per unit of query norm
-    ("spare", "<i8", (3,)),
+    ("spare", "<i8", (6,)),
 ])
 
 TABLE_DTYPE = np.dtype([
@@ -62,6 +61,10 @@ TABLE_DTYPE = np.dtype([
     ("ids_at", "<i8"),  # int64 element offset of its ids in the result buffer
     ("scores_at", "<i8"),  # float32 element offset of its scores
     ("scale", "<f8"),  # applied to the query (float64), or written by the stage-in (NORM)
+    ("slot_word", "<i8"),  # slot server: the slot's word offset in the segment
+    ("seq", "<i8"),  # slot server: the request's req_seq
+    ("slot", "<i8"),  # slot server: the slot's index
+    ("spare", "<i8"),  # (a row is a power of two of words: the kernels load it as one tile)
 ])
 
 HOST_CONTROL_DTYPE = np.dtype([

@@ -20,7 +20,7 @@ from kalos.engine.gpu.buffers import AttachedHost, Staging
 from kalos.engine.gpu.columns import DeviceColumns
 from kalos.engine.gpu.planner import GROUPS_PER_CHUNK, Plan, Planner, ScanConfig, next_pow2
 
-__all__ = ["Pipeline", "BatchKey"]
+__all__ = ["Pipeline", "BatchKey", "GemmScratch"]
 
 _COLLECT_STEP = 8  # groups collect_kernel reads per step (a random query picks ~K of them)
 
@@ -78,8 +78,7 @@ class Pipeline:
         self._half_dtype = half  # the 16-bit copy's dtype (GEMM batches of fast mode)
         self._occupancy: dict = {}
         self._ws: tuple = (None, None, None)
-        self._sel_ws = None
-        self._d_q16: torch.Tensor | None = None
+        self._scratch = GemmScratch(device, half, dim, max_batch)
         self._mm_fp32_out: bool | None = None
 
     def plan(self, kind: str, qb: int, kp: int) -> Plan:
@@ -151,7 +150,8 @@ class Pipeline:
             over = None
             if plan.gemm_rows:
                 stride = plan.ws_keys
-                over = self.gemm_scores(kind, qb, plan, slices, ws_a, stride, live_t, filtered, staging=st)
+                over = self.gemm_scores(kind, qb, plan, slices, ws_a, stride, live_t, filtered, st.d_hdr, st.d_hdrf,
+                                        st.d_q)
             else:
                 stride = self.scan_keys(kind, plan, qb, st.d_hdr, st.d_hdrf, st.d_q, live_t, filtered,
                                          ws_a, ws_s, st.d_bound)
@@ -229,7 +229,8 @@ class Pipeline:
         )
 
     def gemm_scores(self, kind: str, qb: int, plan: Plan, slices: int, ws_a: torch.Tensor, stride: int,
-                    live_t: torch.Tensor, filtered: bool, *, staging: Staging | None = None) -> torch.Tensor:
+                    live_t: torch.Tensor, filtered: bool, hdr: torch.Tensor, hdrf: torch.Tensor, dq: torch.Tensor,
+                    *, scratch: "GemmScratch | None" = None) -> torch.Tensor:
         """Batched scores by cuBLAS (tensor cores: fp16 rows, or fp32 rows read as tf32), a
         slice of rows at a time, each slice reduced to a superset of its top-K keys at once.
 
@@ -239,18 +240,24 @@ class Pipeline:
         the ``slices`` that hold rows are scored (the graph key carries the count); the keys
         after theirs are set to SENTINEL so the merge sees no stale keys. Returns the
         per-query overflow words the final kernel checks.
+
+        ``hdr``/``hdrf``/``dq``: the header and queries on the device (as :meth:`scan_keys`);
+        ``scratch``: the 16-bit queries' and the selection's buffers (default: the engine's; a
+        stream that runs beside the engine's, the slot server's, brings its own).
         """
-        cols, st = self.columns, staging or self.staging
+        cols = self.columns
         tk, g, chunk = self.kernels, plan.gemm_rows, plan.score_chunk
         cap = cols.x32.shape[0]
-        q = st.d_q[:qb]
-        if kind == "f16":
-            if self._d_q16 is None:
-                self._d_q16 = torch.empty((self.max_batch, self.dim), dtype=self._half_dtype, device=self.device)
-            q16 = self._d_q16[:qb]
-            q16.copy_(q)
+        q = dq[:qb]
         group = chunk // GROUPS_PER_CHUNK
-        gm, picked, cand, over = self.selection_workspace(qb, g // group, plan.k1 * group)
+        if scratch is None:
+            scratch = self._scratch
+            gm, picked, cand, over = self.selection_workspace(qb, g // group, plan.k1 * group)
+        else:
+            gm, picked, cand, over = scratch.selection(qb, g // group, plan.k1 * group)
+        if kind == "f16":
+            q16 = scratch.queries16(qb)
+            q16.copy_(q)
         over.zero_()
         out_base = 0  # keys written so far per query
         for c0 in range(0, slices * g, g):
@@ -264,21 +271,21 @@ class Pipeline:
                 with _tf32_matmul():
                     sc = torch.mm(q, cols.x32[c0:c1].T)
             chunks = -(-(c1 - c0) // chunk)
-            masks = (c0, c1 - c0, live_t, cols.ns, cols.ts, st.d_hdrf)
+            masks = (c0, c1 - c0, live_t, cols.ns, cols.ts, hdrf)
             if c1 - c0 == g and plan.threshold:
                 tk.group_max_kernel[(chunks, qb)](
-                    sc, gm, st.d_hdr, c1 - c0, gm.stride(0), *masks,
+                    sc, gm, hdr, c1 - c0, gm.stride(0), *masks,
                     CHUNK=chunk, GROUPS=GROUPS_PER_CHUNK, FILTER=filtered, num_warps=4,
                 )
                 tk.collect_kernel[(qb,)](
-                    sc, gm, picked, cand, over, ws_a, st.d_hdr, c1 - c0, gm.stride(0), cand.stride(0), stride,
+                    sc, gm, picked, cand, over, ws_a, hdr, c1 - c0, gm.stride(0), cand.stride(0), stride,
                     out_base, *masks, K=plan.k1, NG=g // group, GROUP=group, STEP=_COLLECT_STEP,
                     MERGE=max(128, 2 * plan.k1), FILTER=filtered, num_warps=4,
                 )
                 out_base += plan.k1
             else:
                 tk.scores_topk_kernel[(chunks, qb)](
-                    sc, ws_a, st.d_hdr, c1 - c0, stride, *masks,
+                    sc, ws_a, hdr, c1 - c0, stride, *masks,
                     K=plan.k1, CHUNK=chunk, MASK=True, FILTER=filtered, out_first=out_base, num_warps=4,
                 )
                 out_base += chunks * plan.k1
@@ -287,20 +294,19 @@ class Pipeline:
         return over
 
     def selection_workspace(self, qb: int, groups: int, scratch: int) -> tuple[torch.Tensor, ...]:
-        """The threshold selection's buffers: group maxima [qb, groups] (float32), the picked
-        groups (int32, same shape), candidate keys [qb, scratch] (int64), overflow words."""
-        held = self._sel_ws
-        if held is None or held[0].shape[0] < qb or held[0].shape[1] != groups or held[2].shape[1] < scratch:
-            self.on_realloc()  # captured launches point at the buffers they replace
-            rows = max(qb, held[0].shape[0] if held is not None else 0)
-            scratch = max(scratch, held[2].shape[1] if held is not None else 0)
+        """The engine's :meth:`GemmScratch.selection`: buffers replaced only after
+        ``on_realloc`` (captured launches point at the buffers they replace)."""
+        held = self._scratch
+        if not held.fits(qb, groups, scratch):
+            self.on_realloc()
             with self.on_stream():
-                held = (torch.empty((rows, groups), dtype=torch.float32, device=self.device),
-                        torch.empty((rows, groups), dtype=torch.int32, device=self.device),
-                        torch.empty((rows, scratch), dtype=torch.int64, device=self.device),
-                        torch.empty(rows, dtype=torch.int32, device=self.device))
-            self._sel_ws = held
-        return held
+                held.selection(qb, groups, scratch)
+        return held.selection(qb, groups, scratch)
+
+
+    def new_scratch(self, max_batch: int) -> GemmScratch:
+        """A :class:`GemmScratch` of its own, for passes on another stream."""
+        return GemmScratch(self.device, self._half_dtype, self.dim, max_batch)
 
     def gemm_ok(self, kind: str) -> bool:
         """Whether cuBLAS can score this kind here (fp16 needs mm with a float32 output)."""
@@ -314,3 +320,35 @@ class Pipeline:
                 self._mm_fp32_out = False
         return self._mm_fp32_out
 
+
+class GemmScratch:
+    """What a GEMM batch needs besides its workspace, on one stream: the 16-bit copy of its
+    queries (fast mode) and the threshold selection's buffers, grown on demand."""
+
+    def __init__(self, device: torch.device, half: torch.dtype, dim: int, max_batch: int) -> None:
+        self.device, self.half, self.dim, self.max_batch = device, half, dim, max_batch
+        self._q16: torch.Tensor | None = None
+        self._sel: tuple | None = None
+
+    def queries16(self, qb: int) -> torch.Tensor:
+        if self._q16 is None:
+            self._q16 = torch.empty((self.max_batch, self.dim), dtype=self.half, device=self.device)
+        return self._q16[:qb]
+
+    def fits(self, qb: int, groups: int, scratch: int) -> bool:
+        held = self._sel
+        return held is not None and held[0].shape[0] >= qb and held[0].shape[1] == groups and held[2].shape[1] >= scratch
+
+    def selection(self, qb: int, groups: int, scratch: int) -> tuple[torch.Tensor, ...]:
+        """The threshold selection's buffers: group maxima [qb, groups] (float32), the picked
+        groups (int32, same shape), candidate keys [qb, scratch] (int64), overflow words."""
+        held = self._sel
+        if not self.fits(qb, groups, scratch):
+            rows = max(qb, held[0].shape[0] if held is not None else 0)
+            scratch = max(scratch, held[2].shape[1] if held is not None else 0)
+            held = (torch.empty((rows, groups), dtype=torch.float32, device=self.device),
+                    torch.empty((rows, groups), dtype=torch.int32, device=self.device),
+                    torch.empty((rows, scratch), dtype=torch.int64, device=self.device),
+                    torch.empty(rows, dtype=torch.int32, device=self.device))
+            self._sel = held
+        return held

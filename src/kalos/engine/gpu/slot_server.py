@@ -8,20 +8,29 @@ the page-locked segment, and the answer and ``resp_seq`` are written into the sl
 client is spinning on.
 
 :class:`SlotGraphServer` (``serve --gpu-polling``, mode ``graph``; off unless asked for) does it
-with a CUDA graph
-whose first kernel (one program) waits for a request and stages it; the engine's own
-single-query kernels follow (the scan over the whole GPU, the selection, the final kernel,
-which publishes). The sweep keeps a few replays queued. Only one program spins while waiting,
-so the sweep's own work (handed-over requests) runs beside it at full speed. (A ``resident``
-mode, one kernel on every SM, was removed: the graph server now beats every figure it
-recorded, BENCHMARKS.md.)
+with CUDA graphs whose first kernel (one program) waits for requests and stages them; the
+engine's own kernels follow (the scan over the whole GPU, the selection, the final kernel,
+which publishes each answer in its slot). The sweep keeps a few replays queued. Only one
+program spins while waiting, so the sweep's own work (handed-over requests) runs beside it at
+full speed. (A ``resident`` mode, one kernel on every SM, was removed: the graph server beat
+every figure it recorded, BENCHMARKS.md.)
+
+Rounds. With one client connected a round takes one request and runs the single-query
+kernels (:func:`~kalos.engine.gpu.kernels.poll.await_request_kernel`). With more, a round is
+a batch (:func:`~kalos.engine.gpu.kernels.poll.await_requests_kernel`): once a request is
+pending the kernel waits up to ``window_s`` for the other clients' (no longer once all have
+asked), then takes every pending request of the first one's kind (k, namespace), up to the
+round's size, the power of two that holds every connected client (at most ``batch``): a crowd
+of C agents is one pass over the rows, not C. Each size is its own graph, captured at
+:meth:`SlotGraphServer.warm`; the sidecar restarts the server whenever clients come or go.
 
 What it serves. A single query (``n_queries == 1``) with ``k <= max_k``, all namespaces or one
 named, no time window, and a query that is finite and non-zero. Anything else (batches, time
-windows, larger k, bad input), and every request that arrives while the kernel is busy with
-another, is *handed* to the host: the kernel records its ``req_seq`` in ``handed``, and the
-sidecar's sweep answers it through the engine's ordinary (batched) path. Fast mode re-scores
-its candidates in float32 and hands the request over when the certificate fails.
+windows, larger k, bad input) is *handed* to the host: the kernel records its ``req_seq`` in
+``handed``, and the sidecar's sweep answers it through the engine's ordinary (batched) path.
+A single round hands over every request pending beside the one it takes as well; a batch
+round leaves requests of another kind pending for the next round. Fast mode re-scores its
+candidates in float32 and hands the request over when the certificate fails.
 
 Ownership of a slot's answer. A request is the kernel's when the kernel took it, the host's
 when it is in ``handed``: the two never answer the same one. ``answered`` is the sidecar's own
@@ -42,6 +51,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 
 import numpy as np
 import torch
@@ -50,14 +60,38 @@ from kalos.engine.base import Filter
 from kalos.engine.gpu.buffers import NO_BOUND
 from kalos.engine.gpu.engine import TorchEngine
 from kalos.engine.gpu.layout import CTL_WORDS, DEVICE_CONTROL, HCTL_WORDS, HDR_WORDS, HOST_CONTROL, TAB_WORDS
-from kalos.engine.gpu.planner import k_bucket, next_pow2
+from kalos.engine.gpu.pipeline import GemmScratch
+from kalos.engine.gpu.planner import Plan, k_bucket, next_pow2
 from kalos.errors import InvalidArgument
 from kalos.ipc.protocol import NAMESPACE_BYTES, Layout, Op, RequestFlag, SlotWords
 
-__all__ = ["SlotGraphServer", "DEFAULT_MAX_K"]
+__all__ = ["SlotGraphServer", "DEFAULT_MAX_K", "DEFAULT_BATCH", "DEFAULT_WINDOW_S"]
 
 #: Largest k the kernel serves itself (larger ones go to the host path).
 DEFAULT_MAX_K = 16
+#: Most requests one round takes.
+DEFAULT_BATCH = 64
+#: How long a round, once a request is pending, waits for the rest of the crowd.
+DEFAULT_WINDOW_S = 20e-6
+
+
+@dataclasses.dataclass
+class _Round:
+    """A round of ``qb`` requests: what it scans, its plan, its workspace and its graph.
+
+    Every round owns its buffers: a graph keeps the addresses it was captured with, so a
+    buffer shared between rounds and grown for a larger one would leave the smaller one's
+    graph pointing at freed memory."""
+
+    qb: int
+    kind: str
+    plan: Plan
+    ws_a: torch.Tensor
+    ws_b: torch.Tensor
+    ws_s: torch.Tensor
+    bound: torch.Tensor
+    scratch: GemmScratch
+    graph: "torch.cuda.CUDAGraph | None" = None
 
 _NAME_ROWS = 1024  # rows of the device's namespace table (a power of two)
 _NAME_PROBE = 8  # rows a name may sit in, from its home row on (kernels.poll.NS_PROBE)
@@ -97,7 +131,12 @@ class SlotGraphServer:
     """
 
     def __init__(self, engine: TorchEngine, layout: Layout, answered: np.ndarray, *, idle_s: float = 0.002,
-                 max_k: int = DEFAULT_MAX_K, depth: int = 3, idle_polls: int = 2, warps: int = 1) -> None:
+                 max_k: int = DEFAULT_MAX_K, depth: int = 3, idle_polls: int = 2, warps: int = 1,
+                 batch: int = DEFAULT_BATCH, window_s: float = DEFAULT_WINDOW_S, window_polls: int = 2) -> None:
+        if batch < 1:
+            raise InvalidArgument(f"batch must be >= 1, got {batch}")
+        if window_s < 0 or window_polls < 0:
+            raise InvalidArgument("window_s and window_polls must be >= 0")
         if depth < 1:
             raise InvalidArgument(f"depth must be >= 1, got {depth}")
         if warps not in (1, 2, 4, 8):
@@ -121,7 +160,11 @@ class SlotGraphServer:
         self.kout = k_bucket(max_k)
         self.idle_s = float(idle_s)
         self.idle_polls = int(idle_polls)
+        self.window_s = float(window_s)
+        self.window_polls = int(window_polls)
         self.ns = next_pow2(layout.n_slots)
+        #: The largest round: a power of two, at most the slot count's.
+        self.max_bucket = min(next_pow2(batch), self.ns)
         dev = engine.torch_device
 
         # Page-locked host words the kernels write and the sweep reads (and the reverse).
@@ -142,7 +185,7 @@ class SlotGraphServer:
         self._slot_words = base // 8
         self._slot_at = torch.full((self.ns,), -1, dtype=torch.int64, device=dev)
         self._seen = torch.zeros((2, self.ns), dtype=torch.int64, device=dev)
-        self._dq = torch.zeros(engine.dim, dtype=torch.float32, device=dev)
+        self._dq = torch.zeros(self.max_bucket * engine.dim, dtype=torch.float32, device=dev)
         # The kernels read a request's words as one tile, its namespace's 8 words included.
         self._req_words = next_pow2(self.words.ns_bytes + _NAME_WORDS)
         self._agree = torch.zeros(self.ns * (self._req_words + 1) + 16, dtype=torch.int64, device=dev)
@@ -155,11 +198,12 @@ class SlotGraphServer:
         self._stream = torch.cuda.Stream(device=dev, priority=-100) if self.on_gpu else None
         self.launches = 0
 
-        self.kind = "f32"  # what a round scans: set by _build (fast mode's depends on the capacity)
-        self._dh = torch.zeros(HDR_WORDS + TAB_WORDS, dtype=torch.int64, device=dev)  # header + one table row
+        # The header and a table row per request of the largest round.
+        self._dh = torch.zeros(HDR_WORDS + TAB_WORDS * self.max_bucket, dtype=torch.int64, device=dev)
         self._ctl = torch.zeros(CTL_WORDS, dtype=torch.int64, device=dev)  # DEVICE_CONTROL_DTYPE
-        self._status = torch.zeros(1, dtype=torch.int32, device=dev)
-        self._graph: torch.cuda.CUDAGraph | None = None
+        self._status = torch.zeros(self.max_bucket, dtype=torch.int32, device=dev)
+        self._rounds: dict[int, _Round] = {}  # per bucket: its plan, workspace and graph
+        self._bucket = 1  # the round that start() chose
         self._built_for: tuple | None = None
         self._queued: collections.deque = collections.deque()  # an event per replay not yet done
         # Between start() and stop() (or a round's report that it stopped): only then
@@ -198,9 +242,14 @@ class SlotGraphServer:
             self._seen.copy_(torch.from_numpy(seen))
 
     def warm(self) -> None:
-        """Compiles the kernels now (a launch that exits at once), not on the first request."""
-        if self.start(np.zeros(self.layout.n_slots, bool), exit_at_once=True):
+        """Compiles and captures every round now (a launch that exits at once), not on the
+        first request: a compile in the middle of serving would stall every client."""
+        qb = 1
+        while qb <= self.max_bucket:
+            if not self.start(np.zeros(self.layout.n_slots, bool), exit_at_once=True, bucket=qb):
+                return  # nothing to scan yet
             self.stop()
+            qb *= 2
 
     def set_namespaces(self, names: dict[bytes, int]) -> None:
         """The namespaces (UTF-8 name -> id) a request may name (call while stopped). Each goes
@@ -239,7 +288,8 @@ class SlotGraphServer:
 
     @property
     def served(self) -> int:
-        """Requests the kernels have answered, over all launches."""
+        """Requests the kernels have answered, over all launches (exact once stopped; while
+        running, a round's count may lag until its last answer's)."""
         return int(self._hctl[HOST_CONTROL.answers])
 
     def stamps(self) -> tuple[int, int, int, int]:
@@ -254,44 +304,93 @@ class SlotGraphServer:
                 *(None if t is None else t.data_ptr() for t in eng.columns.tensors()))
 
     def _build(self) -> None:
-        """Plan and scratch for the engine's columns as they are (capacity, addresses)."""
-        eng = self.engine
-        self.kind = eng.scan_kind(1, self.kout, eng.precision)
-        self._plan = eng.pipeline.plan(self.kind, 1, self.kout)
-        keys = self._plan.ws_keys
-        scores = eng.rows.capacity if self._plan.score_chunk else 0
-        with self._on_stream():
-            self._ws_a = torch.empty(keys, dtype=torch.int64, device=eng.torch_device)
-            self._ws_b = torch.empty(keys, dtype=torch.int64, device=eng.torch_device)
-            self._ws_s = torch.empty(max(1, scores), dtype=torch.float32, device=eng.torch_device)
-            self._bound = torch.full((1,), NO_BOUND, dtype=torch.int64, device=eng.torch_device)  # (the final kernel resets it)
-        self._graph = None
+        """Forgets every round's plan, scratch and graph: the engine's columns changed
+        (capacity, addresses)."""
+        self._rounds = {}
         self._built_for = self._columns()
 
-    def _round(self) -> None:
-        """One round's kernels on the current stream: wait for a request, scan, select, answer.
+    def bucket(self, clients: int) -> int:
+        """The round that serves ``clients`` clients: 1 (the single-query kernels) for one,
+        else the power of two that holds them all, at most ``max_bucket``."""
+        return 1 if clients <= 1 else min(next_pow2(clients), self.max_bucket)
+
+    def _round_for(self, qb: int) -> "_Round":
+        """The plan and scratch of a round of ``qb`` requests (made on first use)."""
+        held = self._rounds.get(qb)
+        if held is None:
+            eng = self.engine
+            kind = eng.scan_kind(qb, self.kout, eng.precision)
+            plan = eng.pipeline.plan(kind, qb, self.kout)
+            scores = eng.rows.capacity * qb if plan.score_chunk and not plan.gemm_rows else 0
+            dev = eng.torch_device
+            with self._on_stream():
+                held = _Round(
+                    qb, kind, plan,
+                    torch.empty(plan.ws_keys * qb, dtype=torch.int64, device=dev),
+                    torch.empty(plan.ws_keys * qb, dtype=torch.int64, device=dev),
+                    torch.empty(max(1, scores), dtype=torch.float32, device=dev),
+                    torch.full((qb,), NO_BOUND, dtype=torch.int64, device=dev),  # (the final kernel resets it)
+                    eng.pipeline.new_scratch(qb),
+                )
+            self._rounds[qb] = held
+        return held
+
+    @property
+    def kind(self) -> str:
+        """What the current round scans (fast mode's single round depends on the capacity)."""
+        return self._round_for(self._bucket).kind
+
+    def _round(self, qb: int) -> None:
+        """One round's kernels on the current stream: wait for requests, scan, select, answer.
 
         A graph keeps the launch arguments it was captured with: what may change between
         starts (the rows in use, the largest row norm, the namespace table) is read from device
-        memory instead; ``idle_s`` and the engine's tuning are those of the capture."""
+        memory instead; ``idle_s``, ``window_s`` and the engine's tuning are those of the capture."""
         eng = self.engine
         att = eng.attached
         w = self.words
+        rnd = self._round_for(qb)
         idle = int(self.idle_s * 1e9) if self.on_gpu else self.idle_polls
-        dh, dhf, dq = self._dh, self._dh.view(torch.float64), self._dq.view(1, eng.dim)
-        eng.kernels.await_request_kernel[(1,)](
-            att.i64, att.f32, self._slot_at, self._seen, self._t_handed, self._t_hctl, self._ctl, dh, self._dq,
-            self._agree, self._ns_tab, self._ns_ids, self.layout.n_slots,
-            min(self.kout, self.layout.max_k), idle, int(Op.RECALL), int(RequestFlag.ALL_NAMESPACES),
-            **self._request_constexprs(), E_IDS=w.ids, E_SC=w.scores, num_warps=self.warps,
-        )
-        stride = eng.pipeline.scan_keys(self.kind, self._plan, 1, dh, dhf, dq, eng.columns.live, True, self._ws_a,
-                                        self._ws_s, self._bound)
-        eng.pipeline.select_final(
-            self.kind, self._plan, 1, self._ws_a, self._ws_b, stride, dh, dhf, dq, att.i64, att.f32, self._status,
-            True, bound=self._bound, publish=dict(PUBLISH=True, SEG=att.i64, DSEEN=self._seen, HANS=self._t_answered,
-                               HHOF=self._t_handed, HCTL=self._t_hctl, CTL=self._ctl, W_STATN=w.status_n,
-                               W_RESP=w.resp_seq, NS=self.ns, ON_GPU=self.on_gpu),
+        dh, dhf, dq = self._dh, self._dh.view(torch.float64), self._dq.view(self.max_bucket, eng.dim)
+        k_limit = min(self.kout, self.layout.max_k)
+        if qb == 1:
+            eng.kernels.await_request_kernel[(1,)](
+                att.i64, att.f32, self._slot_at, self._seen, self._t_handed, self._t_hctl, self._ctl, dh, self._dq,
+                self._agree, self._ns_tab, self._ns_ids, self.layout.n_slots, k_limit, idle, int(Op.RECALL),
+                int(RequestFlag.ALL_NAMESPACES), **self._request_constexprs(), E_IDS=w.ids, E_SC=w.scores,
+                num_warps=self.warps,
+            )
+        else:
+            window = int(self.window_s * 1e9) if self.on_gpu else self.window_polls
+            constexprs = self._request_constexprs()
+            del constexprs["D"], constexprs["BLOCK_DQ"]
+            eng.kernels.await_requests_kernel[(1,)](
+                att.i64, self._slot_at, self._seen, self._t_handed, self._t_hctl, self._ctl, dh, self._agree,
+                self._ns_tab, self._ns_ids, self.layout.n_slots, k_limit, idle, window, int(Op.RECALL),
+                int(RequestFlag.ALL_NAMESPACES), **constexprs, E_IDS=w.ids, E_SC=w.scores, QB=qb,
+                num_warps=self.warps,
+            )
+            # The queries, straight from the slots the table names, normalised (the scale
+            # written back to the table: the final kernel hands a bad query to the host).
+            eng.kernels.stage_in_kernel[(qb,)](dh, dhf, att.f32, dh, dq, D=eng.dim,
+                                               BLOCK_D=min(1024, next_pow2(eng.dim)), COPY_Q=True, NORM=True,
+                                               num_warps=4)
+        pipe, plan = eng.pipeline, rnd.plan
+        over = None
+        if plan.gemm_rows:
+            slices = -(-eng.rows.capacity // plan.gemm_rows)  # (rows may grow up to the capacity)
+            stride = plan.ws_keys
+            over = pipe.gemm_scores(rnd.kind, qb, plan, slices, rnd.ws_a, stride, eng.columns.live, True, dh, dhf,
+                                    dq, scratch=rnd.scratch)
+        else:
+            stride = pipe.scan_keys(rnd.kind, plan, qb, dh, dhf, dq, eng.columns.live, True, rnd.ws_a, rnd.ws_s,
+                                    rnd.bound)
+        pipe.select_final(
+            rnd.kind, plan, qb, rnd.ws_a, rnd.ws_b, stride, dh, dhf, dq, att.i64, att.f32, self._status,
+            True, over=over, bound=rnd.bound,
+            publish=dict(PUBLISH=True, SEG=att.i64, DSEEN=self._seen, HANS=self._t_answered, HHOF=self._t_handed,
+                         HCTL=self._t_hctl, CTL=self._ctl, W_STATN=w.status_n, W_RESP=w.resp_seq, NS=self.ns,
+                         ON_GPU=self.on_gpu),
         )
 
     def running(self) -> bool:
@@ -311,15 +410,17 @@ class SlotGraphServer:
         """Replays the graph ``count`` times on the server's stream; an event per replay."""
         events = []
         with self._on_stream():  # replay() launches on the current stream
+            graph = self._rounds[self._bucket].graph
             for _ in range(count):
-                self._graph.replay()
+                graph.replay()
                 done = torch.cuda.Event()
                 done.record(self._stream)
                 events.append(done)
         return events
 
-    def start(self, active: np.ndarray, *, exit_at_once: bool = False) -> bool:
-        """Starts serving the slots marked in ``active`` (those with a client now); False when
+    def start(self, active: np.ndarray, *, exit_at_once: bool = False, bucket: int | None = None) -> bool:
+        """Starts serving the slots marked in ``active`` (those with a client now), with the
+        round that holds them all (:meth:`bucket`; ``bucket`` overrides it); False when
         there is nothing to serve (no rows). Call only while it is not running."""
         n = self._rows_to_serve()
         if n == 0:
@@ -327,21 +428,25 @@ class SlotGraphServer:
         eng = self.engine
         if self._built_for != self._columns():
             self._build()
+        qb = self.bucket(int(np.count_nonzero(active))) if bucket is None else int(bucket)
+        if qb != 1 and (qb < 1 or qb > self.max_bucket or qb & (qb - 1)):
+            raise InvalidArgument(f"bucket must be 1 or a power of two up to {self.max_bucket}, got {bucket}")
+        self._bucket = qb
         self._load_slots(active)
-        header = np.zeros(HDR_WORDS + TAB_WORDS, np.int64)
+        header = np.zeros(HDR_WORDS, np.int64)
         eng.fill_header(n, 0, 0, Filter(), header)  # rows, no time window, the certificate's norm: the
         # waiting kernel fills in the request's words
         self._hctl[HOST_CONTROL.stop] = 1 if exit_at_once else 0
         self._hctl[HOST_CONTROL.stopped] = 0
         with self._on_stream():
-            self._dh.copy_(torch.from_numpy(header))
+            self._dh[:HDR_WORDS].copy_(torch.from_numpy(header))
             self._ctl[DEVICE_CONTROL.stopped] = 0
         self.launches += 1
         if not self.on_gpu:  # the interpreter: rounds one after another until the server stops
             self._serve_now()
             return True
-        if self._graph is None:
-            self._capture()
+        if self._round_for(qb).graph is None:
+            self._capture(qb)
         self._serving = True
         self.running()
         return True
@@ -349,9 +454,9 @@ class SlotGraphServer:
     def _serve_now(self) -> None:
         """Rounds one after another, synchronously, until one stops (the CPU device)."""
         while self._hctl[HOST_CONTROL.stopped] == 0:
-            self._round()
+            self._round(self._bucket)
 
-    def _capture(self) -> None:
+    def _capture(self, qb: int) -> None:
         """Compiles the kernels with one eager round (the stop word set: it serves at most a
         request already pending, then stops), then captures a round into the graph."""
         hctl, stop_at = self._hctl, HOST_CONTROL.stop
@@ -359,29 +464,32 @@ class SlotGraphServer:
         hctl[stop_at] = 1
         try:
             with self._on_stream():
-                self._round()
+                self._round(qb)
             self._stream.synchronize()
             with self._on_stream():
                 self._ctl[DEVICE_CONTROL.stopped] = 0
             hctl[HOST_CONTROL.stopped] = 0
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
-                self._round()
+                self._round(qb)
             self._stream.synchronize()
         finally:
             hctl[stop_at] = stop
-        self._graph = graph
+        self._rounds[qb].graph = graph
 
     def stop(self) -> None:
         """Asks the waiting round to stop and waits for every queued round (a round with a
         request in hand finishes it). Nothing is queued again until :meth:`start`, which
         reloads what may have changed meanwhile (the slots' clients, the rows)."""
         self._serving = False
-        if not self._queued:
-            return
-        self._hctl[HOST_CONTROL.stop] = 1
-        try:
-            while self._queued:
-                self._queued.popleft().synchronize()
-        finally:
-            self._hctl[HOST_CONTROL.stop] = 0
+        if self._queued:
+            self._hctl[HOST_CONTROL.stop] = 1
+            try:
+                while self._queued:
+                    self._queued.popleft().synchronize()
+            finally:
+                self._hctl[HOST_CONTROL.stop] = 0
+        # A round's programs publish their answers in any order, each storing its own count in
+        # the host's word: the device's count is the whole one.
+        with self._on_stream():
+            self._hctl[HOST_CONTROL.answers] = int(self._ctl[DEVICE_CONTROL.answers])

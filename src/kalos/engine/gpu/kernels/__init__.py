@@ -21,7 +21,7 @@ from :mod:`kalos.engine.gpu.layout`, the re-score). Why the kernels are shaped t
 from kalos.engine.gpu.kernels import common
 from kalos.engine.gpu.kernels.common import SENTINEL
 from kalos.engine.gpu.kernels.final import final_kernel
-from kalos.engine.gpu.kernels.poll import NS_PROBE, await_request_kernel
+from kalos.engine.gpu.kernels.poll import NS_PROBE, await_request_kernel, await_requests_kernel
 from kalos.engine.gpu.kernels.scan import int8_scores_kernel, scan_topk_kernel
 from kalos.engine.gpu.kernels.select import (
     collect_kernel,
@@ -35,5 +35,5 @@ from kalos.engine.gpu.kernels.stage import stage_in_kernel
 __all__ = [
     "common", "SENTINEL", "NS_PROBE", "stage_in_kernel", "scan_topk_kernel", "int8_scores_kernel", "scores_topk_kernel",
     "group_max_kernel", "collect_kernel", "merge_topk_kernel", "scores_rescore_kernel", "final_kernel",
-    "await_request_kernel",
+    "await_request_kernel", "await_requests_kernel",
 ]

@@ -36,14 +36,14 @@ H_SINCE = tl.constexpr(_C["H_SINCE"])
 H_UNTIL = tl.constexpr(_C["H_UNTIL"])
 H_MAX_NORM = tl.constexpr(_C["H_MAX_NORM"])
 H_K_OUT = tl.constexpr(_C["H_K_OUT"])
-H_SLOT_WORD = tl.constexpr(_C["H_SLOT_WORD"])
-H_SEQ = tl.constexpr(_C["H_SEQ"])
-H_SLOT = tl.constexpr(_C["H_SLOT"])
 H_ROW_ERR8 = tl.constexpr(_C["H_ROW_ERR8"])
 T_QUERY_AT = tl.constexpr(_C["T_QUERY_AT"])
 T_IDS_AT = tl.constexpr(_C["T_IDS_AT"])
 T_SCORES_AT = tl.constexpr(_C["T_SCORES_AT"])
 T_SCALE = tl.constexpr(_C["T_SCALE"])
+T_SLOT_WORD = tl.constexpr(_C["T_SLOT_WORD"])
+T_SEQ = tl.constexpr(_C["T_SEQ"])
+T_SLOT = tl.constexpr(_C["T_SLOT"])
 HCTL_STOP = tl.constexpr(_C["HCTL_STOP"])
 HCTL_ANSWERS = tl.constexpr(_C["HCTL_ANSWERS"])
 HCTL_STOPPED = tl.constexpr(_C["HCTL_STOPPED"])
@@ -58,8 +58,8 @@ del _C
 
 __all__ = [  # the layout's offsets (the loader checks them) and the empty key
     "SENTINEL", "HDR_WORDS", "TAB_WORDS", "H_N", "H_NQ", "H_K", "H_HAS_NS", "H_NS", "H_SINCE", "H_UNTIL",
-    "H_MAX_NORM", "H_K_OUT", "H_SLOT_WORD", "H_SEQ", "H_SLOT", "H_ROW_ERR8", "T_QUERY_AT", "T_IDS_AT",
-    "T_SCORES_AT", "T_SCALE", "HCTL_STOP", "HCTL_ANSWERS", "HCTL_STOPPED", "HCTL_T_WAIT", "HCTL_T_STAGED",
+    "H_MAX_NORM", "H_K_OUT", "H_ROW_ERR8", "T_QUERY_AT", "T_IDS_AT", "T_SCORES_AT", "T_SCALE",
+    "T_SLOT_WORD", "T_SEQ", "T_SLOT", "HCTL_STOP", "HCTL_ANSWERS", "HCTL_STOPPED", "HCTL_T_WAIT", "HCTL_T_STAGED",
     "HCTL_T_PUBLISHED", "HCTL_T_SEEN", "CTL_STOPPED", "CTL_TURN", "CTL_ANSWERS",
 ]
 

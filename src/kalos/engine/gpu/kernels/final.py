@@ -17,14 +17,15 @@ from kalos.engine.gpu.kernels.common import (
     H_K_OUT,
     H_MAX_NORM,
     H_NQ,
-    H_SEQ,
-    H_SLOT,
-    H_SLOT_WORD,
     HCTL_ANSWERS,
     HCTL_T_PUBLISHED,
     HDR_WORDS,
     T_IDS_AT,
+    T_SCALE,
     T_SCORES_AT,
+    T_SEQ,
+    T_SLOT,
+    T_SLOT_WORD,
     TAB_WORDS,
     _certified_rescore,
     _clock_ns,
@@ -65,9 +66,10 @@ def final_kernel(
     # k-th score beats it. This kernel resets BOUND for the next search.
     BOUND=None,
     CHUNK_CERT: tl.constexpr = False,
-    # PUBLISH: the slot server's graph (await_request_kernel wrote the header's slot_word,
-    # seq and slot). The answer is published in the slot, or, when the
-    # certificate fails, nothing is written and the request is handed to the host.
+    # PUBLISH: the slot server's graph (its waiting kernel wrote each table row's slot_word,
+    # seq and slot). Each answer is published in its slot, or, when the certificate fails or
+    # the query's scale is not finite and positive (a zero, NaN or infinite query, which the
+    # stage-in found), nothing is written and the request is handed to the host.
     PUBLISH: tl.constexpr = False,
     SEG=None,  # the shared segment as int64 words (page-locked, mapped)
     DSEEN=None,  # [2, NS] int64 device: seq last answered here / handed, per slot
@@ -98,9 +100,10 @@ def final_kernel(
     if CHUNK_CERT:
         bound = tl.load(BOUND + q)
     if PUBLISH:
-        slot_w = tl.load(HDR + H_SLOT_WORD)
-        seq = tl.load(HDR + H_SEQ)
-        slot = tl.load(HDR + H_SLOT)
+        slot_w = tl.load(HDR + tab + T_SLOT_WORD)
+        seq = tl.load(HDR + tab + T_SEQ)
+        slot = tl.load(HDR + tab + T_SLOT)
+        scale = tl.load(HDRF + tab + T_SCALE + tl.arange(0, 1))  # (a tile: the interpreter's scalars do not mix)
     if q < nq:
         top = tl.topk(tl.reshape(keys, [1, CHUNK]), KIN)
         if RESCORE:
@@ -129,8 +132,9 @@ def final_kernel(
         want = cols < k_cols
         good = True
         if PUBLISH:
+            good = tl.sum(((scale > 0.0) & (scale < float("inf"))).to(tl.int32)) > 0  # (False for NaN too)
             if RESCORE or CHUNK_CERT:
-                good = tl.sum(certified.to(tl.int32)) > 0
+                good = good & (tl.sum(certified.to(tl.int32)) > 0)
             want = want & good
         tl.store(RES_I + at_i + cols, out_i, mask=want)
         tl.store(RES_S + at_s + cols, score, mask=want)

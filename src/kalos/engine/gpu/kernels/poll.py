@@ -17,9 +17,6 @@ from kalos.engine.gpu.kernels.common import (
     H_N,
     H_NQ,
     H_NS,
-    H_SEQ,
-    H_SLOT,
-    H_SLOT_WORD,
     HCTL_STOP,
     HCTL_STOPPED,
     HCTL_T_SEEN,
@@ -27,7 +24,13 @@ from kalos.engine.gpu.kernels.common import (
     HCTL_T_WAIT,
     HDR_WORDS,
     T_IDS_AT,
+    T_QUERY_AT,
+    T_SCALE,
     T_SCORES_AT,
+    T_SEQ,
+    T_SLOT,
+    T_SLOT_WORD,
+    TAB_WORDS,
     _clock_ns,
     _copy_normalised,
     _fence_system,
@@ -126,7 +129,8 @@ def _take_request(
 ):
     """Polls the slots' ``req_seq`` words until a request this kernel may answer, a stop
     (the host's stop word) or the idle limit; returns ``(state, slot, seq, k, namespace id)``, state 1
-    (serve that request, its query normalised in float64 into DQ) or 2 (exit).
+    (serve that request, its query normalised in float64 into DQ; the query's sum of squares
+    last) or 2 (exit).
 
     Served: one query, k <= k_limit, all namespaces or one named in NS_TAB (-1: all), no time
     window, a finite non-zero query. Every other pending request, and every pending one but
@@ -155,6 +159,7 @@ def _take_request(
     out_seq = tl.zeros([], tl.int64)
     out_k = tl.zeros([], tl.int64)
     out_ns = tl.full([], -1, tl.int64)
+    out_ssq = tl.zeros([], tl.float64)
     at = tl.load(SLOT_AT + sl, mask=slot_ok, other=-1)
     here = slot_ok & (at >= 0)
     last_name = tl.load(NS_IDS + NSMAX + tl.arange(0, 16))  # (see _namespace_id)
@@ -201,6 +206,7 @@ def _take_request(
                     out_seq = seq
                     out_k = tl.sum(tl.where(sl == pick, kk, 0))
                     out_ns = want_ns
+                    out_ssq = ssq
                     tl.store(RR, (pick + 1) % NS)
                     state = 1
                 else:
@@ -223,7 +229,7 @@ def _take_request(
                         state = 2
             elif polls > idle:
                 state = 2
-    return state, out_pick, out_seq, out_k, out_ns
+    return state, out_pick, out_seq, out_k, out_ns, out_ssq
 
 
 @triton.jit
@@ -276,9 +282,10 @@ def await_request_kernel(
     seq = tl.zeros([], tl.int64)
     kk = tl.zeros([], tl.int64)
     want_ns = tl.full([], -1, tl.int64)
+    ssq = tl.zeros([], tl.float64)
     if tl.load(CTL + CTL_STOPPED, volatile=True) == 0:
         tl.store(HCTL + HCTL_T_WAIT, _clock_ns(ON_GPU))  # phase stamps for diagnostics: waiting since
-        state, pick, seq, kk, want_ns = _take_request(
+        state, pick, seq, kk, want_ns, ssq = _take_request(
             SEG, SEGF, SLOT_AT, DSEEN, HHOF, HCTL, CTL + CTL_TURN, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit,
             idle, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, E_Q, D, NS, NSMAX,
             BLOCK_DQ, ON_GPU,
@@ -291,11 +298,195 @@ def await_request_kernel(
         tl.store(DH + H_HAS_NS, (want_ns >= 0).to(tl.int64))
         tl.store(DH + H_NS, tl.maximum(want_ns, 0))
         tl.store(DH + H_K_OUT, kk)
-        tl.store(DH + H_SLOT_WORD, slot_w)
-        tl.store(DH + H_SEQ, seq)
-        tl.store(DH + H_SLOT, pick)
         tl.store(DH + HDR_WORDS + T_IDS_AT, slot_w + E_IDS)
         tl.store(DH + HDR_WORDS + T_SCORES_AT, slot_w * 2 + E_SC)
+        tl.store(DH + HDR_WORDS + T_SCALE, (1.0 / tl.sqrt(ssq)).to(tl.int64, bitcast=True))
+        tl.store(DH + HDR_WORDS + T_SLOT_WORD, slot_w)
+        tl.store(DH + HDR_WORDS + T_SEQ, seq)
+        tl.store(DH + HDR_WORDS + T_SLOT, pick)
+    else:
+        tl.store(DH + H_NQ, 0)
+        tl.store(CTL + CTL_STOPPED, 1)
+        tl.store(HCTL + HCTL_STOPPED, 1)
+
+
+@triton.jit
+def _take_requests(
+    SEG, SLOT_AT, DSEEN, HHOF, HCTL, RR, DH, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle, window,
+    op_recall, flags_all, W_REQ: tl.constexpr, W_OPK: tl.constexpr, W_NQF: tl.constexpr, W_NSLEN: tl.constexpr,
+    W_NSB: tl.constexpr, REQ_WORDS: tl.constexpr, E_Q: tl.constexpr, E_IDS: tl.constexpr, E_SC: tl.constexpr,
+    NS: tl.constexpr, NSMAX: tl.constexpr, QB: tl.constexpr, ON_GPU: tl.constexpr,
+):
+    """:func:`_take_request` for a crowd: polls until requests are pending, gathers them, and
+    stages up to QB of one kind as one batch; returns the state (1 serve, 2 exit).
+
+    Gathering: once a request is pending, the poll goes on until every slot in use has one
+    (at most QB) or ``window`` has passed since the first (ns; the interpreter counts polls),
+    so that clients answered by the same pass and asking again a few microseconds apart
+    share the next. Then, in one round trip, every pending request's words (as in
+    :func:`_take_request`, the same fence and ``.cg`` loads). Those the kernels must not
+    answer are handed to the host at once. Of the others, the first in round-robin turn
+    picks the batch's kind (k, flags, namespace: one header serves the batch) and the pending
+    requests of that kind join it in turn order, up to QB; the rest stay pending for the next
+    round, which begins its turn after the last one taken. A table row per request says where
+    its query is (the stage-in kernel that follows copies and normalises it, and writes its
+    scale: the final kernel hands a zero, NaN or infinite query to the host) and where its
+    answer goes.
+    """
+    sl = tl.arange(0, NS)
+    slot_ok = sl < n_slots
+    rw = tl.arange(0, REQ_WORDS)
+    stop_at = NS * (REQ_WORDS + 1)
+    clock_at = stop_at + 1
+    quiet_since = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
+    first_seen = tl.full([], -1, tl.int64)
+    polls = tl.zeros([], tl.int64)
+    waited = tl.zeros([], tl.int64)
+    state = 0
+    at = tl.load(SLOT_AT + sl, mask=slot_ok, other=-1)
+    here = slot_ok & (at >= 0)
+    enough = tl.minimum(tl.sum(here.to(tl.int32)), QB)
+    last_name = tl.load(NS_IDS + NSMAX + tl.arange(0, 16))  # (see _namespace_id)
+    # The words that say a request's kind: op and k, count and flags, the namespace's length
+    # and name (compared only for a request that names one).
+    kind_w = (rw == W_OPK) | (rw == W_NQF)
+    name_w = (rw == W_NSLEN) | ((rw >= W_NSB) & (rw < W_NSB + 8))
+    while state == 0:
+        req_now = tl.load(SEG + at + W_REQ, mask=here, other=0, volatile=True)
+        stop_now = tl.load(HCTL + HCTL_STOP + sl * 0, mask=sl == 0, other=0, volatile=True)
+        req = _agree(req_now, AGREE, sl, slot_ok)
+        seen_a = tl.load(DSEEN + sl, mask=here, other=0)
+        seen_h = tl.load(DSEEN + NS + sl, mask=here, other=0)
+        pend = here & (req != seen_a) & (req != seen_h)
+        n_pend = tl.sum(pend.to(tl.int32))
+        if n_pend > 0:
+            now = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
+            if first_seen < 0:
+                first_seen = now
+            if ON_GPU:
+                waited = now - first_seen
+            else:
+                waited += 1
+            polls = polls * 0
+            if (n_pend >= enough) | (waited >= window):
+                tl.store(HCTL + HCTL_T_SEEN, first_seen)  # diagnostics: when a request was first seen
+                start = tl.load(RR)
+                turn = (sl - start + NS) % NS
+                _fence_system(ON_GPU)  # req_seq, then the request it publishes
+                requests = tl.load(SEG + at[:, None] + rw[None, :], mask=pend[:, None] & (rw < W_NSB + 8)[None, :],
+                                   other=0, cache_modifier=".cg")
+                requests = _agree(requests, AGREE, NS + sl[:, None] * REQ_WORDS + rw[None, :], slot_ok[:, None])
+                w1 = _word(requests, W_OPK, REQ_WORDS)
+                w2 = _word(requests, W_NQF, REQ_WORDS)
+                kk = (w1 >> 32) & 0xFFFFFFFF
+                fl = (w2 >> 32) & 0xFFFFFFFF
+                ok = pend & ((w1 & 0xFFFFFFFF) == op_recall) & ((w2 & 0xFFFFFFFF) == 1)
+                ok = ok & (kk >= 1) & (kk <= k_limit) & ((fl == flags_all) | (fl == 0))
+                give = pend & ~ok
+                tl.store(DSEEN + NS + sl, req, mask=give)
+                tl.store(HHOF + sl, req, mask=give)
+                best = tl.min(tl.where(ok, turn, NS))
+                if best < NS:
+                    pick = (best + start) % NS
+                    first = tl.sum(tl.where(sl[:, None] == pick, requests, 0), axis=0)
+                    want_ns = _namespace_id(first, NS_TAB, NS_IDS, last_name, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, NSMAX)
+                    differ = kind_w[None, :] & (requests != first[None, :])
+                    if (_word(first, W_NQF, REQ_WORDS) >> 32) == 0:  # a named namespace: the same name too
+                        differ = differ | (name_w[None, :] & (requests != first[None, :]))
+                    same = ok & (tl.sum(differ.to(tl.int32), axis=1) == 0)
+                    if want_ns == -2:  # a name the table does not hold: the host answers them all
+                        tl.store(DSEEN + NS + sl, req, mask=same)
+                        tl.store(HHOF + sl, req, mask=same)
+                    else:
+                        # Row of each in the batch: its place in turn order among its kind (turn
+                        # order is slot order rotated to start at the turn's slot).
+                        same_i = same.to(tl.int32)
+                        before = tl.cumsum(same_i, axis=0) - same_i  # of its kind, in lower slots
+                        ahead = tl.sum(tl.where(sl < start, same_i, 0))  # of its kind, before the turn
+                        rank = tl.where(sl >= start, before - ahead, before + tl.sum(same_i) - ahead)
+                        take = same & (rank < QB)
+                        row = DH + HDR_WORDS + TAB_WORDS * rank.to(tl.int64)
+                        tl.store(row + T_QUERY_AT, at * 2 + E_Q, mask=take)
+                        tl.store(row + T_IDS_AT, at + E_IDS, mask=take)
+                        tl.store(row + T_SCORES_AT, at * 2 + E_SC, mask=take)
+                        tl.store(row + T_SLOT_WORD, at, mask=take)
+                        tl.store(row + T_SEQ, req, mask=take)
+                        tl.store(row + T_SLOT, sl.to(tl.int64), mask=take)
+                        k = (_word(first, W_OPK, REQ_WORDS) >> 32) & 0xFFFFFFFF
+                        tl.store(DH + H_NQ, tl.sum(take.to(tl.int64)))
+                        tl.store(DH + H_K, tl.minimum(k, tl.load(DH + H_N)))
+                        tl.store(DH + H_HAS_NS, (want_ns >= 0).to(tl.int64))
+                        tl.store(DH + H_NS, tl.maximum(want_ns, 0))
+                        tl.store(DH + H_K_OUT, k)
+                        tl.store(RR, (tl.max(tl.where(take, turn, 0)) + start + 1) % NS)
+                        state = 1
+                if state == 0:
+                    first_seen = first_seen * 0 - 1
+                    waited = waited * 0
+                    quiet_since = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
+        else:
+            polls += 1
+        if state == 0:
+            if tl.max(_agree(stop_now, AGREE, stop_at + sl * 0, sl == 0)) != 0:
+                state = 2
+            elif first_seen < 0:
+                if ON_GPU:
+                    # (As _take_request: 64 polls in a row too, not time alone.)
+                    if polls > 64:
+                        if _agree(_clock_ns(ON_GPU), AGREE, clock_at, True) - quiet_since > idle:
+                            state = 2
+                elif polls > idle:
+                    state = 2
+    return state
+
+
+@triton.jit
+def await_requests_kernel(
+    SEG,  # the shared segment as int64 words (page-locked and mapped: read over the bus)
+    SLOT_AT,  # [NS] int64: word offset of each slot in SEG (-1: no client at start)
+    DSEEN,  # [2, NS] int64 device: per slot, the seq last answered here / last handed to the host
+    HHOF,  # [NS] int64 page-locked host: seq handed to the host
+    HCTL,  # the host control words (HOST_CONTROL_DTYPE, kalos.engine.gpu.layout)
+    CTL,  # the device control words (DEVICE_CONTROL_DTYPE)
+    DH,  # the header + QB gather-table rows the kernels after this one read
+    AGREE,  # [NS * (REQ_WORDS + 1) + 16] int64 device scratch (_agree)
+    NS_TAB,  # [NSMAX, 9] int64: known namespaces (see await_request_kernel)
+    NS_IDS,  # [NSMAX + 16] int64: their ids, then the name found last
+    n_slots,
+    k_limit,  # largest k served
+    idle,  # ns without a request before the server stops (interpreter: polls)
+    window,  # ns the gathering waits, from the first request, for the rest of the crowd (interpreter: polls)
+    op_recall,
+    flags_all,
+    W_REQ: tl.constexpr,
+    W_OPK: tl.constexpr,
+    W_NQF: tl.constexpr,
+    W_NSLEN: tl.constexpr,
+    W_NSB: tl.constexpr,
+    REQ_WORDS: tl.constexpr,
+    E_Q: tl.constexpr,
+    E_IDS: tl.constexpr,
+    E_SC: tl.constexpr,
+    NS: tl.constexpr,
+    NSMAX: tl.constexpr,
+    QB: tl.constexpr,  # most requests a round takes (the batch bucket the kernels after it were built for)
+    ON_GPU: tl.constexpr,
+):
+    """The first node of the slot server's batch graph (one program): waits for requests and
+    stages up to QB of one kind (:func:`_take_requests`: header and table rows; the stage-in
+    kernel that follows copies the queries), so that the engine's batch kernels after it
+    answer a crowd in one pass and the final kernel publishes each answer in its slot. On a
+    stop or the idle limit: nq = 0 and the server marked stopped, as await_request_kernel."""
+    state = 2
+    if tl.load(CTL + CTL_STOPPED, volatile=True) == 0:
+        tl.store(HCTL + HCTL_T_WAIT, _clock_ns(ON_GPU))
+        state = _take_requests(
+            SEG, SLOT_AT, DSEEN, HHOF, HCTL, CTL + CTL_TURN, DH, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle,
+            window, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, E_Q, E_IDS, E_SC, NS,
+            NSMAX, QB, ON_GPU,
+        )
+    if state == 1:
+        tl.store(HCTL + HCTL_T_STAGED, _clock_ns(ON_GPU))
     else:
         tl.store(DH + H_NQ, 0)
         tl.store(CTL + CTL_STOPPED, 1)
