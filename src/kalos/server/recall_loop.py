@@ -331,7 +331,12 @@ class RecallLoop:
                 last_work = clock()
                 os.sched_yield()  # a pass in flight: look again soon, the cores to the clients meanwhile
                 continue
-            if len(slots) or serving:
+            if serving and not len(slots):
+                # The GPU answers by itself: look again soon (top up its rounds, take what it
+                # hands over, wake its answers' sleepers), the core to the clients meanwhile.
+                last_work = clock()
+                os.sched_yield()
+            elif len(slots):
                 last_work = clock()
             elif clock() - last_work < spin_s:
                 # Hot: watch the slots until the spin window ends, with the GIL released, so
