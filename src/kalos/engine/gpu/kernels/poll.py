@@ -121,6 +121,51 @@ def _copy_slot_query(SEGF, DQ, at, sl, slot, E_Q: tl.constexpr, D: tl.constexpr,
 
 
 @triton.jit
+def _poll_slots(SEG, at, here, HCTL, DSEEN, AGREE, sl, slot_ok, W_REQ: tl.constexpr, NS: tl.constexpr):
+    """One look at the slots in use: their ``req_seq`` words (volatile: a fresh fetch over the
+    bus each), as every warp agrees on them, which of them are pending (neither answered here
+    nor handed over), and the host's stop word (for :func:`_agree` at the caller's turn)."""
+    req_now = tl.load(SEG + at + W_REQ, mask=here, other=0, volatile=True)
+    # (The stop word in one lane: a scalar load would be a fetch over the bus per thread.)
+    stop_now = tl.load(HCTL + HCTL_STOP + sl * 0, mask=sl == 0, other=0, volatile=True)
+    req = _agree(req_now, AGREE, sl, slot_ok)
+    seen_a = tl.load(DSEEN + sl, mask=here, other=0)
+    seen_h = tl.load(DSEEN + NS + sl, mask=here, other=0)
+    return req, here & (req != seen_a) & (req != seen_h), stop_now
+
+
+@triton.jit
+def _servable(requests, pend, op_recall, k_limit, flags_all, W_OPK: tl.constexpr, W_NQF: tl.constexpr,
+              REQ_WORDS: tl.constexpr):
+    """Which pending requests (their words, [slots, REQ_WORDS]) the kernels may answer: a
+    recall of one query, 1 <= k <= k_limit, all namespaces or one named (the namespace and the
+    query are checked later); and each one's k."""
+    w1 = _word(requests, W_OPK, REQ_WORDS)
+    w2 = _word(requests, W_NQF, REQ_WORDS)
+    kk = (w1 >> 32) & 0xFFFFFFFF
+    fl = (w2 >> 32) & 0xFFFFFFFF
+    ok = pend & ((w1 & 0xFFFFFFFF) == op_recall) & ((w2 & 0xFFFFFFFF) == 1)
+    return ok & (kk >= 1) & (kk <= k_limit) & ((fl == flags_all) | (fl == 0)), kk
+
+
+@triton.jit
+def _time_to_exit(stop_now, polls, quiet_since, idle, may_idle, AGREE, stop_at, clock_at, sl, ON_GPU: tl.constexpr):
+    """Whether the polling ends: the host's stop word (``stop_now``, from :func:`_poll_slots`),
+    or, when ``may_idle``, ``idle`` ns without a request since ``quiet_since`` (the interpreter:
+    ``idle`` polls). Time alone would count other processes' time slices as idle (the kernel
+    would exit and relaunch under load): also 64 polls in a row."""
+    stop = tl.max(_agree(stop_now, AGREE, stop_at + sl * 0, sl == 0)) != 0
+    idle_out = polls < 0  # (False, as the type the branches give it)
+    if may_idle:
+        if ON_GPU:
+            if polls > 64:
+                idle_out = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True) - quiet_since > idle
+        else:
+            idle_out = polls > idle
+    return stop | idle_out
+
+
+@triton.jit
 def _take_request(
     SEG, SEGF, SLOT_AT, DSEEN, HHOF, HCTL, RR, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle,
     op_recall, flags_all, W_REQ: tl.constexpr, W_OPK: tl.constexpr, W_NQF: tl.constexpr, W_NSLEN: tl.constexpr,
@@ -164,13 +209,7 @@ def _take_request(
     here = slot_ok & (at >= 0)
     last_name = tl.load(NS_IDS + NSMAX + tl.arange(0, 16))  # (see _namespace_id)
     while state == 0:
-        req_now = tl.load(SEG + at + W_REQ, mask=here, other=0, volatile=True)
-        # (The stop word in one lane: a scalar load would be a fetch over the bus per thread.)
-        stop_now = tl.load(HCTL + HCTL_STOP + sl * 0, mask=sl == 0, other=0, volatile=True)
-        req = _agree(req_now, AGREE, sl, slot_ok)
-        seen_a = tl.load(DSEEN + sl, mask=here, other=0)
-        seen_h = tl.load(DSEEN + NS + sl, mask=here, other=0)
-        pend = here & (req != seen_a) & (req != seen_h)
+        req, pend, stop_now = _poll_slots(SEG, at, here, HCTL, DSEEN, AGREE, sl, slot_ok, W_REQ, NS)
         if tl.sum(pend.to(tl.int32)) > 0:
             seen_at = _clock_ns(ON_GPU)  # (stored after the staging: the store would wait for the bus)
             start = tl.load(RR)
@@ -183,12 +222,7 @@ def _take_request(
             guess = (tl.min(tl.where(pend, turn, NS)) + start) % NS
             ssq = _copy_slot_query(SEGF, DQ, at, sl, guess, E_Q, D, BLOCK_DQ)
             requests = _agree(requests, AGREE, NS + sl[:, None] * REQ_WORDS + rw[None, :], slot_ok[:, None])
-            w1 = _word(requests, W_OPK, REQ_WORDS)
-            w2 = _word(requests, W_NQF, REQ_WORDS)
-            kk = (w1 >> 32) & 0xFFFFFFFF
-            fl = (w2 >> 32) & 0xFFFFFFFF
-            ok = pend & ((w1 & 0xFFFFFFFF) == op_recall) & ((w2 & 0xFFFFFFFF) == 1)
-            ok = ok & (kk >= 1) & (kk <= k_limit) & ((fl == flags_all) | (fl == 0))
+            ok, kk = _servable(requests, pend, op_recall, k_limit, flags_all, W_OPK, W_NQF, REQ_WORDS)
             best = tl.min(tl.where(ok, turn, NS))
             pick = tl.where(best < NS, (best + start) % NS, -1)
             give = pend & (sl != pick)
@@ -219,15 +253,7 @@ def _take_request(
         else:
             polls += 1
         if state == 0:
-            if tl.max(_agree(stop_now, AGREE, stop_at + sl * 0, sl == 0)) != 0:
-                state = 2
-            elif ON_GPU:
-                # Time alone would count other processes' time slices as idle (the kernel
-                # would exit and relaunch under load): also 64 polls in a row.
-                if polls > 64:
-                    if _agree(_clock_ns(ON_GPU), AGREE, clock_at, True) - quiet_since > idle:
-                        state = 2
-            elif polls > idle:
+            if _time_to_exit(stop_now, polls, quiet_since, idle, polls >= 0, AGREE, stop_at, clock_at, sl, ON_GPU):
                 state = 2
     return state, out_pick, out_seq, out_k, out_ns, out_ssq
 
@@ -352,12 +378,7 @@ def _take_requests(
     kind_w = (rw == W_OPK) | (rw == W_NQF)
     name_w = (rw == W_NSLEN) | ((rw >= W_NSB) & (rw < W_NSB + 8))
     while state == 0:
-        req_now = tl.load(SEG + at + W_REQ, mask=here, other=0, volatile=True)
-        stop_now = tl.load(HCTL + HCTL_STOP + sl * 0, mask=sl == 0, other=0, volatile=True)
-        req = _agree(req_now, AGREE, sl, slot_ok)
-        seen_a = tl.load(DSEEN + sl, mask=here, other=0)
-        seen_h = tl.load(DSEEN + NS + sl, mask=here, other=0)
-        pend = here & (req != seen_a) & (req != seen_h)
+        req, pend, stop_now = _poll_slots(SEG, at, here, HCTL, DSEEN, AGREE, sl, slot_ok, W_REQ, NS)
         n_pend = tl.sum(pend.to(tl.int32))
         if n_pend > 0:
             now = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
@@ -376,12 +397,7 @@ def _take_requests(
                 requests = tl.load(SEG + at[:, None] + rw[None, :], mask=pend[:, None] & (rw < W_NSB + 8)[None, :],
                                    other=0, cache_modifier=".cg")
                 requests = _agree(requests, AGREE, NS + sl[:, None] * REQ_WORDS + rw[None, :], slot_ok[:, None])
-                w1 = _word(requests, W_OPK, REQ_WORDS)
-                w2 = _word(requests, W_NQF, REQ_WORDS)
-                kk = (w1 >> 32) & 0xFFFFFFFF
-                fl = (w2 >> 32) & 0xFFFFFFFF
-                ok = pend & ((w1 & 0xFFFFFFFF) == op_recall) & ((w2 & 0xFFFFFFFF) == 1)
-                ok = ok & (kk >= 1) & (kk <= k_limit) & ((fl == flags_all) | (fl == 0))
+                ok, _k = _servable(requests, pend, op_recall, k_limit, flags_all, W_OPK, W_NQF, REQ_WORDS)
                 give = pend & ~ok
                 tl.store(DSEEN + NS + sl, req, mask=give)
                 tl.store(HHOF + sl, req, mask=give)
@@ -426,17 +442,10 @@ def _take_requests(
                     quiet_since = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
         else:
             polls += 1
-        if state == 0:
-            if tl.max(_agree(stop_now, AGREE, stop_at + sl * 0, sl == 0)) != 0:
+        if state == 0:  # (no idle exit while gathering)
+            if _time_to_exit(stop_now, polls, quiet_since, idle, first_seen < 0, AGREE, stop_at, clock_at, sl,
+                             ON_GPU):
                 state = 2
-            elif first_seen < 0:
-                if ON_GPU:
-                    # (As _take_request: 64 polls in a row too, not time alone.)
-                    if polls > 64:
-                        if _agree(_clock_ns(ON_GPU), AGREE, clock_at, True) - quiet_since > idle:
-                            state = 2
-                elif polls > idle:
-                    state = 2
     return state
 
 
