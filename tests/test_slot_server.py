@@ -326,6 +326,45 @@ def test_batch_round_takes_at_most_its_size_in_turn_order_from_where_the_last_on
 
 
 @needs_interpreter
+def test_batch_round_turns_to_a_kind_left_behind_even_when_the_other_kind_always_fits(make_rig, rng):
+    # Seven clients ask for k = 4, one (slot 2) for k = 3; the k = 4 crowd fits in every round
+    # and asks again at once. The next round must start at slot 2, or it waits for ever (it is
+    # not the host's either: nothing hands it over).
+    rig = make_rig(slots=8, server=QueuedGraphServer, depth=1, window_polls=0)
+    server = rig.server
+    q = rng.standard_normal(rig.engine.dim).astype(np.float32)
+    assert server.start(rig.active) and server._bucket == 8
+    lone = rig.submit(2, q, 3)
+    for _ in range(2):
+        crowd = {s: rig.submit(s, q, 4) for s in (0, 1, 3, 4, 5, 6, 7)}
+        server.running()
+        server.step()
+        if _answered(rig, 2, lone):
+            break
+        assert all(_answered(rig, s, seq) for s, seq in crowd.items())
+    assert _answered(rig, 2, lone), "the lone request of another kind was never taken"
+    assert int(rig.views[2].n_results[0]) == 3
+
+
+@needs_interpreter
+def test_batch_round_takes_a_named_crowd_whatever_its_clients_sleeping_flags(make_rig, rng):
+    # The word that holds a request's namespace length holds the client's sleeping flag too,
+    # which a waiting client sets: requests for the same namespace stay one kind.
+    rig = make_rig(server=QueuedGraphServer, depth=1, window_polls=0)
+    queries = rng.standard_normal((4, rig.engine.dim)).astype(np.float32)
+    seqs = [rig.submit(s, queries[s], 4, flags=0, namespace=b"a") for s in range(4)]
+    rig.views[1].client_sleeping[0] = 1
+    rig.views[3].client_sleeping[0] = 1
+    assert rig.server.start(rig.active)
+    rig.server.step()
+    for s in range(4):
+        assert _answered(rig, s, seqs[s]), f"slot {s} was left for another round"
+        view = rig.views[s]
+        assert_topk_matches(view.ids[:1, :4], view.scores[:1, :4], rig.ids, rig.vectors, queries[s][None], 4,
+                            rig.live & (rig.namespaces == 0), context=f"slot {s}")
+
+
+@needs_interpreter
 def test_batch_round_hands_over_bad_requests_and_answers_the_rest(make_rig, rng):
     # One crowd: good queries beside a zero query, a NaN query, k above the server's limit and
     # a batch. The bad ones go to the host (nothing written in their slots), the good ones
@@ -375,6 +414,7 @@ def test_rounds_are_chosen_by_the_clients_present(make_rig):
     rig = make_rig(slots=8, batch=4)
     server = rig.server
     assert [server.bucket(n) for n in (0, 1, 2, 3, 4, 5, 8)] == [1, 1, 2, 4, 4, 4, 4]
+    assert SlotGraphServer(rig.engine, rig.layout, np.zeros(8, np.uint64), batch=6).max_bucket == 4
     with pytest.raises(InvalidArgument, match="bucket"):
         server.start(rig.active, bucket=3)
     with pytest.raises(InvalidArgument, match="bucket"):
@@ -523,8 +563,13 @@ def test_gpu_polling_modes_are_checked(tmp_path, capsys):
 
     with pytest.raises(InvalidArgument, match="gpu_polling must be one of off, graph, got 'on'"):
         SidecarConfig(store=tmp_path / "m.db", name="x", gpu_polling="on")
+    for bad in (-1.0, 20_000.0):
+        with pytest.raises(InvalidArgument, match="gpu_window_us must be in"):
+            SidecarConfig(store=tmp_path / "m.db", name="x", gpu_window_us=bad)
     parser = build_parser()
     assert parser.parse_args(["serve"]).gpu_polling == "off"
+    assert parser.parse_args(["serve"]).gpu_window_us == SidecarConfig(store=tmp_path / "m.db").gpu_window_us
+    assert parser.parse_args(["serve", "--gpu-window-us", "5"]).gpu_window_us == 5.0
     assert parser.parse_args(["serve", "--gpu-polling"]).gpu_polling == "graph"
     assert parser.parse_args(["serve", "--gpu-polling", "graph"]).gpu_polling == "graph"
     for gone in ("resident", "yes"):  # (the resident mode was removed)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from kalos.server.state_lock import StateLock
 
 
@@ -71,6 +73,8 @@ def test_is_a_plain_lock_without_waiters():
     assert lock.acquire(blocking=False) and lock.locked()
     assert not lock.acquire(blocking=False)
     assert not lock.acquire(timeout=0.01)
+    with pytest.raises(ValueError, match="timeout"):
+        lock.acquire(blocking=False, timeout=1.0)
     lock.release()
     with lock:
         assert lock.locked()

@@ -35,6 +35,8 @@ class StateLock:
         self._none_waiting.set()
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if not blocking and timeout != -1:
+            raise ValueError("can't specify a timeout for a non-blocking call")
         if self._lock.acquire(blocking=False):  # (free: no need to announce anything)
             return True
         if not blocking:

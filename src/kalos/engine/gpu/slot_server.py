@@ -90,7 +90,7 @@ class _Round:
     ws_b: torch.Tensor
     ws_s: torch.Tensor
     bound: torch.Tensor
-    scratch: GemmScratch
+    scratch: GemmScratch | None  # (a GEMM round's)
     graph: "torch.cuda.CUDAGraph | None" = None
 
 _NAME_ROWS = 1024  # rows of the device's namespace table (a power of two)
@@ -108,26 +108,32 @@ def name_home(words: np.ndarray, length: int, rows: int = _NAME_ROWS) -> int:
 
 
 class SlotGraphServer:
-    """Serves single recalls from the slots with a CUDA graph that starts by waiting for one.
+    """Serves single recalls from the slots with CUDA graphs that start by waiting for them.
 
-    The graph: :func:`~kalos.engine.gpu.kernels.poll.await_request_kernel` (one program polls
-    the slots, stages the request it takes), then the engine's own single-query kernels (the
-    score-writing scan over the whole GPU, the chunk top-k, the final kernel, which publishes
-    the answer in the slot). :meth:`running`, which the sidecar's sweep calls on every pass,
-    keeps ``depth`` replays queued on the server's stream, so the next round's waiting kernel
-    is already on the GPU when a request lands and no Python runs between the client's
-    ``req_seq`` and its answer. (Not a thread of its own: it would wait for the GIL behind
-    the spinning sweep, up to the interpreter's switch interval.) Only one program spins
-    while it waits: the sweep's kernels (handed-over work) run beside it at full speed.
+    A round's graph: a waiting kernel (one program polls the slots and stages what it takes:
+    :func:`~kalos.engine.gpu.kernels.poll.await_request_kernel`, one request, for a single
+    client; :func:`~kalos.engine.gpu.kernels.poll.await_requests_kernel`, a crowd's requests of
+    one kind, then the stage-in of their queries), then the engine's own kernels for that many
+    queries (the scan over the whole GPU, the selection, the final kernel, which publishes each
+    answer in its slot). :meth:`start` picks the round from the clients connected
+    (:meth:`bucket`). :meth:`running`, which the sidecar's sweep calls on every pass, keeps
+    ``depth`` replays queued on the server's stream, so the next round's waiting kernel is
+    already on the GPU when a request lands and no Python runs between the client's
+    ``req_seq`` and its answer. (Not a thread of its own: it would wait for the GIL behind the
+    spinning sweep, up to the interpreter's switch interval.) Only one program spins while it
+    waits: the sweep's kernels (handed-over work) run beside it at full speed.
 
     ``engine``: a Triton-backend :class:`TorchEngine` with the segment attached
     (:meth:`~TorchEngine.attach_host`). ``layout``: the segment's layout. ``answered``: the
     channel's current record of answered sequence numbers (copied into page-locked memory,
     which the channel then adopts). ``idle_s``: how long the waiting kernel polls without a
     request before the server stops. ``max_k``: largest k served (rounded up to a power of
-    two). ``depth``: replays queued ahead. ``warps``: the waiting kernel's. On PyTorch's CPU
-    device (tests) :meth:`start` runs rounds synchronously, without a graph, until the waiting
-    kernel stops (``idle_polls`` polls without a request).
+    two). ``depth``: replays queued ahead. ``warps``: the waiting kernel's. ``batch``: most
+    requests a round takes (rounded down to a power of two). ``window_s``: how long a batch
+    round, once a request is pending, waits for the other connected clients' (``window_polls``
+    polls on the CPU device). On PyTorch's CPU device (tests) :meth:`start` runs rounds
+    synchronously, without a graph, until the waiting kernel stops (``idle_polls`` polls
+    without a request).
     """
 
     def __init__(self, engine: TorchEngine, layout: Layout, answered: np.ndarray, *, idle_s: float = 0.002,
@@ -163,8 +169,8 @@ class SlotGraphServer:
         self.window_s = float(window_s)
         self.window_polls = int(window_polls)
         self.ns = next_pow2(layout.n_slots)
-        #: The largest round: a power of two, at most the slot count's.
-        self.max_bucket = min(next_pow2(batch), self.ns)
+        #: The largest round: a power of two, at most ``batch`` and the slot count's.
+        self.max_bucket = min(1 << (int(batch).bit_length() - 1), self.ns)
         dev = engine.torch_device
 
         # Page-locked host words the kernels write and the sweep reads (and the reverse).
@@ -209,6 +215,7 @@ class SlotGraphServer:
         # Between start() and stop() (or a round's report that it stopped): only then
         # does running() queue rounds. A stop() that finds every round done must end it too.
         self._serving = False
+        self._ran = False  # rounds were launched since the last stop()
 
     def _on_stream(self) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(self._stream) if self.on_gpu else contextlib.nullcontext()
@@ -288,8 +295,8 @@ class SlotGraphServer:
 
     @property
     def served(self) -> int:
-        """Requests the kernels have answered, over all launches (exact once stopped; while
-        running, a round's count may lag until its last answer's)."""
+        """Requests the kernels have answered, over all launches: exact once stopped; while
+        running, a lower bound (a round's programs store their counts in any order)."""
         return int(self._hctl[HOST_CONTROL.answers])
 
     def stamps(self) -> tuple[int, int, int, int]:
@@ -330,15 +337,10 @@ class SlotGraphServer:
                     torch.empty(plan.ws_keys * qb, dtype=torch.int64, device=dev),
                     torch.empty(max(1, scores), dtype=torch.float32, device=dev),
                     torch.full((qb,), NO_BOUND, dtype=torch.int64, device=dev),  # (the final kernel resets it)
-                    eng.pipeline.new_scratch(qb),
+                    eng.pipeline.new_scratch(qb) if plan.gemm_rows else None,
                 )
             self._rounds[qb] = held
         return held
-
-    @property
-    def kind(self) -> str:
-        """What the current round scans (fast mode's single round depends on the capacity)."""
-        return self._round_for(self._bucket).kind
 
     def _round(self, qb: int) -> None:
         """One round's kernels on the current stream: wait for requests, scan, select, answer.
@@ -374,7 +376,7 @@ class SlotGraphServer:
             # written back to the table: the final kernel hands a bad query to the host).
             eng.kernels.stage_in_kernel[(qb,)](dh, dhf, att.f32, dh, dq, D=eng.dim,
                                                BLOCK_D=min(1024, next_pow2(eng.dim)), COPY_Q=True, NORM=True,
-                                               num_warps=4)
+                                               COPY_META=False, num_warps=4)
         pipe, plan = eng.pipeline, rnd.plan
         over = None
         if plan.gemm_rows:
@@ -442,6 +444,7 @@ class SlotGraphServer:
             self._dh[:HDR_WORDS].copy_(torch.from_numpy(header))
             self._ctl[DEVICE_CONTROL.stopped] = 0
         self.launches += 1
+        self._ran = True
         if not self.on_gpu:  # the interpreter: rounds one after another until the server stops
             self._serve_now()
             return True
@@ -457,8 +460,8 @@ class SlotGraphServer:
             self._round(self._bucket)
 
     def _capture(self, qb: int) -> None:
-        """Compiles the kernels with one eager round (the stop word set: it serves at most a
-        request already pending, then stops), then captures a round into the graph."""
+        """Compiles the kernels with one eager round (the stop word set: it serves at most what
+        is already pending, then stops), then captures a round into the round's graph."""
         hctl, stop_at = self._hctl, HOST_CONTROL.stop
         stop = hctl[stop_at]
         hctl[stop_at] = 1
@@ -490,6 +493,8 @@ class SlotGraphServer:
             finally:
                 self._hctl[HOST_CONTROL.stop] = 0
         # A round's programs publish their answers in any order, each storing its own count in
-        # the host's word: the device's count is the whole one.
-        with self._on_stream():
-            self._hctl[HOST_CONTROL.answers] = int(self._ctl[DEVICE_CONTROL.answers])
+        # the host's word: the device's count is the whole one (read once per run).
+        if self._ran:
+            self._ran = False
+            with self._on_stream():
+                self._hctl[HOST_CONTROL.answers] = int(self._ctl[DEVICE_CONTROL.answers])

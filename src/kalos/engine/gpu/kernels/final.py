@@ -149,8 +149,8 @@ def _publish(SEG, DSEEN, HANS, HHOF, HCTL, ANSWERS, slot_w, seq, slot, k, good, 
     """With the answer's rows already in the slot (``good``): status 0 and ``n_results`` = k,
     a barrier and a release fence, then ``resp_seq`` (the client reads nothing before it);
     then the answered records (HANS, DSEEN) and the count of answers (ANSWERS, copied to
-    the host's answers word), which no one reads before ``resp_seq``. Otherwise (a failed certificate:
-    nothing was written) the request is handed to the host."""
+    the host's answers word), which no one reads before ``resp_seq``. Otherwise (a failed certificate,
+    or a query that is zero, NaN or infinite: nothing was written) the request is handed to the host."""
     if good:
         tl.store(SEG + slot_w + W_STATN, k << 32)
         # The barrier orders every thread's stores of the rows before this thread's fence, the

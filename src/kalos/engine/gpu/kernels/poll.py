@@ -1,7 +1,9 @@
-"""The slot server's waiting kernel (:class:`kalos.engine.gpu.slot_server.SlotGraphServer`):
-one program polls the slots' ``req_seq`` words in the page-locked segment, takes a request
-it may answer, stages it for the engine's single-query kernels that follow in the graph, and
-hands every other pending request to the host. Also the namespace table's lookup.
+"""The slot server's waiting kernels (:class:`kalos.engine.gpu.slot_server.SlotGraphServer`):
+one program polls the slots' ``req_seq`` words in the page-locked segment and stages what the
+engine's kernels that follow in the graph answer: one request for the single-query kernels
+(:func:`await_request_kernel`, which hands every other pending request to the host), or a
+crowd's requests of one kind as a batch (:func:`await_requests_kernel`, which hands over only
+what the kernels must not answer). Also the namespace table's lookup.
 """
 from __future__ import annotations
 
@@ -373,10 +375,12 @@ def _take_requests(
     here = slot_ok & (at >= 0)
     enough = tl.minimum(tl.sum(here.to(tl.int32)), QB)
     last_name = tl.load(NS_IDS + NSMAX + tl.arange(0, 16))  # (see _namespace_id)
-    # The words that say a request's kind: op and k, count and flags, the namespace's length
-    # and name (compared only for a request that names one).
+    # The words that say a request's kind: op and k, count and flags, and for a request that
+    # names a namespace its name and the high half of the length's word (the low half is the
+    # client's sleeping flag, which it writes while it waits).
     kind_w = (rw == W_OPK) | (rw == W_NQF)
-    name_w = (rw == W_NSLEN) | ((rw >= W_NSB) & (rw < W_NSB + 8))
+    name_w = (rw >= W_NSB) & (rw < W_NSB + 8)
+    len_w = rw == W_NSLEN
     while state == 0:
         req, pend, stop_now = _poll_slots(SEG, at, here, HCTL, DSEEN, AGREE, sl, slot_ok, W_REQ, NS)
         n_pend = tl.sum(pend.to(tl.int32))
@@ -406,9 +410,11 @@ def _take_requests(
                     pick = (best + start) % NS
                     first = tl.sum(tl.where(sl[:, None] == pick, requests, 0), axis=0)
                     want_ns = _namespace_id(first, NS_TAB, NS_IDS, last_name, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, NSMAX)
-                    differ = kind_w[None, :] & (requests != first[None, :])
+                    unlike = requests != first[None, :]
+                    differ = kind_w[None, :] & unlike
                     if (_word(first, W_NQF, REQ_WORDS) >> 32) == 0:  # a named namespace: the same name too
-                        differ = differ | (name_w[None, :] & (requests != first[None, :]))
+                        differ = differ | (name_w[None, :] & unlike)
+                        differ = differ | (len_w[None, :] & ((requests >> 32) != (first[None, :] >> 32)))
                     same = ok & (tl.sum(differ.to(tl.int32), axis=1) == 0)
                     if want_ns == -2:  # a name the table does not hold: the host answers them all
                         tl.store(DSEEN + NS + sl, req, mask=same)
@@ -434,7 +440,12 @@ def _take_requests(
                         tl.store(DH + H_HAS_NS, (want_ns >= 0).to(tl.int64))
                         tl.store(DH + H_NS, tl.maximum(want_ns, 0))
                         tl.store(DH + H_K_OUT, k)
-                        tl.store(RR, (tl.max(tl.where(take, turn, 0)) + start + 1) % NS)
+                        # The next turn: the first request left for another round (of another
+                        # kind, or past QB), so none waits behind a kind that always fits;
+                        # else after the last one taken.
+                        left = tl.min(tl.where(ok & ~take, turn, NS))
+                        after = tl.where(left < NS, left, tl.max(tl.where(take, turn, 0)) + 1)
+                        tl.store(RR, (after + start) % NS)
                         state = 1
                 if state == 0:
                     first_seen = first_seen * 0 - 1
@@ -442,6 +453,10 @@ def _take_requests(
                     quiet_since = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
         else:
             polls += 1
+            if first_seen >= 0:  # what was pending is gone (its client took it back): idle again
+                first_seen = first_seen * 0 - 1
+                waited = waited * 0
+                quiet_since = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
         if state == 0:  # (no idle exit while gathering)
             if _time_to_exit(stop_now, polls, quiet_since, idle, first_seen < 0, AGREE, stop_at, clock_at, sl,
                              ON_GPU):

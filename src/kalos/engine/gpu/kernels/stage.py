@@ -25,6 +25,7 @@ def stage_in_kernel(
     BLOCK_D: tl.constexpr,
     COPY_Q: tl.constexpr = True,  # False: the queries are already on the device (DQ)
     NORM: tl.constexpr = False,  # scale by 1/|q| computed here (float64), written back to the table
+    COPY_META: tl.constexpr = True,  # False: the header and table are already in DH (HH is DH)
 ):
     """Grid (Qb,): program j copies query j (scaled, in float64 then rounded, exactly as the
     host's normalisation) and its table row to the device; program 0 also copies the header.
@@ -33,15 +34,17 @@ def stage_in_kernel(
     directly costs the graph less than a copy-engine node (docs/gpu-kernels.md).
     """
     j = tl.program_id(0)
-    if j == 0:
-        w = tl.arange(0, HDR_WORDS)
-        tl.store(DH + w, tl.load(HH + w))
+    if COPY_META:
+        if j == 0:
+            w = tl.arange(0, HDR_WORDS)
+            tl.store(DH + w, tl.load(HH + w))
     nq = tl.load(HH + H_NQ)
     if j < nq:
         tab = HDR_WORDS + TAB_WORDS * j  # this query's gather-table row
-        w4 = tl.arange(0, TAB_WORDS)
-        row = tl.load(HH + tab + w4)
-        tl.store(DH + tab + w4, row)
+        if COPY_META:
+            w4 = tl.arange(0, TAB_WORDS)
+            row = tl.load(HH + tab + w4)
+            tl.store(DH + tab + w4, row)
         if COPY_Q:
             q_off = tl.load(HH + tab + T_QUERY_AT)
             if NORM:
