@@ -16,6 +16,9 @@ _ROW_LIST_CACHE_BYTES = 64 << 20
 
 # Passes up to this many queries take the tall-by-narrow product.
 _SMALL_BATCH = 64
+# Passes up to this many queries take one mat-vec each: OpenBLAS's product by two to four
+# queries costs more than that many mat-vecs (BENCHMARKS.md, the crowd on the CPU).
+_MATVECS_MAX = 4
 
 
 class NumpyEngine(Engine):
@@ -80,7 +83,11 @@ class NumpyEngine(Engine):
             top_scores = scores[top]
             order = np.argsort(-top_scores, kind="stable")
             return top[order][None, :], top_scores[order][None, :]
-        if len(queries) <= _SMALL_BATCH:
+        if len(queries) <= _MATVECS_MAX:
+            scores = np.empty((len(queries), n), np.float32)
+            for row, query in zip(scores, queries):
+                np.matmul(vectors, query, out=row)
+        elif len(queries) <= _SMALL_BATCH:
             # A crowd's pass: OpenBLAS multiplies the tall rows by a few queries in about the time
             # of two mat-vecs this way round, and in several times that as queries @ rows.T
             # (benchmarks/small_batch.py --device cpu); the transposing copy is Q x n floats.
