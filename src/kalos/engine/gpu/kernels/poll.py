@@ -356,7 +356,8 @@ def _take_requests(
     answer are handed to the host at once. Of the others, the first in round-robin turn
     picks the batch's kind (k, flags, namespace: one header serves the batch) and the pending
     requests of that kind join it in turn order, up to QB; the rest stay pending for the next
-    round, which begins its turn after the last one taken. A table row per request says where
+    round, whose turn begins at the first of them (else after the last one taken: a kind
+    that always fits would otherwise keep the turn from another). A table row per request says where
     its query is (the stage-in kernel that follows copies and normalises it, and writes its
     scale: the final kernel hands a zero, NaN or infinite query to the host) and where its
     answer goes.
