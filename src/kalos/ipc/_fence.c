@@ -61,16 +61,23 @@ get_column(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *what
     return get_column_for(obj, view, itemsize, what, 0);
 }
 
-/* ``view`` of ``obj``: a writable contiguous 1-d buffer of at least ``n`` 8-byte integers
- * (``code``: 'q' signed, 'Q' unsigned; NumPy's 'l'/'L' on LP64 are the same). */
+/* Whether a buffer's items are 8-byte integers, signed or not, by its struct format code
+ * ('q'/'Q'; NumPy's 'l'/'L' on LP64 are the same), a byte-order prefix aside. */
+static int
+is_int64_format(const Py_buffer *view, int is_signed)
+{
+    const char *format = view->format ? view->format : "B";
+    char code = format[0] == '<' || format[0] == '=' || format[0] == '@' ? format[1] : format[0];
+    return view->itemsize == 8 && (is_signed ? (code == 'l' || code == 'q') : (code == 'L' || code == 'Q'));
+}
+
+/* ``view`` of ``obj``: a writable contiguous 1-d buffer of at least ``n`` 8-byte integers. */
 static int
 get_out(PyObject *obj, Py_buffer *view, Py_ssize_t n, int is_signed, const char *what)
 {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0)
         return -1;
-    const char *format = view->format ? view->format : "B";
-    char code = format[0] == '<' || format[0] == '=' || format[0] == '@' ? format[1] : format[0];
-    int ok_code = is_signed ? (code == 'l' || code == 'q') : (code == 'L' || code == 'Q');
+    int ok_code = is_int64_format(view, is_signed);
     if (view->ndim != 1 || view->itemsize != 8 || !ok_code || view->shape[0] < n) {
         PyErr_Format(PyExc_ValueError, "%s must be a writable 1-d %s array of at least %zd items", what,
                      is_signed ? "int64" : "uint64", n);
@@ -169,9 +176,7 @@ get_slots(PyObject *obj, Py_buffer *view, Py_ssize_t rows, const char *what)
 {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
         return -1;
-    const char *format = view->format ? view->format : "B";
-    char code = format[0] == '<' || format[0] == '=' || format[0] == '@' ? format[1] : format[0];
-    if (view->ndim != 1 || view->itemsize != 8 || (code != 'l' && code != 'q')) {
+    if (view->ndim != 1 || !is_int64_format(view, 1)) {
         PyErr_Format(PyExc_ValueError, "%s must be a 1-d int64 array", what);
         PyBuffer_Release(view);
         return -1;

@@ -52,10 +52,10 @@ _SINGLE_FLAGS = _ALL_NAMESPACES | _HAS_WHERE
 # Registered where clauses a sidecar keeps (op "where"); the oldest registration goes first.
 _MAX_WHERE_HANDLES = 4096
 _RECALL = int(Op.RECALL)
+_PING = int(Op.PING)
 # The longest the idle sweep looks at the slots before it checks again whether it must stop
 # (a long --spin-us is looked through in slices of this).
 _LOOK_S = 0.005
-_PING = int(Op.PING)
 
 _NO_FILTER = Filter()
 # The filter of a namespace that never held a memory (issue 22): answered with no hits, without
@@ -327,17 +327,14 @@ class RecallLoop:
                     channel.wake_answered()
                 elif polling.server is not None and len(slots) and not self._expiry_near():
                     polling.start(self._namespaces)
-            if flights and not len(slots):
+            if len(slots):
                 last_work = clock()
-                os.sched_yield()  # a pass in flight: look again soon, the cores to the clients meanwhile
-                continue
-            if serving and not len(slots):
-                # The GPU answers by itself: look again soon (top up its rounds, take what it
-                # hands over, wake its answers' sleepers), the core to the clients meanwhile.
+            elif flights or serving:
+                # A pass in flight, or the GPU answering by itself: look again soon (land the
+                # pass; top up the GPU's rounds, take what it hands over, wake its answers'
+                # sleepers), the core to the clients meanwhile.
                 last_work = clock()
                 os.sched_yield()
-            elif len(slots):
-                last_work = clock()
             elif clock() - last_work < spin_s:
                 # Hot: watch the slots until the spin window ends, with the GIL released, so
                 # that a control thread (a hello, an embed, a get) runs at once instead of after

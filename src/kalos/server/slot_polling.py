@@ -10,7 +10,6 @@ fault, and none of them needs to know the others.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any, Callable
 
 from kalos.ipc.channel import SidecarChannel

@@ -339,6 +339,60 @@ def await_request_kernel(
 
 
 @triton.jit
+def _same_kind(requests, first, ok, kind_w, name_w, len_w, W_NQF: tl.constexpr, REQ_WORDS: tl.constexpr):
+    """Which servable requests (``ok``; their words ``requests``) are of the kind of ``first``
+    (one request's words): the same op and k, count and flags, and for a named namespace the
+    same name and length (``kind_w``, ``name_w``, ``len_w``: those words' masks; of the
+    length's word only the high half, the low half being the client's sleeping flag)."""
+    unlike = requests != first[None, :]
+    differ = kind_w[None, :] & unlike
+    if (_word(first, W_NQF, REQ_WORDS) >> 32) == 0:  # a named namespace: the same name too
+        differ = differ | (name_w[None, :] & unlike)
+        differ = differ | (len_w[None, :] & ((requests >> 32) != (first[None, :] >> 32)))
+    return ok & (tl.sum(differ.to(tl.int32), axis=1) == 0)
+
+
+@triton.jit
+def _stage_batch(DH, RR, same, ok, turn, start, sl, at, req, first, want_ns, W_OPK: tl.constexpr,
+                 REQ_WORDS: tl.constexpr, E_Q: tl.constexpr, E_IDS: tl.constexpr, E_SC: tl.constexpr,
+                 NS: tl.constexpr, QB: tl.constexpr):
+    """Stages the requests of one kind (``same``) as a batch, up to QB in turn order: a
+    gather-table row each (where its query is and where its answer goes), the header's count,
+    k and namespace (``want_ns``, -1: all), and the next round's turn (RR)."""
+    # Row of each in the batch: its place in turn order among its kind (turn order is slot
+    # order rotated to start at the turn's slot).
+    same_i = same.to(tl.int32)
+    before = tl.cumsum(same_i, axis=0) - same_i  # of its kind, in lower slots
+    ahead = tl.sum(tl.where(sl < start, same_i, 0))  # of its kind, before the turn
+    rank = tl.where(sl >= start, before - ahead, before + tl.sum(same_i) - ahead)
+    take = same & (rank < QB)
+    row = DH + HDR_WORDS + TAB_WORDS * rank.to(tl.int64)
+    tl.store(row + T_QUERY_AT, at * 2 + E_Q, mask=take)
+    tl.store(row + T_IDS_AT, at + E_IDS, mask=take)
+    tl.store(row + T_SCORES_AT, at * 2 + E_SC, mask=take)
+    tl.store(row + T_SLOT_WORD, at, mask=take)
+    tl.store(row + T_SEQ, req, mask=take)
+    tl.store(row + T_SLOT, sl.to(tl.int64), mask=take)
+    k = (_word(first, W_OPK, REQ_WORDS) >> 32) & 0xFFFFFFFF
+    tl.store(DH + H_NQ, tl.sum(take.to(tl.int64)))
+    tl.store(DH + H_K, tl.minimum(k, tl.load(DH + H_N)))
+    tl.store(DH + H_HAS_NS, (want_ns >= 0).to(tl.int64))
+    tl.store(DH + H_NS, tl.maximum(want_ns, 0))
+    tl.store(DH + H_K_OUT, k)
+    # The next turn: the first request left for another round (of another kind, or past QB),
+    # so none waits behind a kind that always fits; else after the last one taken.
+    left = tl.min(tl.where(ok & ~take, turn, NS))
+    after = tl.where(left < NS, left, tl.max(tl.where(take, turn, 0)) + 1)
+    tl.store(RR, (after + start) % NS)
+
+
+@triton.jit
+def _idle_again(first_seen, AGREE, clock_at, ON_GPU: tl.constexpr):
+    """(first_seen, waited, quiet_since) once nothing is being gathered: idle from now."""
+    return first_seen * 0 - 1, first_seen * 0, _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
+
+
+@triton.jit
 def _take_requests(
     SEG, SLOT_AT, DSEEN, HHOF, HCTL, RR, DH, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle, window,
     op_recall, flags_all, W_REQ: tl.constexpr, W_OPK: tl.constexpr, W_NQF: tl.constexpr, W_NSLEN: tl.constexpr,
@@ -411,53 +465,20 @@ def _take_requests(
                     pick = (best + start) % NS
                     first = tl.sum(tl.where(sl[:, None] == pick, requests, 0), axis=0)
                     want_ns = _namespace_id(first, NS_TAB, NS_IDS, last_name, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, NSMAX)
-                    unlike = requests != first[None, :]
-                    differ = kind_w[None, :] & unlike
-                    if (_word(first, W_NQF, REQ_WORDS) >> 32) == 0:  # a named namespace: the same name too
-                        differ = differ | (name_w[None, :] & unlike)
-                        differ = differ | (len_w[None, :] & ((requests >> 32) != (first[None, :] >> 32)))
-                    same = ok & (tl.sum(differ.to(tl.int32), axis=1) == 0)
+                    same = _same_kind(requests, first, ok, kind_w, name_w, len_w, W_NQF, REQ_WORDS)
                     if want_ns == -2:  # a name the table does not hold: the host answers them all
                         tl.store(DSEEN + NS + sl, req, mask=same)
                         tl.store(HHOF + sl, req, mask=same)
                     else:
-                        # Row of each in the batch: its place in turn order among its kind (turn
-                        # order is slot order rotated to start at the turn's slot).
-                        same_i = same.to(tl.int32)
-                        before = tl.cumsum(same_i, axis=0) - same_i  # of its kind, in lower slots
-                        ahead = tl.sum(tl.where(sl < start, same_i, 0))  # of its kind, before the turn
-                        rank = tl.where(sl >= start, before - ahead, before + tl.sum(same_i) - ahead)
-                        take = same & (rank < QB)
-                        row = DH + HDR_WORDS + TAB_WORDS * rank.to(tl.int64)
-                        tl.store(row + T_QUERY_AT, at * 2 + E_Q, mask=take)
-                        tl.store(row + T_IDS_AT, at + E_IDS, mask=take)
-                        tl.store(row + T_SCORES_AT, at * 2 + E_SC, mask=take)
-                        tl.store(row + T_SLOT_WORD, at, mask=take)
-                        tl.store(row + T_SEQ, req, mask=take)
-                        tl.store(row + T_SLOT, sl.to(tl.int64), mask=take)
-                        k = (_word(first, W_OPK, REQ_WORDS) >> 32) & 0xFFFFFFFF
-                        tl.store(DH + H_NQ, tl.sum(take.to(tl.int64)))
-                        tl.store(DH + H_K, tl.minimum(k, tl.load(DH + H_N)))
-                        tl.store(DH + H_HAS_NS, (want_ns >= 0).to(tl.int64))
-                        tl.store(DH + H_NS, tl.maximum(want_ns, 0))
-                        tl.store(DH + H_K_OUT, k)
-                        # The next turn: the first request left for another round (of another
-                        # kind, or past QB), so none waits behind a kind that always fits;
-                        # else after the last one taken.
-                        left = tl.min(tl.where(ok & ~take, turn, NS))
-                        after = tl.where(left < NS, left, tl.max(tl.where(take, turn, 0)) + 1)
-                        tl.store(RR, (after + start) % NS)
+                        _stage_batch(DH, RR, same, ok, turn, start, sl, at, req, first, want_ns, W_OPK, REQ_WORDS,
+                                     E_Q, E_IDS, E_SC, NS, QB)
                         state = 1
                 if state == 0:
-                    first_seen = first_seen * 0 - 1
-                    waited = waited * 0
-                    quiet_since = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
+                    first_seen, waited, quiet_since = _idle_again(first_seen, AGREE, clock_at, ON_GPU)
         else:
             polls += 1
             if first_seen >= 0:  # what was pending is gone (its client took it back): idle again
-                first_seen = first_seen * 0 - 1
-                waited = waited * 0
-                quiet_since = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
+                first_seen, waited, quiet_since = _idle_again(first_seen, AGREE, clock_at, ON_GPU)
         if state == 0:  # (no idle exit while gathering)
             if _time_to_exit(stop_now, polls, quiet_since, idle, first_seen < 0, AGREE, stop_at, clock_at, sl,
                              ON_GPU):
