@@ -18,12 +18,24 @@ import numpy as np
 import torch
 
 from kalos.engine.gpu import TorchEngine
+from kalos.engine.gpu.planner import ScanConfig
 
 VARIANTS = {
     "default": {},
-    "gemm>=2": {"gemm_min_q": 2},
-    "v2 scan<=64": {"scores_max_q": 64, "gemm_min_q": 65},
-    "v1 scan": {"scores_max_q": 0, "gemm_min_q": 65},
+    "gemm>=2": {"gemm_min_q": 2, "exact_fma_max_q": 0},
+    "v2 scan<=64": {"scores_max_q": 64, "gemm_min_q": 65, "exact_fma_max_q": 0},
+    "v1 scan": {"scores_max_q": 0, "gemm_min_q": 65, "exact_fma_max_q": 0},
+    # Exact batches of a few queries by FMA (planner.Tuning.exact_fma_max_q) against tf32 + re-score.
+    "no fma": {"exact_fma_max_q": 0},
+    "fma<=16": {"exact_fma_max_q": 16},
+    "fma<=32": {"exact_fma_max_q": 32},
+    # (block_n, block_d, block_q = 8, warps): rows x queries per tile, the row chunk, warps.
+    "fma n8": {"exact_fma_max_q": 32, "scores_f32_fma": ScanConfig(8, 64, 8, 4, 1)},
+    "fma n32": {"exact_fma_max_q": 32, "scores_f32_fma": ScanConfig(32, 64, 8, 4, 1)},
+    "fma d128": {"exact_fma_max_q": 32, "scores_f32_fma": ScanConfig(16, 128, 8, 4, 1)},
+    "fma d32": {"exact_fma_max_q": 32, "scores_f32_fma": ScanConfig(16, 32, 8, 4, 1)},
+    "fma w8": {"exact_fma_max_q": 32, "scores_f32_fma": ScanConfig(32, 64, 8, 8, 1)},
+    "fma r128": {"exact_fma_max_q": 32, "scores_f32_fma": ScanConfig(16, 64, 8, 4, 1, maxnreg=128)},
 }
 
 

@@ -170,7 +170,7 @@ class Pipeline:
         x = cols.x16 if kind == "f16" else cols.x32
         common = dict(
             D=self.dim, K=plan.k1, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, BLOCK_Q=cfg.block_q,
-            HALF=kind == "f16", FILTER=filtered, PREC="tf32" if kind == "tf32" else "ieee",
+            HALF=kind == "f16", FILTER=filtered, PREC="tf32" if kind == "tf32" else "fma" if plan.fma else "ieee",
             num_warps=cfg.warps, num_stages=cfg.stages,
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and self.on_gpu else {}),
         )

@@ -67,7 +67,7 @@ _TILE_FIELDS = {
     (False, True): "fused_f32_batch", (True, True): "fused_f16_batch",
     ("scores", False, False): "scores_f32_single", ("scores", True, False): "scores_f16_single",
     ("scores", False, True): "scores_f32_batch", ("scores", True, True): "scores_f16_batch",
-    ("scores", "i8", False): "scores_i8_single",
+    ("scores", "i8", False): "scores_i8_single", ("scores", "fma", True): "scores_f32_fma",
 }
 
 
@@ -87,6 +87,9 @@ class Tuning:
     scores_f16_single: ScanConfig = ScanConfig(block_n=32, block_d=128, block_q=1, warps=4, stages=1)
     scores_f32_batch: ScanConfig = ScanConfig(block_n=64, block_d=64, block_q=16, warps=4, stages=3)
     scores_f16_batch: ScanConfig = ScanConfig(block_n=64, block_d=64, block_q=16, warps=4, stages=3)
+    # Exact batches of a few queries by FMA (up to exact_fma_max_q): block_q is the batch's
+    # bucket, and block_n shrinks as it grows (block_n * block_q rows x queries per tile).
+    scores_f32_fma: ScanConfig = ScanConfig(block_n=16, block_d=64, block_q=8, warps=4, stages=1)
     # The 8-bit scan of a single query (int8_scores_kernel, tensor cores).
     scores_i8_single: ScanConfig = ScanConfig(block_n=128, block_d=128, block_q=1, warps=4, stages=3)
     # What a single query scans in fast mode: "int8" (an 8-bit copy of the rows, held beside
@@ -103,8 +106,12 @@ class Tuning:
     # many queries; 0 keeps the fused scan everywhere.
     scores_max_q: int = 8
     score_chunk: int = 1024
-    # Exact batches (Q > 1): "ieee" = float32 FMA scan; "tf32" = tensor-core scan + the
-    # certified float32 re-score (the same answer).
+    # Exact batches (Q > 1) of up to exact_fma_max_q queries: the float32 rows by FMA, each
+    # row tile read once for all of them (no re-score; 0: none). It beats tf32 + re-score at
+    # Q = 2 only; from Q = 8 on the FMA is the cost (BENCHMARKS.md, the crowd). Larger ones by
+    # exact_batch_scan: "tf32" = tensor-core scan + the certified float32 re-score (the same
+    # answer); "ieee" = tl.dot in float32.
+    exact_fma_max_q: int = 2
     exact_batch_scan: str = "tf32"
     merge_chunk: int = 1024
     final_max: int = 2048
@@ -149,9 +156,12 @@ class Tuning:
             changes[name] = value
         return dataclasses.replace(self, **changes)
 
-    def tile(self, scores: bool, kind: str, batched: bool) -> ScanConfig:
-        """The scan tile for a kind ("f32", "tf32", "f16", "i8"), score-writing or fused."""
+    def tile(self, scores: bool, kind: str, batched: bool, fma: bool = False) -> ScanConfig:
+        """The scan tile for a kind ("f32", "tf32", "f16", "i8"), score-writing or fused
+        (``fma``: an exact batch of a few queries, :meth:`Planner.fma`)."""
         half = kind == "f16"
+        if fma:
+            return self.scores_f32_fma
         if scores:
             return getattr(self, _TILE_FIELDS[("scores", "i8" if kind == "i8" else half, batched)])
         return getattr(self, _TILE_FIELDS[(half, batched)])
@@ -178,6 +188,7 @@ class Plan:
     score_chunk: int = 0  # the scan writes scores, top-K per chunk of this many (0: fused)
     gemm_rows: int = 0  # batches: cuBLAS scores this many rows at a time instead of the scan (0: scan)
     threshold: bool = False  # whole GEMM slices select by threshold, not per chunk
+    fma: bool = False  # an exact batch of a few queries scanned by FMA (Planner.fma)
 
 
 @dataclass
@@ -217,7 +228,14 @@ class Planner:
         if precision == "fast":
             int8 = has_int8 and self.tuning.single_scan == "int8"
             return "i8" if nq == 1 and int8 and self.chunk_rescore(capacity) else "f16"
-        return "tf32" if nq > 1 and self.tuning.exact_batch_scan == "tf32" else "f32"
+        if nq > 1 and not self.fma("f32", next_pow2(nq)) and self.tuning.exact_batch_scan == "tf32":
+            return "tf32"
+        return "f32"
+
+    def fma(self, kind: str, qb: int) -> bool:
+        """Whether a batch of ``qb`` queries (a bucket) of ``kind`` scans by FMA: exact ("f32"),
+        2 <= qb <= ``exact_fma_max_q``."""
+        return kind == "f32" and 2 <= qb <= int(self.tuning.exact_fma_max_q)
 
     def plan(self, kind: str, qb: int, kp: int, capacity: int) -> Plan:
         """The plan of a batch bucket: ``qb`` queries (a power of two), ``kp`` = k_bucket(k)."""
@@ -231,21 +249,30 @@ class Planner:
         tune = self.tuning
         batched = qb > 1
         k1 = kp if kind == "f32" else fast_candidates(kp)
+        fma = self.fma(kind, qb)
         scores = qb <= int(tune.scores_max_q)
         gemm = batched and kind != "f32" and qb >= int(tune.gemm_min_q) and self.gemm_ok(kind)
-        scores = scores or gemm
+        scores = scores or gemm or fma
         rescore_k = 0
         if kind == "i8" or (kind == "f16" and qb == 1 and scores and not gemm and self.chunk_rescore(capacity)):
             # Each chunk keeps its kp best float32 keys, re-scored from its top rescore_k.
             rescore_k, k1, scores = max(int(tune.chunk_rescore_k), 2 * kp), kp, True
-        base = tune.tile(scores, kind, batched)
+        base = tune.tile(scores, kind, batched, fma)
         block_n = base.block_n if scores else max(base.block_n, k1)
+        if fma:  # rows x queries per tile as the tuning says, the queries being the bucket's
+            block_n = max(1, base.block_n * base.block_q // qb)
         if not self.on_gpu:
             block_n = max(block_n, int(tune.cpu_block_n))
         tile = base.block_n * base.block_d
         # (int8 tensor-core products take K in steps of 32, 16-bit ones in steps of 16)
-        block_d = max(32 if kind == "i8" else 16, min(base.block_d, tile // block_n, next_pow2(self.dim)))
-        block_q = min(base.block_q, max(16, qb)) if batched else 1
+        block_d = max(32 if kind == "i8" else 16, min(base.block_d, tile // block_n if not fma else base.block_d,
+                                                       next_pow2(self.dim)))
+        if fma:
+            block_q = qb
+        elif batched:  # (tl.dot takes at least 16 rows)
+            block_q = min(base.block_q, max(16, qb))
+        else:
+            block_q = 1
         cfg = ScanConfig(block_n, block_d, block_q, base.warps, base.stages, base.progs, base.maxnreg)
         n_qblocks = -(-qb // block_q)
         if scores and cfg.progs == 0:  # one row block per program, capacity-wide grid
@@ -290,7 +317,7 @@ class Planner:
             final_warps = int(tune.single_exact_final_warps) if single else 4
         topk_warps = int(tune.single_topk_warps) if single else 4
         return Plan(k1, kp, cfg, n_qblocks, progs, levels, count, final_chunk, final_block_d, final_warps, ws,
-                    topk_warps, rescore_k, score_chunk if scores else 0, gemm_rows, threshold)
+                    topk_warps, rescore_k, score_chunk if scores else 0, gemm_rows, threshold, fma)
 
 
 def _threshold_fits(slice_rows: int, chunk: int, k1: int) -> bool:

@@ -45,6 +45,30 @@ def _row_scores(X, q_ptr, rows, in_rng, D: tl.constexpr, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
+def _batch_row_scores(X, Qs, qs, q_ok, rows, in_rng, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """float32 scores of ``BLOCK_N`` rows of X against ``BLOCK_Q`` queries ([BLOCK_Q, BLOCK_N];
+    masked rows and queries: 0) by plain FMA, no tensor cores: :func:`_row_scores` for a few
+    queries. Each row tile is loaded once and multiplied by every query, element by element,
+    into a [BLOCK_Q, BLOCK_N, BLOCK_D] accumulator summed once at the end, so a pass of a few
+    queries reads the rows once, as a single query's does, and needs no certified re-score.
+    (tl.dot in "ieee" precision is the same arithmetic through the tensor-core lowering's
+    layouts, several times slower: docs/gpu-kernels.md.)"""
+    EVEN_D: tl.constexpr = D % BLOCK_D == 0
+    acc = tl.zeros([BLOCK_Q, BLOCK_N, BLOCK_D], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        ds = d0 + tl.arange(0, BLOCK_D)
+        if EVEN_D:
+            x = tl.load(X + rows[:, None] * D + ds[None, :], mask=in_rng[:, None], other=0.0)
+            qv = tl.load(Qs + qs[:, None] * D + ds[None, :], mask=q_ok[:, None], other=0.0)
+        else:
+            x = tl.load(X + rows[:, None] * D + ds[None, :], mask=in_rng[:, None] & (ds < D)[None, :], other=0.0)
+            qv = tl.load(Qs + qs[:, None] * D + ds[None, :], mask=q_ok[:, None] & (ds < D)[None, :], other=0.0)
+        acc += x.to(tl.float32)[None, :, :] * qv[:, None, :]
+    return tl.sum(acc, axis=2)
+
+
+@triton.jit
 def scan_topk_kernel(
     X,  # [cap, D] float32 / float16 / bfloat16 rows
     Qs,  # [Qb, D] float32 queries (staging area)
@@ -62,7 +86,8 @@ def scan_topk_kernel(
     BLOCK_Q: tl.constexpr,
     HALF: tl.constexpr,  # rows are 16-bit: round the query the same way
     FILTER: tl.constexpr,  # apply namespace / time filters (live is always applied)
-    PREC: tl.constexpr = "ieee",  # float32 rows, batched: "ieee" (exact FMA) or "tf32" (certified)
+    PREC: tl.constexpr = "ieee",  # float32 rows, batched: "fma" (exact, _batch_row_scores), "ieee" (exact,
+    #                               tl.dot) or "tf32" (tensor cores, certified)
     WRITE_SCORES: tl.constexpr = False,  # store masked scores (-inf) instead of keeping a top-K
 ):
     # Row blocks on grid axis 0 (up to 2^31 - 1 programs; axes 1 and 2 stop at 65,535, which
@@ -97,6 +122,8 @@ def scan_topk_kernel(
             if BLOCK_Q == 1:
                 sc1 = _row_scores(X, Qs + pid_q * D, rows, in_rng, D, BLOCK_N, BLOCK_D, HALF)
                 sc = tl.reshape(sc1, [1, BLOCK_N])
+            elif PREC == "fma":
+                sc = _batch_row_scores(X, Qs, qs, q_ok, rows, in_rng, D, BLOCK_N, BLOCK_D, BLOCK_Q)
             else:
                 acc = tl.zeros([BLOCK_Q, BLOCK_N], tl.float32)
                 for d0 in range(0, D, BLOCK_D):
