@@ -413,7 +413,7 @@ def test_triton_small_exact_batches_by_fma(rng, dim):
     tile read once for all of them, with no certified re-score: the float64 answer, filters
     included, at every bucket up to exact_fma_max_q (40: a dimension the tile does not divide)."""
     eng = triton_engine(dim, precision="exact", capacity=8)
-    assert eng.plan(2, 8).fma and not eng.plan(3, 8).fma  # the default: pairs only
+    assert not eng.plan(2, 8).fma and eng.scan_kind(2, 8, "exact") == "tf32"  # off by default
     eng.retune({"score_chunk": 64, "exact_fma_max_q": 8})
     for q in (2, 3, 5, 8):
         assert eng.scan_kind(q, 8, "exact") == "f32" and eng.plan(q, 8).fma

@@ -107,11 +107,12 @@ class Tuning:
     scores_max_q: int = 8
     score_chunk: int = 1024
     # Exact batches (Q > 1) of up to exact_fma_max_q queries: the float32 rows by FMA, each
-    # row tile read once for all of them (no re-score; 0: none). It beats tf32 + re-score at
-    # Q = 2 only; from Q = 8 on the FMA is the cost (BENCHMARKS.md, the crowd). Larger ones by
+    # row tile read once for all of them (no re-score). Off (0): on an H200 it was no faster
+    # than tf32 + re-score at Q = 2-4 and slower from Q = 8 (BENCHMARKS.md, the crowd). Larger
+    # ones by
     # exact_batch_scan: "tf32" = tensor-core scan + the certified float32 re-score (the same
     # answer); "ieee" = tl.dot in float32.
-    exact_fma_max_q: int = 2
+    exact_fma_max_q: int = 0
     exact_batch_scan: str = "tf32"
     merge_chunk: int = 1024
     final_max: int = 2048

@@ -18,8 +18,8 @@ every figure it recorded, BENCHMARKS.md.)
 Rounds. With one client connected a round takes one request and runs the single-query
 kernels (:func:`~kalos.engine.gpu.kernels.poll.await_request_kernel`). With more, a round is
 a batch (:func:`~kalos.engine.gpu.kernels.poll.await_requests_kernel`): once a request is
-pending the kernel waits up to ``window_s`` for the other clients' (no longer once all that
-asked within ``RECENT_S`` have asked: a client only connected holds no round), then takes every pending request of the first one's kind (k, namespace), up to the
+pending the kernel waits up to ``window_s`` for the other clients' (no longer once all have
+asked), then takes every pending request of the first one's kind (k, namespace), up to the
 round's size, the power of two that holds every connected client (at most ``batch``): a crowd
 of C agents is one pass over the rows, not C. Each size is its own graph, captured at
 :meth:`SlotGraphServer.warm`; the sidecar restarts the server whenever clients come or go.
@@ -73,8 +73,6 @@ DEFAULT_MAX_K = 16
 DEFAULT_BATCH = 64
 #: How long a round, once a request is pending, waits for the rest of the crowd.
 DEFAULT_WINDOW_S = 20e-6
-#: A client that asked within this long is one of the crowd a round waits for.
-RECENT_S = 2e-3
 
 
 @dataclasses.dataclass
@@ -192,8 +190,7 @@ class SlotGraphServer:
         base = np.array([layout.slot_offset(s) for s in range(layout.n_slots)], np.int64)
         self._slot_words = base // 8
         self._slot_at = torch.full((self.ns,), -1, dtype=torch.int64, device=dev)
-        # Per slot: seq answered here, seq handed over, when its last request was taken.
-        self._seen = torch.zeros((3, self.ns), dtype=torch.int64, device=dev)
+        self._seen = torch.zeros((2, self.ns), dtype=torch.int64, device=dev)
         self._dq = torch.zeros(self.max_bucket * engine.dim, dtype=torch.float32, device=dev)
         # The kernels read a request's words as one tile, its namespace's 8 words included.
         self._req_words = next_pow2(self.words.ns_bytes + _NAME_WORDS)
@@ -249,7 +246,7 @@ class SlotGraphServer:
         seen[1, : self.layout.n_slots] = self.handed.view(np.int64)
         with self._on_stream():
             self._slot_at.copy_(torch.from_numpy(slot_at))
-            self._seen[:2].copy_(torch.from_numpy(seen))
+            self._seen.copy_(torch.from_numpy(seen))
 
     def warm(self) -> None:
         """Compiles and captures every round now (a launch that exits at once), not on the
@@ -371,8 +368,7 @@ class SlotGraphServer:
             del constexprs["D"], constexprs["BLOCK_DQ"]
             eng.kernels.await_requests_kernel[(1,)](
                 att.i64, self._slot_at, self._seen, self._t_handed, self._t_hctl, self._ctl, dh, self._agree,
-                self._ns_tab, self._ns_ids, self.layout.n_slots, k_limit, idle, window, int(RECENT_S * 1e9),
-                int(Op.RECALL),
+                self._ns_tab, self._ns_ids, self.layout.n_slots, k_limit, idle, window, int(Op.RECALL),
                 int(RequestFlag.ALL_NAMESPACES), **constexprs, E_IDS=w.ids, E_SC=w.scores, QB=qb,
                 num_warps=self.warps,
             )

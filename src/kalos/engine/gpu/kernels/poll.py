@@ -394,7 +394,7 @@ def _idle_again(first_seen, AGREE, clock_at, ON_GPU: tl.constexpr):
 
 @triton.jit
 def _take_requests(
-    SEG, SLOT_AT, DSEEN, HHOF, HCTL, RR, DH, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle, window, recent,
+    SEG, SLOT_AT, DSEEN, HHOF, HCTL, RR, DH, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle, window,
     op_recall, flags_all, W_REQ: tl.constexpr, W_OPK: tl.constexpr, W_NQF: tl.constexpr, W_NSLEN: tl.constexpr,
     W_NSB: tl.constexpr, REQ_WORDS: tl.constexpr, E_Q: tl.constexpr, E_IDS: tl.constexpr, E_SC: tl.constexpr,
     NS: tl.constexpr, NSMAX: tl.constexpr, QB: tl.constexpr, ON_GPU: tl.constexpr,
@@ -402,14 +402,10 @@ def _take_requests(
     """:func:`_take_request` for a crowd: polls until requests are pending, gathers them, and
     stages up to QB of one kind as one batch; returns the state (1 serve, 2 exit).
 
-    Gathering: once a request is pending, the poll goes on until every slot that asked within
-    ``recent`` ns (DSEEN's third row: when each slot's last request was taken; the
-    interpreter counts every slot in use) has one (at most QB), or ``window`` has passed since
-    the first (ns; the interpreter counts polls): a client that is only connected, or an agent
-    that thinks between recalls, does not hold every round for the whole window. Gathering also
-    serves
-    clients answered by the same pass and asking again a few microseconds apart: they share the
-    next. Then, in one round trip, every pending request's words (as in
+    Gathering: once a request is pending, the poll goes on until every slot in use has one
+    (at most QB) or ``window`` has passed since the first (ns; the interpreter counts polls),
+    so that clients answered by the same pass and asking again a few microseconds apart
+    share the next. Then, in one round trip, every pending request's words (as in
     :func:`_take_request`, the same fence and ``.cg`` loads). Those the kernels must not
     answer are handed to the host at once. Of the others, the first in round-robin turn
     picks the batch's kind (k, flags, namespace: one header serves the batch) and the pending
@@ -433,7 +429,6 @@ def _take_requests(
     at = tl.load(SLOT_AT + sl, mask=slot_ok, other=-1)
     here = slot_ok & (at >= 0)
     enough = tl.minimum(tl.sum(here.to(tl.int32)), QB)
-    last_ask = tl.load(DSEEN + 2 * NS + sl, mask=here, other=0)
     last_name = tl.load(NS_IDS + NSMAX + tl.arange(0, 16))  # (see _namespace_id)
     # The words that say a request's kind: op and k, count and flags, and for a request that
     # names a namespace its name and the high half of the length's word (the low half is the
@@ -453,11 +448,7 @@ def _take_requests(
             else:
                 waited += 1
             polls = polls * 0
-            if ON_GPU:
-                asking = here & (((now - last_ask) < recent) | pend)
-                enough = tl.minimum(tl.sum(asking.to(tl.int32)), QB)
             if (n_pend >= enough) | (waited >= window):
-                tl.store(DSEEN + 2 * NS + sl, now + sl * 0, mask=pend)
                 tl.store(HCTL + HCTL_T_SEEN, first_seen)  # diagnostics: when a request was first seen
                 start = tl.load(RR)
                 turn = (sl - start + NS) % NS
@@ -499,8 +490,7 @@ def _take_requests(
 def await_requests_kernel(
     SEG,  # the shared segment as int64 words (page-locked and mapped: read over the bus)
     SLOT_AT,  # [NS] int64: word offset of each slot in SEG (-1: no client at start)
-    DSEEN,  # [3, NS] int64 device: per slot, the seq last answered here / last handed to the host,
-    #         and when its last request was taken (GPU clock, ns)
+    DSEEN,  # [2, NS] int64 device: per slot, the seq last answered here / last handed to the host
     HHOF,  # [NS] int64 page-locked host: seq handed to the host
     HCTL,  # the host control words (HOST_CONTROL_DTYPE, kalos.engine.gpu.layout)
     CTL,  # the device control words (DEVICE_CONTROL_DTYPE)
@@ -512,7 +502,6 @@ def await_requests_kernel(
     k_limit,  # largest k served
     idle,  # ns without a request before the server stops (interpreter: polls)
     window,  # ns the gathering waits, from the first request, for the rest of the crowd (interpreter: polls)
-    recent,  # ns since its last request that a slot still counts as one of the crowd
     op_recall,
     flags_all,
     W_REQ: tl.constexpr,
@@ -539,7 +528,7 @@ def await_requests_kernel(
         tl.store(HCTL + HCTL_T_WAIT, _clock_ns(ON_GPU))
         state = _take_requests(
             SEG, SLOT_AT, DSEEN, HHOF, HCTL, CTL + CTL_TURN, DH, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle,
-            window, recent, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, E_Q, E_IDS, E_SC, NS,
+            window, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, E_Q, E_IDS, E_SC, NS,
             NSMAX, QB, ON_GPU,
         )
     if state == 1:
