@@ -53,7 +53,9 @@ def _batch_row_scores(X, Qs, qs, q_ok, rows, in_rng, D: tl.constexpr, BLOCK_N: t
     into a [BLOCK_Q, BLOCK_N, BLOCK_D] accumulator summed once at the end, so a pass of a few
     queries reads the rows once, as a single query's does, and needs no certified re-score.
     (tl.dot in "ieee" precision is the same arithmetic through the tensor-core lowering's
-    layouts, several times slower: docs/gpu-kernels.md.)"""
+    layouts, several times slower.) Off by default (``Tuning.exact_fma_max_q``): on an H200 the
+    FMA itself costs more than the tf32 scan and its re-score from a few queries on
+    (BENCHMARKS.md, the crowd's "tried and dropped")."""
     EVEN_D: tl.constexpr = D % BLOCK_D == 0
     acc = tl.zeros([BLOCK_Q, BLOCK_N, BLOCK_D], tl.float32)
     for d0 in range(0, D, BLOCK_D):
