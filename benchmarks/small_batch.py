@@ -22,11 +22,11 @@ from kalos.engine.gpu.planner import ScanConfig
 
 VARIANTS = {
     "default": {},
-    "gemm>=2": {"gemm_min_q": 2, "exact_fma_max_q": 0},
-    "v2 scan<=64": {"scores_max_q": 64, "gemm_min_q": 65, "exact_fma_max_q": 0},
-    "v1 scan": {"scores_max_q": 0, "gemm_min_q": 65, "exact_fma_max_q": 0},
+    "gemm>=2": {"gemm_min_q": 2},
+    "v2 scan<=64": {"scores_max_q": 64, "gemm_min_q": 65},
+    "v1 scan": {"scores_max_q": 0, "gemm_min_q": 65},
     # Exact batches of a few queries by FMA (planner.Tuning.exact_fma_max_q) against tf32 + re-score.
-    "no fma": {"exact_fma_max_q": 0},
+    "no fma": {"exact_fma_max_q": 0},  # (the default since session 16)
     "fma<=16": {"exact_fma_max_q": 16},
     "fma<=32": {"exact_fma_max_q": 32},
     # (block_n, block_d, block_q = 8, warps): rows x queries per tile, the row chunk, warps.

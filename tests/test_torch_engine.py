@@ -394,7 +394,7 @@ def test_triton_v2_scores_scan_and_tf32_batches(rng, precision):
     """v2: the scan writes scores and a chunked top-k selects; exact batches scan in tf32
     and re-score (certified) in float32. Also across a resize (the v2 grid follows capacity)."""
     eng = triton_engine(40, precision=precision, capacity=8)
-    eng.retune({"scores_max_q": 8, "exact_batch_scan": "tf32", "score_chunk": 64, "exact_fma_max_q": 0})
+    eng.retune({"scores_max_q": 8, "exact_batch_scan": "tf32", "score_chunk": 64})
     assert eng.plan(1, 6).score_chunk and eng.plan(3, 5).score_chunk
     m = Mirror(eng, rng)
     ids = m.add(200)
@@ -643,7 +643,7 @@ def test_search_attached_normalises_on_the_device(rng, backend):
     scale that says so while the others in its batch are answered."""
     d = 40
     eng = TorchEngine(d, device="cpu", backend=backend, precision="exact", capacity=8)
-    eng.retune({"gemm_min_q": 2, "exact_fma_max_q": 0})  # the batch goes through the GEMM path's kernels too
+    eng.retune({"gemm_min_q": 2})  # the batch goes through the GEMM path's kernels too
     m = Mirror(eng, rng)
     m.add(230)
     buf, query_at, scales, ids_at, scores_at, unit = attached_case(m, rng, 5, 6, d)
@@ -995,7 +995,7 @@ def test_triton_gemm_batches(rng, precision):
     masked and reduced by scores_topk_kernel, then the certified re-score: same answers.
     Few rows in the last slice, and slices past the live rows left out (then re-captured)."""
     eng = triton_engine(40, precision=precision, capacity=8)
-    eng.retune({"gemm_min_q": 2, "gemm_rows": 128, "score_chunk": 64, "exact_fma_max_q": 0})
+    eng.retune({"gemm_min_q": 2, "gemm_rows": 128, "score_chunk": 64})
     m = Mirror(eng, rng)
     ids = m.add(300)
     m.delete(ids[::7])
@@ -1019,7 +1019,7 @@ def test_triton_gemm_threshold_selection(rng, precision):
     passes on the wrong rows)."""
     d = 24
     eng = triton_engine(d, precision=precision, capacity=700)
-    eng.retune({"gemm_min_q": 2, "gemm_rows": 512, "score_chunk": 64, "exact_fma_max_q": 0})
+    eng.retune({"gemm_min_q": 2, "gemm_rows": 512, "score_chunk": 64})
     assert eng.plan(3, 8).threshold and eng.plan(3, 5).threshold and not eng.plan(3, 200).threshold
     m = Mirror(eng, rng)
     q = unit_queries(rng, 2, d)
@@ -1074,7 +1074,7 @@ def test_search_attached_gemm_batches_beyond_max_batch(rng, precision):
     """Zero-copy with the GEMM batch path and more queries than max_batch (split in rounds)."""
     d = 40
     eng = TorchEngine(d, device="cpu", backend="triton", precision=precision, capacity=8, max_batch=4)
-    eng.retune({"gemm_min_q": 2, "gemm_rows": 128, "score_chunk": 64, "exact_fma_max_q": 0})
+    eng.retune({"gemm_min_q": 2, "gemm_rows": 128, "score_chunk": 64})
     m = Mirror(eng, rng)
     m.add(300)
     flt = Filter(namespace=1, since=10.0)

@@ -60,7 +60,7 @@ class ScanConfig:
 
 
 # The tuning keys of the dict form (benchmarks pass variants as {key: value}): a string names
-# a field of Tuning; (half, batched) a fused scan's tile; ("scores", half or "i8", batched) the
+# a field of Tuning; (half, batched) a fused scan's tile; ("scores", half, "i8" or "fma", batched) the
 # tile of a score-writing scan.
 _TILE_FIELDS = {
     (False, False): "fused_f32_single", (True, False): "fused_f16_single",
@@ -108,10 +108,9 @@ class Tuning:
     score_chunk: int = 1024
     # Exact batches (Q > 1) of up to exact_fma_max_q queries: the float32 rows by FMA, each
     # row tile read once for all of them (no re-score). Off (0): on an H200 it was no faster
-    # than tf32 + re-score at Q = 2-4 and slower from Q = 8 (BENCHMARKS.md, the crowd). Larger
-    # ones by
-    # exact_batch_scan: "tf32" = tensor-core scan + the certified float32 re-score (the same
-    # answer); "ieee" = tl.dot in float32.
+    # than tf32 + re-score at Q = 2-4 and slower from Q = 8 (BENCHMARKS.md, the crowd).
+    # Other exact batches by exact_batch_scan: "tf32" = tensor-core scan + the certified
+    # float32 re-score (the same answer); "ieee" = tl.dot in float32.
     exact_fma_max_q: int = 0
     exact_batch_scan: str = "tf32"
     merge_chunk: int = 1024
@@ -161,10 +160,9 @@ class Tuning:
         """The scan tile for a kind ("f32", "tf32", "f16", "i8"), score-writing or fused
         (``fma``: an exact batch of a few queries, :meth:`Planner.fma`)."""
         half = kind == "f16"
-        if fma:
-            return self.scores_f32_fma
-        if scores:
-            return getattr(self, _TILE_FIELDS[("scores", "i8" if kind == "i8" else half, batched)])
+        if scores or fma:
+            rows = "fma" if fma else "i8" if kind == "i8" else half
+            return getattr(self, _TILE_FIELDS[("scores", rows, batched)])
         return getattr(self, _TILE_FIELDS[(half, batched)])
 
 
@@ -264,10 +262,10 @@ class Planner:
             block_n = max(1, base.block_n * base.block_q // qb)
         if not self.on_gpu:
             block_n = max(block_n, int(tune.cpu_block_n))
-        tile = base.block_n * base.block_d
+        # The row chunk keeps the tile's elements (an FMA tile's already count the queries).
+        chunk_d = base.block_d if fma else base.block_n * base.block_d // block_n
         # (int8 tensor-core products take K in steps of 32, 16-bit ones in steps of 16)
-        block_d = max(32 if kind == "i8" else 16, min(base.block_d, tile // block_n if not fma else base.block_d,
-                                                       next_pow2(self.dim)))
+        block_d = max(32 if kind == "i8" else 16, min(base.block_d, chunk_d, next_pow2(self.dim)))
         if fma:
             block_q = qb
         elif batched:  # (tl.dot takes at least 16 rows)
