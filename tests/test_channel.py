@@ -36,9 +36,11 @@ from kalos.ipc.protocol import (
     REQUEST_DTYPE,
     RESPONSE_DTYPE,
     VERSION,
+    SEQ_COUNTER_BITS,
     Layout,
     SlotColumns,
     SlotView,
+    rest_seq,
 )
 
 DEADLINE_S = 60.0  # hang guard only
@@ -436,7 +438,7 @@ def test_napping_clients_need_no_wake_up_and_fall_back_to_sleep(harness):
 
     def on_request(slot: int, seq: int) -> None:
         h.side.header.clients[0] = 1_000_000  # what the clients read: far more than the cores
-        if seq in late:
+        if seq & ((1 << SEQ_COUNTER_BITS) - 1) in late:  # (the client's count: kalos.ipc.protocol.rest_seq)
             time.sleep(ClientChannel.NAP_WINDOW_S * 3)
 
     h.side._ring = counting_ring
@@ -472,7 +474,7 @@ def test_clients_past_the_cores_spin_yielding_and_need_no_wake_up(harness, monke
 
     def on_request(slot: int, seq: int) -> None:
         h.side.header.clients[0] = mid
-        if seq in late:
+        if seq & ((1 << SEQ_COUNTER_BITS) - 1) in late:  # (the client's count: kalos.ipc.protocol.rest_seq)
             time.sleep(0.1)
 
     h.side._ring = counting_ring
@@ -611,8 +613,32 @@ def test_deactivated_slot_is_not_swept_and_is_reset_for_the_next_owner(harness):
     assert h.side.free_slot() == 0
     wake = os.eventfd(0, os.EFD_NONBLOCK)
     h.side.activate(0, wake)
-    assert int(h.side.slots[0].req_seq[0]) == 0 and int(h.side.slots[0].resp_seq[0]) == 0
-    assert h.side.pending()[0].tolist() == [] and seq == 1
+    # At rest: the new generation's numbers, none of which the previous client could have used.
+    rest = rest_seq(int(h.side.generation[0]))
+    assert int(h.side.slots[0].req_seq[0]) == rest == int(h.side.slots[0].resp_seq[0]) == int(h.side.answered[0])
+    assert seq == rest_seq(1) + 1 and rest > seq and rest & ((1 << SEQ_COUNTER_BITS) - 1) == 0
+    assert h.side.pending()[0].tolist() == []
+
+
+def test_a_slot_changes_hands_at_rest_and_only_once_its_last_request_is_answered(harness):
+    h = harness(n_slots=3)
+    first = h.add_client(spin_s=0.0)
+    first.slot.n_queries[0] = 1
+    seq = first.submit()
+    h.side.deactivate(0)  # the client died mid-request: the request stays unanswered
+    def wake() -> int:  # (the channel closes a slot's wake fd when it is freed)
+        return os.eventfd(0, os.EFD_NONBLOCK)
+
+    # A GPU kernel may still hold that request: only a quiet slot is handed out meanwhile.
+    assert h.side.take_slot(wake(), quiet_only=True) == 1
+    h.side.deactivate(1)
+    assert h.side.take_slot(wake(), quiet_only=True) == 1  # slot 1 never had a request
+    h.side.publish(np.array([0]), np.array([seq], np.uint64))  # the late answer lands
+    h.side.deactivate(1)
+    assert h.side.take_slot(wake(), quiet_only=True) == 0
+    # The newcomer counts on from the rest seq: its numbers are never the previous client's.
+    assert int(h.side.slots[0].req_seq[0]) == rest_seq(int(h.side.generation[0])) > seq
+    assert h.side.pending()[0].tolist() == []
 
 
 def test_an_answer_is_not_published_to_a_slot_that_changed_hands_during_its_pass(harness):
@@ -628,10 +654,11 @@ def test_an_answer_is_not_published_to_a_slot_that_changed_hands_during_its_pass
     h.side.deactivate(0)  # the client died mid-request
     wake = os.eventfd(0, os.EFD_NONBLOCK)
     h.side.activate(0, wake)  # a new client got the slot
-    newcomer_seq = 1
-    h.side.slots[0].req_seq[0] = newcomer_seq  # and sent its first request, with the same number
+    rest = int(h.side.slots[0].resp_seq[0])
+    newcomer_seq = rest + 1
+    h.side.slots[0].req_seq[0] = newcomer_seq  # and sent its first request
     h.side.publish(slots, seqs, generations)
-    assert int(h.side.slots[0].resp_seq[0]) == 0, "the old pass answered the newcomer's request"
+    assert int(h.side.slots[0].resp_seq[0]) == rest, "the old pass answered the newcomer's request"
     assert h.side.pending()[0].tolist() == [0], "the newcomer's request is still to be answered"
     h.side.publish(*h.side.pending(), h.side.pending_generations)
     assert int(h.side.slots[0].resp_seq[0]) == newcomer_seq

@@ -29,7 +29,7 @@ from kalos.engine.gpu import TorchEngine  # noqa: E402
 from kalos.engine.gpu.layout import HOST_CONTROL  # noqa: E402
 from kalos.engine.gpu.slot_server import _NAME_PROBE, SlotGraphServer, name_home  # noqa: E402
 from kalos.errors import InvalidArgument  # noqa: E402
-from kalos.ipc.protocol import Layout, Op, RequestFlag, SlotView  # noqa: E402
+from kalos.ipc.protocol import Layout, Op, RequestFlag, SlotView, rest_seq  # noqa: E402
 
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU")
@@ -58,10 +58,15 @@ class Rig:
         self.buf = mmap.mmap(-1, self.layout.size)
         self.engine.attach_host(self.buf)
         self.views = [SlotView(memoryview(self.buf), self.layout, s) for s in range(slots)]
-        self.seqs = np.zeros(slots, np.int64)
-        self.server = server(self.engine, self.layout, np.zeros(slots, np.uint64), **server_args)
+        # Every slot at rest, as the channel hands it out (kalos.ipc.protocol.rest_seq).
+        self.seqs = np.full(slots, rest_seq(1), np.int64)
+        for view in self.views:
+            view.req_seq[0] = view.resp_seq[0] = rest_seq(1)
+        self.server = server(self.engine, self.layout, self.seqs.astype(np.uint64), **server_args)
         self.server.set_namespaces({b"a": 0, b"b": 1})
-        self.active = np.ones(slots, bool)
+        # Which slots have a client: the server's in-use words themselves (the channel's mirror).
+        self.active = self.server.in_use
+        self.active[:] = 1
 
     def submit(self, slot, query, k, *, op=RECALL, n_queries=1, flags=ALL, namespace=b"") -> int:
         view = self.views[slot]
@@ -239,20 +244,23 @@ def test_never_writes_past_a_slots_max_k(make_rig, rng):
 
 
 @needs_interpreter
-def test_single_round_takes_one_request_and_hands_the_rest_round_robin(make_rig, rng):
-    rig = make_rig(bucket=1)
+def test_single_rounds_take_one_request_each_round_robin_and_leave_the_rest_pending(make_rig, rng):
+    rig = make_rig(server=QueuedGraphServer, bucket=1, depth=1)
     q = rng.standard_normal(rig.engine.dim).astype(np.float32)
-    seqs = [rig.submit(s, q, 4) for s in (1, 2, 3)]
-    rig.serve()
-    got = [int(rig.views[s].resp_seq[0]) == seq for s, seq in zip((1, 2, 3), seqs)]
-    gave = [int(rig.server.handed[s]) == seq for s, seq in zip((1, 2, 3), seqs)]
-    assert sum(got) == 1 and sum(gave) == 2 and all(a != b for a, b in zip(got, gave))
-    first = got.index(True) + 1
-    # The next round starts after the slot it served: another slot wins the next tie.
-    seqs = [rig.submit(s, q, 4) for s in (1, 2, 3)]
-    rig.serve()
-    winner = [s for s, seq in zip((1, 2, 3), seqs) if int(rig.views[s].resp_seq[0]) == seq]
-    assert winner and winner[0] != first
+    seqs = {s: rig.submit(s, q, 4) for s in (1, 2, 3)}
+    assert rig.serve()
+    order = []
+    for _ in range(3):  # a round each, in turn: none handed over to the host
+        rig.server.step()
+        rig.server.running()
+        order += [s for s, seq in seqs.items() if int(rig.views[s].resp_seq[0]) == seq and s not in order]
+        assert not any(int(rig.server.handed[s]) == seq for s, seq in seqs.items())
+    assert sorted(order) == [1, 2, 3]
+    # The next round starts after the slot served last: the tie goes on in turn.
+    seqs = {s: rig.submit(s, q, 4) for s in (1, 2, 3)}
+    rig.server.step()
+    winner = [s for s, seq in seqs.items() if int(rig.views[s].resp_seq[0]) == seq]
+    assert winner == [order[-1] % 3 + 1]
 
 
 def _answered(rig, slot, seq) -> bool:
@@ -463,8 +471,9 @@ def test_needs_the_triton_engine_with_the_segment_attached(rng):
 class _DeferredRound:
     """A replay queued on the fake GPU of :class:`QueuedGraphServer`: it runs when its turn comes."""
 
-    def __init__(self, server: "QueuedGraphServer") -> None:
+    def __init__(self, server: "QueuedGraphServer", bucket: int) -> None:
         self.server = server
+        self.bucket = bucket  # the graph replayed: the round size queued then
         self.done = False
 
     def query(self) -> bool:
@@ -488,14 +497,14 @@ class QueuedGraphServer(SlotGraphServer):
         self.running()
 
     def _enqueue_rounds(self, count: int) -> list:
-        rounds = [_DeferredRound(self) for _ in range(count)]
+        rounds = [_DeferredRound(self, self._bucket) for _ in range(count)]
         self.gpu.extend(rounds)
         return rounds
 
     def step(self) -> None:
         """The oldest queued round runs (it waits for a request up to idle_polls polls)."""
         job = self.gpu.popleft()
-        self._round(self._bucket)
+        self._round(job.bucket)
         job.done = True
 
 
@@ -519,7 +528,6 @@ def test_graph_server_queues_rounds_until_stopped_and_reloads_on_start(make_rig,
     server.stop()
     assert not server.running() and not server.gpu
     rig.active[3] = True  # a new client
-    server.forget(3)
     unit = (q / np.linalg.norm(q.astype(np.float64))).astype(np.float32)
     rig.engine.add(np.array([9999]), unit[None], np.zeros(1, np.int32), np.zeros(1))  # a row added meanwhile
     assert server.start(rig.active)
@@ -530,6 +538,78 @@ def test_graph_server_queues_rounds_until_stopped_and_reloads_on_start(make_rig,
     while server.running():
         server.step()
     assert int(server._hctl[HOST_CONTROL.stopped]) == 1 and server.served == 7
+
+
+@needs_interpreter
+def test_clients_come_and_go_while_the_rounds_run(make_rig, rng):
+    # No restart when a slot changes hands: each poll reads which slots have a client, and a
+    # slot handed out at rest (a new generation's seq) is never taken for its previous
+    # client's numbers, whatever the kernels recorded for those.
+    rig = make_rig(server=QueuedGraphServer, depth=1, window_polls=0)
+    server, views = rig.server, rig.views
+    rig.active[3] = 0  # no client in slot 3
+    assert server.start(rig.active, bucket=4)
+    q = rng.standard_normal(rig.engine.dim).astype(np.float32)
+
+    def one_round(asking: list[int]) -> list[int]:
+        """Submits in ``asking``, runs the queued round; the slots it answered."""
+        seqs = {slot: rig.submit(slot, q, 4) for slot in asking}
+        server.step()
+        server.running()
+        return [slot for slot, seq in seqs.items() if int(views[slot].resp_seq[0]) == seq]
+
+    assert one_round([0, 3]) == [0]  # slot 3's request: nobody holds the slot, so ignored
+    assert int(server.handed[3]) != int(rig.seqs[3])
+    # Slot 0's client leaves and a new one takes it at rest; slot 3 gets its first client.
+    for slot, generation in ((0, 3), (3, 2)):
+        views[slot].req_seq[0] = views[slot].resp_seq[0] = rig.seqs[slot] = rest_seq(generation)
+        rig.active[slot] = 1
+    assert one_round([1]) == [1]  # the two at rest: no request of theirs is taken or handed over
+    assert int(server.handed[0]) != rest_seq(3) and int(server.handed[3]) != rest_seq(2)
+    assert one_round([0, 3]) == [0, 3] and int(rig.seqs[0]) == rest_seq(3) + 1
+    for slot in (0, 3):
+        assert_topk_matches(views[slot].ids[:1, :4], views[slot].scores[:1, :4], rig.ids, rig.vectors, q[None], 4,
+                            rig.live, context=f"slot {slot}")
+    # A client that leaves with a request pending: that request is no longer polled.
+    left = rig.submit(2, q, 4)
+    rig.active[2] = 0
+    assert one_round([1]) == [1] and int(views[2].resp_seq[0]) != left and int(server.handed[2]) != left
+    assert server.served == 5
+
+
+@needs_interpreter
+def test_rounds_follow_demand(make_rig, rng):
+    # Queued rounds are sized by the servable requests the latest ones found: larger at once,
+    # smaller once a resize period found no more.
+    rig = make_rig(server=QueuedGraphServer, slots=8, depth=1, resize_s=0.0, window_polls=0)
+    server = rig.server
+    assert server.start(rig.active) and server._bucket == 8 and server.gpu[-1].bucket == 8
+    q = rng.standard_normal(rig.engine.dim).astype(np.float32)
+
+    def one_round(slots: list[int]) -> list[int]:
+        seqs = [rig.submit(s, q, 4) for s in slots]
+        server.step()
+        server.running()  # (the sweep's look: sizes and queues the next round)
+        return [s for s, seq in zip(slots, seqs) if int(rig.views[s].resp_seq[0]) == seq]
+
+    assert one_round([1, 5]) == [1, 5] and server._bucket == 2 and server.gpu[-1].bucket == 2
+    # Five ask: the round of 2 takes two; the next is queued for five at once, and takes the rest.
+    five = [0, 2, 3, 4, 6]
+    assert len(one_round(five)) == 2 and server._bucket == 8 and server.gpu[-1].bucket == 8
+    server.step()
+    assert all(int(rig.views[s].resp_seq[0]) == int(rig.seqs[s]) for s in five)
+    server.running()
+    assert server._bucket == 4  # (3 found; with resize_s = 0 every look ends a period)
+    server.resize_s = 3600.0  # fewer from now on, within one period: the size stays
+    assert one_round([7]) == [7] and server._bucket == 4
+    server.resize_s = 0.0
+    assert one_round([7]) == [7] and server._bucket == 1 and server.gpu[-1].bucket == 1
+    # The single round takes one and leaves the others pending; it reports them: batches again.
+    served = one_round([0, 1, 2])
+    assert len(served) == 1 and server._bucket == 4 and server.gpu[-1].bucket == 4
+    assert not any(int(server.handed[s]) == int(rig.seqs[s]) for s in (0, 1, 2))
+    server.step()
+    assert all(int(rig.views[s].resp_seq[0]) == int(rig.seqs[s]) for s in (0, 1, 2))
 
 
 @needs_interpreter
@@ -567,7 +647,8 @@ def test_gpu_polling_modes_are_checked(tmp_path, capsys):
         with pytest.raises(InvalidArgument, match="gpu_window_us must be in"):
             SidecarConfig(store=tmp_path / "m.db", name="x", gpu_window_us=bad)
     parser = build_parser()
-    assert parser.parse_args(["serve"]).gpu_polling == "off"
+    assert parser.parse_args(["serve"]).gpu_polling == "graph"  # (the default: BENCHMARKS.md, "The crowd")
+    assert parser.parse_args(["serve", "--gpu-polling", "off"]).gpu_polling == "off"
     assert parser.parse_args(["serve"]).gpu_window_us == SidecarConfig(store=tmp_path / "m.db").gpu_window_us
     assert parser.parse_args(["serve", "--gpu-window-us", "5"]).gpu_window_us == 5.0
     assert parser.parse_args(["serve", "--gpu-polling"]).gpu_polling == "graph"
@@ -629,7 +710,7 @@ def test_cuda_batch_rounds_of_every_size_answer_a_crowd(make_rig, rng, precision
     for crowd in (40, 2, 17, 5, 33, 1):
         rig.active[:] = False
         rig.active[:crowd] = True
-        rig.server.start(rig.active)
+        rig.server.start(rig.active, bucket=rig.server.bucket(crowd))  # (held: each size's own graph)
         assert rig.server.running()
         for _ in range(3):
             queries = rng.standard_normal((crowd, rig.engine.dim)).astype(np.float32)

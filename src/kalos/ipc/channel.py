@@ -34,7 +34,7 @@ import numpy as np
 from kalos.config import runtime_dir
 from kalos.errors import InvalidArgument, ProtocolMismatch, SidecarUnavailable
 from kalos.ipc import sync
-from kalos.ipc.protocol import HEADER_DTYPE, HeaderView, Layout, SlotColumns, SlotView
+from kalos.ipc.protocol import HEADER_DTYPE, HeaderView, Layout, SlotColumns, SlotView, rest_seq
 from kalos.ipc.sync import full_fence
 
 __all__ = ["Endpoint", "Segment", "ClientChannel", "SidecarChannel", "SidecarExited"]
@@ -394,6 +394,7 @@ class SidecarChannel:
         # requests it read (one that left meanwhile may have been replaced by a new client).
         self.generation = np.zeros(layout.n_slots, dtype=np.uint64)
         self.n_clients = 0  # slots in use: the sidecar's own count (header.clients is advice to clients)
+        self.in_use: np.ndarray | None = None  # a GPU kernel's copy of ``active`` (adopt_in_use)
         self.pending_generations = np.zeros(0, dtype=np.uint64)
         # Scratch of the native pending() and publish() (kalos.ipc.sync): slots found, their
         # req_seq, the sleepers to wake; and "no slot busy".
@@ -411,11 +412,16 @@ class SidecarChannel:
     def stamp_heartbeat(self) -> None:
         self.header.heartbeat_ns[0] = time.monotonic_ns()
 
-    def take_slot(self, wake_fd: int) -> int | None:
+    def take_slot(self, wake_fd: int, *, quiet_only: bool = False) -> int | None:
         """Activates the first free slot for a client whose wake fd is ``wake_fd``; None when all
-        are in use."""
+        are in use. With ``quiet_only``, only a free slot whose last request was answered (or
+        that never had one): a GPU kernel that took a request of the slot's previous client
+        and has not answered it yet would write that answer into the new client's rows."""
         with self._lock:
-            free = np.flatnonzero(~self.active)
+            free = ~self.active
+            if quiet_only:
+                free &= self.columns.req_seq == self.answered
+            free = np.flatnonzero(free)
             if not len(free):
                 return None
             slot = int(free[0])
@@ -430,18 +436,26 @@ class SidecarChannel:
         # The client chose this fd: make it non-blocking, or a blocking pipe or a saturated
         # blocking eventfd would stall the sweep for everyone in publish() (test_hostile.py).
         os.set_blocking(wake_fd, False)
-        self.slots[slot].reset()
-        self.answered[slot] = 0
-        self._woken[slot] = 0
-        self.wake_fds[slot] = wake_fd
         self.generation[slot] += 1
+        view = self.slots[slot]
+        view.reset()
+        rest = np.uint64(rest_seq(self.generation[slot]))
+        view.resp_seq[0] = rest
+        view.req_seq[0] = rest  # the client starts counting from here
+        self.answered[slot] = rest
+        self._woken[slot] = rest
+        self.wake_fds[slot] = wake_fd
         self.active[slot] = True
+        if self.in_use is not None:
+            self.in_use[slot] = 1  # (after the rest seqs: a GPU kernel polls it from now on)
         self.n_clients = int(self.active.sum())
         self.header.clients[0] = self.n_clients
 
     def deactivate(self, slot: int) -> None:
         with self._lock:
             self.active[slot] = False
+            if self.in_use is not None:
+                self.in_use[slot] = 0
             self.generation[slot] += 1
             self.n_clients = int(self.active.sum())
             self.header.clients[0] = self.n_clients
@@ -452,6 +466,15 @@ class SidecarChannel:
     def free_slot(self) -> int | None:
         free = np.flatnonzero(~self.active)
         return int(free[0]) if len(free) else None
+
+    def adopt_in_use(self, in_use: np.ndarray) -> None:
+        """Mirrors which slots have a client into ``in_use`` (1 or 0 per slot, memory a GPU kernel
+        that serves the slots polls) from now on, under the same lock as the slot table."""
+        if len(in_use) != self.layout.n_slots:
+            raise InvalidArgument(f"in_use must have {self.layout.n_slots} entries, got {len(in_use)}")
+        with self._lock:
+            in_use[:] = self.active
+            self.in_use = in_use
 
     def adopt_answered(self, answered: np.ndarray) -> None:
         """Keeps the record of answered sequence numbers in ``answered`` from now on (memory a

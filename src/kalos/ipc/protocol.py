@@ -23,7 +23,12 @@ one writer and no compare-and-swap is ever needed::
 
 A request is pending while ``req_seq != resp_seq``. The client fills the request and query
 rows, then increments ``req_seq``; the sidecar answers by writing the result rows and the
-response, then storing ``resp_seq = req_seq``. Why those stores become visible in that order
+response, then storing ``resp_seq = req_seq``. A slot handed to a client starts with both at
+``rest_seq(generation)``: the slot's generation (how many times it changed hands) in the high
+bits, 0 in the low ``SEQ_COUNTER_BITS``. So no sequence number of one client is ever one of
+the slot's previous client (a GPU kernel that keeps serving while clients come and go cannot
+mistake one for the other), and a ``req_seq`` whose counter is 0 is never a request. (A client
+would need 2**40 requests on one connection to run out.) Why those stores become visible in that order
 to the other process is argued in :mod:`kalos.ipc.sync`.
 
 Every slot and every area starts on a 64-byte boundary (no false sharing between the
@@ -55,9 +60,20 @@ __all__ = [
     "SlotView",
     "SlotColumns",
     "SlotWords",
+    "SEQ_COUNTER_BITS",
+    "rest_seq",
 ]
 
 MAGIC = int.from_bytes(b"KALOSSHM", "little")
+
+#: Low bits of a sequence number that count one client's requests; the rest are the slot's generation.
+SEQ_COUNTER_BITS = 40
+
+
+def rest_seq(generation: int) -> int:
+    """``req_seq`` and ``resp_seq`` of a slot just handed to a client (``generation``: how many
+    times the slot changed hands, modulo the bits left above the counter)."""
+    return (int(generation) % (1 << (64 - SEQ_COUNTER_BITS))) << SEQ_COUNTER_BITS
 # 3: the namespace field grew from 64 to 256 bytes (names of up to 255 UTF-8 bytes, issue 22),
 # and the request's where_handle.
 VERSION = 3

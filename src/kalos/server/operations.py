@@ -228,7 +228,7 @@ class ControlServer:
         finally:
             channel = self._sidecar.channel
             if slot is not None and channel is not None:
-                self._polling.change_slots(lambda: channel.deactivate(slot))
+                self._polling.release(channel, slot)
             self.connections.discard(conn)
             conn.close()
 
@@ -239,7 +239,7 @@ class ControlServer:
                 f"client speaks control protocol {message.get('protocol')!r}, this sidecar {PROTOCOL_VERSION}"
             )
         wake_fd = recv_fd(conn)
-        slot = self._polling.change_slots(lambda: self._sidecar.channel.take_slot(wake_fd))
+        slot = self._polling.admit(self._sidecar.channel, wake_fd)
         if slot is not None:
             self.cohort.forget(slot)  # a new client: quick until it shows otherwise
         if slot is None:
@@ -257,7 +257,7 @@ class ControlServer:
             # The client hung up before it learnt its slot (it died mid-hello). The caller never
             # receives the slot number, so its cleanup cannot free it: free it here, or the slot
             # leaks for the sidecar's lifetime (found by tests/reliability/test_client_death.py).
-            self._polling.change_slots(lambda: self._sidecar.channel.deactivate(slot))
+            self._polling.release(self._sidecar.channel, slot)
             raise
         return slot
 

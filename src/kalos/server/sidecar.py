@@ -91,10 +91,11 @@ class SidecarConfig:
     zero_copy: bool = True
     # With zero copy, a GPU kernel polls the slots and answers single recalls by itself
     # (kalos.engine.gpu.slot_server): "graph" (a CUDA graph that waits for requests, then scans
-    # with the whole GPU, a crowd's in one batch), or "off" (the sweep answers everything).
+    # with the whole GPU, a crowd's in one batch: the default, faster at every crowd size), or
+    # "off" (the sweep answers everything: fewer of a co-located LLM's GPU time slices taken).
     # BENCHMARKS.md has both measured. gpu_window_us: how long the polling kernel, once a
     # request is pending, waits for the rest of the clients before its pass.
-    gpu_polling: str = "off"
+    gpu_polling: str = "graph"
     gpu_window_us: float = DEFAULT_GPU_WINDOW_US
     # The text embedder clients without their own use (kalos.server.sidecar_embed): loaded at the
     # first text ("lazy"), in the background at start ("start"), or never ("off"); on

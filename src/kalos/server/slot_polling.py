@@ -1,16 +1,18 @@
 """The GPU's polling of the slots (``--gpu-polling``), as the rest of the sidecar sees it.
 
 The polling kernel (kalos.engine.gpu.slot_server) answers single recalls by itself and knows
-nothing of writes, expiries or slots that change hands. So every part of the sidecar that
-changes the engine or the slot table (the control operations, the expirer, the lifecycle)
-stops it first, and the recall loop starts it again on the next request. They share one
-:class:`SlotPolling`: one place says how the kernel is stopped, started and given up after a
-fault, and none of them needs to know the others.
+nothing of writes or expiries. So every part of the sidecar that changes the engine (the
+control operations, the expirer, the lifecycle) stops it first, and the recall loop starts it
+again on the next request. Clients coming and going need no stop: the kernel polls every slot
+the channel marks in use, and a new client gets a slot no round of the kernel can still write
+into (:meth:`SlotPolling.admit`). They share one :class:`SlotPolling`: one place says how the
+kernel is stopped, started and given up after a fault, and none of them needs to know the
+others.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any
 
 from kalos.ipc.channel import SidecarChannel
 from kalos.server.state_lock import StateLock
@@ -25,8 +27,8 @@ class SlotPolling:
     """The polling kernel of one sidecar, shared by everything that must stop it.
 
     ``server`` is the kernel (a SlotGraphServer), or None: no GPU polling here, or a fault
-    turned it off for good. Every method but :meth:`change_slots` expects the sidecar's
-    ``_state_lock`` held; :meth:`change_slots` takes it.
+    turned it off for good. Every method but :meth:`admit` and :meth:`release` expects the
+    sidecar's ``_state_lock`` held; :meth:`admit` takes it only when it must stop the kernel.
     """
 
     def __init__(self, state_lock: StateLock) -> None:
@@ -35,7 +37,9 @@ class SlotPolling:
         self._state_lock = state_lock
 
     def install(self, server: Any, channel: SidecarChannel) -> None:
-        """Starts using ``server`` (warmed up, its answered words adopted by ``channel``)."""
+        """Starts using ``server`` (warmed up, its answered words adopted by ``channel``); the
+        channel mirrors its slot table into the server's in-use words from now on."""
+        channel.adopt_in_use(server.in_use)
         self.server = server
         self.channel = channel
 
@@ -87,18 +91,26 @@ class SlotPolling:
         except Exception:
             self.failed("failed to start")
 
-    def change_slots(self, change: Callable[[], Any]) -> Any:
-        """Runs a change of the slot table. Without GPU polling it takes the channel's lock alone
-        (microseconds, never a search). The polling kernel watches the slots in use at its
-        launch and writes answers into them by itself: it is stopped first, so a slot never
-        changes hands under it (the next request starts it again)."""
+    def admit(self, channel: SidecarChannel, wake_fd: int) -> int | None:
+        """A slot for a new client whose wake fd is ``wake_fd`` (None: every slot is in use).
+
+        Without GPU polling, the first free slot, under the channel's lock alone (microseconds,
+        never a search). With it, the first free slot whose last request was answered, as
+        fast: the kernel may keep running, since none of its rounds can write into that slot.
+        Only when every free slot still holds an unanswered request (a client that died
+        waiting) is the kernel stopped first (the next request starts it again)."""
         if self.server is None:
-            return change()
+            return channel.take_slot(wake_fd)
+        slot = channel.take_slot(wake_fd, quiet_only=True)
+        if slot is not None or channel.free_slot() is None:
+            return slot
         with self._state_lock:
             self.pause()
-            result = change()
-            server = self.server
-            if server is not None:
-                for slot in range(self.channel.layout.n_slots):
-                    server.forget(slot)
-            return result
+            return channel.take_slot(wake_fd)
+
+    @staticmethod
+    def release(channel: SidecarChannel, slot: int) -> None:
+        """Frees ``slot`` (its client left). The kernel stops polling it at its next look; an
+        answer of a round in flight lands in a slot nobody reads, and :meth:`admit` hands the
+        slot out again only once that answer is in."""
+        channel.deactivate(slot)

@@ -4,8 +4,9 @@ the engine or the slots, and a waiting writer goes before the sweep's next pass.
 Why not a plain lock. The sweep releases the lock at the end of a pass and takes it again at
 the start of the next, microseconds later and without a blocking call in between, while a
 writer blocked in ``acquire`` must first be woken and then win the GIL: under a crowd the
-sweep wins nearly every time. A hello under ``--gpu-polling`` (which stops the polling kernel
-under this lock) then waited hundreds of milliseconds, or timed out. Here a writer says that
+sweep wins nearly every time. A hello that stopped the GPU's polling kernel under this lock
+(every hello once; now only one that finds no quiet free slot) then waited hundreds of
+milliseconds, or timed out. Here a writer says that
 it waits, and the sweep, before a pass, lets the writers that wait go first.
 """
 from __future__ import annotations

@@ -260,14 +260,14 @@ def _end_to_end(torch: Any, rows: list, store: Path, name: str, device: Any, pre
     max_batch = max(batches + [b for _c, b in crowds])
     extra = ["--precision", precision, "--max-batch", str(max_batch)] + ([] if zero_copy else ["--no-zero-copy"])
     extra += ["--slots", str(max([32] + [c + 2 for c, _b in crowds]))]
-    extra += ["--gpu-polling", polling] if polling else []
+    extra += ["--gpu-polling", polling or "off"]  # (the main rows: the sweep; polling's are asked for)
     with SidecarProcess(store, name=name, device=str(device), extra_args=extra, ready_timeout=600) as sidecar, \
             Client(name) as client:
         print(f"  {sidecar.ready_line}", flush=True)
         got = client.recall_many(queries, k=args.k).ids - 1  # store ids start at 1
         agree = float(np.mean([len(set(a) & set(b)) / args.k for a, b in zip(got, reference)]))
         print(f"  end to end ({precision}) vs in-process exact top-{args.k}: agreement {agree:.6f}", flush=True)
-        how = ", host copies" if not zero_copy else (f", --gpu-polling {polling}" if polling else "")
+        how = ", host copies" if not zero_copy else f", --gpu-polling {polling or 'off'}"
         path = f"Kalos end to end {precision} (client process{how})"
         _row(rows, path, n, 1, time_calls(lambda i: client.recall(queries[i % 512], k=args.k), args.repeats, 100),
              floor, agreement=agree)

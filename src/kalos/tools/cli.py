@@ -64,14 +64,14 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-zero-copy", dest="zero_copy", action="store_false",
                        help="GPU engine: pass queries and answers through host copies instead of letting the "
                        "kernels read and write the page-locked shared segment directly (for comparisons)")
-    serve.add_argument("--gpu-polling", nargs="?", const="graph", default="off", choices=GPU_POLLING,
+    serve.add_argument("--gpu-polling", nargs="?", const="graph", default="graph", choices=GPU_POLLING,
                        help="GPU engine: a kernel polls the slots and answers single recalls (k <= 16, all "
                        "namespaces or one, no time window) by itself while traffic lasts, with no Python on the "
-                       "way; it stops after --spin-us without a request. 'graph' (the value when none is given): "
-                       "a CUDA graph that waits for requests, then scans with the whole GPU, the requests of "
-                       "several clients in one batch. Beside another process's GPU work it answers without "
-                       "waiting for a time slice, but takes that process's time slices while it waits. "
-                       "Default: %(default)s (figures: BENCHMARKS.md)")
+                       "way; it stops after --spin-us without a request. 'graph' (the default, and the value when "
+                       "none is given): a CUDA graph that waits for requests, then scans with the whole GPU, the "
+                       "requests of several clients in one batch. Beside another process's GPU work it answers "
+                       "without waiting for a time slice, but takes more of that process's time slices than "
+                       "'off' (the sweep answers everything) does. Figures: BENCHMARKS.md")
     serve.add_argument("--gpu-window-us", type=float, default=DEFAULT_GPU_WINDOW_US,
                        help="with --gpu-polling: microseconds the polling kernel, once a request is pending, waits "
                        "for the other connected clients' requests before its pass (it stops waiting as soon as "
@@ -246,7 +246,8 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="GPU suite: sidecar precisions measured end to end (default: %(default)s)")
     bench.add_argument("--gpu-polling", nargs="?", const="graph", default="",
                        help="GPU suite: also measure single recalls end to end with serve --gpu-polling MODE, "
-                       "side by side (graph, the only mode, and the value when none is given)")
+                       "side by side with the main rows, which the sweep answers (--gpu-polling off); graph, the "
+                       "only mode, is the value when none is given")
     bench.add_argument("--gpu-host-copies", action="store_true",
                        help="GPU suite: also measure the exact path end to end with --no-zero-copy, side by side")
     bench.add_argument("--batches", default="1,8,64,256",

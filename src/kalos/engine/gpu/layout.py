@@ -70,7 +70,8 @@ TABLE_DTYPE = np.dtype([
 HOST_CONTROL_DTYPE = np.dtype([
     ("stop", "<i8"),  # the host asks the waiting kernel to stop
     ("answers", "<i8"),  # requests the kernels answered, over all launches
-    ("unused", "<i8", (2,)),
+    ("demand", "<i8"),  # the kernels: servable requests pending when the latest round took its own
+    ("expect", "<i8"),  # the host: how many requests a batch round waits for (its window aside)
     ("stopped", "<i8"),  # 1 once a round found the server stopped
     ("t_wait", "<i8"),  # the GPU's clock (ns): the latest round began to wait,
     ("t_staged", "<i8"),  # staged a request,

@@ -7,7 +7,7 @@ process that keeps the GPU busy the launch also waits for a time slice (figures:
 the page-locked segment, and the answer and ``resp_seq`` are written into the slot, which the
 client is spinning on.
 
-:class:`SlotGraphServer` (``serve --gpu-polling``, mode ``graph``; off unless asked for) does it
+:class:`SlotGraphServer` (``serve --gpu-polling graph``, the default on a GPU) does it
 with CUDA graphs whose first kernel (one program) waits for requests and stages them; the
 engine's own kernels follow (the scan over the whole GPU, the selection, the final kernel,
 which publishes each answer in its slot). The sweep keeps a few replays queued. Only one
@@ -15,21 +15,31 @@ program spins while waiting, so the sweep's own work (handed-over requests) runs
 full speed. (A ``resident`` mode, one kernel on every SM, was removed: the graph server beat
 every figure it recorded, BENCHMARKS.md.)
 
-Rounds. With one client connected a round takes one request and runs the single-query
+Rounds. While one request at a time is pending a round takes one and runs the single-query
 kernels (:func:`~kalos.engine.gpu.kernels.poll.await_request_kernel`). With more, a round is
 a batch (:func:`~kalos.engine.gpu.kernels.poll.await_requests_kernel`): once a request is
-pending the kernel waits up to ``window_s`` for the other clients' (no longer once all have
-asked), then takes every pending request of the first one's kind (k, namespace), up to the
-round's size, the power of two that holds every connected client (at most ``batch``): a crowd
-of C agents is one pass over the rows, not C. Each size is its own graph, captured at
-:meth:`SlotGraphServer.warm`; the sidecar restarts the server whenever clients come or go.
+pending the kernel waits up to ``window_s`` for the others (no longer once as many have
+asked as the recent rounds found, or every connected client), then takes every pending
+request of the first one's kind (k, namespace), up to the round's size: a crowd of C agents
+is one pass over the rows, not C. Each size is its own graph, captured at
+:meth:`SlotGraphServer.warm`. The size follows demand: each round reports how many servable
+requests it found pending; the host queues the next rounds at the power of two that holds
+them (at once when that grows, after ``resize_s`` of smaller rounds when it shrinks).
+
+Clients coming and going. The kernels poll every slot, and the channel mirrors which have a
+client into page-locked words (:meth:`SlotGraphServer.in_use`) that each poll reads, so a new
+client is served without a restart. A slot changes hands at rest (``kalos.ipc.protocol``:
+its generation in the sequence numbers' high bits), so the kernels' record of what they
+answered in it never matches the new client's requests; and the sidecar hands out, while
+the kernels run, only a slot whose last request was answered: none of their rounds can still
+write into it.
 
 What it serves. A single query (``n_queries == 1``) with ``k <= max_k``, all namespaces or one
 named, no time window, and a query that is finite and non-zero. Anything else (batches, time
 windows, larger k, bad input) is *handed* to the host: the kernel records its ``req_seq`` in
 ``handed``, and the sidecar's sweep answers it through the engine's ordinary (batched) path.
-A single round hands over every request pending beside the one it takes as well; a batch
-round leaves requests of another kind pending for the next round. Fast mode re-scores its
+A round leaves the servable requests it does not take (beyond its size, or of another kind)
+pending for the next round. Fast mode re-scores its
 candidates in float32 and hands the request over when the certificate fails.
 
 Ownership of a slot's answer. A request is the kernel's when the kernel took it, the host's
@@ -40,8 +50,8 @@ answers and by the sweep for the host's.
 Lifetime. ``start`` launches on the server's own high-priority stream; the server stops by
 itself after ``idle_s`` without a request (a kernel spinning forever would take GPU time from
 the LLM next to it), or when ``stop`` asks. The sidecar stops it before anything changes the
-engine (adds, deletes, compaction) or the slots (clients coming and going) and starts it again
-on the next request.
+engine (adds, deletes, compaction), and before a new client takes a slot whose previous
+client left a request unanswered; it starts it again on the next request.
 
 On PyTorch's CPU device (tests, under ``TRITON_INTERPRET=1``) the rounds run synchronously:
 ``start`` returns after the server has served what was pending and polled ``idle_polls`` more
@@ -52,6 +62,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import time
 
 import numpy as np
 import torch
@@ -73,6 +84,8 @@ DEFAULT_MAX_K = 16
 DEFAULT_BATCH = 64
 #: How long a round, once a request is pending, waits for the rest of the crowd.
 DEFAULT_WINDOW_S = 20e-6
+#: How long the rounds must find fewer requests before they are queued smaller.
+DEFAULT_RESIZE_S = 2e-3
 
 
 @dataclasses.dataclass
@@ -115,9 +128,9 @@ class SlotGraphServer:
     client; :func:`~kalos.engine.gpu.kernels.poll.await_requests_kernel`, a crowd's requests of
     one kind, then the stage-in of their queries), then the engine's own kernels for that many
     queries (the scan over the whole GPU, the selection, the final kernel, which publishes each
-    answer in its slot). :meth:`start` picks the round from the clients connected
-    (:meth:`bucket`). :meth:`running`, which the sidecar's sweep calls on every pass, keeps
-    ``depth`` replays queued on the server's stream, so the next round's waiting kernel is
+    answer in its slot). :meth:`start` picks the first round from the clients connected
+    (:meth:`bucket`), the demand the later ones. :meth:`running`, which the sidecar's sweep
+    calls on every pass, keeps ``depth`` replays queued on the server's stream, so the next round's waiting kernel is
     already on the GPU when a request lands and no Python runs between the client's
     ``req_seq`` and its answer. (Not a thread of its own: it would wait for the GIL behind the
     spinning sweep, up to the interpreter's switch interval.) Only one program spins while it
@@ -131,18 +144,20 @@ class SlotGraphServer:
     two). ``depth``: replays queued ahead. ``warps``: the waiting kernel's. ``batch``: most
     requests a round takes (rounded down to a power of two). ``window_s``: how long a batch
     round, once a request is pending, waits for the other connected clients' (``window_polls``
-    polls on the CPU device). On PyTorch's CPU device (tests) :meth:`start` runs rounds
+    polls on the CPU device). ``resize_s``: how long the rounds must find fewer requests before
+    smaller ones are queued. On PyTorch's CPU device (tests) :meth:`start` runs rounds
     synchronously, without a graph, until the waiting kernel stops (``idle_polls`` polls
-    without a request).
+    without a request); those keep the first round's size.
     """
 
     def __init__(self, engine: TorchEngine, layout: Layout, answered: np.ndarray, *, idle_s: float = 0.002,
                  max_k: int = DEFAULT_MAX_K, depth: int = 3, idle_polls: int = 2, warps: int = 1,
-                 batch: int = DEFAULT_BATCH, window_s: float = DEFAULT_WINDOW_S, window_polls: int = 2) -> None:
+                 batch: int = DEFAULT_BATCH, window_s: float = DEFAULT_WINDOW_S, window_polls: int = 2,
+                 resize_s: float = DEFAULT_RESIZE_S) -> None:
         if batch < 1:
             raise InvalidArgument(f"batch must be >= 1, got {batch}")
-        if window_s < 0 or window_polls < 0:
-            raise InvalidArgument("window_s and window_polls must be >= 0")
+        if window_s < 0 or window_polls < 0 or resize_s < 0:
+            raise InvalidArgument("window_s, window_polls and resize_s must be >= 0")
         if depth < 1:
             raise InvalidArgument(f"depth must be >= 1, got {depth}")
         if warps not in (1, 2, 4, 8):
@@ -168,24 +183,28 @@ class SlotGraphServer:
         self.idle_polls = int(idle_polls)
         self.window_s = float(window_s)
         self.window_polls = int(window_polls)
+        self.resize_s = float(resize_s)
         self.ns = next_pow2(layout.n_slots)
         #: The largest round: a power of two, at most ``batch`` and the slot count's.
         self.max_bucket = min(1 << (int(batch).bit_length() - 1), self.ns)
         dev = engine.torch_device
 
         # Page-locked host words the kernels write and the sweep reads (and the reverse).
-        self._host = torch.zeros(2 * self.ns + HCTL_WORDS, dtype=torch.int64, pin_memory=self.on_gpu)
+        self._host = torch.zeros(3 * self.ns + HCTL_WORDS, dtype=torch.int64, pin_memory=self.on_gpu)
         host = self._host.numpy()
         #: Sequence number answered, per slot: the channel's record (the kernels write it too).
         self.answered = host[: layout.n_slots].view(np.uint64)
         #: Sequence number the kernels handed to the host, per slot.
         self.handed = host[self.ns : self.ns + layout.n_slots].view(np.uint64)
+        #: 1 where a slot has a client (the channel mirrors its table here; every poll reads it).
+        self.in_use = host[2 * self.ns : 2 * self.ns + layout.n_slots]
         # The host control words (HOST_CONTROL_DTYPE, kalos.engine.gpu.layout).
-        self._hctl = host[2 * self.ns :]
+        self._hctl = host[3 * self.ns :]
         self.answered[:] = answered
         self._t_answered = self._host[: self.ns]
         self._t_handed = self._host[self.ns : 2 * self.ns]
-        self._t_hctl = self._host[2 * self.ns :]
+        self._t_in_use = self._host[2 * self.ns : 3 * self.ns]
+        self._t_hctl = self._host[3 * self.ns :]
 
         base = np.array([layout.slot_offset(s) for s in range(layout.n_slots)], np.int64)
         self._slot_words = base // 8
@@ -209,7 +228,11 @@ class SlotGraphServer:
         self._ctl = torch.zeros(CTL_WORDS, dtype=torch.int64, device=dev)  # DEVICE_CONTROL_DTYPE
         self._status = torch.zeros(self.max_bucket, dtype=torch.int32, device=dev)
         self._rounds: dict[int, _Round] = {}  # per bucket: its plan, workspace and graph
-        self._bucket = 1  # the round that start() chose
+        self._bucket = 1  # the round queued next: start() chooses it, then the demand (_follow_demand)
+        self._follow = True  # (False: start() was told the round)
+        self._expect = 0  # the host's expect word: most servable requests a round found lately
+        self._peak = 0  # most the rounds found since the period began
+        self._period_began = 0.0
         self._built_for: tuple | None = None
         self._queued: collections.deque = collections.deque()  # an event per replay not yet done
         # Between start() and stop() (or a round's report that it stopped): only then
@@ -237,10 +260,10 @@ class SlotGraphServer:
             self.engine.settle()
         return n
 
-    def _load_slots(self, active: np.ndarray) -> None:
-        """The slots to poll (those with a client now) and what was answered or handed already."""
-        slot_at = np.full(self.ns, -1, np.int64)
-        slot_at[: self.layout.n_slots] = np.where(active, self._slot_words, -1)
+    def _load_slots(self) -> None:
+        """Where the slots are, and what was answered or handed already in each."""
+        slot_at = np.zeros(self.ns, np.int64)
+        slot_at[: self.layout.n_slots] = self._slot_words
         seen = np.zeros((2, self.ns), np.int64)
         seen[0, : self.layout.n_slots] = self.answered.view(np.int64)
         seen[1, : self.layout.n_slots] = self.handed.view(np.int64)
@@ -289,10 +312,6 @@ class SlotGraphServer:
             self._ns_ids.copy_(torch.from_numpy(ids))
         self._names = dict(names)
 
-    def forget(self, slot: int) -> None:
-        """A new client took ``slot``: its sequence numbers start again (call while stopped)."""
-        self.handed[slot] = 0
-
     @property
     def served(self) -> int:
         """Requests the kernels have answered, over all launches: exact once stopped; while
@@ -317,9 +336,28 @@ class SlotGraphServer:
         self._built_for = self._columns()
 
     def bucket(self, clients: int) -> int:
-        """The round that serves ``clients`` clients: 1 (the single-query kernels) for one,
-        else the power of two that holds them all, at most ``max_bucket``."""
+        """The round that serves ``clients`` requests at once: 1 (the single-query kernels) for
+        one, else the power of two that holds them all, at most ``max_bucket``."""
         return 1 if clients <= 1 else min(next_pow2(clients), self.max_bucket)
+
+    def _follow_demand(self) -> None:
+        """Sizes the rounds queued from now by what the latest rounds found pending: larger at
+        once, smaller only after ``resize_s`` in which no round found more (a crowd's rounds
+        vary; a graph too large waits its window for clients that are not asking)."""
+        demand = int(self._hctl[HOST_CONTROL.demand])
+        self._peak = max(self._peak, demand)
+        now = time.perf_counter()
+        if demand <= self._expect and now - self._period_began < self.resize_s:
+            return
+        if self._peak > 0:
+            self._set_expect(self._peak)
+        self._peak = 0
+        self._period_began = now
+
+    def _set_expect(self, expect: int) -> None:
+        self._expect = expect
+        self._hctl[HOST_CONTROL.expect] = expect
+        self._bucket = self.bucket(expect)
 
     def _round_for(self, qb: int) -> "_Round":
         """The plan and scratch of a round of ``qb`` requests (made on first use)."""
@@ -357,7 +395,7 @@ class SlotGraphServer:
         k_limit = min(self.kout, self.layout.max_k)
         if qb == 1:
             eng.kernels.await_request_kernel[(1,)](
-                att.i64, att.f32, self._slot_at, self._seen, self._t_handed, self._t_hctl, self._ctl, dh, self._dq,
+                att.i64, att.f32, self._slot_at, self._t_in_use, self._seen, self._t_handed, self._t_hctl, self._ctl, dh, self._dq,
                 self._agree, self._ns_tab, self._ns_ids, self.layout.n_slots, k_limit, idle, int(Op.RECALL),
                 int(RequestFlag.ALL_NAMESPACES), **self._request_constexprs(), E_IDS=w.ids, E_SC=w.scores,
                 num_warps=self.warps,
@@ -367,7 +405,7 @@ class SlotGraphServer:
             constexprs = self._request_constexprs()
             del constexprs["D"], constexprs["BLOCK_DQ"]
             eng.kernels.await_requests_kernel[(1,)](
-                att.i64, self._slot_at, self._seen, self._t_handed, self._t_hctl, self._ctl, dh, self._agree,
+                att.i64, self._slot_at, self._t_in_use, self._seen, self._t_handed, self._t_hctl, self._ctl, dh, self._agree,
                 self._ns_tab, self._ns_ids, self.layout.n_slots, k_limit, idle, window, int(Op.RECALL),
                 int(RequestFlag.ALL_NAMESPACES), **constexprs, E_IDS=w.ids, E_SC=w.scores, QB=qb,
                 num_warps=self.warps,
@@ -403,10 +441,24 @@ class SlotGraphServer:
             queued.popleft()
         if self._serving and self._hctl[HOST_CONTROL.stopped] == 0:
             if len(queued) < self.depth:
+                if self._follow:
+                    self._follow_demand()
+                    self._ensure_graph(self._bucket)
                 queued.extend(self._enqueue_rounds(self.depth - len(queued)))
         elif not queued:
             self._serving = False
         return bool(queued)
+
+    def _ensure_graph(self, qb: int) -> None:
+        """Captures the round of ``qb`` requests if the demand asks for one not captured since
+        the engine's columns last changed (warm() captured every round; a change of the
+        columns forgets them, and start() captures only its own): the queued rounds are
+        drained first, so that the capture's eager round runs alone, then serving goes on."""
+        if not self.on_gpu or self._round_for(qb).graph is not None:
+            return
+        self.stop()
+        self._capture(qb)
+        self._serving = True
 
     def _enqueue_rounds(self, count: int) -> list:
         """Replays the graph ``count`` times on the server's stream; an event per replay."""
@@ -421,20 +473,27 @@ class SlotGraphServer:
         return events
 
     def start(self, active: np.ndarray, *, exit_at_once: bool = False, bucket: int | None = None) -> bool:
-        """Starts serving the slots marked in ``active`` (those with a client now), with the
-        round that holds them all (:meth:`bucket`; ``bucket`` overrides it); False when
-        there is nothing to serve (no rows). Call only while it is not running."""
+        """Starts serving the slots, with rounds that first hold every client in ``active``
+        (those connected now) and then follow demand; ``bucket`` fixes the round instead.
+        False when there is nothing to serve (no rows). Call only while it is not running.
+        Which slots are polled is :attr:`in_use`'s (the channel keeps it)."""
         n = self._rows_to_serve()
         if n == 0:
             return False
         eng = self.engine
         if self._built_for != self._columns():
             self._build()
-        qb = self.bucket(int(np.count_nonzero(active))) if bucket is None else int(bucket)
+        clients = int(np.count_nonzero(active))
+        qb = self.bucket(clients) if bucket is None else int(bucket)
         if qb != 1 and (qb < 1 or qb > self.max_bucket or qb & (qb - 1)):
             raise InvalidArgument(f"bucket must be 1 or a power of two up to {self.max_bucket}, got {bucket}")
+        self._set_expect(clients)
         self._bucket = qb
-        self._load_slots(active)
+        self._follow = bucket is None
+        self._peak = 0
+        self._hctl[HOST_CONTROL.demand] = 0
+        self._period_began = time.perf_counter()
+        self._load_slots()
         header = np.zeros(HDR_WORDS, np.int64)
         eng.fill_header(n, 0, 0, Filter(), header)  # rows, no time window, the certificate's norm: the
         # waiting kernel fills in the request's words

@@ -47,6 +47,8 @@ T_SLOT = tl.constexpr(_C["T_SLOT"])
 HCTL_STOP = tl.constexpr(_C["HCTL_STOP"])
 HCTL_ANSWERS = tl.constexpr(_C["HCTL_ANSWERS"])
 HCTL_STOPPED = tl.constexpr(_C["HCTL_STOPPED"])
+HCTL_DEMAND = tl.constexpr(_C["HCTL_DEMAND"])
+HCTL_EXPECT = tl.constexpr(_C["HCTL_EXPECT"])
 HCTL_T_WAIT = tl.constexpr(_C["HCTL_T_WAIT"])
 HCTL_T_STAGED = tl.constexpr(_C["HCTL_T_STAGED"])
 HCTL_T_PUBLISHED = tl.constexpr(_C["HCTL_T_PUBLISHED"])
@@ -59,8 +61,8 @@ del _C
 __all__ = [  # the layout's offsets (the loader checks them) and the empty key
     "SENTINEL", "HDR_WORDS", "TAB_WORDS", "H_N", "H_NQ", "H_K", "H_HAS_NS", "H_NS", "H_SINCE", "H_UNTIL",
     "H_MAX_NORM", "H_K_OUT", "H_ROW_ERR8", "T_QUERY_AT", "T_IDS_AT", "T_SCORES_AT", "T_SCALE",
-    "T_SLOT_WORD", "T_SEQ", "T_SLOT", "HCTL_STOP", "HCTL_ANSWERS", "HCTL_STOPPED", "HCTL_T_WAIT", "HCTL_T_STAGED",
-    "HCTL_T_PUBLISHED", "HCTL_T_SEEN", "CTL_STOPPED", "CTL_TURN", "CTL_ANSWERS",
+    "T_SLOT_WORD", "T_SEQ", "T_SLOT", "HCTL_STOP", "HCTL_ANSWERS", "HCTL_STOPPED", "HCTL_DEMAND", "HCTL_EXPECT",
+    "HCTL_T_WAIT", "HCTL_T_STAGED", "HCTL_T_PUBLISHED", "HCTL_T_SEEN", "CTL_STOPPED", "CTL_TURN", "CTL_ANSWERS",
 ]
 
 @triton.jit

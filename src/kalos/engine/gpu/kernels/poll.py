@@ -1,9 +1,9 @@
 """The slot server's waiting kernels (:class:`kalos.engine.gpu.slot_server.SlotGraphServer`):
 one program polls the slots' ``req_seq`` words in the page-locked segment and stages what the
 engine's kernels that follow in the graph answer: one request for the single-query kernels
-(:func:`await_request_kernel`, which hands every other pending request to the host), or a
-crowd's requests of one kind as a batch (:func:`await_requests_kernel`, which hands over only
-what the kernels must not answer). Also the namespace table's lookup.
+(:func:`await_request_kernel`), or a crowd's requests of one kind as a batch
+(:func:`await_requests_kernel`). Both hand over to the host only what the kernels must not
+answer; the rest waits for the next round. Also the namespace table's lookup.
 """
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import triton.language as tl
 from kalos.engine.gpu.kernels.common import (
     CTL_STOPPED,
     CTL_TURN,
+    HCTL_DEMAND,
+    HCTL_EXPECT,
     H_HAS_NS,
     H_K,
     H_K_OUT,
@@ -37,6 +39,10 @@ from kalos.engine.gpu.kernels.common import (
     _copy_normalised,
     _fence_system,
 )
+from kalos.ipc.protocol import SEQ_COUNTER_BITS
+
+#: The client's count in a sequence number (kalos.ipc.protocol): 0 there is a slot at rest.
+SEQ_COUNTER = tl.constexpr((1 << SEQ_COUNTER_BITS) - 1)
 
 
 @triton.jit
@@ -123,17 +129,24 @@ def _copy_slot_query(SEGF, DQ, at, sl, slot, E_Q: tl.constexpr, D: tl.constexpr,
 
 
 @triton.jit
-def _poll_slots(SEG, at, here, HCTL, DSEEN, AGREE, sl, slot_ok, W_REQ: tl.constexpr, NS: tl.constexpr):
-    """One look at the slots in use: their ``req_seq`` words (volatile: a fresh fetch over the
-    bus each), as every warp agrees on them, which of them are pending (neither answered here
-    nor handed over), and the host's stop word (for :func:`_agree` at the caller's turn)."""
-    req_now = tl.load(SEG + at + W_REQ, mask=here, other=0, volatile=True)
-    # (The stop word in one lane: a scalar load would be a fetch over the bus per thread.)
-    stop_now = tl.load(HCTL + HCTL_STOP + sl * 0, mask=sl == 0, other=0, volatile=True)
-    req = _agree(req_now, AGREE, sl, slot_ok)
-    seen_a = tl.load(DSEEN + sl, mask=here, other=0)
-    seen_h = tl.load(DSEEN + NS + sl, mask=here, other=0)
-    return req, here & (req != seen_a) & (req != seen_h), stop_now
+def _poll_slots(SEG, at, IN_USE, HCTL, DSEEN, AGREE, sl, slot_ok, W_REQ: tl.constexpr, NS: tl.constexpr):
+    """One look at the slots: their ``req_seq`` words and the host's words saying which have a
+    client (volatile: a fresh fetch over the bus each, all in flight at once), as every warp
+    agrees on them (0 for a slot without a client); which are pending (a client's request,
+    neither answered here nor handed over: a slot at rest has a count of 0, and the rest seqs
+    keep one client's numbers apart from the slot's previous client's, so a slot that changed
+    hands since the launch needs no reload); how many slots have a client; and the host's
+    stop and expect words in lanes 0 and 1 (for :func:`_agree` at the caller's turn)."""
+    req_now = tl.load(SEG + at + W_REQ, mask=slot_ok, other=0, volatile=True)
+    use_now = tl.load(IN_USE + sl, mask=slot_ok, other=0, volatile=True)
+    # (The host's words in one lane each: a scalar load would be a fetch over the bus per thread.)
+    ctl_now = tl.load(HCTL + tl.where(sl == 0, HCTL_STOP, HCTL_EXPECT), mask=sl < 2, other=0, volatile=True)
+    req = _agree(tl.where(use_now != 0, req_now, 0), AGREE, sl, slot_ok)
+    seen_a = tl.load(DSEEN + sl, mask=slot_ok, other=0)
+    seen_h = tl.load(DSEEN + NS + sl, mask=slot_ok, other=0)
+    here = req != 0  # (a slot's rest seq is never 0: kalos.ipc.protocol.rest_seq)
+    pend = here & ((req & SEQ_COUNTER) != 0) & (req != seen_a) & (req != seen_h)
+    return req, pend, tl.sum(here.to(tl.int32)), ctl_now
 
 
 @triton.jit
@@ -169,7 +182,7 @@ def _time_to_exit(stop_now, polls, quiet_since, idle, may_idle, AGREE, stop_at, 
 
 @triton.jit
 def _take_request(
-    SEG, SEGF, SLOT_AT, DSEEN, HHOF, HCTL, RR, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle,
+    SEG, SEGF, SLOT_AT, IN_USE, DSEEN, HHOF, HCTL, RR, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle,
     op_recall, flags_all, W_REQ: tl.constexpr, W_OPK: tl.constexpr, W_NQF: tl.constexpr, W_NSLEN: tl.constexpr,
     W_NSB: tl.constexpr, REQ_WORDS: tl.constexpr, E_Q: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
     NSMAX: tl.constexpr, BLOCK_DQ: tl.constexpr, ON_GPU: tl.constexpr,
@@ -180,13 +193,14 @@ def _take_request(
     last) or 2 (exit).
 
     Served: one query, k <= k_limit, all namespaces or one named in NS_TAB (-1: all), no time
-    window, a finite non-zero query. Every other pending request, and every pending one but
-    the one taken, is handed to the host (HHOF, and DSEEN[NS + slot] here): the sidecar's
-    Python path answers those, batched. RR is the round-robin turn (no slot starves the
-    others). Every value the warps decide on goes through :func:`_agree`.
+    window, a finite non-zero query. Every other pending request is handed to the host
+    (HHOF, and DSEEN[NS + slot] here): the sidecar's Python path answers those, batched. The
+    servable ones not taken stay pending for the next round (the host, seeing them counted
+    in HCTL's demand word, queues batch rounds next). RR is the round-robin turn (no slot
+    starves the others). Every value the warps decide on goes through :func:`_agree`.
 
-    Reading a request over the bus: the poll's loads (``req_seq`` of the slots in use, the
-    stop word) are volatile, each a fresh fetch. Once a ``req_seq`` has moved, an acquire
+    Reading a request over the bus: the poll's loads (every slot's ``req_seq``, the host's
+    in-use words, the stop word) are volatile, each a fresh fetch. Once a ``req_seq`` has moved, an acquire
     fence, then in one round trip every pending slot's whole request (REQ_WORDS words) and
     the query of the slot whose turn it is, with ``.cg`` loads: the client stored both before
     its req_seq (kalos.ipc.sync), and ``.cg`` skips L1, which may hold an earlier request of the
@@ -196,7 +210,7 @@ def _take_request(
     slot_ok = sl < n_slots
     rw = tl.arange(0, REQ_WORDS)
     # AGREE words: [0, NS) req_seq, [NS, NS * (REQ_WORDS + 1)) the pending requests, then the
-    # stop word and the clock
+    # stop word, the clock and (batch rounds) the expect word
     stop_at = NS * (REQ_WORDS + 1)
     clock_at = stop_at + 1
     quiet_since = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
@@ -207,11 +221,10 @@ def _take_request(
     out_k = tl.zeros([], tl.int64)
     out_ns = tl.full([], -1, tl.int64)
     out_ssq = tl.zeros([], tl.float64)
-    at = tl.load(SLOT_AT + sl, mask=slot_ok, other=-1)
-    here = slot_ok & (at >= 0)
+    at = tl.load(SLOT_AT + sl, mask=slot_ok, other=0)
     last_name = tl.load(NS_IDS + NSMAX + tl.arange(0, 16))  # (see _namespace_id)
     while state == 0:
-        req, pend, stop_now = _poll_slots(SEG, at, here, HCTL, DSEEN, AGREE, sl, slot_ok, W_REQ, NS)
+        req, pend, _n_use, stop_now = _poll_slots(SEG, at, IN_USE, HCTL, DSEEN, AGREE, sl, slot_ok, W_REQ, NS)
         if tl.sum(pend.to(tl.int32)) > 0:
             seen_at = _clock_ns(ON_GPU)  # (stored after the staging: the store would wait for the bus)
             start = tl.load(RR)
@@ -225,9 +238,10 @@ def _take_request(
             ssq = _copy_slot_query(SEGF, DQ, at, sl, guess, E_Q, D, BLOCK_DQ)
             requests = _agree(requests, AGREE, NS + sl[:, None] * REQ_WORDS + rw[None, :], slot_ok[:, None])
             ok, kk = _servable(requests, pend, op_recall, k_limit, flags_all, W_OPK, W_NQF, REQ_WORDS)
+            tl.store(HCTL + HCTL_DEMAND, tl.sum(ok.to(tl.int64)))  # (the host sizes the rounds it queues by it)
             best = tl.min(tl.where(ok, turn, NS))
             pick = tl.where(best < NS, (best + start) % NS, -1)
-            give = pend & (sl != pick)
+            give = pend & ~ok
             tl.store(DSEEN + NS + sl, req, mask=give)
             tl.store(HHOF + sl, req, mask=give)
             if pick >= 0:
@@ -264,7 +278,8 @@ def _take_request(
 def await_request_kernel(
     SEG,  # the shared segment as int64 words (page-locked and mapped: read over the bus)
     SEGF,  # the same memory as float32
-    SLOT_AT,  # [NS] int64: word offset of each slot in SEG (-1: no client at start)
+    SLOT_AT,  # [NS] int64: word offset of each slot in SEG
+    IN_USE,  # [NS] int64 page-locked host: 1 where a slot has a client (the host's, read at every poll)
     DSEEN,  # [2, NS] int64 device: per slot, the seq last answered here / last handed to the host
     HHOF,  # [NS] int64 page-locked host: seq handed to the host
     HCTL,  # the host control words (HOST_CONTROL_DTYPE, kalos.engine.gpu.layout): stop, stopped, stamps
@@ -314,7 +329,7 @@ def await_request_kernel(
     if tl.load(CTL + CTL_STOPPED, volatile=True) == 0:
         tl.store(HCTL + HCTL_T_WAIT, _clock_ns(ON_GPU))  # phase stamps for diagnostics: waiting since
         state, pick, seq, kk, want_ns, ssq = _take_request(
-            SEG, SEGF, SLOT_AT, DSEEN, HHOF, HCTL, CTL + CTL_TURN, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit,
+            SEG, SEGF, SLOT_AT, IN_USE, DSEEN, HHOF, HCTL, CTL + CTL_TURN, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit,
             idle, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, E_Q, D, NS, NSMAX,
             BLOCK_DQ, ON_GPU,
         )
@@ -394,7 +409,7 @@ def _idle_again(first_seen, AGREE, clock_at, ON_GPU: tl.constexpr):
 
 @triton.jit
 def _take_requests(
-    SEG, SLOT_AT, DSEEN, HHOF, HCTL, RR, DH, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle, window,
+    SEG, SLOT_AT, IN_USE, DSEEN, HHOF, HCTL, RR, DH, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle, window,
     op_recall, flags_all, W_REQ: tl.constexpr, W_OPK: tl.constexpr, W_NQF: tl.constexpr, W_NSLEN: tl.constexpr,
     W_NSB: tl.constexpr, REQ_WORDS: tl.constexpr, E_Q: tl.constexpr, E_IDS: tl.constexpr, E_SC: tl.constexpr,
     NS: tl.constexpr, NSMAX: tl.constexpr, QB: tl.constexpr, ON_GPU: tl.constexpr,
@@ -403,9 +418,10 @@ def _take_requests(
     stages up to QB of one kind as one batch; returns the state (1 serve, 2 exit).
 
     Gathering: once a request is pending, the poll goes on until every slot in use has one
-    (at most QB) or ``window`` has passed since the first (ns; the interpreter counts polls),
-    so that clients answered by the same pass and asking again a few microseconds apart
-    share the next. Then, in one round trip, every pending request's words (as in
+    (at most QB, and at most the host's ``expect`` word: how many the recent rounds found, so
+    that connected clients that are not asking hold no round) or ``window`` has passed since
+    the first (ns; the interpreter counts polls), so that clients answered by the same pass
+    and asking again a few microseconds apart share the next. Then, in one round trip, every pending request's words (as in
     :func:`_take_request`, the same fence and ``.cg`` loads). Those the kernels must not
     answer are handed to the host at once. Of the others, the first in round-robin turn
     picks the batch's kind (k, flags, namespace: one header serves the batch) and the pending
@@ -426,9 +442,8 @@ def _take_requests(
     polls = tl.zeros([], tl.int64)
     waited = tl.zeros([], tl.int64)
     state = 0
-    at = tl.load(SLOT_AT + sl, mask=slot_ok, other=-1)
-    here = slot_ok & (at >= 0)
-    enough = tl.minimum(tl.sum(here.to(tl.int32)), QB)
+    expect_at = clock_at + 1
+    at = tl.load(SLOT_AT + sl, mask=slot_ok, other=0)
     last_name = tl.load(NS_IDS + NSMAX + tl.arange(0, 16))  # (see _namespace_id)
     # The words that say a request's kind: op and k, count and flags, and for a request that
     # names a namespace its name and the high half of the length's word (the low half is the
@@ -437,9 +452,14 @@ def _take_requests(
     name_w = (rw >= W_NSB) & (rw < W_NSB + 8)
     len_w = rw == W_NSLEN
     while state == 0:
-        req, pend, stop_now = _poll_slots(SEG, at, here, HCTL, DSEEN, AGREE, sl, slot_ok, W_REQ, NS)
+        req, pend, n_use, stop_now = _poll_slots(SEG, at, IN_USE, HCTL, DSEEN, AGREE, sl, slot_ok, W_REQ, NS)
         n_pend = tl.sum(pend.to(tl.int32))
         if n_pend > 0:
+            # Enough: every client, at most QB, at most what the host expects (0: no estimate).
+            expect = tl.max(_agree(stop_now, AGREE, expect_at + sl * 0, sl == 1))
+            enough = tl.minimum(n_use.to(tl.int64), QB)
+            if expect > 0:
+                enough = tl.minimum(enough, expect)
             now = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
             if first_seen < 0:
                 first_seen = now
@@ -457,6 +477,7 @@ def _take_requests(
                                    other=0, cache_modifier=".cg")
                 requests = _agree(requests, AGREE, NS + sl[:, None] * REQ_WORDS + rw[None, :], slot_ok[:, None])
                 ok, _k = _servable(requests, pend, op_recall, k_limit, flags_all, W_OPK, W_NQF, REQ_WORDS)
+                tl.store(HCTL + HCTL_DEMAND, tl.sum(ok.to(tl.int64)))  # (the host sizes the rounds it queues by it)
                 give = pend & ~ok
                 tl.store(DSEEN + NS + sl, req, mask=give)
                 tl.store(HHOF + sl, req, mask=give)
@@ -489,7 +510,8 @@ def _take_requests(
 @triton.jit
 def await_requests_kernel(
     SEG,  # the shared segment as int64 words (page-locked and mapped: read over the bus)
-    SLOT_AT,  # [NS] int64: word offset of each slot in SEG (-1: no client at start)
+    SLOT_AT,  # [NS] int64: word offset of each slot in SEG
+    IN_USE,  # [NS] int64 page-locked host: 1 where a slot has a client (the host's, read at every poll)
     DSEEN,  # [2, NS] int64 device: per slot, the seq last answered here / last handed to the host
     HHOF,  # [NS] int64 page-locked host: seq handed to the host
     HCTL,  # the host control words (HOST_CONTROL_DTYPE, kalos.engine.gpu.layout)
@@ -527,7 +549,7 @@ def await_requests_kernel(
     if tl.load(CTL + CTL_STOPPED, volatile=True) == 0:
         tl.store(HCTL + HCTL_T_WAIT, _clock_ns(ON_GPU))
         state = _take_requests(
-            SEG, SLOT_AT, DSEEN, HHOF, HCTL, CTL + CTL_TURN, DH, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle,
+            SEG, SLOT_AT, IN_USE, DSEEN, HHOF, HCTL, CTL + CTL_TURN, DH, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle,
             window, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, E_Q, E_IDS, E_SC, NS,
             NSMAX, QB, ON_GPU,
         )
