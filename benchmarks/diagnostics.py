@@ -177,6 +177,7 @@ def make_server(eng: TorchEngine, layout: Layout, variant: str, base_tune: dict,
     server = SlotGraphServer(eng, layout, answered, idle_s=0.5,
                              depth=int(depth or 3), **({"warps": int(warps)} if warps else {}), **extra)
     server.set_namespaces({b"default": 0})
+    server.in_use[:] = 1  # (every slot of these probes has a client: the channel's mirror, by hand)
     return server
 
 

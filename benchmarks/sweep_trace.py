@@ -89,7 +89,8 @@ def main() -> int:
             env = dict(os.environ, KALOS_TRACE_OUT=str(trace))
             env["PYTHONPATH"] = str(HERE / "trace") + os.pathsep + env.get("PYTHONPATH", "")
             name = f"trace-{os.getpid()}-{c}"
-            extra = ["--slots", str(max(sizes) + 8), *args.serve_args]
+            # The sweep is what this traces: GPU polling (the default) would answer the crowd instead.
+            extra = ["--slots", str(max(sizes) + 8), "--gpu-polling", "off", *args.serve_args]
             with SidecarProcess(store_path, name=name, device=args.device, extra_args=extra, env=env,
                                 ready_timeout=900) as sidecar:
                 row = crowd._one_crowd(name, data, args.k, c, args.seconds)

@@ -620,6 +620,23 @@ def test_deactivated_slot_is_not_swept_and_is_reset_for_the_next_owner(harness):
     assert h.side.pending()[0].tolist() == []
 
 
+def test_a_slot_that_changed_hands_thousands_of_times_still_waits_for_its_own_answer(harness):
+    # Past 4,096 hand-overs the rest seqs exceed 2**53, where a float no longer tells a number
+    # from the next: a wait that compared through one would take the slot at rest for answered.
+    h = harness(n_slots=1)
+    h.side.generation[0] = 8192
+    channel = h.add_client(timeout=0.5, spin_s=0.0)
+    rest = int(channel.slot.resp_seq[0])
+    channel.slot.n_queries[0] = 1
+    seq = channel.submit()
+    assert seq == rest + 1 and float(seq) == float(rest)
+    with pytest.raises(SidecarUnavailable):  # nobody answers: no heartbeat, and no early return
+        channel.wait(seq)
+    h.side.stamp_heartbeat()
+    h.side.publish(*h.side.pending(), h.side.pending_generations)
+    assert channel.wait(seq) == 0
+
+
 def test_a_slot_changes_hands_at_rest_and_only_once_its_last_request_is_answered(harness):
     h = harness(n_slots=3)
     first = h.add_client(spin_s=0.0)

@@ -648,6 +648,7 @@ class _PollingKernel:
     def __init__(self, n_slots: int) -> None:
         self.handed = np.zeros(n_slots, np.uint64)  # nothing handed to the host
         self.in_use = np.zeros(n_slots, np.int64)  # (the channel mirrors its slot table here)
+        self.taken = np.zeros(n_slots, np.int64)  # (no round holds a slot)
         self.on = True
         self.stops: list[float] = []
         self.starts: list[float] = []

@@ -21,14 +21,17 @@ from kalos.server.state_lock import StateLock
 
 
 class FakeServer:
-    """The slot server's side that SlotPolling uses: its in-use words and its stops."""
+    """The slot server's side that SlotPolling uses: its in-use and taken words, and its stops
+    (with the slot table as each stop found it)."""
 
-    def __init__(self, n_slots: int) -> None:
-        self.in_use = np.zeros(n_slots, np.int64)
-        self.stops = 0
+    def __init__(self, channel: SidecarChannel) -> None:
+        self.channel = channel
+        self.in_use = np.zeros(channel.layout.n_slots, np.int64)
+        self.taken = np.zeros(channel.layout.n_slots, np.int64)
+        self.stops: list[list[bool]] = []
 
     def stop(self) -> None:
-        self.stops += 1
+        self.stops.append(self.channel.active.tolist())
 
 
 @pytest.fixture
@@ -38,7 +41,7 @@ def polled():
     layout.write_header(segment.buf, epoch=1, pid=os.getpid())
     channel = SidecarChannel(segment, layout, epoch=1)
     polling = SlotPolling(StateLock())
-    server = FakeServer(layout.n_slots)
+    server = FakeServer(channel)
     yield channel, polling, server
     channel.close()
     segment.close()
@@ -54,10 +57,10 @@ def test_clients_come_and_go_without_stopping_the_kernel(polled):
     polling.install(server, channel)
     assert server.in_use.tolist() == [1, 0, 0]  # the table so far, mirrored at install
     assert polling.admit(channel, _wake_fd()) == 1
-    assert server.in_use.tolist() == [1, 1, 0] and server.stops == 0
+    assert server.in_use.tolist() == [1, 1, 0] and server.stops == []
     polling.release(channel, 0)
-    assert server.in_use.tolist() == [0, 1, 0] and server.stops == 0
-    assert polling.admit(channel, _wake_fd()) == 0 and server.stops == 0
+    assert server.in_use.tolist() == [0, 1, 0] and server.stops == []
+    assert polling.admit(channel, _wake_fd()) == 0 and server.stops == []
     assert int(channel.columns.req_seq[0]) == rest_seq(int(channel.generation[0])) == int(channel.answered[0])
 
 
@@ -70,9 +73,26 @@ def test_a_slot_left_with_a_request_in_flight_is_handed_out_last_and_only_after_
     polling.release(channel, 1)
     polling.release(channel, 2)
     # The kernel may hold slot 1's request and answer it later: a quiet slot goes first.
-    assert polling.admit(channel, _wake_fd()) == 2 and server.stops == 0
+    assert polling.admit(channel, _wake_fd()) == 2 and server.stops == []
     # Only slot 1 is left: the kernel is stopped before it changes hands, and it changes hands at rest.
-    assert polling.admit(channel, _wake_fd()) == 1 and server.stops == 1
+    assert polling.admit(channel, _wake_fd()) == 1 and server.stops == [[True, False, True]]
     assert int(channel.columns.req_seq[1]) == int(channel.answered[1]) == rest_seq(int(channel.generation[1]))
-    assert polling.admit(channel, _wake_fd()) is None and server.stops == 1  # all in use: no stop either
+    assert polling.admit(channel, _wake_fd()) is None and len(server.stops) == 1  # all in use: no stop either
     assert server.in_use.tolist() == [1, 1, 1]
+
+
+def test_a_slot_a_round_still_holds_is_not_handed_out_whatever_its_words_say(polled):
+    # The previous client asked, the kernel took the request, and the client wrote its req_seq
+    # back to the last answered number before it left: only the kernel's taken word tells.
+    channel, polling, server = polled
+    polling.install(server, channel)
+    for slot in range(2):
+        assert polling.admit(channel, _wake_fd()) == slot
+    server.taken[0] = int(channel.answered[0]) + 1  # a round holds slot 0's request
+    polling.release(channel, 0)
+    assert int(channel.columns.req_seq[0]) == int(channel.answered[0])  # its words look quiet
+    assert polling.admit(channel, _wake_fd()) == 2 and server.stops == []
+    polling.release(channel, 1)
+    assert polling.admit(channel, _wake_fd()) == 1 and server.stops == []
+    # Slot 0 is the only one free: handed out only after the kernel stopped (its rounds done).
+    assert polling.admit(channel, _wake_fd()) == 0 and server.stops == [[False, True, True]]

@@ -436,14 +436,14 @@ class AsyncClient:
         channel = conn.channel
         slot = channel.slot
         resp_seq = slot.resp_seq
-        if resp_seq[0] != seq:
+        if int(resp_seq[0]) != seq:
             spin_s = min(channel.spin_budget_s(), self._max_spin_s)
             if spin_s > 0:
                 clock = time.perf_counter
                 spin_until = clock() + spin_s
-                while resp_seq[0] != seq and clock() < spin_until:
+                while int(resp_seq[0]) != seq and clock() < spin_until:
                     pass
-            if resp_seq[0] != seq:
+            if int(resp_seq[0]) != seq:
                 await self._sleep(conn, seq)
         full_fence()  # acquire: resp_seq is read before the response fields and result rows
         return int(slot.status[0])
@@ -475,7 +475,7 @@ class AsyncClient:
                 raise SidecarExited("the sidecar closed the connection (it exited or was killed)")
             if event == _WAKE:
                 channel.drain_wake()
-            if slot.resp_seq[0] == seq:
+            if int(slot.resp_seq[0]) == seq:
                 return
             channel.check_alive()
 

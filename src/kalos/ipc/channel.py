@@ -267,7 +267,7 @@ class ClientChannel:
         clock = time.perf_counter
         spin_s, nap, give_way = self._budgets(int(self.header.clients[0]))
         spin_until = clock() + spin_s
-        while resp_seq[0] != seq:
+        while int(resp_seq[0]) != seq:
             if clock() >= spin_until:
                 if not (nap and self._nap(seq)):
                     self._block(seq)
@@ -285,7 +285,7 @@ class ClientChannel:
         with many sleepers they took a third of the sweep (issue 18; BENCHMARKS.md)."""
         resp_seq = self.slot.resp_seq
         until = time.perf_counter() + self.NAP_WINDOW_S
-        while resp_seq[0] != seq:
+        while int(resp_seq[0]) != seq:
             if time.perf_counter() >= until:
                 return False
             time.sleep(self.NAP_S)
@@ -302,7 +302,7 @@ class ClientChannel:
                 if fd == self._control_fd:
                     raise SidecarExited("the sidecar closed the connection (it exited or was killed)")
                 self.drain_wake()
-            if slot.resp_seq[0] == seq:
+            if int(slot.resp_seq[0]) == seq:
                 return
             self.check_alive()
 
@@ -313,7 +313,7 @@ class ClientChannel:
         slot = self.slot
         slot.client_sleeping[0] = 1
         full_fence()  # store client_sleeping, then load resp_seq (Dekker, see kalos.ipc.sync)
-        if slot.resp_seq[0] == seq:
+        if int(slot.resp_seq[0]) == seq:
             slot.client_sleeping[0] = 0
             return True
         return False
@@ -394,7 +394,9 @@ class SidecarChannel:
         # requests it read (one that left meanwhile may have been replaced by a new client).
         self.generation = np.zeros(layout.n_slots, dtype=np.uint64)
         self.n_clients = 0  # slots in use: the sidecar's own count (header.clients is advice to clients)
-        self.in_use: np.ndarray | None = None  # a GPU kernel's copy of ``active`` (adopt_in_use)
+        # A GPU kernel's copy of ``active``, and the seqs its rounds hold (adopt_kernel_words).
+        self.in_use: np.ndarray | None = None
+        self.taken: np.ndarray | None = None
         self.pending_generations = np.zeros(0, dtype=np.uint64)
         # Scratch of the native pending() and publish() (kalos.ipc.sync): slots found, their
         # req_seq, the sleepers to wake; and "no slot busy".
@@ -415,12 +417,16 @@ class SidecarChannel:
     def take_slot(self, wake_fd: int, *, quiet_only: bool = False) -> int | None:
         """Activates the first free slot for a client whose wake fd is ``wake_fd``; None when all
         are in use. With ``quiet_only``, only a free slot whose last request was answered (or
-        that never had one): a GPU kernel that took a request of the slot's previous client
-        and has not answered it yet would write that answer into the new client's rows."""
+        that never had one) and that no GPU round holds: a kernel that took a request of the
+        slot's previous client and has not answered it yet would write that answer into the
+        new client's rows. (``req_seq`` alone would not do: the previous client may have
+        written it back to its last answered number.)"""
         with self._lock:
             free = ~self.active
             if quiet_only:
                 free &= self.columns.req_seq == self.answered
+                if self.taken is not None:
+                    free &= self.taken == 0
             free = np.flatnonzero(free)
             if not len(free):
                 return None
@@ -467,14 +473,18 @@ class SidecarChannel:
         free = np.flatnonzero(~self.active)
         return int(free[0]) if len(free) else None
 
-    def adopt_in_use(self, in_use: np.ndarray) -> None:
-        """Mirrors which slots have a client into ``in_use`` (1 or 0 per slot, memory a GPU kernel
-        that serves the slots polls) from now on, under the same lock as the slot table."""
-        if len(in_use) != self.layout.n_slots:
-            raise InvalidArgument(f"in_use must have {self.layout.n_slots} entries, got {len(in_use)}")
+    def adopt_kernel_words(self, in_use: np.ndarray, taken: np.ndarray) -> None:
+        """From now on a GPU kernel serves the slots too: mirrors which slots have a client into
+        ``in_use`` (1 or 0 per slot, words the kernel polls) under the same lock as the slot
+        table, and hands a slot out with ``quiet_only`` only where ``taken`` (the seq a round of
+        the kernel holds, 0 once its answer is out) is 0."""
+        for name, words in (("in_use", in_use), ("taken", taken)):
+            if len(words) != self.layout.n_slots:
+                raise InvalidArgument(f"{name} must have {self.layout.n_slots} entries, got {len(words)}")
         with self._lock:
             in_use[:] = self.active
             self.in_use = in_use
+            self.taken = taken
 
     def adopt_answered(self, answered: np.ndarray) -> None:
         """Keeps the record of answered sequence numbers in ``answered`` from now on (memory a

@@ -27,8 +27,10 @@ response, then storing ``resp_seq = req_seq``. A slot handed to a client starts 
 ``rest_seq(generation)``: the slot's generation (how many times it changed hands) in the high
 bits, 0 in the low ``SEQ_COUNTER_BITS``. So no sequence number of one client is ever one of
 the slot's previous client (a GPU kernel that keeps serving while clients come and go cannot
-mistake one for the other), and a ``req_seq`` whose counter is 0 is never a request. (A client
-would need 2**40 requests on one connection to run out.) Why those stores become visible in that order
+mistake one for the other), and a ``req_seq`` whose counter is 0 is not a request (a GPU kernel
+polling the slots ignores it; a client would need 2**40 requests on one connection to reach
+one). Sequence numbers exceed 2**53: compare them as Python ints, never through a float (older
+NumPy compares a ``uint64`` with a Python int that way). Why those stores become visible in that order
 to the other process is argued in :mod:`kalos.ipc.sync`.
 
 Every slot and every area starts on a 64-byte boundary (no false sharing between the

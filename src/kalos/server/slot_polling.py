@@ -39,13 +39,13 @@ class SlotPolling:
     def install(self, server: Any, channel: SidecarChannel) -> None:
         """Starts using ``server`` (warmed up, its answered words adopted by ``channel``); the
         channel mirrors its slot table into the server's in-use words from now on."""
-        channel.adopt_in_use(server.in_use)
+        channel.adopt_kernel_words(server.in_use, server.taken)
         self.server = server
         self.channel = channel
 
     def pause(self) -> None:
-        """Stops the GPU's polling before the engine or the slots change; the sweep starts it
-        again on the next request."""
+        """Stops the GPU's polling before the engine changes (or a slot changes hands that a
+        round may still write into); the sweep starts it again on the next request."""
         server = self.server
         if server is None:
             return

@@ -27,11 +27,12 @@ requests it found pending; the host queues the next rounds at the power of two t
 them (at once when that grows, after ``resize_s`` of smaller rounds when it shrinks).
 
 Clients coming and going. The kernels poll every slot, and the channel mirrors which have a
-client into page-locked words (:meth:`SlotGraphServer.in_use`) that each poll reads, so a new
+client into page-locked words (:attr:`SlotGraphServer.in_use`) that each poll reads, so a new
 client is served without a restart. A slot changes hands at rest (``kalos.ipc.protocol``:
 its generation in the sequence numbers' high bits), so the kernels' record of what they
 answered in it never matches the new client's requests; and the sidecar hands out, while
-the kernels run, only a slot whose last request was answered: none of their rounds can still
+the kernels run, only a slot whose last request was answered and that no round holds
+(:attr:`SlotGraphServer.taken`, which the kernels keep): none of their rounds can still
 write into it.
 
 What it serves. A single query (``n_queries == 1``) with ``k <= max_k``, all namespaces or one
@@ -62,6 +63,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import logging
 import time
 
 import numpy as np
@@ -77,6 +79,8 @@ from kalos.errors import InvalidArgument
 from kalos.ipc.protocol import NAMESPACE_BYTES, Layout, Op, RequestFlag, SlotWords
 
 __all__ = ["SlotGraphServer", "DEFAULT_MAX_K", "DEFAULT_BATCH", "DEFAULT_WINDOW_S"]
+
+log = logging.getLogger(__name__)
 
 #: Largest k the kernel serves itself (larger ones go to the host path).
 DEFAULT_MAX_K = 16
@@ -190,7 +194,7 @@ class SlotGraphServer:
         dev = engine.torch_device
 
         # Page-locked host words the kernels write and the sweep reads (and the reverse).
-        self._host = torch.zeros(3 * self.ns + HCTL_WORDS, dtype=torch.int64, pin_memory=self.on_gpu)
+        self._host = torch.zeros(4 * self.ns + HCTL_WORDS, dtype=torch.int64, pin_memory=self.on_gpu)
         host = self._host.numpy()
         #: Sequence number answered, per slot: the channel's record (the kernels write it too).
         self.answered = host[: layout.n_slots].view(np.uint64)
@@ -198,13 +202,17 @@ class SlotGraphServer:
         self.handed = host[self.ns : self.ns + layout.n_slots].view(np.uint64)
         #: 1 where a slot has a client (the channel mirrors its table here; every poll reads it).
         self.in_use = host[2 * self.ns : 2 * self.ns + layout.n_slots]
+        #: The seq a round took from each slot, 0 once its answer is out (or it went to the host):
+        #: a slot is handed to a new client only at 0 (the client's own words could lie).
+        self.taken = host[3 * self.ns : 3 * self.ns + layout.n_slots]
         # The host control words (HOST_CONTROL_DTYPE, kalos.engine.gpu.layout).
-        self._hctl = host[3 * self.ns :]
+        self._hctl = host[4 * self.ns :]
         self.answered[:] = answered
         self._t_answered = self._host[: self.ns]
         self._t_handed = self._host[self.ns : 2 * self.ns]
         self._t_in_use = self._host[2 * self.ns : 3 * self.ns]
-        self._t_hctl = self._host[3 * self.ns :]
+        self._t_taken = self._host[3 * self.ns : 4 * self.ns]
+        self._t_hctl = self._host[4 * self.ns :]
 
         base = np.array([layout.slot_offset(s) for s in range(layout.n_slots)], np.int64)
         self._slot_words = base // 8
@@ -213,7 +221,7 @@ class SlotGraphServer:
         self._dq = torch.zeros(self.max_bucket * engine.dim, dtype=torch.float32, device=dev)
         # The kernels read a request's words as one tile, its namespace's 8 words included.
         self._req_words = next_pow2(self.words.ns_bytes + _NAME_WORDS)
-        self._agree = torch.zeros(self.ns * (self._req_words + 1) + 16, dtype=torch.int64, device=dev)
+        self._agree = torch.zeros(self.ns * (self._req_words + 2) + 16, dtype=torch.int64, device=dev)
         if getattr(engine.kernels.NS_PROBE, "value", engine.kernels.NS_PROBE) != _NAME_PROBE:
             raise AssertionError("the kernels and the host disagree on the namespace table's probe")
         self._ns_tab = torch.zeros((_NAME_ROWS, 9), dtype=torch.int64, device=dev)
@@ -395,7 +403,7 @@ class SlotGraphServer:
         k_limit = min(self.kout, self.layout.max_k)
         if qb == 1:
             eng.kernels.await_request_kernel[(1,)](
-                att.i64, att.f32, self._slot_at, self._t_in_use, self._seen, self._t_handed, self._t_hctl, self._ctl, dh, self._dq,
+                att.i64, att.f32, self._slot_at, self._t_in_use, self._t_taken, self._seen, self._t_handed, self._t_hctl, self._ctl, dh, self._dq,
                 self._agree, self._ns_tab, self._ns_ids, self.layout.n_slots, k_limit, idle, int(Op.RECALL),
                 int(RequestFlag.ALL_NAMESPACES), **self._request_constexprs(), E_IDS=w.ids, E_SC=w.scores,
                 num_warps=self.warps,
@@ -405,7 +413,7 @@ class SlotGraphServer:
             constexprs = self._request_constexprs()
             del constexprs["D"], constexprs["BLOCK_DQ"]
             eng.kernels.await_requests_kernel[(1,)](
-                att.i64, self._slot_at, self._t_in_use, self._seen, self._t_handed, self._t_hctl, self._ctl, dh, self._agree,
+                att.i64, self._slot_at, self._t_in_use, self._t_taken, self._seen, self._t_handed, self._t_hctl, self._ctl, dh, self._agree,
                 self._ns_tab, self._ns_ids, self.layout.n_slots, k_limit, idle, window, int(Op.RECALL),
                 int(RequestFlag.ALL_NAMESPACES), **constexprs, E_IDS=w.ids, E_SC=w.scores, QB=qb,
                 num_warps=self.warps,
@@ -428,7 +436,7 @@ class SlotGraphServer:
         pipe.select_final(
             rnd.kind, plan, qb, rnd.ws_a, rnd.ws_b, stride, dh, dhf, dq, att.i64, att.f32, self._status,
             True, over=over, bound=rnd.bound,
-            publish=dict(PUBLISH=True, SEG=att.i64, DSEEN=self._seen, HANS=self._t_answered, HHOF=self._t_handed,
+            publish=dict(PUBLISH=True, SEG=att.i64, DSEEN=self._seen, HANS=self._t_answered, HHOF=self._t_handed, HTAKEN=self._t_taken,
                          HCTL=self._t_hctl, CTL=self._ctl, W_STATN=w.status_n, W_RESP=w.resp_seq, NS=self.ns,
                          ON_GPU=self.on_gpu),
         )
@@ -442,23 +450,33 @@ class SlotGraphServer:
         if self._serving and self._hctl[HOST_CONTROL.stopped] == 0:
             if len(queued) < self.depth:
                 if self._follow:
+                    serving = self._bucket
                     self._follow_demand()
-                    self._ensure_graph(self._bucket)
+                    self._ensure_graph(self._bucket, serving)
                 queued.extend(self._enqueue_rounds(self.depth - len(queued)))
         elif not queued:
             self._serving = False
         return bool(queued)
 
-    def _ensure_graph(self, qb: int) -> None:
+    def _ensure_graph(self, qb: int, serving: int) -> None:
         """Captures the round of ``qb`` requests if the demand asks for one not captured since
         the engine's columns last changed (warm() captured every round; a change of the
         columns forgets them, and start() captures only its own): the queued rounds are
-        drained first, so that the capture's eager round runs alone, then serving goes on."""
-        if not self.on_gpu or self._round_for(qb).graph is not None:
+        drained first, so that the capture's eager round runs alone, then serving goes on.
+        If the capture fails (memory for a larger round, say), serving goes on with the
+        round of ``serving`` requests, and this run follows the demand no further."""
+        held = self._rounds.get(qb)
+        if not self.on_gpu or (held is not None and held.graph is not None):
             return
         self.stop()
-        self._capture(qb)
+        try:
+            self._capture(qb)
+        except Exception:  # noqa: BLE001 - the rounds captured already still serve
+            log.exception("capturing the GPU's round of %d requests failed; serving with rounds of %d", qb, serving)
+            self._bucket = serving
+            self._follow = False
         self._serving = True
+        self._ran = True
 
     def _enqueue_rounds(self, count: int) -> list:
         """Replays the graph ``count`` times on the server's stream; an event per replay."""
@@ -542,7 +560,8 @@ class SlotGraphServer:
     def stop(self) -> None:
         """Asks the waiting round to stop and waits for every queued round (a round with a
         request in hand finishes it). Nothing is queued again until :meth:`start`, which
-        reloads what may have changed meanwhile (the slots' clients, the rows)."""
+        reloads what may have changed meanwhile (the rows, the answered records); only a
+        capture for the demand (:meth:`_ensure_graph`) stops and goes on by itself."""
         self._serving = False
         if self._queued:
             self._hctl[HOST_CONTROL.stop] = 1

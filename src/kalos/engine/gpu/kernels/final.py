@@ -75,6 +75,7 @@ def final_kernel(
     DSEEN=None,  # [2, NS] int64 device: seq last answered here / handed, per slot
     HANS=None,  # [NS] int64 host: seq answered, per slot (the sidecar's record)
     HHOF=None,  # [NS] int64 host: seq handed to the host
+    HTAKEN=None,  # [NS] int64 host: the seq a round took from each slot; cleared here once it is out
     HCTL=None,  # the host control words (kalos.engine.gpu.layout): answers, t_published
     CTL=None,  # the device control words: answers
     W_STATN: tl.constexpr = 0,
@@ -139,18 +140,20 @@ def final_kernel(
         tl.store(RES_I + at_i + cols, out_i, mask=want)
         tl.store(RES_S + at_s + cols, score, mask=want)
         if PUBLISH:
-            _publish(SEG, DSEEN, HANS, HHOF, HCTL, CTL + CTL_ANSWERS, slot_w, seq, slot, k_cols, good, W_STATN, W_RESP, NS,
-                     ON_GPU)
+            _publish(SEG, DSEEN, HANS, HHOF, HTAKEN, HCTL, CTL + CTL_ANSWERS, slot_w, seq, slot, k_cols, good, W_STATN,
+                     W_RESP, NS, ON_GPU)
 
 
 @triton.jit
-def _publish(SEG, DSEEN, HANS, HHOF, HCTL, ANSWERS, slot_w, seq, slot, k, good, W_STATN: tl.constexpr,
+def _publish(SEG, DSEEN, HANS, HHOF, HTAKEN, HCTL, ANSWERS, slot_w, seq, slot, k, good, W_STATN: tl.constexpr,
              W_RESP: tl.constexpr, NS: tl.constexpr, ON_GPU: tl.constexpr):
     """With the answer's rows already in the slot (``good``): status 0 and ``n_results`` = k,
     a barrier and a release fence, then ``resp_seq`` (the client reads nothing before it);
     then the answered records (HANS, DSEEN) and the count of answers (ANSWERS, copied to
     the host's answers word), which no one reads before ``resp_seq``. Otherwise (a failed certificate,
-    or a query that is zero, NaN or infinite: nothing was written) the request is handed to the host."""
+    or a query that is zero, NaN or infinite: nothing was written) the request is handed to the host.
+    Either way the slot's taken word is cleared last: no write of this round's reaches the slot
+    after it (the host hands a slot to a new client only once it reads 0 there)."""
     if good:
         tl.store(SEG + slot_w + W_STATN, k << 32)
         # The barrier orders every thread's stores of the rows before this thread's fence, the
@@ -166,3 +169,4 @@ def _publish(SEG, DSEEN, HANS, HHOF, HCTL, ANSWERS, slot_w, seq, slot, k, good, 
     else:
         tl.store(DSEEN + NS + slot, seq)
         tl.store(HHOF + slot, seq)
+    tl.store(HTAKEN + slot, 0)

@@ -129,22 +129,22 @@ def _copy_slot_query(SEGF, DQ, at, sl, slot, E_Q: tl.constexpr, D: tl.constexpr,
 
 
 @triton.jit
-def _poll_slots(SEG, at, IN_USE, HCTL, DSEEN, AGREE, sl, slot_ok, W_REQ: tl.constexpr, NS: tl.constexpr):
+def _poll_slots(SEG, at, IN_USE, HCTL, DSEEN, AGREE, use_at, sl, slot_ok, W_REQ: tl.constexpr, NS: tl.constexpr):
     """One look at the slots: their ``req_seq`` words and the host's words saying which have a
     client (volatile: a fresh fetch over the bus each, all in flight at once), as every warp
-    agrees on them (0 for a slot without a client); which are pending (a client's request,
-    neither answered here nor handed over: a slot at rest has a count of 0, and the rest seqs
-    keep one client's numbers apart from the slot's previous client's, so a slot that changed
-    hands since the launch needs no reload); how many slots have a client; and the host's
-    stop and expect words in lanes 0 and 1 (for :func:`_agree` at the caller's turn)."""
+    agrees on them; which are pending (a slot with a client whose ``req_seq`` was neither
+    answered here nor handed over and counts a request: a slot changes hands at rest, with a
+    count of 0, and the rest seqs keep one client's numbers apart from the slot's previous
+    client's, so a slot that changed hands since the launch needs no reload); how many slots have a client; and the host's stop and
+    expect words in lanes 0 and 1 (for :func:`_agree` at the caller's turn)."""
     req_now = tl.load(SEG + at + W_REQ, mask=slot_ok, other=0, volatile=True)
     use_now = tl.load(IN_USE + sl, mask=slot_ok, other=0, volatile=True)
     # (The host's words in one lane each: a scalar load would be a fetch over the bus per thread.)
     ctl_now = tl.load(HCTL + tl.where(sl == 0, HCTL_STOP, HCTL_EXPECT), mask=sl < 2, other=0, volatile=True)
-    req = _agree(tl.where(use_now != 0, req_now, 0), AGREE, sl, slot_ok)
+    req = _agree(req_now, AGREE, sl, slot_ok)
+    here = _agree(use_now, AGREE, use_at + sl, slot_ok) != 0
     seen_a = tl.load(DSEEN + sl, mask=slot_ok, other=0)
     seen_h = tl.load(DSEEN + NS + sl, mask=slot_ok, other=0)
-    here = req != 0  # (a slot's rest seq is never 0: kalos.ipc.protocol.rest_seq)
     pend = here & ((req & SEQ_COUNTER) != 0) & (req != seen_a) & (req != seen_h)
     return req, pend, tl.sum(here.to(tl.int32)), ctl_now
 
@@ -182,7 +182,7 @@ def _time_to_exit(stop_now, polls, quiet_since, idle, may_idle, AGREE, stop_at, 
 
 @triton.jit
 def _take_request(
-    SEG, SEGF, SLOT_AT, IN_USE, DSEEN, HHOF, HCTL, RR, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle,
+    SEG, SEGF, SLOT_AT, IN_USE, TAKEN, DSEEN, HHOF, HCTL, RR, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle,
     op_recall, flags_all, W_REQ: tl.constexpr, W_OPK: tl.constexpr, W_NQF: tl.constexpr, W_NSLEN: tl.constexpr,
     W_NSB: tl.constexpr, REQ_WORDS: tl.constexpr, E_Q: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
     NSMAX: tl.constexpr, BLOCK_DQ: tl.constexpr, ON_GPU: tl.constexpr,
@@ -210,9 +210,10 @@ def _take_request(
     slot_ok = sl < n_slots
     rw = tl.arange(0, REQ_WORDS)
     # AGREE words: [0, NS) req_seq, [NS, NS * (REQ_WORDS + 1)) the pending requests, then the
-    # stop word, the clock and (batch rounds) the expect word
+    # stop word, the clock and (batch rounds) the expect word, then from 16 words on the in-use words
     stop_at = NS * (REQ_WORDS + 1)
     clock_at = stop_at + 1
+    use_at = stop_at + 16
     quiet_since = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
     polls = tl.zeros([], tl.int64)
     state = 0  # 0 polling, 1 serve, 2 exit
@@ -224,7 +225,8 @@ def _take_request(
     at = tl.load(SLOT_AT + sl, mask=slot_ok, other=0)
     last_name = tl.load(NS_IDS + NSMAX + tl.arange(0, 16))  # (see _namespace_id)
     while state == 0:
-        req, pend, _n_use, stop_now = _poll_slots(SEG, at, IN_USE, HCTL, DSEEN, AGREE, sl, slot_ok, W_REQ, NS)
+        req, pend, _n_use, stop_now = _poll_slots(SEG, at, IN_USE, HCTL, DSEEN, AGREE, use_at, sl, slot_ok, W_REQ,
+                                                  NS)
         if tl.sum(pend.to(tl.int32)) > 0:
             seen_at = _clock_ns(ON_GPU)  # (stored after the staging: the store would wait for the bus)
             start = tl.load(RR)
@@ -258,6 +260,7 @@ def _take_request(
                     out_ns = want_ns
                     out_ssq = ssq
                     tl.store(RR, (pick + 1) % NS)
+                    tl.store(TAKEN + pick, seq)  # (the final kernel clears it once the answer is out)
                     state = 1
                 else:
                     tl.store(DSEEN + NS + pick, seq)
@@ -280,13 +283,14 @@ def await_request_kernel(
     SEGF,  # the same memory as float32
     SLOT_AT,  # [NS] int64: word offset of each slot in SEG
     IN_USE,  # [NS] int64 page-locked host: 1 where a slot has a client (the host's, read at every poll)
+    TAKEN,  # [NS] int64 page-locked host: the seq a round took from a slot, until its answer is out (0)
     DSEEN,  # [2, NS] int64 device: per slot, the seq last answered here / last handed to the host
     HHOF,  # [NS] int64 page-locked host: seq handed to the host
     HCTL,  # the host control words (HOST_CONTROL_DTYPE, kalos.engine.gpu.layout): stop, stopped, stamps
     CTL,  # the device control words (DEVICE_CONTROL_DTYPE): stopped, turn, answers
     DH,  # the header + one gather-table row the kernels after this one read (HDR_WORDS + TAB_WORDS)
     DQ,  # [D] float32 device: the request's query, normalised
-    AGREE,  # [NS * (REQ_WORDS + 1) + 16] int64 device scratch (_agree)
+    AGREE,  # [NS * (REQ_WORDS + 2) + 16] int64 device scratch (_agree)
     NS_TAB,  # [NSMAX, 9] int64: known namespaces' names (8 words, zero-padded) and lengths
     NS_IDS,  # [NSMAX + 16] int64: their ids (>= 0; -1 marks a row not in use), then the name found
     #          last (see _namespace_id)
@@ -329,7 +333,7 @@ def await_request_kernel(
     if tl.load(CTL + CTL_STOPPED, volatile=True) == 0:
         tl.store(HCTL + HCTL_T_WAIT, _clock_ns(ON_GPU))  # phase stamps for diagnostics: waiting since
         state, pick, seq, kk, want_ns, ssq = _take_request(
-            SEG, SEGF, SLOT_AT, IN_USE, DSEEN, HHOF, HCTL, CTL + CTL_TURN, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit,
+            SEG, SEGF, SLOT_AT, IN_USE, TAKEN, DSEEN, HHOF, HCTL, CTL + CTL_TURN, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit,
             idle, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, E_Q, D, NS, NSMAX,
             BLOCK_DQ, ON_GPU,
         )
@@ -368,7 +372,7 @@ def _same_kind(requests, first, ok, kind_w, name_w, len_w, W_NQF: tl.constexpr, 
 
 
 @triton.jit
-def _stage_batch(DH, RR, same, ok, turn, start, sl, at, req, first, want_ns, W_OPK: tl.constexpr,
+def _stage_batch(DH, RR, TAKEN, same, ok, turn, start, sl, at, req, first, want_ns, W_OPK: tl.constexpr,
                  REQ_WORDS: tl.constexpr, E_Q: tl.constexpr, E_IDS: tl.constexpr, E_SC: tl.constexpr,
                  NS: tl.constexpr, QB: tl.constexpr):
     """Stages the requests of one kind (``same``) as a batch, up to QB in turn order: a
@@ -388,6 +392,7 @@ def _stage_batch(DH, RR, same, ok, turn, start, sl, at, req, first, want_ns, W_O
     tl.store(row + T_SLOT_WORD, at, mask=take)
     tl.store(row + T_SEQ, req, mask=take)
     tl.store(row + T_SLOT, sl.to(tl.int64), mask=take)
+    tl.store(TAKEN + sl, req, mask=take)  # (the final kernel clears each once its answer is out)
     k = (_word(first, W_OPK, REQ_WORDS) >> 32) & 0xFFFFFFFF
     tl.store(DH + H_NQ, tl.sum(take.to(tl.int64)))
     tl.store(DH + H_K, tl.minimum(k, tl.load(DH + H_N)))
@@ -409,7 +414,7 @@ def _idle_again(first_seen, AGREE, clock_at, ON_GPU: tl.constexpr):
 
 @triton.jit
 def _take_requests(
-    SEG, SLOT_AT, IN_USE, DSEEN, HHOF, HCTL, RR, DH, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle, window,
+    SEG, SLOT_AT, IN_USE, TAKEN, DSEEN, HHOF, HCTL, RR, DH, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle, window,
     op_recall, flags_all, W_REQ: tl.constexpr, W_OPK: tl.constexpr, W_NQF: tl.constexpr, W_NSLEN: tl.constexpr,
     W_NSB: tl.constexpr, REQ_WORDS: tl.constexpr, E_Q: tl.constexpr, E_IDS: tl.constexpr, E_SC: tl.constexpr,
     NS: tl.constexpr, NSMAX: tl.constexpr, QB: tl.constexpr, ON_GPU: tl.constexpr,
@@ -443,6 +448,7 @@ def _take_requests(
     waited = tl.zeros([], tl.int64)
     state = 0
     expect_at = clock_at + 1
+    use_at = stop_at + 16
     at = tl.load(SLOT_AT + sl, mask=slot_ok, other=0)
     last_name = tl.load(NS_IDS + NSMAX + tl.arange(0, 16))  # (see _namespace_id)
     # The words that say a request's kind: op and k, count and flags, and for a request that
@@ -452,7 +458,7 @@ def _take_requests(
     name_w = (rw >= W_NSB) & (rw < W_NSB + 8)
     len_w = rw == W_NSLEN
     while state == 0:
-        req, pend, n_use, stop_now = _poll_slots(SEG, at, IN_USE, HCTL, DSEEN, AGREE, sl, slot_ok, W_REQ, NS)
+        req, pend, n_use, stop_now = _poll_slots(SEG, at, IN_USE, HCTL, DSEEN, AGREE, use_at, sl, slot_ok, W_REQ, NS)
         n_pend = tl.sum(pend.to(tl.int32))
         if n_pend > 0:
             # Enough: every client, at most QB, at most what the host expects (0: no estimate).
@@ -491,8 +497,8 @@ def _take_requests(
                         tl.store(DSEEN + NS + sl, req, mask=same)
                         tl.store(HHOF + sl, req, mask=same)
                     else:
-                        _stage_batch(DH, RR, same, ok, turn, start, sl, at, req, first, want_ns, W_OPK, REQ_WORDS,
-                                     E_Q, E_IDS, E_SC, NS, QB)
+                        _stage_batch(DH, RR, TAKEN, same, ok, turn, start, sl, at, req, first, want_ns, W_OPK,
+                                     REQ_WORDS, E_Q, E_IDS, E_SC, NS, QB)
                         state = 1
                 if state == 0:
                     first_seen, waited, quiet_since = _idle_again(first_seen, AGREE, clock_at, ON_GPU)
@@ -512,12 +518,13 @@ def await_requests_kernel(
     SEG,  # the shared segment as int64 words (page-locked and mapped: read over the bus)
     SLOT_AT,  # [NS] int64: word offset of each slot in SEG
     IN_USE,  # [NS] int64 page-locked host: 1 where a slot has a client (the host's, read at every poll)
+    TAKEN,  # [NS] int64 page-locked host: the seq a round took from a slot, until its answer is out (0)
     DSEEN,  # [2, NS] int64 device: per slot, the seq last answered here / last handed to the host
     HHOF,  # [NS] int64 page-locked host: seq handed to the host
     HCTL,  # the host control words (HOST_CONTROL_DTYPE, kalos.engine.gpu.layout)
     CTL,  # the device control words (DEVICE_CONTROL_DTYPE)
     DH,  # the header + QB gather-table rows the kernels after this one read
-    AGREE,  # [NS * (REQ_WORDS + 1) + 16] int64 device scratch (_agree)
+    AGREE,  # [NS * (REQ_WORDS + 2) + 16] int64 device scratch (_agree)
     NS_TAB,  # [NSMAX, 9] int64: known namespaces (see await_request_kernel)
     NS_IDS,  # [NSMAX + 16] int64: their ids, then the name found last
     n_slots,
@@ -549,7 +556,7 @@ def await_requests_kernel(
     if tl.load(CTL + CTL_STOPPED, volatile=True) == 0:
         tl.store(HCTL + HCTL_T_WAIT, _clock_ns(ON_GPU))
         state = _take_requests(
-            SEG, SLOT_AT, IN_USE, DSEEN, HHOF, HCTL, CTL + CTL_TURN, DH, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle,
+            SEG, SLOT_AT, IN_USE, TAKEN, DSEEN, HHOF, HCTL, CTL + CTL_TURN, DH, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle,
             window, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, E_Q, E_IDS, E_SC, NS,
             NSMAX, QB, ON_GPU,
         )
