@@ -40,8 +40,8 @@ named, no time window, and a query that is finite and non-zero. Anything else (b
 windows, larger k, bad input) is *handed* to the host: the kernel records its ``req_seq`` in
 ``handed``, and the sidecar's sweep answers it through the engine's ordinary (batched) path.
 A round leaves the servable requests it does not take (beyond its size, or of another kind)
-pending for the next round. Fast mode re-scores its
-candidates in float32 and hands the request over when the certificate fails.
+pending for the next round. Fast mode re-scores its candidates in float32 and hands the
+request over when the certificate fails.
 
 Ownership of a slot's answer. A request is the kernel's when the kernel took it, the host's
 when it is in ``handed``: the two never answer the same one. ``answered`` is the sidecar's own
@@ -134,9 +134,9 @@ class SlotGraphServer:
     queries (the scan over the whole GPU, the selection, the final kernel, which publishes each
     answer in its slot). :meth:`start` picks the first round from the clients connected
     (:meth:`bucket`), the demand the later ones. :meth:`running`, which the sidecar's sweep
-    calls on every pass, keeps ``depth`` replays queued on the server's stream, so the next round's waiting kernel is
-    already on the GPU when a request lands and no Python runs between the client's
-    ``req_seq`` and its answer. (Not a thread of its own: it would wait for the GIL behind the
+    calls on every pass, keeps ``depth`` replays queued on the server's stream, so the next
+    round's waiting kernel is already on the GPU when a request lands and no Python runs
+    between the client's ``req_seq`` and its answer. (Not a thread of its own: it would wait for the GIL behind the
     spinning sweep, up to the interpreter's switch interval.) Only one program spins while it
     waits: the sweep's kernels (handed-over work) run beside it at full speed.
 
@@ -403,19 +403,19 @@ class SlotGraphServer:
         k_limit = min(self.kout, self.layout.max_k)
         if qb == 1:
             eng.kernels.await_request_kernel[(1,)](
-                att.i64, att.f32, self._slot_at, self._t_in_use, self._t_taken, self._seen, self._t_handed, self._t_hctl, self._ctl, dh, self._dq,
-                self._agree, self._ns_tab, self._ns_ids, self.layout.n_slots, k_limit, idle, int(Op.RECALL),
-                int(RequestFlag.ALL_NAMESPACES), **self._request_constexprs(), E_IDS=w.ids, E_SC=w.scores,
-                num_warps=self.warps,
+                att.i64, att.f32, self._slot_at, self._t_in_use, self._t_taken, self._seen, self._t_handed,
+                self._t_hctl, self._ctl, dh, self._dq, self._agree, self._ns_tab, self._ns_ids, self.layout.n_slots,
+                k_limit, idle, int(Op.RECALL), int(RequestFlag.ALL_NAMESPACES), **self._request_constexprs(),
+                E_IDS=w.ids, E_SC=w.scores, num_warps=self.warps,
             )
         else:
             window = int(self.window_s * 1e9) if self.on_gpu else self.window_polls
             constexprs = self._request_constexprs()
             del constexprs["D"], constexprs["BLOCK_DQ"]
             eng.kernels.await_requests_kernel[(1,)](
-                att.i64, self._slot_at, self._t_in_use, self._t_taken, self._seen, self._t_handed, self._t_hctl, self._ctl, dh, self._agree,
-                self._ns_tab, self._ns_ids, self.layout.n_slots, k_limit, idle, window, int(Op.RECALL),
-                int(RequestFlag.ALL_NAMESPACES), **constexprs, E_IDS=w.ids, E_SC=w.scores, QB=qb,
+                att.i64, self._slot_at, self._t_in_use, self._t_taken, self._seen, self._t_handed, self._t_hctl,
+                self._ctl, dh, self._agree, self._ns_tab, self._ns_ids, self.layout.n_slots, k_limit, idle, window,
+                int(Op.RECALL), int(RequestFlag.ALL_NAMESPACES), **constexprs, E_IDS=w.ids, E_SC=w.scores, QB=qb,
                 num_warps=self.warps,
             )
             # The queries, straight from the slots the table names, normalised (the scale
@@ -436,8 +436,8 @@ class SlotGraphServer:
         pipe.select_final(
             rnd.kind, plan, qb, rnd.ws_a, rnd.ws_b, stride, dh, dhf, dq, att.i64, att.f32, self._status,
             True, over=over, bound=rnd.bound,
-            publish=dict(PUBLISH=True, SEG=att.i64, DSEEN=self._seen, HANS=self._t_answered, HHOF=self._t_handed, HTAKEN=self._t_taken,
-                         HCTL=self._t_hctl, CTL=self._ctl, W_STATN=w.status_n, W_RESP=w.resp_seq, NS=self.ns,
+            publish=dict(PUBLISH=True, SEG=att.i64, DSEEN=self._seen, HANS=self._t_answered, HHOF=self._t_handed,
+                         HTAKEN=self._t_taken, HCTL=self._t_hctl, CTL=self._ctl, W_STATN=w.status_n, W_RESP=w.resp_seq, NS=self.ns,
                          ON_GPU=self.on_gpu),
         )
 

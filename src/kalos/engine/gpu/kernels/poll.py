@@ -135,8 +135,9 @@ def _poll_slots(SEG, at, IN_USE, HCTL, DSEEN, AGREE, use_at, sl, slot_ok, W_REQ:
     agrees on them; which are pending (a slot with a client whose ``req_seq`` was neither
     answered here nor handed over and counts a request: a slot changes hands at rest, with a
     count of 0, and the rest seqs keep one client's numbers apart from the slot's previous
-    client's, so a slot that changed hands since the launch needs no reload); how many slots have a client; and the host's stop and
-    expect words in lanes 0 and 1 (for :func:`_agree` at the caller's turn)."""
+    client's, so a slot that changed hands since the launch needs no reload); how many slots
+    have a client; and the host's stop and expect words in lanes 0 and 1 (for :func:`_agree`
+    at the caller's turn)."""
     req_now = tl.load(SEG + at + W_REQ, mask=slot_ok, other=0, volatile=True)
     use_now = tl.load(IN_USE + sl, mask=slot_ok, other=0, volatile=True)
     # (The host's words in one lane each: a scalar load would be a fetch over the bus per thread.)
@@ -426,9 +427,9 @@ def _take_requests(
     (at most QB, and at most the host's ``expect`` word: how many the recent rounds found, so
     that connected clients that are not asking hold no round) or ``window`` has passed since
     the first (ns; the interpreter counts polls), so that clients answered by the same pass
-    and asking again a few microseconds apart share the next. Then, in one round trip, every pending request's words (as in
-    :func:`_take_request`, the same fence and ``.cg`` loads). Those the kernels must not
-    answer are handed to the host at once. Of the others, the first in round-robin turn
+    and asking again a few microseconds apart share the next. Then, in one round trip, every
+    pending request's words (as in :func:`_take_request`, the same fence and ``.cg`` loads).
+    Those the kernels must not answer are handed to the host at once. Of the others, the first in round-robin turn
     picks the batch's kind (k, flags, namespace: one header serves the batch) and the pending
     requests of that kind join it in turn order, up to QB; the rest stay pending for the next
     round, whose turn begins at the first of them (else after the last one taken: a kind
