@@ -73,9 +73,10 @@ def _build_parser() -> argparse.ArgumentParser:
                        "without waiting for a time slice, but takes more of that process's time slices than "
                        "'off' (the sweep answers everything) does. Figures: BENCHMARKS.md")
     serve.add_argument("--gpu-window-us", type=float, default=DEFAULT_GPU_WINDOW_US,
-                       help="with --gpu-polling: microseconds the polling kernel, once a request is pending, waits "
-                       "for the other connected clients' requests before its pass (it stops waiting as soon as "
-                       "every client has asked); 0: take what is pending at once (default: %(default)s)")
+                       help="with GPU polling (the default on a GPU): microseconds the polling kernel, once a request "
+                       "is pending, waits for other clients' requests before its pass (it stops waiting as soon as "
+                       "as many have asked as the recent passes found, or every client); 0: take what is pending at "
+                       "once (default: %(default)s)")
     serve.add_argument("--embed", choices=["lazy", "start", "off"], default="lazy",
                        help="the text embedder (all-MiniLM-L6-v2) that clients without one of their own use, one "
                        "model for every client of the host: Client.remember / recall_text send text and the sidecar "
