@@ -585,6 +585,73 @@ def test_clients_come_and_go_while_the_rounds_run(make_rig, rng):
 
 
 @needs_interpreter
+@ROUNDS
+def test_a_round_marks_the_slots_it_takes_until_their_answers_are_out(make_rig, rng, monkeypatch, bucket):
+    # The host hands a slot to a new client only where taken is 0: the waiting kernel sets it
+    # for every request it takes, and only the final kernel, once the answer is out, clears it.
+    rig = make_rig(server=QueuedGraphServer, depth=1, bucket=bucket, window_polls=0)
+    server = rig.server
+    assert rig.serve()
+    q = rng.standard_normal(rig.engine.dim).astype(np.float32)
+    asking = [1, 2] if bucket > 1 else [2]
+    seqs = {slot: rig.submit(slot, q, 4) for slot in asking}
+    pipeline = rig.engine.pipeline
+    with monkeypatch.context() as patch:  # a round cut off before its final kernel
+        patch.setattr(pipeline, "select_final", lambda *args, **kwargs: None)
+        server.step()
+    assert {slot: int(server.taken[slot]) for slot in asking} == seqs and not server.taken[[0, 3]].any()
+    assert all(int(rig.views[slot].resp_seq[0]) != seq for slot, seq in seqs.items())
+    server.running()
+    server.step()  # (the requests are still pending: the kernels recorded no answer)
+    assert all(int(rig.views[slot].resp_seq[0]) == seq for slot, seq in seqs.items())
+    assert not server.taken.any()
+
+
+class FailingCaptureServer(QueuedGraphServer):
+    """A graph server whose rounds of ``fail_at`` requests and more cannot be captured (the
+    GPU's memory, say); ``captured`` the rounds that have a graph."""
+
+    def __init__(self, *args, fail_at: int, captured: set, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fail_at, self.captured, self.captures = fail_at, set(captured), []
+
+    def _needs_capture(self, qb: int) -> bool:
+        return qb not in self.captured
+
+    def _capture(self, qb: int) -> None:
+        self.captures.append(qb)
+        if qb >= self.fail_at:
+            raise RuntimeError("CUDA out of memory (a test's)")
+        self.captured.add(qb)
+
+
+@needs_interpreter
+def test_a_round_the_demand_asks_for_that_cannot_be_captured_leaves_serving_on(make_rig, rng):
+    rig = make_rig(server=FailingCaptureServer, fail_at=8, captured={1, 2}, slots=8, depth=1, resize_s=0.0,
+                   window_polls=0)
+    server = rig.server
+    two = np.zeros(8, np.int64)
+    two[:2] = 1
+    assert server.start(two) and server._bucket == 2  # (every slot has a client: in_use)
+    q = rng.standard_normal(rig.engine.dim).astype(np.float32)
+    seqs = {slot: rig.submit(slot, q, 4) for slot in range(5)}
+    server.step()  # a round of 2 finds 5: the host asks for 8, whose capture fails
+    assert server.running() and server.captures == [8] and server._bucket == 2
+    assert int(server._hctl[HOST_CONTROL.stopped]) == 0 and not server.taken.any()
+    for _ in range(2):  # serving goes on with the rounds it has
+        server.step()
+        server.running()
+    assert all(int(rig.views[slot].resp_seq[0]) == seq for slot, seq in seqs.items())
+    # A crowd of 5 again: a round of 4 is asked for (captured now), never 8 again.
+    seqs = {slot: rig.submit(slot, q, 4) for slot in range(5)}
+    server.step()
+    server.running()
+    assert server.captures == [8, 4] and server._bucket == 4 and server.bucket(8) == 4
+    server.step()
+    assert all(int(rig.views[slot].resp_seq[0]) == seq for slot, seq in seqs.items())
+
+
+@needs_interpreter
 def test_rounds_follow_demand(make_rig, rng):
     # Queued rounds are sized by the servable requests the latest ones found: larger at once,
     # smaller once a resize period found no more.
@@ -642,6 +709,7 @@ def test_fast_hands_over_what_its_certificate_cannot_prove(make_rig, rng):
     seq = rig.submit(1, q, 8)
     rig.serve()
     assert int(rig.server.handed[1]) == seq and int(rig.views[1].resp_seq[0]) != seq
+    assert int(rig.server.taken[1]) == 0  # (handed over by the final kernel: no longer the round's)
 
 
 def test_gpu_polling_modes_are_checked(tmp_path, capsys):

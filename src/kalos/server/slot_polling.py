@@ -95,8 +95,9 @@ class SlotPolling:
         """A slot for a new client whose wake fd is ``wake_fd`` (None: every slot is in use).
 
         Without GPU polling, the first free slot, under the channel's lock alone (microseconds,
-        never a search). With it, the first free slot whose last request was answered, as
-        fast: the kernel may keep running, since none of its rounds can write into that slot.
+        never a search). With it, the first free slot whose last request was answered and that
+        no round of the kernel holds (its taken word), as fast: the kernel may keep running,
+        since none of its rounds can write into that slot.
         Only when every free slot still holds an unanswered request (a client that died
         waiting) is the kernel stopped first (the next request starts it again)."""
         if self.server is None:

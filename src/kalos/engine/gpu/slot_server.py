@@ -238,6 +238,7 @@ class SlotGraphServer:
         self._rounds: dict[int, _Round] = {}  # per bucket: its plan, workspace and graph
         self._bucket = 1  # the round queued next: start() chooses it, then the demand (_follow_demand)
         self._follow = True  # (False: start() was told the round)
+        self._largest_ok = self.max_bucket  # below the smallest round whose capture failed
         self._expect = 0  # the host's expect word: most servable requests a round found lately
         self._peak = 0  # most the rounds found since the period began
         self._period_began = 0.0
@@ -346,7 +347,7 @@ class SlotGraphServer:
     def bucket(self, clients: int) -> int:
         """The round that serves ``clients`` requests at once: 1 (the single-query kernels) for
         one, else the power of two that holds them all, at most ``max_bucket``."""
-        return 1 if clients <= 1 else min(next_pow2(clients), self.max_bucket)
+        return 1 if clients <= 1 else min(next_pow2(clients), self._largest_ok)
 
     def _follow_demand(self) -> None:
         """Sizes the rounds queued from now by what the latest rounds found pending: larger at
@@ -458,23 +459,37 @@ class SlotGraphServer:
             self._serving = False
         return bool(queued)
 
+    def _needs_capture(self, qb: int) -> bool:
+        """Whether the round of ``qb`` requests has no graph (on the GPU; the CPU runs rounds eagerly)."""
+        held = self._rounds.get(qb)
+        return self.on_gpu and (held is None or held.graph is None)
+
     def _ensure_graph(self, qb: int, serving: int) -> None:
         """Captures the round of ``qb`` requests if the demand asks for one not captured since
         the engine's columns last changed (warm() captured every round; a change of the
         columns forgets them, and start() captures only its own): the queued rounds are
         drained first, so that the capture's eager round runs alone, then serving goes on.
-        If the capture fails (memory for a larger round, say), serving goes on with the
-        round of ``serving`` requests, and this run follows the demand no further."""
-        held = self._rounds.get(qb)
-        if not self.on_gpu or (held is not None and held.graph is not None):
+        If the capture fails (memory for a larger round, say), serving goes on with the round
+        of ``serving`` requests (captured: it was being replayed), no round as large is asked
+        for again, and a smaller one that failed ends this run's following of the demand."""
+        if not self._needs_capture(qb):
             return
         self.stop()
         try:
             self._capture(qb)
         except Exception:  # noqa: BLE001 - the rounds captured already still serve
             log.exception("capturing the GPU's round of %d requests failed; serving with rounds of %d", qb, serving)
+            if qb > serving:
+                self._largest_ok = max(1, qb // 2)
+            else:
+                self._follow = False
             self._bucket = serving
-            self._follow = False
+            # The drained rounds and the capture's eager one may have stopped the server and
+            # left a request taken: nothing runs now, so both are reset (as a start would).
+            self.taken[:] = 0
+            self._hctl[HOST_CONTROL.stopped] = 0
+            with self._on_stream():
+                self._ctl[DEVICE_CONTROL.stopped] = 0
         self._serving = True
         self._ran = True
 
@@ -511,6 +526,7 @@ class SlotGraphServer:
         self._peak = 0
         self._hctl[HOST_CONTROL.demand] = 0
         self._period_began = time.perf_counter()
+        self.taken[:] = 0  # (nothing runs: a round that failed midway may have left one set)
         self._load_slots()
         header = np.zeros(HDR_WORDS, np.int64)
         eng.fill_header(n, 0, 0, Filter(), header)  # rows, no time window, the certificate's norm: the
