@@ -436,14 +436,15 @@ class AsyncClient:
         channel = conn.channel
         slot = channel.slot
         resp_seq = slot.resp_seq
-        if int(resp_seq[0]) != seq:
+        want = np.uint64(seq)  # (uint64 against uint64: exact past 2**53, and no conversion per look)
+        if resp_seq[0] != want:
             spin_s = min(channel.spin_budget_s(), self._max_spin_s)
             if spin_s > 0:
                 clock = time.perf_counter
                 spin_until = clock() + spin_s
-                while int(resp_seq[0]) != seq and clock() < spin_until:
+                while resp_seq[0] != want and clock() < spin_until:
                     pass
-            if int(resp_seq[0]) != seq:
+            if resp_seq[0] != want:
                 await self._sleep(conn, seq)
         full_fence()  # acquire: resp_seq is read before the response fields and result rows
         return int(slot.status[0])

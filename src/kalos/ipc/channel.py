@@ -267,7 +267,8 @@ class ClientChannel:
         clock = time.perf_counter
         spin_s, nap, give_way = self._budgets(int(self.header.clients[0]))
         spin_until = clock() + spin_s
-        while int(resp_seq[0]) != seq:
+        want = np.uint64(seq)  # (uint64 against uint64: exact past 2**53, and no conversion per look)
+        while resp_seq[0] != want:
             if clock() >= spin_until:
                 if not (nap and self._nap(seq)):
                     self._block(seq)
@@ -285,7 +286,8 @@ class ClientChannel:
         with many sleepers they took a third of the sweep (issue 18; BENCHMARKS.md)."""
         resp_seq = self.slot.resp_seq
         until = time.perf_counter() + self.NAP_WINDOW_S
-        while int(resp_seq[0]) != seq:
+        want = np.uint64(seq)
+        while resp_seq[0] != want:
             if time.perf_counter() >= until:
                 return False
             time.sleep(self.NAP_S)

@@ -38,7 +38,8 @@ class SlotPolling:
 
     def install(self, server: Any, channel: SidecarChannel) -> None:
         """Starts using ``server`` (warmed up, its answered words adopted by ``channel``); the
-        channel mirrors its slot table into the server's in-use words from now on."""
+        channel mirrors its slot table into the server's in-use words from now on, and hands
+        out only slots that the server's taken words say no round holds."""
         channel.adopt_kernel_words(server.in_use, server.taken)
         self.server = server
         self.channel = channel

@@ -239,7 +239,6 @@ class SlotGraphServer:
         self._bucket = 1  # the round queued next: start() chooses it, then the demand (_follow_demand)
         self._follow = True  # (False: start() was told the round)
         self._largest_ok = self.max_bucket  # below the smallest round whose capture failed
-        self._expect = 0  # the host's expect word: most servable requests a round found lately
         self._peak = 0  # most the rounds found since the period began
         self._period_began = 0.0
         self._built_for: tuple | None = None
@@ -356,7 +355,7 @@ class SlotGraphServer:
         demand = int(self._hctl[HOST_CONTROL.demand])
         self._peak = max(self._peak, demand)
         now = time.perf_counter()
-        if demand <= self._expect and now - self._period_began < self.resize_s:
+        if demand <= self._hctl[HOST_CONTROL.expect] and now - self._period_began < self.resize_s:
             return
         if self._peak > 0:
             self._set_expect(self._peak)
@@ -364,7 +363,7 @@ class SlotGraphServer:
         self._period_began = now
 
     def _set_expect(self, expect: int) -> None:
-        self._expect = expect
+        """The expect word (most servable requests a round found lately), and the round that holds them."""
         self._hctl[HOST_CONTROL.expect] = expect
         self._bucket = self.bucket(expect)
 

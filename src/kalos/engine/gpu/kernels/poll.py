@@ -141,13 +141,13 @@ def _poll_slots(SEG, at, IN_USE, HCTL, DSEEN, AGREE, use_at, sl, slot_ok, W_REQ:
     req_now = tl.load(SEG + at + W_REQ, mask=slot_ok, other=0, volatile=True)
     use_now = tl.load(IN_USE + sl, mask=slot_ok, other=0, volatile=True)
     # (The host's words in one lane each: a scalar load would be a fetch over the bus per thread.)
-    ctl_now = tl.load(HCTL + tl.where(sl == 0, HCTL_STOP, HCTL_EXPECT), mask=sl < 2, other=0, volatile=True)
+    host_now = tl.load(HCTL + tl.where(sl == 0, HCTL_STOP, HCTL_EXPECT), mask=sl < 2, other=0, volatile=True)
     req = _agree(req_now, AGREE, sl, slot_ok)
     here = _agree(use_now, AGREE, use_at + sl, slot_ok) != 0
     seen_a = tl.load(DSEEN + sl, mask=slot_ok, other=0)
     seen_h = tl.load(DSEEN + NS + sl, mask=slot_ok, other=0)
     pend = here & ((req & SEQ_COUNTER) != 0) & (req != seen_a) & (req != seen_h)
-    return req, pend, tl.sum(here.to(tl.int32)), ctl_now
+    return req, pend, tl.sum(here.to(tl.int32)), host_now
 
 
 @triton.jit
@@ -165,12 +165,12 @@ def _servable(requests, pend, op_recall, k_limit, flags_all, W_OPK: tl.constexpr
 
 
 @triton.jit
-def _time_to_exit(stop_now, polls, quiet_since, idle, may_idle, AGREE, stop_at, clock_at, sl, ON_GPU: tl.constexpr):
-    """Whether the polling ends: the host's stop word (``stop_now``, from :func:`_poll_slots`),
+def _time_to_exit(host_now, polls, quiet_since, idle, may_idle, AGREE, stop_at, clock_at, sl, ON_GPU: tl.constexpr):
+    """Whether the polling ends: the host's stop word (lane 0 of ``host_now``, from :func:`_poll_slots`),
     or, when ``may_idle``, ``idle`` ns without a request since ``quiet_since`` (the interpreter:
     ``idle`` polls). Time alone would count other processes' time slices as idle (the kernel
     would exit and relaunch under load): also 64 polls in a row."""
-    stop = tl.max(_agree(stop_now, AGREE, stop_at + sl * 0, sl == 0)) != 0
+    stop = tl.max(_agree(host_now, AGREE, stop_at + sl * 0, sl == 0)) != 0
     idle_out = polls < 0  # (False, as the type the branches give it)
     if may_idle:
         if ON_GPU:
@@ -226,7 +226,7 @@ def _take_request(
     at = tl.load(SLOT_AT + sl, mask=slot_ok, other=0)
     last_name = tl.load(NS_IDS + NSMAX + tl.arange(0, 16))  # (see _namespace_id)
     while state == 0:
-        req, pend, _n_use, stop_now = _poll_slots(SEG, at, IN_USE, HCTL, DSEEN, AGREE, use_at, sl, slot_ok, W_REQ,
+        req, pend, _n_use, host_now = _poll_slots(SEG, at, IN_USE, HCTL, DSEEN, AGREE, use_at, sl, slot_ok, W_REQ,
                                                   NS)
         if tl.sum(pend.to(tl.int32)) > 0:
             seen_at = _clock_ns(ON_GPU)  # (stored after the staging: the store would wait for the bus)
@@ -273,7 +273,7 @@ def _take_request(
         else:
             polls += 1
         if state == 0:
-            if _time_to_exit(stop_now, polls, quiet_since, idle, polls >= 0, AGREE, stop_at, clock_at, sl, ON_GPU):
+            if _time_to_exit(host_now, polls, quiet_since, idle, polls >= 0, AGREE, stop_at, clock_at, sl, ON_GPU):
                 state = 2
     return state, out_pick, out_seq, out_k, out_ns, out_ssq
 
@@ -459,11 +459,11 @@ def _take_requests(
     name_w = (rw >= W_NSB) & (rw < W_NSB + 8)
     len_w = rw == W_NSLEN
     while state == 0:
-        req, pend, n_use, stop_now = _poll_slots(SEG, at, IN_USE, HCTL, DSEEN, AGREE, use_at, sl, slot_ok, W_REQ, NS)
+        req, pend, n_use, host_now = _poll_slots(SEG, at, IN_USE, HCTL, DSEEN, AGREE, use_at, sl, slot_ok, W_REQ, NS)
         n_pend = tl.sum(pend.to(tl.int32))
         if n_pend > 0:
             # Enough: every client, at most QB, at most what the host expects (0: no estimate).
-            expect = tl.max(_agree(stop_now, AGREE, expect_at + sl * 0, sl == 1))
+            expect = tl.max(_agree(host_now, AGREE, expect_at + sl * 0, sl == 1))
             enough = tl.minimum(n_use.to(tl.int64), QB)
             if expect > 0:
                 enough = tl.minimum(enough, expect)
@@ -508,7 +508,7 @@ def _take_requests(
             if first_seen >= 0:  # what was pending is gone (its client took it back): idle again
                 first_seen, waited, quiet_since = _idle_again(first_seen, AGREE, clock_at, ON_GPU)
         if state == 0:  # (no idle exit while gathering)
-            if _time_to_exit(stop_now, polls, quiet_since, idle, first_seen < 0, AGREE, stop_at, clock_at, sl,
+            if _time_to_exit(host_now, polls, quiet_since, idle, first_seen < 0, AGREE, stop_at, clock_at, sl,
                              ON_GPU):
                 state = 2
     return state

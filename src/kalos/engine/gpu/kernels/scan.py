@@ -45,6 +45,19 @@ def _row_scores(X, q_ptr, rows, in_rng, D: tl.constexpr, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
+def _batch_chunk(X, Qs, qs, q_ok, rows, in_rng, ds, D: tl.constexpr, EVEN_D: tl.constexpr):
+    """Columns ``ds`` of a batch's row tile ([BLOCK_N, BLOCK_D]) and of its queries
+    ([BLOCK_Q, BLOCK_D]); masked rows, queries and columns past D: 0."""
+    if EVEN_D:
+        x = tl.load(X + rows[:, None] * D + ds[None, :], mask=in_rng[:, None], other=0.0)
+        qv = tl.load(Qs + qs[:, None] * D + ds[None, :], mask=q_ok[:, None], other=0.0)
+    else:
+        x = tl.load(X + rows[:, None] * D + ds[None, :], mask=in_rng[:, None] & (ds < D)[None, :], other=0.0)
+        qv = tl.load(Qs + qs[:, None] * D + ds[None, :], mask=q_ok[:, None] & (ds < D)[None, :], other=0.0)
+    return x, qv
+
+
+@triton.jit
 def _batch_row_scores(X, Qs, qs, q_ok, rows, in_rng, D: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr):
     """float32 scores of ``BLOCK_N`` rows of X against ``BLOCK_Q`` queries ([BLOCK_Q, BLOCK_N];
@@ -59,13 +72,7 @@ def _batch_row_scores(X, Qs, qs, q_ok, rows, in_rng, D: tl.constexpr, BLOCK_N: t
     EVEN_D: tl.constexpr = D % BLOCK_D == 0
     acc = tl.zeros([BLOCK_Q, BLOCK_N, BLOCK_D], tl.float32)
     for d0 in range(0, D, BLOCK_D):
-        ds = d0 + tl.arange(0, BLOCK_D)
-        if EVEN_D:
-            x = tl.load(X + rows[:, None] * D + ds[None, :], mask=in_rng[:, None], other=0.0)
-            qv = tl.load(Qs + qs[:, None] * D + ds[None, :], mask=q_ok[:, None], other=0.0)
-        else:
-            x = tl.load(X + rows[:, None] * D + ds[None, :], mask=in_rng[:, None] & (ds < D)[None, :], other=0.0)
-            qv = tl.load(Qs + qs[:, None] * D + ds[None, :], mask=q_ok[:, None] & (ds < D)[None, :], other=0.0)
+        x, qv = _batch_chunk(X, Qs, qs, q_ok, rows, in_rng, d0 + tl.arange(0, BLOCK_D), D, EVEN_D)
         acc += x.to(tl.float32)[None, :, :] * qv[:, None, :]
     return tl.sum(acc, axis=2)
 
@@ -129,21 +136,7 @@ def scan_topk_kernel(
             else:
                 acc = tl.zeros([BLOCK_Q, BLOCK_N], tl.float32)
                 for d0 in range(0, D, BLOCK_D):
-                    ds = d0 + tl.arange(0, BLOCK_D)
-                    if EVEN_D:
-                        x = tl.load(X + rows[:, None] * D + ds[None, :], mask=in_rng[:, None], other=0.0)
-                        qv = tl.load(Qs + qs[:, None] * D + ds[None, :], mask=q_ok[:, None], other=0.0)
-                    else:
-                        x = tl.load(
-                            X + rows[:, None] * D + ds[None, :],
-                            mask=in_rng[:, None] & (ds < D)[None, :],
-                            other=0.0,
-                        )
-                        qv = tl.load(
-                            Qs + qs[:, None] * D + ds[None, :],
-                            mask=q_ok[:, None] & (ds < D)[None, :],
-                            other=0.0,
-                        )
+                    x, qv = _batch_chunk(X, Qs, qs, q_ok, rows, in_rng, d0 + tl.arange(0, BLOCK_D), D, EVEN_D)
                     if HALF:
                         acc = tl.dot(qv.to(X.dtype.element_ty), tl.trans(x), acc)
                     else:
