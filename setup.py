@@ -1,7 +1,10 @@
-"""Builds the one native piece of Kalos: a memory fence for the shared-memory channel.
+"""Builds Kalos's two native pieces; everything else is Python.
 
-Everything else is Python. See src/kalos/ipc/sync.py for why Python alone cannot order
-stores and loads across processes, and for the fallback used where no compiler exists.
+- kalos.ipc._fence: the shared-memory channel's memory fence and its GIL-free waits. See
+  src/kalos/ipc/sync.py for why Python alone cannot order stores and loads across processes,
+  and for the fallback used where no compiler exists.
+- kalos.engine._dots: the CPU engine's scores for a pass of a few queries (a crowd's pass),
+  each row read once. Without it the engine multiplies with BLAS (the same answers, slower).
 """
 from setuptools import Extension, setup
 
@@ -13,6 +16,13 @@ setup(
             # Optional: without a C compiler the install still succeeds and kalos.ipc.sync
             # falls back to a lock-based fence, which is a full barrier on x86-64 only.
             optional=True,
-        )
+        ),
+        Extension(
+            "kalos.engine._dots",
+            sources=["src/kalos/engine/_dots.c"],
+            # -O2 and no -ffast-math: the sums keep the order the source writes.
+            extra_compile_args=["-O2"],
+            optional=True,
+        ),
     ]
 )

@@ -8,6 +8,10 @@ ids against a float64 brute force, and prints a table with ``torch.topk(Q @ M.T)
 
     PYTHONPATH=src python3 benchmarks/small_batch.py --n 65536 --dim 1024 --qs 1,2,4,8,16,32,64
     PYTHONPATH=src python3 benchmarks/small_batch.py --device cpu --numpy --precisions '' --dim 384
+
+With --numpy the CPU engine is timed twice at each Q, alternating: as built ("dots": passes of
+2 to 64 queries scored by kalos.engine._dots) and with BLAS alone ("blas": the engine as it is
+where the extension could not be built).
 """
 from __future__ import annotations
 
@@ -87,21 +91,26 @@ def main() -> None:
         table.append(("torch mm+topk f32", "-", q, np.percentile(t, 50), np.percentile(t, 99), 0))
     del md
     if args.numpy:
-        from kalos.engine.numpy_engine import NumpyEngine
+        from kalos.engine import numpy_engine
 
-        cpu = NumpyEngine(args.dim, capacity=args.n)
+        cpu = numpy_engine.NumpyEngine(args.dim, capacity=args.n)
         cpu.add(np.arange(args.n, dtype=np.int64), m, np.ones(args.n, np.int32), np.zeros(args.n))
+        built = numpy_engine._dots
+        variants = {"dots": built, "blas": None} if built is not None else {"blas": None}
         for q in qs:
-            ids, _ = cpu.search(queries[:q], args.k)
-            wrong = sum(set(ids[j].tolist()) != ref[j] for j in range(q))
+            for name, dots in variants.items():
+                numpy_engine._dots = dots
+                ids, _ = cpu.search(queries[:q], args.k)
+                wrong = sum(set(ids[j].tolist()) != ref[j] for j in range(q))
 
-            def run_cpu(i: int, q: int = q) -> None:
-                lo = (i * q) % (512 - q + 1)
-                cpu.search(queries[lo : lo + q], args.k)
+                def run_cpu(i: int, q: int = q) -> None:
+                    lo = (i * q) % (512 - q + 1)
+                    cpu.search(queries[lo : lo + q], args.k)
 
-            t = _times(run_cpu, max(5, args.repeats // 20))
-            table.append(("numpy engine", "-", q, np.percentile(t, 50), np.percentile(t, 99), wrong))
-            print(table[-1], flush=True)
+                t = _times(run_cpu, max(5, args.repeats // 20))
+                table.append(("numpy engine", name, q, np.percentile(t, 50), np.percentile(t, 99), wrong))
+                print(table[-1], flush=True)
+        numpy_engine._dots = built
         del cpu
     for precision in filter(None, args.precisions.split(",")):
         for name in args.variants.split(","):

@@ -252,7 +252,7 @@ class Harness:
         self.errors: list[BaseException] = []
         self.threads: list[threading.Thread] = []
 
-    def add_client(self, *, timeout: float = 30.0, spin_s: float = 0.0) -> ClientChannel:
+    def add_client(self, *, timeout: float = 30.0, spin_s: float = 0.0, naps: bool = True) -> ClientChannel:
         slot = len(self.clients)
         wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._fds.append(wake)
@@ -262,7 +262,7 @@ class Harness:
         self.peers.append(theirs)
         channel = ClientChannel(
             self.client_segment, self.layout, slot, doorbell_fd=self.side.doorbell_fd, wake_fd=wake,
-            control=ours, epoch=self.epoch, timeout=timeout, spin_s=spin_s,
+            control=ours, epoch=self.epoch, timeout=timeout, spin_s=spin_s, naps=naps,
         )
         self.clients.append(channel)
         return channel
@@ -452,6 +452,35 @@ def test_napping_clients_need_no_wake_up_and_fall_back_to_sleep(harness):
     assert 0 < len(rings) < 3 * 700 // 4, len(rings)
 
 
+def test_crowded_clients_told_not_to_nap_sleep_at_once_and_lose_no_wake_up(harness, monkeypatch):
+    """A CPU sidecar's clients (naps=False), past two per core, neither spin nor nap: each
+    announces its sleep at once and is woken by the sidecar's ring; no answer is lost."""
+    naps = []
+    monkeypatch.setattr(ClientChannel, "_nap", lambda self, seq: naps.append(seq) or False)
+    h = harness(n_slots=3, max_batch=2)
+    for _ in range(3):
+        h.add_client(spin_s=0.05, naps=False)
+    rings: list[int] = []
+    ring = h.side._ring
+
+    def counting_ring(slots):
+        rings.extend(int(s) for s in slots)
+        ring(slots)
+
+    def on_request(slot: int, seq: int) -> None:
+        h.side.header.clients[0] = 1_000_000  # what the clients read: far more than the cores
+        time.sleep(0.0005)  # (a CPU pass: long enough for the client to be asleep)
+
+    h.side._ring = counting_ring
+    h.side.header.clients[0] = 1_000_000
+    h.serve(sleep_when_idle=False, on_request=on_request)
+    with fast_thread_switches():
+        worst = run_clients(h, 300)
+    assert max(worst) < 20.0
+    assert not naps, "a client told not to nap napped"
+    assert len(rings) > 900 // 2, len(rings)  # sleepers: a ring for most of the 900 answers
+
+
 def test_clients_past_the_cores_spin_yielding_and_need_no_wake_up(harness, monkeypatch):
     """Between one client per core and two, a waiting client spins as before but yields its core
     at every look: an answer inside its spin budget needs no wake-up, and an answer later than
@@ -490,10 +519,15 @@ def test_clients_past_the_cores_spin_yielding_and_need_no_wake_up(harness, monke
 
 def test_wait_policy_by_clients_per_core(harness):
     """Up to cores - 1 clients spin and keep their core; up to two per core they spin yielding
-    it (AsyncClient does not spin then); past that they nap, then sleep."""
-    h = harness(n_slots=1)
+    it (AsyncClient does not spin then); past that they nap, then sleep, or, told not to nap (a
+    CPU sidecar's clients), sleep at once."""
+    h = harness(n_slots=2)
     channel = h.add_client(spin_s=0.25)
+    sleeper = h.add_client(spin_s=0.25, naps=False)
     cores = len(os.sched_getaffinity(0))
+    for clients in (1, cores - 1, cores, 2 * cores):
+        assert sleeper._budgets(clients) == channel._budgets(clients)
+    assert sleeper._budgets(2 * cores + 1) == (0.0, False, False)
     assert channel._budgets(1) == (0.25, False, False)
     assert channel._budgets(cores - 1) == (0.25, False, False)
     assert channel._budgets(cores) == (0.25, False, True)

@@ -1141,7 +1141,7 @@ def test_clients_spin_as_the_sidecar_advises_unless_told(runtime_dir, tmp_path, 
 
     from kalos.config import settings
     from kalos.engine import NumpyEngine
-    from kalos.server.sidecar import GPU_CLIENT_SPIN_US, Sidecar, SidecarConfig
+    from kalos.server.sidecar import CPU_CLIENTS_NAP, GPU_CLIENT_SPIN_US, GPU_CLIENTS_NAP, Sidecar, SidecarConfig
 
     class LooksLikeAGpu(NumpyEngine):
         device = "cuda:0"
@@ -1149,7 +1149,9 @@ def test_clients_spin_as_the_sidecar_advises_unless_told(runtime_dir, tmp_path, 
     def spin_of(client: Client) -> float:
         return client._conn.channel._spin_s
 
-    for engine_cls, advised in ((NumpyEngine, settings().client_spin_us), (LooksLikeAGpu, GPU_CLIENT_SPIN_US)):
+    assert GPU_CLIENTS_NAP and not CPU_CLIENTS_NAP
+    for engine_cls, advised, naps in ((NumpyEngine, settings().client_spin_us, CPU_CLIENTS_NAP),
+                                      (LooksLikeAGpu, GPU_CLIENT_SPIN_US, GPU_CLIENTS_NAP)):
         name = unique_name()
         sidecar = Sidecar(SidecarConfig(store=tmp_path / f"{name}.db", name=name, dim=4, slots=4),
                           engine_factory=lambda _device, dim, cap, cls=engine_cls: cls(dim, capacity=cap))
@@ -1158,6 +1160,7 @@ def test_clients_spin_as_the_sidecar_advises_unless_told(runtime_dir, tmp_path, 
         try:
             with Client(name) as client:
                 assert spin_of(client) == pytest.approx(advised / 1e6)
+                assert client._conn.channel._naps is naps
                 client.add(np.eye(4, dtype=np.float32))
                 assert client.recall(np.ones(4, np.float32), k=2).ids.shape == (2,)
             with Client(name, spin_us=5) as client:

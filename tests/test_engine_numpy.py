@@ -415,3 +415,84 @@ def test_reference_helper_agrees_with_itself(rng):
     swapped[0, 4] = ids[~np.isin(ids, ref_ids[0])][0]  # a real id that is not in the top 5
     with pytest.raises(AssertionError):
         assert_topk_matches(swapped, ref_scores.astype(np.float32), ids, raw, q, 5, score_tol=10.0)
+
+
+# -- passes of a few queries: kalos.engine._dots ------------------------------------------
+
+# The project's own install builds the extension (setup.py); CI has a compiler, so a missing
+# one fails here rather than leaving the path untested.
+from kalos.engine import _dots  # noqa: E402
+from kalos.engine import numpy_engine  # noqa: E402
+
+
+@pytest.mark.parametrize("dim", [1, 3, 15, 16, 17, 33, 100, 384])
+def test_dots_kernel_matches_float64_every_shape_and_range(rng, dim):
+    """Every tile shape of the kernel (whole tiles of 2 rows x 4 queries, the odd row, the
+    queries past the last whole tile, dimensions past the last 16 lanes), over sub-ranges
+    of rows: the scores equal float64's, and nothing outside [lo, hi) is written."""
+    for n in (1, 2, 7, 64):
+        rows = rng.standard_normal((n, dim)).astype(np.float32)
+        for nq in range(1, 10):
+            queries = rng.standard_normal((nq, dim)).astype(np.float32)
+            want = queries.astype(np.float64) @ rows.astype(np.float64).T
+            tolerance = 1e-5 * (1 + np.abs(queries).astype(np.float64) @ np.abs(rows).astype(np.float64).T)
+            for lo, hi in {(0, n), (1 if n > 1 else 0, n), (0, n - 1), (n // 3, n - n // 3)}:
+                out = np.full((nq, n), np.nan, np.float32)
+                _dots.scores(rows, queries, out, lo, hi)
+                inside = out[:, lo:hi]
+                assert np.all(np.abs(inside - want[:, lo:hi]) <= tolerance[:, lo:hi]), (dim, n, nq, lo, hi)
+                assert np.isnan(out[:, :lo]).all() and np.isnan(out[:, hi:]).all(), (dim, n, nq, lo, hi)
+
+
+def test_dots_refuses_bad_buffers_and_writes_nothing():
+    rows = np.ones((6, 8), np.float32)
+    queries = np.ones((4, 8), np.float32)
+    out = np.full((4, 6), -1.0, np.float32)
+    bad = [
+        ((rows.astype(np.float64), queries, out, 0, 6), "rows must be a C-contiguous 2-d float32"),
+        ((rows[:, ::2], queries[:, ::2], out, 0, 6), "rows must be a C-contiguous"),
+        ((rows, queries.reshape(-1), out, 0, 6), "queries must be a C-contiguous 2-d float32"),
+        ((rows, np.ones((4, 4), np.float32), out, 0, 6), "queries have 4 dimensions, rows 8"),
+        ((rows, queries, out[:3], 0, 6), "out has 3 rows for 4 queries"),
+        ((rows, queries, out[:, :5], 0, 5), "out must be a writable C-contiguous"),
+        ((rows, queries, out, 0, 7), r"rows \[0, 7\) are not within the 6 rows"),
+        ((rows, queries, out, 4, 2), r"rows \[4, 2\) are not within"),
+        ((rows, queries, out, -1, 2), r"rows \[-1, 2\) are not within"),
+        ((rows, queries, out[:, :5].copy(), 0, 6), r"and the 5 columns of out"),
+    ]
+    for args, message in bad:
+        with pytest.raises(ValueError, match=message):
+            _dots.scores(*args)
+    assert (out == -1.0).all()
+    readonly = out.copy()
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError, match="out must be a writable C-contiguous"):
+        _dots.scores(rows, queries, readonly, 0, 6)
+
+
+@pytest.mark.parametrize("q", [2, 3, 5, 8, 13, 64, 65])
+def test_passes_of_a_few_queries_match_float64_through_dots_and_blas(rng, monkeypatch, q):
+    """The engine's pass of 2-64 queries through _dots, the rows cut into many slices (odd
+    boundaries), with and without a filter, equals float64, and so does the BLAS path the
+    engine takes without the extension; 65 queries take BLAS either way."""
+    helpers, _cores = numpy_engine._slice_helpers()
+    monkeypatch.setattr(numpy_engine, "_slice_helpers", lambda: (helpers, 7))  # as if on 7 cores:
+    monkeypatch.setattr(numpy_engine, "_DOTS_MIN_SLICE", 97)  # 7 slices of the small engine's rows
+    n, dim, k = 1001, 24, 8
+    namespaces = rng.integers(0, 3, n)
+    engine, ids, raw, ns, t = filled(rng, n, dim, namespaces=namespaces)
+    queries = queries_for(rng, q, dim)
+    used = []
+    real = numpy_engine._dots.scores
+    monkeypatch.setattr(numpy_engine._dots, "scores", lambda *a: (used.append(a[3:]), real(*a))[1])
+    in_one = eligible_mask(ns, t, namespace=1)  # a third of the rows: scored, then masked
+    for flt, eligible in ((Filter(), None), (Filter(namespace=1), in_one)):
+        check(engine, queries, k, flt, ids, raw, eligible, context=f"dots q={q} {flt}")
+    if q <= numpy_engine._DOTS_MAX_Q:
+        starts = sorted({lo for lo, _hi in used})
+        assert len(starts) == 7 and all(lo % 2 == 0 for lo in starts), starts  # whole tiles of rows
+    else:
+        assert not used
+    monkeypatch.setattr(numpy_engine, "_dots", None)
+    for flt, eligible in ((Filter(), None), (Filter(namespace=1), in_one)):
+        check(engine, queries, k, flt, ids, raw, eligible, context=f"blas q={q} {flt}")

@@ -176,9 +176,11 @@ class _Connection:
                 advised = reply.get("client_spin_us")
                 ok = isinstance(advised, (int, float)) and not isinstance(advised, bool) and 0 <= advised <= 1e5
                 spin_s = (advised if ok else settings().client_spin_us) / 1e6
+            naps = reply.get("client_naps", True)  # (a sidecar that does not say: as before, nap)
             self.channel = ClientChannel(
                 self.segment, self.layout, int(reply["slot"]), doorbell_fd=self.doorbell_fd,
                 wake_fd=self.wake_fd, control=self.sock, epoch=self.epoch, timeout=timeout, spin_s=spin_s,
+                naps=naps if isinstance(naps, bool) else True,
             )
             # The epoch only: the hello's reply has just shown the sidecar alive, while its
             # heartbeat stamp may still be stale (a sidecar resumed after SIGSTOP answers the hello

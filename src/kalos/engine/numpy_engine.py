@@ -1,9 +1,19 @@
-"""The CPU engine: an exact scan with NumPy (BLAS mat-mul, then argpartition)."""
+"""The CPU engine: an exact scan with NumPy (BLAS mat-mul, then argpartition); the passes of
+a few queries that a crowd of single recalls makes are scored by the native kalos.engine._dots."""
 from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from kalos.engine.base import Engine
+
+try:  # built at install where a C compiler exists (setup.py); else BLAS scores every pass
+    from kalos.engine import _dots
+except ImportError:  # pragma: no cover - depends on the install
+    _dots = None
 
 __all__ = ["NumpyEngine"]
 
@@ -17,8 +27,32 @@ _ROW_LIST_CACHE_BYTES = 64 << 20
 # Passes up to this many queries take the tall-by-narrow product.
 _SMALL_BATCH = 64
 # Passes up to this many queries take one mat-vec each: OpenBLAS's product by two to four
-# queries costs more than that many mat-vecs (BENCHMARKS.md, the crowd on the CPU).
+# queries costs more than that many mat-vecs (BENCHMARKS.md, the crowd on the CPU). Only
+# where kalos.engine._dots is missing: it scores them all in one read of the rows.
 _MATVECS_MAX = 4
+# Passes of 2 up to this many queries are scored by kalos.engine._dots, one slice of the rows
+# per core (BLAS copies the whole matrix before it multiplies it by a narrow batch);
+# wider ones by BLAS, whose kernel wins once the batch fills it (benchmarks/small_batch.py
+# --device cpu --numpy).
+_DOTS_MAX_Q = 64
+# _dots scores whole tiles of this many queries; a pass is padded with zero queries to one.
+_DOTS_QUERY_TILE = 4
+# No slice of the rows smaller than this goes to another thread: it would cost more to hand over.
+_DOTS_MIN_SLICE = 4096
+
+_helpers_lock = threading.Lock()
+_helpers: tuple[int, ThreadPoolExecutor, int] | None = None  # (pid, pool, cores)
+
+
+def _slice_helpers() -> tuple[ThreadPoolExecutor, int]:
+    """The process's threads that score slices beside the calling one (one per further core),
+    and the core count. Made again in a forked child, which inherits no threads."""
+    global _helpers
+    with _helpers_lock:
+        if _helpers is None or _helpers[0] != os.getpid():
+            cores = len(os.sched_getaffinity(0))
+            _helpers = (os.getpid(), ThreadPoolExecutor(max(1, cores - 1), thread_name_prefix="kalos-dots"), cores)
+        return _helpers[1], _helpers[2]
 
 
 class NumpyEngine(Engine):
@@ -83,7 +117,9 @@ class NumpyEngine(Engine):
             top_scores = scores[top]
             order = np.argsort(-top_scores, kind="stable")
             return top[order][None, :], top_scores[order][None, :]
-        if len(queries) <= _MATVECS_MAX:
+        if _dots is not None and len(queries) <= _DOTS_MAX_Q:
+            scores = self._dot_scores(vectors, queries)
+        elif len(queries) <= _MATVECS_MAX:
             scores = np.empty((len(queries), n), np.float32)
             for row, query in zip(scores, queries):
                 np.matmul(vectors, query, out=row)
@@ -106,6 +142,26 @@ class NumpyEngine(Engine):
         top_scores = np.take_along_axis(scores, top, axis=1)
         order = np.argsort(-top_scores, axis=1, kind="stable")
         return np.take_along_axis(top, order, axis=1), np.take_along_axis(top_scores, order, axis=1)
+
+    def _dot_scores(self, vectors: np.ndarray, queries: np.ndarray) -> np.ndarray:
+        """[Q, n] scores by kalos.engine._dots: the rows cut into one slice per core, the calling
+        thread scoring the first (the extension releases the GIL)."""
+        n, q = len(vectors), len(queries)
+        padded = -(-q // _DOTS_QUERY_TILE) * _DOTS_QUERY_TILE
+        if padded != q:
+            queries = np.concatenate([queries, np.zeros((padded - q, self.dim), np.float32)])
+        queries = np.ascontiguousarray(queries, dtype=np.float32)
+        scores = np.empty((padded, n), np.float32)
+        helpers, cores = _slice_helpers()
+        # Slices of an even number of rows (the kernel's tile), none too small to pay its call.
+        step = max(-(-n // cores), _DOTS_MIN_SLICE)
+        step += step % 2
+        rest = [helpers.submit(_dots.scores, vectors, queries, scores, lo, min(n, lo + step))
+                for lo in range(step, n, step)]
+        _dots.scores(vectors, queries, scores, 0, min(n, step))
+        for slice_done in rest:
+            slice_done.result()
+        return scores[:q]
 
     def _row_list(self, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray | None] | None:
         """The rows of a selective ``mask`` and, when small enough, their vectors gathered

@@ -213,6 +213,7 @@ class ClientChannel:
         epoch: int,
         timeout: float,
         spin_s: float,
+        naps: bool = True,
     ) -> None:
         self.layout = layout
         self.header = HeaderView(segment.buf)
@@ -222,12 +223,15 @@ class ClientChannel:
         self._epoch = epoch
         self._timeout_ns = int(timeout * 1e9)
         self._spin_s = spin_s
+        self._naps = naps
         # Spinning alone pays only while every waiting client and the sidecar's sweep have a
         # core. Past that, up to two clients per core, a spinner yields its core at every look
         # (the sweep and the clients it answered run first), which beat sleeping on the card
         # (issue 18; BENCHMARKS.md). Past two per core, the wake-ups the sweep writes at the end
         # of each pass (one per sleeper, one after another) cost it more than a nap costs each
-        # client, and spinners that yield leave the sweep waiting for them to come back.
+        # client, and spinners that yield leave the sweep waiting for them to come back. That
+        # holds where passes are short (a GPU's); the sidecar says whether to nap (``naps``):
+        # a CPU sidecar's clients sleep at once instead (kalos.server.sidecar.CPU_CLIENTS_NAP).
         # (Every connected client counts, idle ones too: on the safe side.)
         cores = len(os.sched_getaffinity(0))
         self._spin_clients = cores - 1
@@ -360,7 +364,7 @@ class ClientChannel:
             return self._spin_s, False, False
         if clients <= self._nap_clients:
             return self._spin_s, False, True
-        return 0.0, True, False
+        return 0.0, self._naps, False
 
     def check_epoch(self) -> None:
         """SidecarUnavailable unless the segment is still the one this client's sidecar made."""

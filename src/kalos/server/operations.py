@@ -87,7 +87,7 @@ class ControlServer:
                  engine: Engine, store: Any, metrics: Metrics, cohort: Cohort, embedding: EmbedService,
                  seed: Any, quarantined: list[int], namespaces: dict[bytes, int], filters: FilterCache,
                  polling: SlotPolling, expirer: Expirer, state_lock: StateLock, write_lock: threading.Lock,
-                 wrote: threading.Event, stopping: threading.Event, client_spin_us: float,
+                 wrote: threading.Event, stopping: threading.Event, client_spin_us: float, client_naps: bool,
                  start_thread: Callable[..., None]) -> None:
         self._sidecar = sidecar
         self._name = name
@@ -110,6 +110,7 @@ class ControlServer:
         self._wrote = wrote
         self._stopping = stopping
         self.client_spin_us = client_spin_us
+        self.client_naps = client_naps
         self._start_thread = start_thread
         self.connections: set[socket.socket] = set()
         self._refused = 0
@@ -249,7 +250,7 @@ class ControlServer:
             send_frame(conn, ok_reply(
                 slot=slot, segment=self.endpoint.segment_name, epoch=self.epoch, dim=self.layout.dim,
                 max_k=self.layout.max_k, max_batch=self.layout.max_batch, n_slots=self.layout.n_slots,
-                client_spin_us=self.client_spin_us, max_message_bytes=settings().max_message_bytes,
+                client_spin_us=self.client_spin_us, client_naps=self.client_naps, max_message_bytes=settings().max_message_bytes,
             ))
             send_fd(conn, self._sidecar.channel.doorbell_fd)
             send_fd(conn, self._sidecar.segment.fileno())  # the segment has no name: protocol 2

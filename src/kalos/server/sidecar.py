@@ -69,6 +69,14 @@ _SOCKET_CHECK_S = 1.0  # how often the heartbeat checks that the control socket'
 #: How long the clients of a GPU sidecar busy-poll for an answer before sleeping (advised in
 #: the hello reply; a client's own spin_us or KALOS_CLIENT_SPIN_US wins).
 GPU_CLIENT_SPIN_US = 1000.0
+#: Whether a sidecar's clients nap once they outnumber the cores twice over (advised in the
+#: hello reply; see kalos.ipc.channel.ClientChannel). A GPU sidecar's passes take ~100 us: the
+#: wake-ups it would write at the end of each would cost it more than the naps cost the
+#: clients. A CPU sidecar's passes take milliseconds on the very cores the clients run on, and
+#: a client waking every 100 us preempts the threads the pass runs on: its clients sleep until
+#: they are woken (BENCHMARKS.md, the crowd on the CPU).
+GPU_CLIENTS_NAP = True
+CPU_CLIENTS_NAP = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,9 +329,9 @@ class Sidecar:
             # A GPU answers in about 100-200 us: a client that slept after the default 100 us
             # of polling paid a wake-up (~40 us on the H200 host, benchmarks/profile_e2e.py).
             # Clients that set their own spin_us keep it.
-            self.client_spin_us = (
-                GPU_CLIENT_SPIN_US if str(self.engine.device).startswith("cuda") else settings().client_spin_us
-            )
+            on_gpu = str(self.engine.device).startswith("cuda")
+            self.client_spin_us = GPU_CLIENT_SPIN_US if on_gpu else settings().client_spin_us
+            self.client_naps = GPU_CLIENTS_NAP if on_gpu else CPU_CLIENTS_NAP
             # Name -> id of every namespace (the writers and the follower add to it in place).
             self._namespaces = {name.encode(): ns for name, ns in self.store.namespaces().items()}
             # The engine filter of each request's words, and the where clauses registered for them.
@@ -369,7 +377,7 @@ class Sidecar:
                 embedding=self.embedding, seed=self._seed, quarantined=self.quarantined,
                 namespaces=self._namespaces, filters=self._filter_cache, polling=self._polling,
                 expirer=self._expirer, state_lock=self._state_lock, write_lock=self._write_lock,
-                wrote=self._wrote, stopping=self._stopping, client_spin_us=self.client_spin_us,
+                wrote=self._wrote, stopping=self._stopping, client_spin_us=self.client_spin_us, client_naps=self.client_naps,
                 start_thread=self._start_thread,
             )
         except BaseException:
