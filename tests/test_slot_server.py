@@ -27,7 +27,7 @@ from test_torch_engine import HAVE_CUDA, _interpreter_env, needs_interpreter, rn
 
 from kalos.engine.gpu import TorchEngine  # noqa: E402
 from kalos.engine.gpu.layout import HOST_CONTROL  # noqa: E402
-from kalos.engine.gpu.slot_server import _NAME_PROBE, SlotGraphServer, name_home  # noqa: E402
+from kalos.engine.gpu.slot_server import _NAME_PROBE, SlotGraphServer, name_home, waiting_warps  # noqa: E402
 from kalos.errors import InvalidArgument  # noqa: E402
 from kalos.ipc.protocol import Layout, Op, RequestFlag, SlotView, rest_seq  # noqa: E402
 
@@ -712,6 +712,17 @@ def test_fast_hands_over_what_its_certificate_cannot_prove(make_rig, rng):
     assert int(rig.server.taken[1]) == 0  # (handed over by the final kernel: no longer the round's)
 
 
+def test_waiting_kernels_take_a_warp_per_32_slots_by_default(make_rig):
+    """One warp up to 32 slots, then one per 32, at most 8: past 32 slots one warp's registers
+    cannot hold the per-slot words (they spilled); a server told its warps keeps them."""
+    assert [waiting_warps(ns) for ns in (1, 8, 32, 64, 128, 256, 1024)] == [1, 1, 1, 2, 4, 8, 8]
+    assert make_rig(slots=40).server.warps == 2
+    assert make_rig(slots=4).server.warps == 1
+    assert make_rig(slots=40, warps=1).server.warps == 1
+    with pytest.raises(InvalidArgument, match="warps must be 1, 2, 4 or 8"):
+        make_rig(slots=4, warps=3)
+
+
 def test_gpu_polling_modes_are_checked(tmp_path, capsys):
     from kalos.server.sidecar import SidecarConfig
     from kalos.tools.cli import _build_parser as build_parser
@@ -773,13 +784,14 @@ def test_cuda_server_answers_while_running(make_rig, rng, precision):
 
 @cuda
 @needs_cuda
-@pytest.mark.parametrize("precision", ["exact", "fast"])
-def test_cuda_batch_rounds_of_every_size_answer_a_crowd(make_rig, rng, precision):
+@pytest.mark.parametrize("precision, slots", [("exact", 40), ("fast", 40), ("exact", 128)])
+def test_cuda_batch_rounds_of_every_size_answer_a_crowd(make_rig, rng, precision, slots):
     # Every round captured at warm() (the single one, the score-writing scans, the GEMM ones),
     # then crowds of several sizes, each served by its own round's graph, smaller after larger:
     # a buffer that one round's capture outgrew and another's graph still used would fault.
-    slots = 40
+    # 40 slots: waiting kernels of 2 warps; 128: of 4 (their warps agree on every value read).
     rig = make_rig(precision=precision, dim=256, n=20000, slots=slots, device="cuda", idle_s=5.0)
+    assert rig.server.warps == waiting_warps(rig.server.ns) == (2 if slots == 40 else 4)
     rig.server.warm()
     answered = 0
     for crowd in (40, 2, 17, 5, 33, 1):

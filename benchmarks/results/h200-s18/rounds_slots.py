@@ -23,7 +23,7 @@ VARIANTS = {  # name: (precision, tuning overrides)
     "fast gemm>=2": ("fast", {"gemm_min_q": 2}),
     "fast gemm>=8": ("fast", {"gemm_min_q": 8}),
 }
-VARIANTS = {f"exact {n} slots": ("exact", {}, n) for n in (9, 16, 128)}
+VARIANTS = {f"exact {n} slots": ("exact", {}, n) for n in map(int, (sys.argv[1] if len(sys.argv) > 1 else "9,16,128").split(","))}
 names = list(VARIANTS)
 sizes = (1, 2, 8)
 table = {}

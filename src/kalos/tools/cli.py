@@ -50,10 +50,7 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="GPU scan: exact float32, or fast (an 8-bit scan for single queries, 16-bit for batches, "
                        "+ certified float32 re-score, "
                        "the same top-k) (default: %(default)s)")
-    serve.add_argument("--slots", type=int, default=s.slots,
-                       help="most clients connected at once (default: %(default)s). With GPU polling every "
-                            "slot, used or not, lengthens each round a little: a host with a handful of agents "
-                            "answers one faster with --slots sized to them (BENCHMARKS.md, the crowd)")
+    serve.add_argument("--slots", type=int, default=s.slots, help="most clients connected at once (default: %(default)s)")
     serve.add_argument("--max-k", type=int, default=s.max_k, help="largest k a recall may ask for (default: %(default)s)")
     serve.add_argument("--max-batch", type=int, default=s.max_batch,
                        help="query rows per request; bigger batches are split (default: %(default)s)")

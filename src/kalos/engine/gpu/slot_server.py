@@ -78,7 +78,7 @@ from kalos.engine.gpu.planner import Plan, k_bucket, next_pow2
 from kalos.errors import InvalidArgument
 from kalos.ipc.protocol import NAMESPACE_BYTES, Layout, Op, RequestFlag, SlotWords
 
-__all__ = ["SlotGraphServer", "DEFAULT_MAX_K", "DEFAULT_BATCH", "DEFAULT_WINDOW_S"]
+__all__ = ["SlotGraphServer", "DEFAULT_MAX_K", "DEFAULT_BATCH", "DEFAULT_WINDOW_S", "waiting_warps"]
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,16 @@ def name_home(words: np.ndarray, length: int, rows: int = _NAME_ROWS) -> int:
     return (h ^ (h >> 13) ^ (h >> 29)) & (rows - 1)
 
 
+def waiting_warps(ns: int) -> int:
+    """The waiting kernels' warps for ``ns`` slots (a power of two): one per 32 slots, 1 to 8.
+
+    Their per-slot tensors ([ns] words, and [ns, request words] while a request is read) are
+    spread over the program's threads: with one warp past 32 slots they outgrow the registers,
+    and the spills to local memory made every round slower (``ptxas -v``: 2.4 KB of stack at
+    128 slots and one warp, none at 4; BENCHMARKS.md, the crowd: what the slot count costs)."""
+    return max(1, min(8, ns // 32))
+
+
 class SlotGraphServer:
     """Serves single recalls from the slots with CUDA graphs that start by waiting for them.
 
@@ -145,7 +155,8 @@ class SlotGraphServer:
     channel's current record of answered sequence numbers (copied into page-locked memory,
     which the channel then adopts). ``idle_s``: how long the waiting kernel polls without a
     request before the server stops. ``max_k``: largest k served (rounded up to a power of
-    two). ``depth``: replays queued ahead. ``warps``: the waiting kernel's. ``batch``: most
+    two). ``depth``: replays queued ahead. ``warps``: the waiting kernels' (default: by the
+    slot count, :func:`waiting_warps`). ``batch``: most
     requests a round takes (rounded down to a power of two). ``window_s``: how long a batch
     round, once a request is pending, waits for the other connected clients' (``window_polls``
     polls on the CPU device). ``resize_s``: how long the rounds must find fewer requests before
@@ -155,7 +166,7 @@ class SlotGraphServer:
     """
 
     def __init__(self, engine: TorchEngine, layout: Layout, answered: np.ndarray, *, idle_s: float = 0.002,
-                 max_k: int = DEFAULT_MAX_K, depth: int = 3, idle_polls: int = 2, warps: int = 1,
+                 max_k: int = DEFAULT_MAX_K, depth: int = 3, idle_polls: int = 2, warps: int | None = None,
                  batch: int = DEFAULT_BATCH, window_s: float = DEFAULT_WINDOW_S, window_polls: int = 2,
                  resize_s: float = DEFAULT_RESIZE_S) -> None:
         if batch < 1:
@@ -164,7 +175,7 @@ class SlotGraphServer:
             raise InvalidArgument("window_s, window_polls and resize_s must be >= 0")
         if depth < 1:
             raise InvalidArgument(f"depth must be >= 1, got {depth}")
-        if warps not in (1, 2, 4, 8):
+        if warps is not None and warps not in (1, 2, 4, 8):
             raise InvalidArgument(f"warps must be 1, 2, 4 or 8, got {warps}")
         if engine.backend != "triton" or engine.attached is None:
             raise InvalidArgument("the slot server needs the Triton engine with the segment attached (attach_host)")
@@ -174,7 +185,6 @@ class SlotGraphServer:
             raise InvalidArgument("idle_s and idle_polls must be >= 0")
         if len(answered) != layout.n_slots:
             raise InvalidArgument(f"answered has {len(answered)} entries for {layout.n_slots} slots")
-        self.warps = int(warps)
         self.depth = int(depth)
         self.engine = engine
         self.layout = layout
@@ -189,6 +199,7 @@ class SlotGraphServer:
         self.window_polls = int(window_polls)
         self.resize_s = float(resize_s)
         self.ns = next_pow2(layout.n_slots)
+        self.warps = waiting_warps(self.ns) if warps is None else int(warps)
         #: The largest round: a power of two, at most ``batch`` and the slot count's.
         self.max_bucket = min(1 << (int(batch).bit_length() - 1), self.ns)
         dev = engine.torch_device
