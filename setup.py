@@ -4,7 +4,8 @@
   src/kalos/ipc/sync.py for why Python alone cannot order stores and loads across processes,
   and for the fallback used where no compiler exists.
 - kalos.engine._dots: the CPU engine's scores for a pass of a few queries (a crowd's pass),
-  each row read once. Without it the engine multiplies with BLAS (the same answers, slower).
+  each row read once. Without it the engine multiplies with BLAS (the same answers up to
+  float32 rounding, slower).
 """
 from setuptools import Extension, setup
 
@@ -20,7 +21,8 @@ setup(
         Extension(
             "kalos.engine._dots",
             sources=["src/kalos/engine/_dots.c"],
-            # -O2 and no -ffast-math: the sums keep the order the source writes.
+            # -O2 and no -ffast-math: the compiler does not reorder the sums (where the CPU has
+            # FMA it may fuse a product into its sum, as BLAS's kernels do).
             extra_compile_args=["-O2"],
             optional=True,
         ),

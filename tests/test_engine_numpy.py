@@ -7,6 +7,7 @@ sequences against a dict model. Every random test prints its seed.
 """
 from __future__ import annotations
 
+import os
 from unittest import mock
 
 import numpy as np
@@ -419,12 +420,25 @@ def test_reference_helper_agrees_with_itself(rng):
 
 # -- passes of a few queries: kalos.engine._dots ------------------------------------------
 
-# The project's own install builds the extension (setup.py); CI has a compiler, so a missing
-# one fails here rather than leaving the path untested.
-from kalos.engine import _dots  # noqa: E402
 from kalos.engine import numpy_engine  # noqa: E402
 
+_dots = numpy_engine._dots
+needs_dots = pytest.mark.skipif(_dots is None, reason="kalos.engine._dots was not built (no C compiler)")
 
+
+def test_the_native_scores_are_built_where_a_compiler_is():
+    """The project's own install builds kalos.engine._dots (setup.py) wherever a C compiler
+    exists, CI included: a build that failed there must not leave its tests skipped unseen."""
+    import shutil
+    import sysconfig
+
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C compiler ({compiler}): the engine runs on BLAS alone")
+    assert _dots is not None, "a C compiler exists but kalos.engine._dots was not built: pip install -e . again"
+
+
+@needs_dots
 @pytest.mark.parametrize("dim", [1, 3, 15, 16, 17, 33, 100, 384])
 def test_dots_kernel_matches_float64_every_shape_and_range(rng, dim):
     """Every tile shape of the kernel (whole tiles of 2 rows x 4 queries, the odd row, the
@@ -444,6 +458,7 @@ def test_dots_kernel_matches_float64_every_shape_and_range(rng, dim):
                 assert np.isnan(out[:, :lo]).all() and np.isnan(out[:, hi:]).all(), (dim, n, nq, lo, hi)
 
 
+@needs_dots
 def test_dots_refuses_bad_buffers_and_writes_nothing():
     rows = np.ones((6, 8), np.float32)
     queries = np.ones((4, 8), np.float32)
@@ -470,6 +485,7 @@ def test_dots_refuses_bad_buffers_and_writes_nothing():
         _dots.scores(rows, queries, readonly, 0, 6)
 
 
+@needs_dots
 @pytest.mark.parametrize("q", [2, 3, 5, 8, 13, 64, 65])
 def test_passes_of_a_few_queries_match_float64_through_dots_and_blas(rng, monkeypatch, q):
     """The engine's pass of 2-64 queries through _dots, the rows cut into many slices (odd
@@ -496,3 +512,28 @@ def test_passes_of_a_few_queries_match_float64_through_dots_and_blas(rng, monkey
     monkeypatch.setattr(numpy_engine, "_dots", None)
     for flt, eligible in ((Filter(), None), (Filter(namespace=1), in_one)):
         check(engine, queries, k, flt, ids, raw, eligible, context=f"blas q={q} {flt}")
+
+
+@needs_dots
+def test_a_pass_after_the_helper_threads_are_gone_is_scored_by_the_caller(rng, monkeypatch):
+    """At interpreter shutdown the pool takes no work: the calling thread scores every slice."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    gone = ThreadPoolExecutor(1)
+    gone.shutdown()
+    monkeypatch.setattr(numpy_engine, "_slice_helpers", lambda: (gone, 4))
+    monkeypatch.setattr(numpy_engine, "_DOTS_MIN_SLICE", 50)
+    engine, ids, raw, _ns, _t = filled(rng, 400, 12)
+    check(engine, queries_for(rng, 6, 12), 5, Filter(), ids, raw, context="pool shut down")
+
+
+def test_the_scoring_threads_follow_the_blas_thread_limits(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    for name in numpy_engine._THREAD_LIMITS:
+        monkeypatch.delenv(name, raising=False)
+    assert numpy_engine._threads() == cores
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    assert numpy_engine._threads() == 1
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "many")  # not a count: ignored
+    monkeypatch.setenv("OMP_NUM_THREADS", str(cores + 5))  # more than the cores: the cores
+    assert numpy_engine._threads() == cores

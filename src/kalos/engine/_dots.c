@@ -9,7 +9,8 @@
  * eight horizontal sums.
  *
  * scores(rows, queries, out, lo, hi): out[q, i] = rows[i] . queries[q] for lo <= i < hi, in
- * float32 with float32 sums (what BLAS does), the GIL released: the engine runs one call per
+ * float32 with float32 sums (as BLAS; the last bits depend on the CPU's FMA and on which tile
+ * a row falls in, as BLAS's do), the GIL released: the engine runs one call per
  * core on disjoint row ranges. The function is built for AVX-512, AVX2 and baseline x86-64
  * (chosen at load) where the compiler and C library allow, else for the target's baseline.
  */
@@ -144,6 +145,8 @@ get_matrix(PyObject *obj, Py_buffer *view, const char *what, int writable)
 {
     const char *kind = writable ? "a writable" : "a";
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0) {
+        if (PyErr_ExceptionMatches(PyExc_MemoryError))
+            return -1;
         PyErr_Clear(); /* (the buffer protocol's message does not say which argument) */
         PyErr_Format(PyExc_ValueError, "%s must be %s C-contiguous 2-d float32 array", what, kind);
         return -1;

@@ -37,22 +37,45 @@ _MATVECS_MAX = 4
 _DOTS_MAX_Q = 64
 # _dots scores whole tiles of this many queries; a pass is padded with zero queries to one.
 _DOTS_QUERY_TILE = 4
-# No slice of the rows smaller than this goes to another thread: it would cost more to hand over.
+# No slice of the rows is smaller than this (a slice handed to another thread must pay for
+# the hand-over).
 _DOTS_MIN_SLICE = 4096
+# The thread limits an operator sets for BLAS (to leave cores to an LLM, say) bound _dots too.
+_THREAD_LIMITS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 _helpers_lock = threading.Lock()
-_helpers: tuple[int, ThreadPoolExecutor, int] | None = None  # (pid, pool, cores)
+_helpers: tuple[ThreadPoolExecutor, int] | None = None  # (the pool, the threads a pass uses)
+
+
+def _threads() -> int:
+    """The cores this process may run on, at most the smallest thread limit set."""
+    threads = len(os.sched_getaffinity(0))
+    for name in _THREAD_LIMITS:
+        value = os.environ.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            threads = min(threads, int(value))
+    return threads
 
 
 def _slice_helpers() -> tuple[ThreadPoolExecutor, int]:
     """The process's threads that score slices beside the calling one (one per further core),
-    and the core count. Made again in a forked child, which inherits no threads."""
+    and how many threads a pass uses, the caller's included (made at the first pass)."""
     global _helpers
     with _helpers_lock:
-        if _helpers is None or _helpers[0] != os.getpid():
-            cores = len(os.sched_getaffinity(0))
-            _helpers = (os.getpid(), ThreadPoolExecutor(max(1, cores - 1), thread_name_prefix="kalos-dots"), cores)
-        return _helpers[1], _helpers[2]
+        if _helpers is None:
+            threads = _threads()
+            _helpers = (ThreadPoolExecutor(max(1, threads - 1), thread_name_prefix="kalos-dots"), threads)
+        return _helpers
+
+
+def _forget_helpers() -> None:
+    """In a forked child, which inherits neither the threads nor a usable lock."""
+    global _helpers, _helpers_lock
+    _helpers_lock = threading.Lock()
+    _helpers = None
+
+
+os.register_at_fork(after_in_child=_forget_helpers)
 
 
 class NumpyEngine(Engine):
@@ -152,12 +175,16 @@ class NumpyEngine(Engine):
             queries = np.concatenate([queries, np.zeros((padded - q, self.dim), np.float32)])
         queries = np.ascontiguousarray(queries, dtype=np.float32)
         scores = np.empty((padded, n), np.float32)
-        helpers, cores = _slice_helpers()
-        # Slices of an even number of rows (the kernel's tile), none too small to pay its call.
-        step = max(-(-n // cores), _DOTS_MIN_SLICE)
-        step += step % 2
-        rest = [helpers.submit(_dots.scores, vectors, queries, scores, lo, min(n, lo + step))
-                for lo in range(step, n, step)]
+        helpers, threads = _slice_helpers()
+        slices = min(threads, max(1, n // _DOTS_MIN_SLICE))
+        step = -(-n // slices)
+        step += step % 2  # (an even number of rows: the kernel's tile)
+        rest = []
+        for lo in range(step, n, step):
+            try:
+                rest.append(helpers.submit(_dots.scores, vectors, queries, scores, lo, min(n, lo + step)))
+            except RuntimeError:  # the interpreter is shutting down: no new threads; score it here
+                _dots.scores(vectors, queries, scores, lo, min(n, lo + step))
         _dots.scores(vectors, queries, scores, 0, min(n, step))
         for slice_done in rest:
             slice_done.result()

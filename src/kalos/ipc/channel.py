@@ -284,10 +284,11 @@ class ClientChannel:
 
     def _nap(self, seq: int) -> bool:
         """Polls ``resp_seq`` between short timed sleeps (``NAP_S``) for up to ``NAP_WINDOW_S``;
-        True once ``seq`` is answered. Used while clients outnumber the cores twice over: a
-        napping client is woken by its own core's timer, not by the sidecar, whose wake-ups are
-        written one after another at the end of each pass, several microseconds each, so that
-        with many sleepers they took a third of the sweep (issue 18; BENCHMARKS.md)."""
+        True once ``seq`` is answered. Used while clients outnumber the cores twice over, when
+        the sidecar says to (``naps``: a GPU sidecar's short passes): a napping client is woken
+        by its own core's timer, not by the sidecar, whose wake-ups are written one after
+        another at the end of each pass, several microseconds each, so that with many sleepers
+        they took a third of the sweep (issue 18; BENCHMARKS.md)."""
         resp_seq = self.slot.resp_seq
         until = time.perf_counter() + self.NAP_WINDOW_S
         want = np.uint64(seq)
