@@ -40,6 +40,7 @@ def test_doctor_on_this_machine_is_healthy(runtime_dir, home):
     assert "/dev/shm is writable" in text
     assert f"{runtime_dir} is yours, mode 0700" in text
     assert "no store at" in text and "no sidecar named 'nobody-here' is running" in text
+    assert "native scores for passes of 2-64 queries" in text  # (this install built kalos.engine._dots)
     if not Path("/dev/nvidia0").exists():
         assert "no NVIDIA GPU visible" in text and "runs on the CPU" in text
 
@@ -237,3 +238,12 @@ def test_latency_cdf_plot_is_a_png(tmp_path):
     path = plot_latency_cdfs(panels, tmp_path / "cdf.png", title="test")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_an_install_without_the_native_scores_is_told_what_it_costs(monkeypatch):
+    from kalos.engine import numpy_engine
+    from kalos.tools.doctor import NOTE, check_cpu_scores
+
+    monkeypatch.setattr(numpy_engine, "_dots", None)
+    finding = check_cpu_scores()
+    assert finding.status == NOTE and "not built" in finding.message and "C compiler" in finding.fix

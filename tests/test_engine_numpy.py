@@ -537,3 +537,55 @@ def test_the_scoring_threads_follow_the_blas_thread_limits(monkeypatch):
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "many")  # not a count: ignored
     monkeypatch.setenv("OMP_NUM_THREADS", str(cores + 5))  # more than the cores: the cores
     assert numpy_engine._threads() == cores
+
+
+_GUARDED_CALLS = r"""
+import ctypes, mmap, sys
+import numpy as np
+from kalos.engine import _dots
+
+PAGE = mmap.PAGESIZE
+libc = ctypes.CDLL(None)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+held = []
+
+def fenced(shape, flush_end):
+    # float32 array with a no-access page right before and right after it, placed against one
+    size = int(np.prod(shape)) * 4
+    pages = -(-size // PAGE)
+    m = mmap.mmap(-1, (pages + 2) * PAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    assert libc.mprotect(base, PAGE, 0) == 0 and libc.mprotect(base + (pages + 1) * PAGE, PAGE, 0) == 0
+    start = PAGE + (pages * PAGE - size if flush_end else 0)
+    held.append(m)
+    return np.frombuffer(m, np.float32, int(np.prod(shape)), start).reshape(shape)
+
+rng = np.random.default_rng(int(sys.argv[1]))
+for _ in range(600):
+    dim = int(rng.choice([1, 3, 15, 16, 17, 33, 64, 65, 129, 385]))
+    n, nq = int(rng.integers(1, 30)), int(rng.integers(1, 11))
+    lo = int(rng.integers(0, n + 1)); hi = int(rng.integers(lo, n + 1))
+    flush_end = bool(rng.integers(0, 2))
+    rows, queries = fenced((n, dim), flush_end), fenced((nq, dim), flush_end)
+    rows[...] = rng.standard_normal((n, dim)); queries[...] = rng.standard_normal((nq, dim))
+    out = fenced((nq, n), flush_end)
+    out[...] = np.nan
+    _dots.scores(rows, queries, out, lo, hi)
+    want = queries.astype(np.float64) @ rows.astype(np.float64).T
+    assert np.allclose(out[:, lo:hi], want[:, lo:hi], rtol=1e-4, atol=1e-4), (dim, n, nq, lo, hi)
+    assert np.isnan(out[:, :lo]).all() and np.isnan(out[:, hi:]).all(), (dim, n, nq, lo, hi)
+    held.clear()
+print("fenced calls ok")
+"""
+
+
+@needs_dots
+def test_dots_reads_and_writes_nothing_outside_its_arrays(seed):
+    """Every array placed against a no-access page (before or after it): a load or a store past
+    either end faults, in a child process, so that the fault fails this test instead of the run."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _GUARDED_CALLS, str(seed)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "fenced calls ok" in done.stdout, (done.returncode, done.stdout, done.stderr)

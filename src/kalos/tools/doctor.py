@@ -536,11 +536,23 @@ def check_embedder(store_dim: int | None) -> Iterator[Finding]:
                       f"cannot write to it; pass Client(embedder=...) a model of dim {store_dim}")
 
 
+def check_cpu_scores() -> Finding:
+    """Whether the CPU engine's native scores for a crowd's passes (kalos.engine._dots) were built."""
+    from kalos.engine import numpy_engine
+
+    if numpy_engine._dots is not None:
+        return Finding("CPU engine", OK, "native scores for passes of 2-64 queries (kalos.engine._dots)")
+    return Finding("CPU engine", NOTE, "kalos.engine._dots was not built (no C compiler at install): a CPU "
+                   "sidecar answers a crowd with BLAS alone, up to 3x slower per pass",
+                   "install a C compiler, then pip install the package again")
+
+
 def check_all(name: str, store: Path, *, smi: Any = "probe", torch: Any = "probe") -> list[Finding]:
     from kalos.ipc.sync import FENCE_IMPLEMENTATION
 
     findings = [Finding("system", OK, f"Python {platform.python_version()} on {platform.system()} "
                         f"{platform.machine()}, {os.cpu_count()} CPUs; memory fence: {FENCE_IMPLEMENTATION}")]
+    findings.append(check_cpu_scores())
     findings += diagnose_gpu(probe_nvidia_smi() if smi == "probe" else smi,
                              probe_torch() if torch == "probe" else torch)
     store_findings, dim = check_store(store)
