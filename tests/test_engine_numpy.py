@@ -589,3 +589,41 @@ def test_dots_reads_and_writes_nothing_outside_its_arrays(seed):
     done = subprocess.run([sys.executable, "-c", _GUARDED_CALLS, str(seed)], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and "fenced calls ok" in done.stdout, (done.returncode, done.stdout, done.stderr)
+
+
+@needs_dots
+def test_groups_with_their_own_filters_and_k_equal_their_searches_one_by_one(rng, monkeypatch):
+    """search_groups: the groups that scan every row are scored in one _dots call, each then
+    selected under its own filter; a row-list filter (selective) and an empty group are searched
+    alone; every answer equals search()'s for the group and float64's."""
+    n, dim = 3000, 24
+    namespaces = rng.integers(0, 3, n)
+    namespaces[:40] = 7  # a rare namespace: a row list
+    created = rng.uniform(0, 100, n)
+    engine, ids, raw, ns, t = filled(rng, n, dim, namespaces=namespaces, created_at=created)
+    groups = [
+        (queries_for(rng, 3, dim), 8, Filter()),
+        (queries_for(rng, 2, dim), 5, Filter(namespace=1)),
+        (queries_for(rng, 1, dim), 16, Filter(since=20.0, until=70.0)),
+        (queries_for(rng, 2, dim), 4, Filter(namespace=7)),  # selective: a row list
+        (np.zeros((0, dim), np.float32), 3, Filter(namespace=2)),
+        (queries_for(rng, 1, dim), n + 5, Filter(namespace=2)),  # k past the rows: padded
+    ]
+    scored = []
+    real = numpy_engine.NumpyEngine._dot_scores
+    monkeypatch.setattr(numpy_engine.NumpyEngine, "_dot_scores",
+                        lambda self, v, q: (scored.append(len(q)), real(self, v, q))[1])
+    answers = engine.search_groups(groups)
+    assert scored == [3 + 2 + 1 + 1]  # one pass for the four groups that scan every row
+    for (queries, k, flt), (got_ids, got_scores) in zip(groups, answers):
+        want_ids, want_scores = engine.search(queries, k, flt)
+        assert got_ids.shape == want_ids.shape == (len(queries), k)
+        np.testing.assert_array_equal(got_ids, want_ids)
+        np.testing.assert_allclose(got_scores, want_scores, rtol=1e-5, atol=1e-6)
+        if len(queries) and k <= n:
+            eligible = eligible_mask(ns, t, namespace=flt.namespace, since=flt.since, until=flt.until)
+            assert_topk_matches(got_ids, got_scores, ids, raw, queries, k, eligible, context=f"group {flt}")
+    # More queries than one _dots pass takes: each group on its own, the same answers.
+    big = [(queries_for(rng, 40, dim), 8, Filter()), (queries_for(rng, 40, dim), 8, Filter(namespace=1))]
+    for (queries, k, flt), (got_ids, _s) in zip(big, engine.search_groups(big)):
+        np.testing.assert_array_equal(got_ids, engine.search(queries, k, flt)[0])

@@ -301,3 +301,66 @@ def test_an_engine_that_refuses_the_places_is_detached_and_zero_copy_is_off(loop
     engine.attach_places = refuse
     assert not loop.attach(bytearray(4096))
     assert engine.attached is False and loop.zero_copy is False
+
+
+def test_a_host_engines_mixed_pass_is_one_engine_call_and_every_answer_is_right():
+    """A CPU sidecar's pass with namespaces, all namespaces and time windows mixed: its groups go
+    to the engine in one search_groups call (the NumPy engine scores them in one read of the
+    rows); each answer equals the float64 reference under its own filter."""
+    from reference import assert_topk_matches, eligible_mask
+
+    from kalos.engine import NumpyEngine, as_unit_rows
+
+    rng = np.random.default_rng(5)
+    layout = Layout(8, DIM, 16, 4)
+    segment = Segment.create(unique_name("rl"), layout.size)
+    layout.write_header(segment.buf, epoch=1, pid=os.getpid())
+    channel = SidecarChannel(segment, layout, epoch=1)
+    engine = NumpyEngine(DIM, capacity=4096)
+    n = 3000
+    raw = rng.standard_normal((n, DIM)).astype(np.float32)
+    ids = np.arange(100, 100 + n, dtype=np.int64)
+    namespaces = rng.integers(0, 2, n).astype(np.int32)  # "default" (0) and "other" (1)
+    created = rng.uniform(0, 100, n)
+    engine.add(ids, as_unit_rows(raw), namespaces, created)
+    calls = []
+    real_groups = engine.search_groups
+    engine.search_groups = lambda groups: (calls.append(len(groups)), real_groups(groups))[1]
+    lock = StateLock()
+    recall_loop = RecallLoop(engine=engine, channel=channel, layout=layout, metrics=Metrics(), cohort=Cohort(8, 0),
+                             filters=FilterCache({b"default": 0, b"other": 1}), polling=SlotPolling(lock),
+                             expirer=NoExpiry(), state_lock=lock, stopping=threading.Event(), spin_us=0)
+    try:
+        assert not recall_loop.attach(segment.buf)  # a host engine: no zero copy
+        for slot in range(layout.n_slots):
+            channel.activate(slot, os.eventfd(0, os.EFD_NONBLOCK))
+        _submit(recall_loop, range(8))
+        scopes = {}
+        for slot in range(8):
+            view = channel.slots[slot]
+            kind = slot % 4
+            if kind == 1:
+                view.namespace[0], view.namespace_len[0] = b"other", 5
+                scopes[slot] = dict(namespace=1)
+            elif kind == 2:
+                view.flags[0] = int(RequestFlag.ALL_NAMESPACES)
+                scopes[slot] = {}
+            elif kind == 3:
+                view.flags[0] = int(RequestFlag.HAS_SINCE | RequestFlag.HAS_UNTIL)
+                view.since[0], view.until[0] = 25.0, 75.0
+                scopes[slot] = dict(namespace=0, since=25.0, until=75.0)
+            else:
+                scopes[slot] = dict(namespace=0)
+        queries = [np.array(channel.slots[s].queries[0]) for s in range(8)]
+        assert len(_sweep(recall_loop)) == 8
+        assert calls == [4]  # default, other, every namespace, the time window: one engine call
+        assert _published(recall_loop, list(range(8)))
+        for slot in range(8):
+            view = channel.slots[slot]
+            assert int(view.status[0]) == 0
+            eligible = eligible_mask(namespaces, created, **scopes[slot])
+            assert_topk_matches(view.ids[:1, :K], view.scores[:1, :K], ids, raw, queries[slot][None], K, eligible,
+                                context=f"slot {slot} {scopes[slot]}")
+    finally:
+        channel.close()
+        segment.close()

@@ -57,6 +57,9 @@ def test_three_shards_match_the_reference(rng, precision):
     for flt in FILTERS:
         for k in (1, 7, 300):  # 300: more than any shard holds, padding merged last
             m.check(q, k, flt)
+    groups = [(q[:3], 5, FILTERS[0]), (q[3:], 300, FILTERS[-1])]  # (a sidecar's mixed pass)
+    for (queries, k, flt), (ids, _scores) in zip(groups, eng.search_groups(groups)):
+        np.testing.assert_array_equal(ids, eng.search(queries, k, flt)[0])
     eng.compact()
     assert eng.tombstones == 0
     m.check(q, 10)

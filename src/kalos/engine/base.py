@@ -319,11 +319,7 @@ class Engine(ABC):
         self, queries: np.ndarray, k: int, flt: Filter = Filter()
     ) -> tuple[np.ndarray, np.ndarray]:
         """Top-k by cosine for each unit-norm query row: ``(ids[Q, k] int64, scores[Q, k] float32)``."""
-        queries = np.asarray(queries, dtype=np.float32)
-        if queries.ndim != 2 or queries.shape[1] != self.dim:
-            raise InvalidQuery(f"expected queries of shape (Q, {self.dim}), got {queries.shape}")
-        if k < 1:
-            raise InvalidQuery(f"k must be >= 1, got {k}")
+        queries = self._checked_queries(queries, k)
         q = len(queries)
         n = self.rows.size
         if q == 0:
@@ -331,6 +327,28 @@ class Engine(ABC):
         if n == 0:
             return np.full((q, k), MISSING_ID, np.int64), np.full((q, k), -np.inf, np.float32)
         rows, scores = self._search(queries, min(k, n), self.rows.mask(self.rows.simplify(flt)))
+        return self._answer_of_rows(rows, scores, k)
+
+    def search_groups(
+        self, groups: Sequence[tuple[np.ndarray, int, Filter]]
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """:meth:`search` for several groups of queries, each with its own k and filter (a
+        crowd's pass that mixes namespaces and time windows), answers in the groups' order.
+        This searches them one after another; an engine that can read the rows once for all of
+        them overrides it."""
+        return [self.search(queries, k, flt) for queries, k, flt in groups]
+
+    def _checked_queries(self, queries: np.ndarray, k: int) -> np.ndarray:
+        queries = np.asarray(queries, dtype=np.float32)
+        if queries.ndim != 2 or queries.shape[1] != self.dim:
+            raise InvalidQuery(f"expected queries of shape (Q, {self.dim}), got {queries.shape}")
+        if k < 1:
+            raise InvalidQuery(f"k must be >= 1, got {k}")
+        return queries
+
+    def _answer_of_rows(self, rows: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ids of the rows :meth:`_search` found, both padded to ``k`` columns."""
+        n = self.rows.size
         ids = self.rows.ids_of_rows(rows, scores)
         if k > n:
             ids = np.pad(ids, ((0, 0), (0, k - n)), constant_values=MISSING_ID)

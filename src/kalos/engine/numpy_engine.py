@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
 
 import numpy as np
 
-from kalos.engine.base import Engine
+from kalos.engine.base import Engine, Filter
 
 try:  # built at install where a C compiler exists (setup.py); else BLAS scores every pass
     from kalos.engine import _dots
@@ -153,9 +154,15 @@ class NumpyEngine(Engine):
             scores = np.ascontiguousarray((vectors @ queries.T).T)
         else:
             scores = queries @ vectors.T  # [Q, n]
+        return self._select(scores, k, mask)
+
+    def _select(self, scores: np.ndarray, k: int, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """The rows of the k best of each row of ``scores`` ([Q, n], overwritten) that ``mask``
+        passes, best first, and their scores."""
+        n = scores.shape[1]
         if mask is not None:
             scores += self._bias(mask)
-        if k < n and mask is not None:  # (the negated selection, as above)
+        if k < n and mask is not None:  # (the negated selection, as in _search's single query)
             top = np.argpartition(np.negative(scores, out=scores), k - 1, axis=1)[:, :k]
             np.negative(scores, out=scores)
         elif k < n:
@@ -165,6 +172,37 @@ class NumpyEngine(Engine):
         top_scores = np.take_along_axis(scores, top, axis=1)
         order = np.argsort(-top_scores, axis=1, kind="stable")
         return np.take_along_axis(top, order, axis=1), np.take_along_axis(top_scores, order, axis=1)
+
+    def search_groups(
+        self, groups: Sequence[tuple[np.ndarray, int, Filter]]
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """:meth:`search` for several groups of queries, each with its own k and filter: the
+        groups that scan every row (no filter, or one that passes too many rows for a row
+        list) are scored together by _dots, each row read once for all of them (a crowd's pass
+        that mixes namespaces and time windows); each then selects under its own filter."""
+        n = self.rows.size
+        if _dots is None or n == 0 or len(groups) < 2:
+            return super().search_groups(groups)
+        answers: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(groups)
+        shared: list[tuple[int, np.ndarray, int, np.ndarray | None]] = []  # (group, queries, k, mask)
+        for at, (queries, k, flt) in enumerate(groups):
+            queries = self._checked_queries(queries, k)
+            mask = self.rows.mask(self.rows.simplify(flt))
+            if len(queries) and (mask is None or self._row_list(mask) is None):
+                shared.append((at, queries, k, mask))
+            else:  # no queries, or a row list: only its own rows are read
+                answers[at] = self.search(queries, k, flt)
+        if len(shared) < 2 or sum(len(queries) for _at, queries, _k, _mask in shared) > _DOTS_MAX_Q:
+            for at, queries, k, _mask in shared:
+                answers[at] = self.search(queries, k, groups[at][2])
+            return answers  # type: ignore[return-value]
+        scores = self._dot_scores(self._vectors[:n], np.concatenate([queries for _at, queries, _k, _m in shared]))
+        first = 0
+        for at, queries, k, mask in shared:
+            rows, best = self._select(scores[first : first + len(queries)], min(k, n), mask)
+            answers[at] = self._answer_of_rows(rows, best, k)
+            first += len(queries)
+        return answers  # type: ignore[return-value]
 
     def _dot_scores(self, vectors: np.ndarray, queries: np.ndarray) -> np.ndarray:
         """[Q, n] scores by kalos.engine._dots: the rows cut into one slice per core, the calling

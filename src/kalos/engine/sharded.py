@@ -130,6 +130,12 @@ class ShardedEngine:
         parts = [self._search_round(queries[s : s + self._round], k, flt) for s in range(0, len(queries), self._round)]
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
+    def search_groups(
+        self, groups: Sequence[tuple[np.ndarray, int, Filter]]
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """:meth:`Engine.search_groups`: each group searched over every shard in turn."""
+        return [self.search(queries, k, flt) for queries, k, flt in groups]
+
     def _search_round(self, queries: np.ndarray, k: int, flt: Filter) -> tuple[np.ndarray, np.ndarray]:
         waits: list[Callable[[], tuple[np.ndarray, np.ndarray]]] = []
         answers: list[tuple[np.ndarray, np.ndarray]] = []

@@ -20,7 +20,7 @@ import os
 import secrets
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -171,6 +171,19 @@ class _Flight:
     ks: np.ndarray
     search: Any  # the engine's AttachedPass: done(), finish() -> scales
     started: float
+
+
+@dataclasses.dataclass(slots=True)
+class _Deferred:
+    """One filter group's search in a mixed pass, run with the others' in one engine call
+    (:meth:`Engine.search_groups`): its normalised queries, k, filter, what writes the answers
+    into the slots (returning how many to count) and what answers every member with an error."""
+
+    queries: np.ndarray
+    k: int
+    flt: Filter
+    deliver: Callable[[np.ndarray, np.ndarray], int]
+    fail: Callable[[Exception], None]
 
 
 class RecallLoop:
@@ -491,14 +504,32 @@ class RecallLoop:
         flags = columns.flags[slots]
         single = (columns.op[slots] == _RECALL) & (columns.n_queries[slots] == 1)
         single &= (ks >= 1) & (ks <= self.layout.max_k) & ((flags | _SINGLE_FLAGS) == _SINGLE_FLAGS)
-        n_queries = self._answer_singles(slots[single], ks[single], flags[single]) if single.any() else 0
+        # A host engine's groups (namespaces, time windows, where clauses) go to the engine in
+        # one call, which reads the rows once for all of them where it can.
+        deferred: list[_Deferred] | None = None if self.zero_copy else []
+        n_queries = self._answer_singles(slots[single], ks[single], flags[single], deferred=deferred) if single.any() else 0
         if not single.all():
-            n_queries += self._answer_each(slots[~single])
+            n_queries += self._answer_each(slots[~single], deferred=deferred)
+        if deferred:
+            n_queries += self._run_deferred(deferred)
         return n_queries
 
-    def _answer_singles(self, slots: np.ndarray, ks: np.ndarray, flags: np.ndarray, handle: int | None = None) -> int:
+    def _run_deferred(self, deferred: list[_Deferred]) -> int:
+        try:
+            answers = self.engine.search_groups([(d.queries, d.k, d.flt) for d in deferred])
+        except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
+            log.exception("engine search failed")
+            for d in deferred:
+                d.fail(exc)
+            return 0
+        # (the engine answers the groups in their order)
+        return sum(d.deliver(ids, scores) for d, (ids, scores) in zip(deferred, answers))
+
+    def _answer_singles(self, slots: np.ndarray, ks: np.ndarray, flags: np.ndarray, handle: int | None = None,
+                        deferred: list[_Deferred] | None = None) -> int:
         """Single recalls grouped by where clause (``handle``: the one of these slots) and
-        namespace, one engine pass per group; returns how many."""
+        namespace, one engine pass per group; returns how many (with ``deferred``, the groups'
+        searches are left there instead, and count when they run)."""
         columns = self.channel.columns
         if handle is None:
             with_where = (flags & _HAS_WHERE) != 0
@@ -508,10 +539,10 @@ class RecallLoop:
                 handles = columns.where_handle[slots[where_at]]
                 for h in np.unique(handles).tolist():
                     sub = where_at[handles == h]
-                    answered += self._answer_singles(slots[sub], ks[sub], flags[sub], int(h))
+                    answered += self._answer_singles(slots[sub], ks[sub], flags[sub], int(h), deferred)
                 if not with_where.all():
                     plain = ~with_where
-                    answered += self._answer_singles(slots[plain], ks[plain], flags[plain])
+                    answered += self._answer_singles(slots[plain], ks[plain], flags[plain], deferred=deferred)
                 return answered
         wflags, wkey = (0, 0) if handle is None else (_HAS_WHERE, handle)
         everywhere = (flags & _ALL_NAMESPACES) != 0
@@ -532,7 +563,7 @@ class RecallLoop:
             names = columns.namespace[named]  # bytes, trailing NULs dropped
             odd = columns.namespace_len[named] != np.char.str_len(names)
             if odd.any():  # a length word that disagrees with the bytes: read as the slot says
-                answered += self._answer_each(named[odd])
+                answered += self._answer_each(named[odd], deferred=deferred)
                 named, named_ks, names = named[~odd], named_ks[~odd], names[~odd]
             if not len(names):
                 unique, inverse = names, np.zeros(0, dtype=np.intp)
@@ -555,8 +586,32 @@ class RecallLoop:
                     continue
                 groups.append((named[members], named_ks[members], flt))
         for members, member_ks, flt in groups:
-            answered += self._search_group(members, member_ks, flt)
+            if deferred is None:
+                answered += self._search_group(members, member_ks, flt)
+            else:
+                self._defer_group(members, member_ks, flt, deferred)
         return answered
+
+    def _defer_group(self, slots: np.ndarray, ks: np.ndarray, flt: Filter, deferred: list[_Deferred]) -> None:
+        """:meth:`_search_group` with the search left in ``deferred`` (a host engine's)."""
+        slots, ks, batch = self._single_queries(slots, ks)
+        if not len(slots):
+            return
+        columns = self.channel.columns
+        k_max = int(ks.max())
+
+        def deliver(ids: np.ndarray, scores: np.ndarray) -> int:
+            columns.ids_row0[slots, :k_max] = ids
+            columns.scores_row0[slots, :k_max] = scores
+            columns.n_results[slots] = ks
+            columns.status[slots] = 0
+            return len(slots)
+
+        def fail(exc: Exception) -> None:
+            for index in slots.tolist():
+                self._answer_error(self.channel.slots[index], ServerError(f"search failed: {type(exc).__name__}: {exc}"))
+
+        deferred.append(_Deferred(batch, k_max, flt, deliver, fail))
 
     def _search_group(self, slots: np.ndarray, ks: np.ndarray, flt: Filter) -> int:
         """Searches the single recalls of ``slots`` (one filter) in one pass and completes their
@@ -598,27 +653,40 @@ class RecallLoop:
                 self._refuse_queries(slots[~usable], columns.query_row0[slots[~usable]])
                 return slots[usable], ks[usable]
             return slots, ks
-        rows = columns.query_row0[slots]  # a copy: what the clients wrote, read once
+        if self.zero_copy:  # one query: its scale from here, the rows straight from its slot
+            slots, ks, _rows, scales = self._single_rows(slots, ks)
+            if len(slots):
+                slot = int(slots[0])
+                self.engine.search_attached(
+                    self._query_at[slot : slot + 1], scales, self._ids_at[slot : slot + 1],
+                    self._scores_at[slot : slot + 1], k_max, flt,
+                )
+            return slots, ks
+        slots, ks, batch = self._single_queries(slots, ks)
+        if not len(slots):
+            return slots, ks
+        ids, scores = self.engine.search(batch, k_max, flt)
+        columns.ids_row0[slots, :k_max] = ids
+        columns.scores_row0[slots, :k_max] = scores
+        return slots, ks
+
+    def _single_rows(self, slots: np.ndarray, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The slots whose query has a direction, their k, their queries (a copy: what the
+        clients wrote, read once) and the queries' scales (float64, as row_scales: the same
+        unit row alone or batched); the others get their error."""
+        rows = self.channel.columns.query_row0[slots]
         with np.errstate(over="ignore", invalid="ignore"):
             squared = np.einsum("ij,ij->i", rows, rows, dtype=np.float64)
         usable = np.isfinite(squared) & (squared > 0)
         if not usable.all():
             self._refuse_queries(slots[~usable], rows[~usable])
             slots, ks, rows, squared = slots[usable], ks[usable], rows[usable], squared[usable]
-            if not len(slots):
-                return slots, ks
-        scales = 1.0 / np.sqrt(squared)  # float64, as row_scales: the same unit row alone or batched
-        if self.zero_copy:  # one query: its scale from here, the rows straight from its slot
-            slot = int(slots[0])
-            self.engine.search_attached(
-                self._query_at[slot : slot + 1], scales, self._ids_at[slot : slot + 1],
-                self._scores_at[slot : slot + 1], k_max, flt,
-            )
-            return slots, ks
-        ids, scores = self.engine.search((rows * scales[:, None]).astype(np.float32), k_max, flt)
-        columns.ids_row0[slots, :k_max] = ids
-        columns.scores_row0[slots, :k_max] = scores
-        return slots, ks
+        return slots, ks, rows, 1.0 / np.sqrt(squared)
+
+    def _single_queries(self, slots: np.ndarray, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`_single_rows`' slots and k, and their queries as unit float32 rows."""
+        slots, ks, rows, scales = self._single_rows(slots, ks)
+        return slots, ks, (rows * scales[:, None]).astype(np.float32)
 
     def _refuse_queries(self, slots: np.ndarray, rows: np.ndarray) -> None:
         """Answers each of ``slots`` with the reason its query has no direction."""
@@ -627,9 +695,10 @@ class RecallLoop:
             self._answer_error(self.channel.slots[index],
                                InvalidQuery(f"query 0 {reason}; it has no direction to compare by cosine"))
 
-    def _answer_each(self, slots: np.ndarray) -> int:
+    def _answer_each(self, slots: np.ndarray, deferred: list[_Deferred] | None = None) -> int:
         """Requests read slot by slot (batches, time windows, pings, bad words), grouped by
-        filter; returns the queries answered."""
+        filter; returns the queries answered (with ``deferred``, a host engine's, the groups'
+        searches are left there instead)."""
         groups: dict[Filter, list[tuple[SlotView, int, np.ndarray, np.ndarray]]] = {}
         n_queries = 0
         for index in slots.tolist():
@@ -658,6 +727,9 @@ class RecallLoop:
             n_queries += len(rows)
         for flt, members in groups.items():
             k_max = max(member[1] for member in members)
+            if deferred is not None:
+                deferred.append(self._deferred_copied(members, k_max, flt))
+                continue
             try:
                 if self.zero_copy:
                     members = self._search_in_place(members, k_max, flt)
@@ -665,29 +737,55 @@ class RecallLoop:
                     self._search_copied(members, k_max, flt)
             except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
                 log.exception("engine search failed")
-                for view, *_ in members:
-                    self._answer_error(view, ServerError(f"search failed: {type(exc).__name__}: {exc}"))
+                self._fail_members(members, exc)
                 continue
-            for view, k, _rows, _scales in members:
-                view.n_results[0] = k
-                view.status[0] = 0
+            self._complete_members(members)
         return n_queries
 
-    def _search_copied(self, members: list, k_max: int, flt: Filter) -> None:
-        """Normalised copies of the queries to the engine; its answers copied into the slots."""
+    def _fail_members(self, members: list, exc: Exception) -> None:
+        for view, *_ in members:
+            self._answer_error(view, ServerError(f"search failed: {type(exc).__name__}: {exc}"))
+
+    @staticmethod
+    def _complete_members(members: list) -> None:
+        for view, k, _rows, _scales in members:
+            view.n_results[0] = k
+            view.status[0] = 0
+
+    @staticmethod
+    def _copied_batch(members: list) -> np.ndarray:
+        """The members' queries, normalised, as one float32 batch."""
         if len(members) == 1:
             _view, _k, rows, scales = members[0]
             batch = rows * scales[:, None]
         else:
             batch = np.concatenate([rows * scales[:, None] for _v, _k, rows, scales in members])
-        batch = batch.astype(np.float32, copy=False)
-        ids, scores = self.engine.search(batch, k_max, flt)
+        return batch.astype(np.float32, copy=False)
+
+    @staticmethod
+    def _copy_answers(members: list, ids: np.ndarray, scores: np.ndarray) -> None:
         row = 0
         for view, k, rows, _scales in members:
             n = len(rows)
             view.ids[:n, :k] = ids[row : row + n, :k]
             view.scores[:n, :k] = scores[row : row + n, :k]
             row += n
+
+    def _search_copied(self, members: list, k_max: int, flt: Filter) -> None:
+        """Normalised copies of the queries to the engine; its answers copied into the slots."""
+        ids, scores = self.engine.search(self._copied_batch(members), k_max, flt)
+        self._copy_answers(members, ids, scores)
+
+    def _deferred_copied(self, members: list, k_max: int, flt: Filter) -> _Deferred:
+        """:meth:`_search_copied` as a search left for :meth:`_run_deferred` (its queries were
+        counted when read)."""
+
+        def deliver(ids: np.ndarray, scores: np.ndarray) -> int:
+            self._copy_answers(members, ids, scores)
+            self._complete_members(members)
+            return 0
+
+        return _Deferred(self._copied_batch(members), k_max, flt, deliver, lambda exc: self._fail_members(members, exc))
 
     def _search_in_place(self, members: list, k_max: int, flt: Filter) -> list:
         """The GPU engine reads each query from its slot and writes the answer into it.
