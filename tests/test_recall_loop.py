@@ -303,15 +303,13 @@ def test_an_engine_that_refuses_the_places_is_detached_and_zero_copy_is_off(loop
     assert engine.attached is False and loop.zero_copy is False
 
 
-def test_a_host_engines_mixed_pass_is_one_engine_call_and_every_answer_is_right():
-    """A CPU sidecar's pass with namespaces, all namespaces and time windows mixed: its groups go
-    to the engine in one search_groups call (the NumPy engine scores them in one read of the
-    rows); each answer equals the float64 reference under its own filter."""
-    from reference import assert_topk_matches, eligible_mask
-
+def _mixed_pass(rng, engine_hook=None):
+    """A RecallLoop over a NumPy engine (a host engine: no zero copy) with 8 slots whose single
+    recalls mix namespace "default", namespace "other", every namespace and a time window, all
+    pending; ``engine_hook(engine)`` may wrap the engine's methods first. Returns the loop, the
+    queries, each slot's scope (for the reference), the rows and a closer."""
     from kalos.engine import NumpyEngine, as_unit_rows
 
-    rng = np.random.default_rng(5)
     layout = Layout(8, DIM, 16, 4)
     segment = Segment.create(unique_name("rl"), layout.size)
     layout.write_header(segment.buf, epoch=1, pid=os.getpid())
@@ -323,44 +321,108 @@ def test_a_host_engines_mixed_pass_is_one_engine_call_and_every_answer_is_right(
     namespaces = rng.integers(0, 2, n).astype(np.int32)  # "default" (0) and "other" (1)
     created = rng.uniform(0, 100, n)
     engine.add(ids, as_unit_rows(raw), namespaces, created)
-    calls = []
-    real_groups = engine.search_groups
-    engine.search_groups = lambda groups: (calls.append(len(groups)), real_groups(groups))[1]
+    if engine_hook is not None:
+        engine_hook(engine)
     lock = StateLock()
     recall_loop = RecallLoop(engine=engine, channel=channel, layout=layout, metrics=Metrics(), cohort=Cohort(8, 0),
                              filters=FilterCache({b"default": 0, b"other": 1}), polling=SlotPolling(lock),
                              expirer=NoExpiry(), state_lock=lock, stopping=threading.Event(), spin_us=0)
+    assert not recall_loop.attach(segment.buf)  # a host engine: no zero copy
+    for slot in range(layout.n_slots):
+        channel.activate(slot, os.eventfd(0, os.EFD_NONBLOCK))
+    _submit(recall_loop, range(8))
+    scopes = {}
+    for slot in range(8):
+        view = channel.slots[slot]
+        kind = slot % 4
+        if kind == 1:
+            view.namespace[0], view.namespace_len[0] = b"other", 5
+            scopes[slot] = dict(namespace=1)
+        elif kind == 2:
+            view.flags[0] = int(RequestFlag.ALL_NAMESPACES)
+            scopes[slot] = {}
+        elif kind == 3:
+            view.flags[0] = int(RequestFlag.HAS_SINCE | RequestFlag.HAS_UNTIL)
+            view.since[0], view.until[0] = 25.0, 75.0
+            scopes[slot] = dict(namespace=0, since=25.0, until=75.0)
+        else:
+            scopes[slot] = dict(namespace=0)
+    queries = [np.array(channel.slots[s].queries[0]) for s in range(8)]
+
+    def close() -> None:
+        channel.close()
+        segment.close()
+
+    return recall_loop, queries, scopes, (ids, raw, namespaces, created), close
+
+
+def _check_answers(recall_loop, queries, scopes, data, slots) -> None:
+    from reference import assert_topk_matches, eligible_mask
+
+    ids, raw, namespaces, created = data
+    for slot in slots:
+        view = recall_loop.channel.slots[slot]
+        assert int(view.status[0]) == 0, slot
+        eligible = eligible_mask(namespaces, created, **scopes[slot])
+        assert_topk_matches(view.ids[:1, :K], view.scores[:1, :K], ids, raw, queries[slot][None], K, eligible,
+                            context=f"slot {slot} {scopes[slot]}")
+
+
+def test_a_host_engines_mixed_pass_is_one_engine_call_and_every_answer_is_right():
+    """A CPU sidecar's pass with namespaces, all namespaces and time windows mixed: its groups go
+    to the engine in one search_groups call (the NumPy engine scores them in one read of the
+    rows); each answer equals the float64 reference under its own filter, and each counts."""
+    calls = []
+
+    def spy(engine):
+        real = engine.search_groups
+        engine.search_groups = lambda groups: (calls.append(len(groups)), real(groups))[1]
+
+    recall_loop, queries, scopes, data, close = _mixed_pass(np.random.default_rng(5), spy)
     try:
-        assert not recall_loop.attach(segment.buf)  # a host engine: no zero copy
-        for slot in range(layout.n_slots):
-            channel.activate(slot, os.eventfd(0, os.EFD_NONBLOCK))
-        _submit(recall_loop, range(8))
-        scopes = {}
-        for slot in range(8):
-            view = channel.slots[slot]
-            kind = slot % 4
-            if kind == 1:
-                view.namespace[0], view.namespace_len[0] = b"other", 5
-                scopes[slot] = dict(namespace=1)
-            elif kind == 2:
-                view.flags[0] = int(RequestFlag.ALL_NAMESPACES)
-                scopes[slot] = {}
-            elif kind == 3:
-                view.flags[0] = int(RequestFlag.HAS_SINCE | RequestFlag.HAS_UNTIL)
-                view.since[0], view.until[0] = 25.0, 75.0
-                scopes[slot] = dict(namespace=0, since=25.0, until=75.0)
-            else:
-                scopes[slot] = dict(namespace=0)
-        queries = [np.array(channel.slots[s].queries[0]) for s in range(8)]
         assert len(_sweep(recall_loop)) == 8
         assert calls == [4]  # default, other, every namespace, the time window: one engine call
         assert _published(recall_loop, list(range(8)))
-        for slot in range(8):
-            view = channel.slots[slot]
-            assert int(view.status[0]) == 0
-            eligible = eligible_mask(namespaces, created, **scopes[slot])
-            assert_topk_matches(view.ids[:1, :K], view.scores[:1, :K], ids, raw, queries[slot][None], K, eligible,
-                                context=f"slot {slot} {scopes[slot]}")
+        _check_answers(recall_loop, queries, scopes, data, range(8))
+        assert recall_loop.metrics.queries == 8 and recall_loop.metrics.errors == 0
     finally:
-        channel.close()
-        segment.close()
+        close()
+
+
+@pytest.mark.parametrize("failure", ["the call", "one group's answer"])
+def test_a_failure_in_a_mixed_pass_fails_only_the_groups_it_concerns(failure):
+    """The engine's call for the pass's groups raises (each group is then searched alone, and
+    only the time window's search fails), or its answer for one group does not fit the slots:
+    those clients get an error, every other client its answer, and the sweep goes on."""
+
+    def break_it(engine):
+        real_groups, real_search = engine.search_groups, engine.search
+        if failure == "the call":
+            def groups(groups):
+                raise RuntimeError("injected: the groups' call")
+
+            def search(q, k, flt=Filter()):
+                if flt.since is not None:
+                    raise RuntimeError("injected: the time window's search")
+                return real_search(q, k, flt)
+
+            engine.search_groups, engine.search = groups, search
+        else:
+            def groups(groups):
+                answers = real_groups(groups)
+                return [(ids[:, :-1], scores[:, :-1]) if flt.since is not None else (ids, scores)
+                        for (_q, _k, flt), (ids, scores) in zip(groups, answers)]
+
+            engine.search_groups = groups
+
+    recall_loop, queries, scopes, data, close = _mixed_pass(np.random.default_rng(6), break_it)
+    try:
+        assert len(_sweep(recall_loop)) == 8
+        assert _published(recall_loop, list(range(8)))
+        windows = [slot for slot in range(8) if slot % 4 == 3]
+        for slot in windows:
+            assert int(recall_loop.channel.slots[slot].status[0]) != 0, slot
+        _check_answers(recall_loop, queries, scopes, data, [s for s in range(8) if s not in windows])
+        assert recall_loop.metrics.errors == len(windows)
+    finally:
+        close()

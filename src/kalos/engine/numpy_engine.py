@@ -179,7 +179,8 @@ class NumpyEngine(Engine):
         """:meth:`search` for several groups of queries, each with its own k and filter: the
         groups that scan every row (no filter, or one that passes too many rows for a row
         list) are scored together by _dots, each row read once for all of them (a crowd's pass
-        that mixes namespaces and time windows); each then selects under its own filter."""
+        that mixes namespaces and time windows); each then selects under its own filter. The
+        answers are search()'s up to float32 rounding (a lone query there is a mat-vec)."""
         n = self.rows.size
         if _dots is None or n == 0 or len(groups) < 2:
             return super().search_groups(groups)

@@ -182,6 +182,8 @@ class _Deferred:
     queries: np.ndarray
     k: int
     flt: Filter
+    # Returns the queries to count now: a single recall group's that were answered; 0 for
+    # requests read slot by slot, which _answer_each counted as it read them.
     deliver: Callable[[np.ndarray, np.ndarray], int]
     fail: Callable[[Exception], None]
 
@@ -515,15 +517,25 @@ class RecallLoop:
         return n_queries
 
     def _run_deferred(self, deferred: list[_Deferred]) -> int:
+        """Runs the pass's deferred searches in one engine call and delivers each group's
+        answers; returns what they count. Whatever fails (the call, or one group's answers)
+        fails only the groups it concerns, as when each group was searched alone."""
         try:
             answers = self.engine.search_groups([(d.queries, d.k, d.flt) for d in deferred])
-        except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
-            log.exception("engine search failed")
-            for d in deferred:
+            if len(answers) != len(deferred):
+                raise ServerError(f"the engine answered {len(answers)} groups of {len(deferred)}")
+        except Exception:  # a bug, not the caller's fault: each group alone, so that it fails alone
+            log.exception("engine search of a pass's groups failed; searching them one by one")
+            answers = [None] * len(deferred)
+        counted = 0
+        for d, answer in zip(deferred, answers):
+            try:
+                ids, scores = answer if answer is not None else self.engine.search(d.queries, d.k, d.flt)
+                counted += d.deliver(ids, scores)
+            except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
+                log.exception("engine search failed")
                 d.fail(exc)
-            return 0
-        # (the engine answers the groups in their order)
-        return sum(d.deliver(ids, scores) for d, (ids, scores) in zip(deferred, answers))
+        return counted
 
     def _answer_singles(self, slots: np.ndarray, ks: np.ndarray, flags: np.ndarray, handle: int | None = None,
                         deferred: list[_Deferred] | None = None) -> int:
