@@ -426,3 +426,34 @@ def test_a_failure_in_a_mixed_pass_fails_only_the_groups_it_concerns(failure):
         assert recall_loop.metrics.errors == len(windows)
     finally:
         close()
+
+
+def test_a_failed_search_errs_once_and_leaves_a_refused_query_its_own_error():
+    """A pass of one filter on a host engine whose search fails: the client whose query had no
+    direction keeps that error (it is not answered a second time), every other client gets the
+    search's, and each error counts once."""
+
+    def fail(engine):
+        def search(q, k, flt=Filter()):
+            raise RuntimeError("injected: the search")
+
+        engine.search = search
+
+    recall_loop, _queries, _scopes, _data, close = _mixed_pass(np.random.default_rng(7), fail)
+    try:
+        channel = recall_loop.channel
+        for slot in range(8):  # one kind for all: namespace "default", the uniform pass
+            view = channel.slots[slot]
+            view.flags[0] = 0
+            view.namespace[0], view.namespace_len[0] = b"default", 7
+        channel.slots[2].queries[0] = 0.0  # no direction
+        assert len(_sweep(recall_loop)) == 8
+        assert _published(recall_loop, list(range(8)))
+        assert int(channel.slots[2].status[0]) == ErrorCode.INVALID_QUERY
+        assert "no direction" in channel.slots[2].read_message()
+        for slot in (0, 1, 3, 4, 5, 6, 7):
+            assert int(channel.slots[slot].status[0]) == ErrorCode.INTERNAL, slot
+            assert "injected: the search" in channel.slots[slot].read_message()
+        assert recall_loop.metrics.errors == 8
+    finally:
+        close()

@@ -628,11 +628,13 @@ class RecallLoop:
     def _search_group(self, slots: np.ndarray, ks: np.ndarray, flt: Filter) -> int:
         """Searches the single recalls of ``slots`` (one filter) in one pass and completes their
         answers; returns how many were answered (the rest got their error)."""
+        refused: list[np.ndarray] = []  # (slots answered already: their query had no direction)
         try:
-            slots, ks = self._search_singles(slots, ks, flt)
+            slots, ks = self._search_singles(slots, ks, flt, refused)
         except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
             log.exception("engine search failed")
-            for index in slots.tolist():
+            failed = np.setdiff1d(slots, np.concatenate(refused)) if refused else slots
+            for index in failed.tolist():
                 self._answer_error(self.channel.slots[index], ServerError(f"search failed: {type(exc).__name__}: {exc}"))
             return 0
         columns = self.channel.columns
@@ -650,9 +652,11 @@ class RecallLoop:
         columns.status[slots] = 0
         return len(slots)
 
-    def _search_singles(self, slots: np.ndarray, ks: np.ndarray, flt: Filter) -> tuple[np.ndarray, np.ndarray]:
+    def _search_singles(self, slots: np.ndarray, ks: np.ndarray, flt: Filter,
+                        refused: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """One pass over the rows for the single queries in ``slots``; the answers go into the
-        slots. Returns the slots answered and their k (the rest got an error: no direction)."""
+        slots. Returns the slots answered and their k (the rest got an error: no direction; the
+        slots refused before the search are added to ``refused``)."""
         columns = self.channel.columns
         k_max = int(ks.max())
         if self.zero_copy and len(slots) > 1:
@@ -666,7 +670,7 @@ class RecallLoop:
                 return slots[usable], ks[usable]
             return slots, ks
         if self.zero_copy:  # one query: its scale from here, the rows straight from its slot
-            slots, ks, _rows, scales = self._single_rows(slots, ks)
+            slots, ks, _rows, scales = self._single_rows(slots, ks, refused)
             if len(slots):
                 slot = int(slots[0])
                 self.engine.search_attached(
@@ -674,7 +678,7 @@ class RecallLoop:
                     self._scores_at[slot : slot + 1], k_max, flt,
                 )
             return slots, ks
-        slots, ks, batch = self._single_queries(slots, ks)
+        slots, ks, batch = self._single_queries(slots, ks, refused)
         if not len(slots):
             return slots, ks
         ids, scores = self.engine.search(batch, k_max, flt)
@@ -682,22 +686,26 @@ class RecallLoop:
         columns.scores_row0[slots, :k_max] = scores
         return slots, ks
 
-    def _single_rows(self, slots: np.ndarray, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _single_rows(self, slots: np.ndarray, ks: np.ndarray, refused: list[np.ndarray] | None = None
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The slots whose query has a direction, their k, their queries (a copy: what the
         clients wrote, read once) and the queries' scales (float64, as row_scales: the same
-        unit row alone or batched); the others get their error."""
+        unit row alone or batched); the others get their error (and go into ``refused``)."""
         rows = self.channel.columns.query_row0[slots]
         with np.errstate(over="ignore", invalid="ignore"):
             squared = np.einsum("ij,ij->i", rows, rows, dtype=np.float64)
         usable = np.isfinite(squared) & (squared > 0)
         if not usable.all():
             self._refuse_queries(slots[~usable], rows[~usable])
+            if refused is not None:
+                refused.append(slots[~usable])
             slots, ks, rows, squared = slots[usable], ks[usable], rows[usable], squared[usable]
         return slots, ks, rows, 1.0 / np.sqrt(squared)
 
-    def _single_queries(self, slots: np.ndarray, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _single_queries(self, slots: np.ndarray, ks: np.ndarray, refused: list[np.ndarray] | None = None
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`_single_rows`' slots and k, and their queries as unit float32 rows."""
-        slots, ks, rows, scales = self._single_rows(slots, ks)
+        slots, ks, rows, scales = self._single_rows(slots, ks, refused)
         return slots, ks, (rows * scales[:, None]).astype(np.float32)
 
     def _refuse_queries(self, slots: np.ndarray, rows: np.ndarray) -> None:
