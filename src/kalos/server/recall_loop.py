@@ -524,7 +524,11 @@ class RecallLoop:
             answers = self.engine.search_groups([(d.queries, d.k, d.flt) for d in deferred])
             if len(answers) != len(deferred):
                 raise ServerError(f"the engine answered {len(answers)} groups of {len(deferred)}")
-        except Exception:  # a bug, not the caller's fault: each group alone, so that it fails alone
+        except Exception as exc:  # a bug, not the caller's fault: each group alone, so that it fails alone
+            if len(deferred) == 1:
+                log.exception("engine search failed")
+                deferred[0].fail(exc)
+                return 0
             log.exception("engine search of a pass's groups failed; searching them one by one")
             answers = [None] * len(deferred)
         counted = 0
@@ -605,7 +609,8 @@ class RecallLoop:
         return answered
 
     def _defer_group(self, slots: np.ndarray, ks: np.ndarray, flt: Filter, deferred: list[_Deferred]) -> None:
-        """:meth:`_search_group` with the search left in ``deferred`` (a host engine's)."""
+        """A host engine's search of the single recalls of ``slots`` (one filter), left in
+        ``deferred`` (the queries with no direction are answered now, with their error)."""
         slots, ks, batch = self._single_queries(slots, ks)
         if not len(slots):
             return
@@ -628,13 +633,15 @@ class RecallLoop:
     def _search_group(self, slots: np.ndarray, ks: np.ndarray, flt: Filter) -> int:
         """Searches the single recalls of ``slots`` (one filter) in one pass and completes their
         answers; returns how many were answered (the rest got their error)."""
-        refused: list[np.ndarray] = []  # (slots answered already: their query had no direction)
+        if not self.zero_copy:  # a host engine: the one path of its searches (_run_deferred)
+            deferred: list[_Deferred] = []
+            self._defer_group(slots, ks, flt, deferred)
+            return self._run_deferred(deferred) if deferred else 0
         try:
-            slots, ks = self._search_singles(slots, ks, flt, refused)
+            slots, ks = self._search_singles(slots, ks, flt)
         except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
             log.exception("engine search failed")
-            failed = np.setdiff1d(slots, np.concatenate(refused)) if refused else slots
-            for index in failed.tolist():
+            for index in slots.tolist():
                 self._answer_error(self.channel.slots[index], ServerError(f"search failed: {type(exc).__name__}: {exc}"))
             return 0
         columns = self.channel.columns
@@ -652,11 +659,10 @@ class RecallLoop:
         columns.status[slots] = 0
         return len(slots)
 
-    def _search_singles(self, slots: np.ndarray, ks: np.ndarray, flt: Filter,
-                        refused: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """One pass over the rows for the single queries in ``slots``; the answers go into the
-        slots. Returns the slots answered and their k (the rest got an error: no direction; the
-        slots refused before the search are added to ``refused``)."""
+    def _search_singles(self, slots: np.ndarray, ks: np.ndarray, flt: Filter) -> tuple[np.ndarray, np.ndarray]:
+        """One pass over the rows for the single queries in ``slots``, the engine reading them
+        from the slots and writing the answers there (zero copy). Returns the slots answered
+        and their k (the rest got an error: no direction)."""
         columns = self.channel.columns
         k_max = int(ks.max())
         if self.zero_copy and len(slots) > 1:
@@ -669,43 +675,32 @@ class RecallLoop:
                 self._refuse_queries(slots[~usable], columns.query_row0[slots[~usable]])
                 return slots[usable], ks[usable]
             return slots, ks
-        if self.zero_copy:  # one query: its scale from here, the rows straight from its slot
-            slots, ks, _rows, scales = self._single_rows(slots, ks, refused)
-            if len(slots):
-                slot = int(slots[0])
-                self.engine.search_attached(
-                    self._query_at[slot : slot + 1], scales, self._ids_at[slot : slot + 1],
-                    self._scores_at[slot : slot + 1], k_max, flt,
-                )
-            return slots, ks
-        slots, ks, batch = self._single_queries(slots, ks, refused)
-        if not len(slots):
-            return slots, ks
-        ids, scores = self.engine.search(batch, k_max, flt)
-        columns.ids_row0[slots, :k_max] = ids
-        columns.scores_row0[slots, :k_max] = scores
+        # One query: its scale from here, the rows straight from its slot.
+        slots, ks, _rows, scales = self._single_rows(slots, ks)
+        if len(slots):
+            slot = int(slots[0])
+            self.engine.search_attached(
+                self._query_at[slot : slot + 1], scales, self._ids_at[slot : slot + 1],
+                self._scores_at[slot : slot + 1], k_max, flt,
+            )
         return slots, ks
 
-    def _single_rows(self, slots: np.ndarray, ks: np.ndarray, refused: list[np.ndarray] | None = None
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _single_rows(self, slots: np.ndarray, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The slots whose query has a direction, their k, their queries (a copy: what the
         clients wrote, read once) and the queries' scales (float64, as row_scales: the same
-        unit row alone or batched); the others get their error (and go into ``refused``)."""
+        unit row alone or batched); the others get their error."""
         rows = self.channel.columns.query_row0[slots]
         with np.errstate(over="ignore", invalid="ignore"):
             squared = np.einsum("ij,ij->i", rows, rows, dtype=np.float64)
         usable = np.isfinite(squared) & (squared > 0)
         if not usable.all():
             self._refuse_queries(slots[~usable], rows[~usable])
-            if refused is not None:
-                refused.append(slots[~usable])
             slots, ks, rows, squared = slots[usable], ks[usable], rows[usable], squared[usable]
         return slots, ks, rows, 1.0 / np.sqrt(squared)
 
-    def _single_queries(self, slots: np.ndarray, ks: np.ndarray, refused: list[np.ndarray] | None = None
-                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _single_queries(self, slots: np.ndarray, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`_single_rows`' slots and k, and their queries as unit float32 rows."""
-        slots, ks, rows, scales = self._single_rows(slots, ks, refused)
+        slots, ks, rows, scales = self._single_rows(slots, ks)
         return slots, ks, (rows * scales[:, None]).astype(np.float32)
 
     def _refuse_queries(self, slots: np.ndarray, rows: np.ndarray) -> None:
@@ -745,21 +740,23 @@ class RecallLoop:
                 continue
             groups.setdefault(flt, []).append((view, k, rows, scales))
             n_queries += len(rows)
+        own = deferred is None and not self.zero_copy  # (a host engine's searches: _run_deferred)
+        if own:
+            deferred = []
         for flt, members in groups.items():
             k_max = max(member[1] for member in members)
             if deferred is not None:
                 deferred.append(self._deferred_copied(members, k_max, flt))
                 continue
             try:
-                if self.zero_copy:
-                    members = self._search_in_place(members, k_max, flt)
-                else:
-                    self._search_copied(members, k_max, flt)
+                members = self._search_in_place(members, k_max, flt)
             except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
                 log.exception("engine search failed")
                 self._fail_members(members, exc)
                 continue
             self._complete_members(members)
+        if own and deferred:
+            self._run_deferred(deferred)
         return n_queries
 
     def _fail_members(self, members: list, exc: Exception) -> None:
@@ -791,14 +788,10 @@ class RecallLoop:
             view.scores[:n, :k] = scores[row : row + n, :k]
             row += n
 
-    def _search_copied(self, members: list, k_max: int, flt: Filter) -> None:
-        """Normalised copies of the queries to the engine; its answers copied into the slots."""
-        ids, scores = self.engine.search(self._copied_batch(members), k_max, flt)
-        self._copy_answers(members, ids, scores)
-
     def _deferred_copied(self, members: list, k_max: int, flt: Filter) -> _Deferred:
-        """:meth:`_search_copied` as a search left for :meth:`_run_deferred` (its queries were
-        counted when read)."""
+        """A host engine's search of the requests read slot by slot (``members``, one filter):
+        normalised copies of their queries, the answers copied into their slots; left for
+        :meth:`_run_deferred` (their queries were counted when read)."""
 
         def deliver(ids: np.ndarray, scores: np.ndarray) -> int:
             self._copy_answers(members, ids, scores)
