@@ -48,7 +48,7 @@ from kalos.engine.gpu import (  # noqa: E402
 from kalos.engine.gpu.bounds import quantize_rows  # noqa: E402
 from kalos.engine.gpu.engine import load_kernels  # noqa: E402
 from kalos.engine.gpu.layout import HDR_WORDS, HEADER, HEADER_DTYPE, check_kernel_layout, kernel_constants  # noqa: E402
-from kalos.engine.gpu.planner import next_pow2  # noqa: E402
+from kalos.engine.gpu.planner import fast_candidates, next_pow2  # noqa: E402
 from kalos.errors import InvalidArgument, InvalidQuery  # noqa: E402
 from kalos.validation import normalise_rows, row_scales  # noqa: E402
 
@@ -404,6 +404,31 @@ def test_triton_v2_scores_scan_and_tf32_batches(rng, precision):
     m.check(q, 5)
     m.add(150)  # grows the capacity: plans and workspaces follow
     m.check(q, 5, Filter(since=30.0))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_triton_split_final_rescore(rng, precision):
+    """The final kernel's certified re-score split over several programs per query
+    (final_split_rows): the last program to arrive answers. Batches whose plans keep different
+    numbers of candidates run one after another (they share the arrival counts), with a filter
+    too; the float64 answer every time, and the counts back at zero after each search. One
+    program per query (0) answers the same."""
+    eng = triton_engine(40, precision=precision, capacity=8)
+    eng.retune({"score_chunk": 64, "final_split_rows": 4})
+    assert eng.plan(3, 8).final_split == fast_candidates(8) // 4
+    assert eng.plan(3, 16).final_split == fast_candidates(16) // 4
+    m = Mirror(eng, rng)
+    ids = m.add(300)
+    m.delete(ids[::5])
+    q = unit_queries(rng, 5, 40)
+    for k in (8, 3, 16, 8):
+        m.check(q, k)
+        assert not eng.pipeline.rescored[1].any()
+    m.check(q[:2], 5, Filter(namespace=1))
+    eng.retune({"final_split_rows": 0})
+    assert eng.plan(3, 8).final_split == 1
+    m.check(q, 8)
 
 
 @needs_interpreter

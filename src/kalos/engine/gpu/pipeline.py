@@ -18,7 +18,7 @@ import torch
 
 from kalos.engine.gpu.buffers import AttachedHost, Staging
 from kalos.engine.gpu.columns import DeviceColumns
-from kalos.engine.gpu.planner import GROUPS_PER_CHUNK, Plan, Planner, ScanConfig, next_pow2
+from kalos.engine.gpu.planner import GROUPS_PER_CHUNK, MAX_FAST_K, Plan, Planner, ScanConfig, fast_candidates, next_pow2
 
 __all__ = ["Pipeline", "BatchKey", "GemmScratch"]
 
@@ -79,6 +79,9 @@ class Pipeline:
         self._occupancy: dict = {}
         self._ws: tuple = (None, None, None)
         self._scratch = GemmScratch(device, half, dim, max_batch)
+        # The split final kernel's float32 keys (sized for the most candidates any plan keeps)
+        # and arrival counts per query (final_kernel's RESCORED and ARRIVED).
+        self.rescored = self.new_rescored(max_batch) if kernels is not None else None
         self._mm_fp32_out: bool | None = None
 
     def plan(self, kind: str, qb: int, kp: int) -> Plan:
@@ -156,7 +159,7 @@ class Pipeline:
                 stride = self.scan_keys(kind, plan, qb, st.d_hdr, st.d_hdrf, st.d_q, live_t, filtered,
                                          ws_a, ws_s, st.d_bound)
             self.select_final(kind, plan, qb, ws_a, ws_b, stride, st.d_hdr, st.d_hdrf, st.d_q, res_i,
-                               res_s, st.res_status_t, want_ids, over=over, bound=st.d_bound)
+                               res_s, st.res_status_t, want_ids, over=over, bound=st.d_bound, rescored=self.rescored)
 
     def scan_keys(self, kind: str, plan: Plan, qb: int, hdr: torch.Tensor, hdrf: torch.Tensor, dq: torch.Tensor,
                   live_t: torch.Tensor, filtered: bool, ws_a: torch.Tensor, ws_s: torch.Tensor | None,
@@ -207,10 +210,12 @@ class Pipeline:
     def select_final(self, kind: str, plan: Plan, qb: int, ws_a: torch.Tensor, ws_b: torch.Tensor, stride: int,
                      hdr: torch.Tensor, hdrf: torch.Tensor, dq: torch.Tensor, res_i: torch.Tensor,
                      res_s: torch.Tensor, status: torch.Tensor, want_ids: bool, *, over: torch.Tensor | None = None,
-                     bound: torch.Tensor | None = None, publish: dict | None = None) -> None:
+                     bound: torch.Tensor | None = None, rescored: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     publish: dict | None = None) -> None:
         """The merge levels over the keys in ``ws_a`` (``ws_b``: the other buffer of the ping-pong),
-        then the final kernel: answers into host memory at the table's offsets (``publish``:
-        the slot server's extra arguments, see final_kernel)."""
+        then the final kernel: answers into host memory at the table's offsets (``rescored``:
+        the split re-score's buffers, :meth:`new_rescored`, used when ``plan.final_split`` > 1;
+        ``publish``: the slot server's extra arguments, see final_kernel)."""
         cols = self.columns
         tk = self.kernels
         cur, nxt, count = ws_a, ws_b, stride
@@ -220,12 +225,16 @@ class Pipeline:
                                            num_warps=4)
             cur, nxt, stride, count = nxt, cur, out_stride, out_stride
         ea, eb, ec = self._err[kind]
-        tk.final_kernel[(qb,)](
+        split = plan.final_split > 1
+        if split and (rescored is None or rescored[1].numel() < qb or rescored[0].numel() < qb * plan.k1):
+            raise AssertionError("a split final kernel needs its buffers for this batch")
+        tk.final_kernel[(qb, plan.final_split)](
             cur, hdr, hdrf, cols.x32, dq, cols.ids, res_i, res_s, status,
             stride, count, ea, eb, ec, D=self.dim, KIN=plan.k1, KOUT=plan.kout, CHUNK=plan.final_chunk,
             BLOCK_D=plan.final_block_d, RESCORE=kind != "f32" and not plan.rescore_k, OUT_IDS=want_ids,
             num_warps=plan.final_warps, OVER=over, CHECK_OVER=over is not None,
-            BOUND=bound, CHUNK_CERT=plan.rescore_k > 0, **(publish or {}),
+            BOUND=bound, CHUNK_CERT=plan.rescore_k > 0, SPLIT=plan.final_split,
+            RESCORED=rescored[0] if split else None, ARRIVED=rescored[1] if split else None, **(publish or {}),
         )
 
     def gemm_scores(self, kind: str, qb: int, plan: Plan, slices: int, ws_a: torch.Tensor, stride: int,
@@ -303,6 +312,11 @@ class Pipeline:
                 held.selection(qb, groups, scratch)
         return held.selection(qb, groups, scratch)
 
+    def new_rescored(self, max_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The split final kernel's buffers for batches of up to ``max_batch`` queries, any
+        plan: the re-scored keys and the arrival counts (zeros, as the kernel leaves them)."""
+        return (torch.empty(max_batch * fast_candidates(MAX_FAST_K), dtype=torch.int64, device=self.device),
+                torch.zeros(max_batch, dtype=torch.int32, device=self.device))
 
     def new_scratch(self, max_batch: int) -> GemmScratch:
         """A :class:`GemmScratch` of its own, for passes on another stream."""

@@ -120,6 +120,10 @@ class Tuning:
     # a single query gets a wider one.
     final_tile: int = 8192
     final_warps: int = 8
+    # Candidates each program of the final kernel re-scores: a query's KF candidates are split
+    # over KF / final_split_rows programs, each reading its rows in one tile (0: one program
+    # re-scores them all, a tile at a time).
+    final_split_rows: int = 8
     single_final_tile: int = 16384
     single_final_warps: int = 16
     # A single query's chunk top-K and exact final kernel (batches keep 4 warps for both).
@@ -188,6 +192,7 @@ class Plan:
     gemm_rows: int = 0  # batches: cuBLAS scores this many rows at a time instead of the scan (0: scan)
     threshold: bool = False  # whole GEMM slices select by threshold, not per chunk
     fma: bool = False  # an exact batch of a few queries scanned by FMA (Planner.fma)
+    final_split: int = 1  # programs per query of the final kernel's re-score (final_kernel's SPLIT)
 
 
 @dataclass
@@ -309,14 +314,16 @@ class Planner:
             tile_elems = tune.chunk_rescore_tile
         else:
             tile_elems = tune.single_final_tile if single else tune.final_tile
-        final_block_d = max(16, min(next_pow2(self.dim), int(tile_elems) // (rescore_k or k1)))
+        split_rows = next_pow2(int(tune.final_split_rows)) if int(tune.final_split_rows) > 0 else 0
+        final_split = k1 // split_rows if kind != "f32" and not rescore_k and 0 < split_rows < k1 else 1
+        final_block_d = max(16, min(next_pow2(self.dim), int(tile_elems) // (rescore_k or k1 // final_split)))
         if kind != "f32" and not rescore_k:
             final_warps = int(tune.single_final_warps if single else tune.final_warps)
         else:  # the final kernel selects among float32 keys and re-scores nothing
             final_warps = int(tune.single_exact_final_warps) if single else 4
         topk_warps = int(tune.single_topk_warps) if single else 4
         return Plan(k1, kp, cfg, n_qblocks, progs, levels, count, final_chunk, final_block_d, final_warps, ws,
-                    topk_warps, rescore_k, score_chunk if scores else 0, gemm_rows, threshold, fma)
+                    topk_warps, rescore_k, score_chunk if scores else 0, gemm_rows, threshold, fma, final_split)
 
 
 def _threshold_fits(slice_rows: int, chunk: int, k1: int) -> bool:

@@ -137,12 +137,20 @@ def _certified_rescore(top, kq, X32, q_ptr, x_norm, err_a, err_b, err_c, D: tl.c
     """The float32 top-KOUT of the KIN candidates ``top`` (keys of 16-bit or tf32 scores,
     sorted), and whether the certificate holds (see :mod:`kalos.engine.gpu.bounds`): ``(keys [1, KOUT],
     certified [1])``. ``kq`` is the k asked for, at most the rows in use."""
-    s16, valid2, keys32, err = _rescore(top, X32, q_ptr, x_norm, err_a, err_b, err_c, 0.0, D, KIN, BLOCK_D)
+    _s16, _valid2, keys32, err = _rescore(top, X32, q_ptr, x_norm, err_a, err_b, err_c, 0.0, D, KIN, BLOCK_D)
+    return tl.topk(keys32, KOUT), _certificate(top, kq, err, KIN)
+
+
+@triton.jit
+def _certificate(top, kq, err, KIN: tl.constexpr):
+    """Whether the float32 top-kq lies among the KIN candidates ``top`` ([1, KIN] keys of
+    16-bit or tf32 scores, sorted), ``err`` the bound on a score's error: none left out can
+    beat the kq-th (see :mod:`kalos.engine.gpu.bounds`). [1]"""
+    s16, _rows, valid2 = _unpack(top)
     t_k = _kth_score(s16, kq, KIN)
     n_valid = tl.sum(valid2.to(tl.int32), axis=1)
     t_last = tl.min(tl.where(valid2, s16, float("inf")), axis=1)
-    certified = (n_valid < KIN) | (t_last.to(tl.float64) < t_k.to(tl.float64) - 2.0 * err)
-    return tl.topk(keys32, KOUT), certified
+    return (n_valid < KIN) | (t_last.to(tl.float64) < t_k.to(tl.float64) - 2.0 * err)
 
 
 @triton.jit

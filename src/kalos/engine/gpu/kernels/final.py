@@ -5,6 +5,12 @@ For the 16-bit and tf32 scans it re-scores the candidates in float32 and certifi
 (``RESCORE``); after the chunks' own re-score it checks the chunks' bound (``CHUNK_CERT``);
 in the slot server's graph it publishes the answer in the slot (``PUBLISH``, :func:`_publish`).
 The error bounds and why they certify: :mod:`kalos.engine.gpu.bounds`.
+
+The re-score reads KIN random rows. One program reading them a tile at a time waited a
+memory round trip per tile, and that chain was most of a batch's final step, so with
+``SPLIT`` > 1 each query has SPLIT programs: each re-scores KIN / SPLIT candidates in one
+tile and files their float32 keys in ``RESCORED``, and the last to arrive (a counter after
+the keys, acquire-release) selects, certifies and answers for the query.
 """
 from __future__ import annotations
 
@@ -27,11 +33,13 @@ from kalos.engine.gpu.kernels.common import (
     T_SLOT,
     T_SLOT_WORD,
     TAB_WORDS,
+    _certificate,
     _certified_rescore,
     _clock_ns,
     _fence_system,
     _kth_score,
     _ordered,
+    _rescore,
     _unpack,
 )
 
@@ -82,8 +90,15 @@ def final_kernel(
     W_RESP: tl.constexpr = 0,
     NS: tl.constexpr = 1,
     ON_GPU: tl.constexpr = False,
+    # SPLIT (with RESCORE): programs per query on grid axis 1, each re-scoring KIN / SPLIT
+    # candidates; RESCORED ([Qb, KIN] int64): their float32 keys; ARRIVED ([Qb] int32): how
+    # many of a query's programs filed theirs (zero between searches: the last one resets it).
+    SPLIT: tl.constexpr = 1,
+    RESCORED=None,
+    ARRIVED=None,
 ):
     q = tl.program_id(0)
+    part = tl.program_id(1)
     # The keys and every header word this program needs, loaded at once (the workspace and the
     # header hold a row for every program of the grid): one issued after the selection would
     # be a device-memory round trip more on the answer's path.
@@ -107,41 +122,74 @@ def final_kernel(
         scale = tl.load(HDRF + tab + T_SCALE + tl.arange(0, 1))  # (a tile: the interpreter's scalars do not mix)
     if q < nq:
         top = tl.topk(tl.reshape(keys, [1, CHUNK]), KIN)
-        if RESCORE:
+        last = True  # this program answers for the query
+        if RESCORE and SPLIT > 1:
+            final, certified, last = _split_rescore(
+                top, part, kq, X32, Qs + q.to(tl.int64) * D, x_norm, err_a, err_b, err_c,
+                RESCORED + q.to(tl.int64) * KIN, ARRIVED + q, D, KIN, KOUT, BLOCK_D, SPLIT,
+            )
+        elif RESCORE:
             final, certified = _certified_rescore(
                 top, kq, X32, Qs + q.to(tl.int64) * D, x_norm, err_a, err_b, err_c, D, KIN, KOUT, BLOCK_D,
             )
+        if RESCORE:
             if CHECK_OVER:
                 certified = certified & (tl.load(OVER + q) == 0)
-            tl.store(STATUS + q + tl.arange(0, 1), tl.where(certified, 0, 1).to(tl.int32))
         elif CHUNK_CERT:
             final = top
             s_top, _rows, _valid = _unpack(top)
             certified = (bound == -9223372036854775808) | (bound < _ordered(_kth_score(s_top, kq, KIN)))
             tl.store(BOUND + q, -9223372036854775808)
-            tl.store(STATUS + q + tl.arange(0, 1), tl.where(certified, 0, 1).to(tl.int32))
         else:
             final = top
-        score, row, valid_out = _unpack(final)
-        if OUT_IDS:
-            out_i = tl.load(IDS + row, mask=valid_out, other=-1)
-        else:
-            out_i = row
-        # Straight into host memory (page-locked, mapped): the engine's result area or a
-        # client's slot. Only the k_out columns asked for: a slot row may be narrower than KOUT.
-        cols = tl.arange(0, KOUT)[None, :]
-        want = cols < k_cols
-        good = True
-        if PUBLISH:
-            good = tl.sum(((scale > 0.0) & (scale < float("inf"))).to(tl.int32)) > 0  # (False for NaN too)
+        if last:
             if RESCORE or CHUNK_CERT:
-                good = good & (tl.sum(certified.to(tl.int32)) > 0)
-            want = want & good
-        tl.store(RES_I + at_i + cols, out_i, mask=want)
-        tl.store(RES_S + at_s + cols, score, mask=want)
-        if PUBLISH:
-            _publish(SEG, DSEEN, HANS, HHOF, HTAKEN, HCTL, CTL + CTL_ANSWERS, slot_w, seq, slot, k_cols, good, W_STATN,
-                     W_RESP, NS, ON_GPU)
+                tl.store(STATUS + q + tl.arange(0, 1), tl.where(certified, 0, 1).to(tl.int32))
+            score, row, valid_out = _unpack(final)
+            if OUT_IDS:
+                out_i = tl.load(IDS + row, mask=valid_out, other=-1)
+            else:
+                out_i = row
+            # Straight into host memory (page-locked, mapped): the engine's result area or a
+            # client's slot. Only the k_out columns asked for: a slot row may be narrower than KOUT.
+            cols = tl.arange(0, KOUT)[None, :]
+            want = cols < k_cols
+            good = True
+            if PUBLISH:
+                good = tl.sum(((scale > 0.0) & (scale < float("inf"))).to(tl.int32)) > 0  # (False for NaN too)
+                if RESCORE or CHUNK_CERT:
+                    good = good & (tl.sum(certified.to(tl.int32)) > 0)
+                want = want & good
+            tl.store(RES_I + at_i + cols, out_i, mask=want)
+            tl.store(RES_S + at_s + cols, score, mask=want)
+            if PUBLISH:
+                _publish(SEG, DSEEN, HANS, HHOF, HTAKEN, HCTL, CTL + CTL_ANSWERS, slot_w, seq, slot, k_cols, good,
+                         W_STATN, W_RESP, NS, ON_GPU)
+
+
+@triton.jit
+def _split_rescore(top, part, kq, X32, q_ptr, x_norm, err_a, err_b, err_c, RESCORED, ARRIVED, D: tl.constexpr,
+                   KIN: tl.constexpr, KOUT: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr):
+    """Program ``part`` of a query's SPLIT: re-scores candidates [part * R, (part + 1) * R) of
+    ``top`` (R = KIN / SPLIT) in float32 and files their keys in ``RESCORED`` (the query's KIN
+    keys), then counts itself in ``ARRIVED`` (the query's word); ``(keys [1, KOUT], certified
+    [1], last)``, where only the last program to arrive (``last``) holds every program's keys,
+    hence the answer."""
+    R: tl.constexpr = KIN // SPLIT
+    # (This program's R candidates: row ``part`` of the sorted list seen as [SPLIT, R].)
+    mine = tl.sum(tl.where(tl.arange(0, SPLIT)[:, None] == part, tl.reshape(top, [SPLIT, R]), 0), axis=0)
+    _s16, _valid, keys32, err = _rescore(tl.reshape(mine, [1, R]), X32, q_ptr, x_norm, err_a, err_b, err_c, 0.0,
+                                         D, R, BLOCK_D)
+    tl.store(RESCORED + part * R + tl.arange(0, R)[None, :], keys32)
+    # Every thread's keys stored before the count moves (the barrier, then the atomic's
+    # release); the last arrival's acquire makes the other programs' keys visible to its loads.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(ARRIVED, 1, sem="acq_rel")
+    last = arrived == SPLIT - 1
+    every = tl.load(RESCORED + tl.arange(0, KIN)[None, :], cache_modifier=".cg")
+    if last:
+        tl.store(ARRIVED, 0)  # for the next search (a graph replays this word)
+    return tl.topk(every, KOUT), _certificate(top, kq, err, KIN), last
 
 
 @triton.jit

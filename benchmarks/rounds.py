@@ -1,0 +1,141 @@
+"""The GPU polling server's rounds in process: what one round of b requests costs, per tuning.
+
+The slot server (:mod:`kalos.engine.gpu.slot_server`) answers a crowd's single recalls in
+rounds: its waiting kernel gathers the requests pending in the slots, the engine's kernels
+score and select, the final kernel publishes each answer in its slot. This script plays b
+clients from one process (b slots' requests published at once, then spinning on their
+``resp_seq``) so that a round's cost is seen without processes, scheduling or Python clients.
+For each variant (precision, tuning overrides) and round size b it prints the host's time from
+publishing the b requests to the last answer (p50, p99) and the GPU's own stamps of the pass
+(staged -> published, p50); every answer of a sample of rounds is checked against a float64
+top-k. A table last. Variants run one after another, ``--repeat`` times (alternated, for noise).
+
+    PYTHONPATH=src python3 benchmarks/rounds.py --sizes 1,2,8,16,32,64 \\
+        --variant 'one program:exact:{"final_split_rows": 0}' --variant 'split:exact:{}'
+
+A variant is ``name:precision:json``, the JSON being :meth:`Tuning.replace` overrides (field
+names only); without any, the default tuning in both precisions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import sys
+import time
+
+import numpy as np
+import torch
+
+from kalos.engine.gpu import TorchEngine
+from kalos.engine.gpu.slot_server import SlotGraphServer
+from kalos.ipc.protocol import Layout, Op, RequestFlag, SlotView, rest_seq
+
+
+def parse_variant(text: str) -> tuple[str, str, dict]:
+    name, precision, overrides = text.split(":", 2)
+    if precision not in ("exact", "fast"):
+        raise SystemExit(f"variant {name!r}: precision must be exact or fast, got {precision!r}")
+    return name, precision, json.loads(overrides or "{}")
+
+
+def run_variant(args, name: str, precision: str, tune: dict, rows: np.ndarray, ref_rows: torch.Tensor) -> dict:
+    rng = np.random.default_rng(0)
+    engine = TorchEngine(args.dim, device="cuda", backend="triton", precision=precision, tune=tune)
+    engine.add(np.arange(args.n, dtype=np.int64), rows, np.zeros(args.n, np.int32), np.zeros(args.n))
+    layout = Layout(args.slots, args.dim, 16, 1)
+    buf = mmap.mmap(-1, layout.size)
+    engine.attach_host(buf)
+    views = [SlotView(memoryview(buf), layout, s) for s in range(args.slots)]
+    seqs = np.full(args.slots, rest_seq(1), np.uint64)
+    for view in views:
+        view.req_seq[0] = view.resp_seq[0] = rest_seq(1)
+    server = SlotGraphServer(engine, layout, seqs.copy(), idle_s=5.0, window_s=args.window_us * 1e-6)
+    server.in_use[:] = 1
+    t0 = time.perf_counter()
+    server.warm()
+    print(f"{name} ({precision}): warm {time.perf_counter() - t0:.1f} s", flush=True)
+    words = server.words
+    req = np.ndarray((args.slots,), np.uint64, buf, layout.slot_offset(0) + 8 * words.req_seq, (layout.slot_size,))
+    resp = np.ndarray((args.slots,), np.uint64, buf, layout.slot_offset(0) + 8 * words.resp_seq, (layout.slot_size,))
+    out = {}
+    for b in args.sizes:
+        server.in_use[:] = 0
+        server.in_use[:b] = 1
+        queries = rng.standard_normal((b, args.dim)).astype(np.float32)
+        for s, view in enumerate(views[:b]):
+            view.op[0], view.k[0], view.n_queries[0], view.flags[0] = Op.RECALL, args.k, 1, RequestFlag.ALL_NAMESPACES
+            view.namespace_len[0] = 0
+            view.queries[:1] = queries[s]
+        unit = torch.from_numpy(queries).cuda().double()
+        unit /= unit.norm(dim=1, keepdim=True)
+        want = torch.topk(unit @ ref_rows.T, args.k, dim=1)
+        want_ids, kth = want.indices.cpu().numpy(), want.values[:, -1].cpu().numpy()
+        scores64 = (unit @ ref_rows.T).cpu().numpy()
+        server.start(server.in_use)
+        host, passes, wrong = [], [], 0
+        for it in range(args.rounds):
+            seqs[:b] += np.uint64(1)
+            t = time.perf_counter()
+            req[:b] = seqs[:b]
+            while not (resp[:b] == seqs[:b]).all():
+                pass
+            host.append(time.perf_counter() - t)
+            _wait, _seen, staged, published = server.stamps()
+            passes.append(published - staged)
+            if it % 25 == 0:  # a sample of rounds: every answer against the float64 top-k
+                for s, view in enumerate(views[:b]):
+                    got = view.ids[0, : args.k]
+                    if not (set(got.tolist()) == set(want_ids[s].tolist())
+                            or scores64[s, got].min() >= kth[s] - 1e-6):
+                        wrong += 1
+            server.running()
+        server.stop()
+        h = np.array(host[args.rounds // 6:]) * 1e6
+        out[b] = (float(np.percentile(h, 50)), float(np.percentile(h, 99)),
+                  float(np.median(passes[args.rounds // 6:])) / 1e3, wrong)
+        print(f"  b={b:2d} host p50 {out[b][0]:7.1f} us p99 {out[b][1]:7.1f}  pass {out[b][2]:7.1f} us"
+              f"  wrong {wrong}", flush=True)
+    engine.detach_host()
+    del server, engine
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--n", type=int, default=65536)
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("-k", type=int, default=8)
+    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--sizes", default="1,2,8,16,32,64", help="round sizes b (at most --slots)")
+    ap.add_argument("--rounds", type=int, default=300, help="rounds per size (the first sixth not counted)")
+    ap.add_argument("--window-us", type=float, default=20.0, help="the batch rounds' gathering window")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of the variants, alternated")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:PRECISION:JSON")
+    args = ap.parse_args()
+    args.sizes = [int(b) for b in args.sizes.split(",")]
+    if max(args.sizes) > args.slots:
+        raise SystemExit("a round size exceeds --slots")
+    variants = [parse_variant(v) for v in args.variant] or [("default", "exact", {}), ("default", "fast", {})]
+    rng = np.random.default_rng(7)
+    rows = rng.standard_normal((args.n, args.dim), dtype=np.float32)
+    rows /= np.linalg.norm(rows, axis=1, keepdims=True)
+    ref_rows = torch.from_numpy(rows).cuda().double()
+    table: dict = {}
+    for rep in range(args.repeat):
+        for name, precision, tune in variants:
+            table[rep, name, precision] = run_variant(args, name, precision, tune, rows, ref_rows)
+    print(f"\nround host p50 / p99 / GPU pass p50 us by round size b ({args.n:,} x {args.dim}, k = {args.k}, "
+          f"{args.slots} slots); wrong answers in the sampled rounds")
+    print(f"{'variant':28s}" + "".join(f"{'b=' + str(b):>18s}" for b in args.sizes) + "  wrong")
+    for (rep, name, precision), out in table.items():
+        label = f"{name} ({precision})" + (f" #{rep + 1}" if args.repeat > 1 else "")
+        cells = "".join(f"{out[b][0]:6.0f}/{out[b][1]:4.0f}/{out[b][2]:<6.0f}" for b in args.sizes)
+        print(f"{label:28s}{cells}  {sum(o[3] for o in out.values())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
