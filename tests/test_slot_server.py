@@ -307,6 +307,32 @@ def test_batch_round_answers_a_crowd_in_one_pass_and_keeps_another_kind_for_the_
 
 
 @needs_interpreter
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_batch_round_with_a_split_final_kernel_answers_and_leaves_its_counts_at_zero(make_rig, rng, precision):
+    """At the server's default k bucket (16) a batch round splits its final kernel's re-score
+    over several programs per request, the last to arrive publishing the answer: every request
+    is answered as the float64 reference says (fast: or handed to the host), and the round's
+    arrival counts are back at zero for the next replay of its graph."""
+    rig = make_rig(precision=precision, slots=4, max_k=16, bucket=4)
+    queries = rng.standard_normal((4, rig.engine.dim)).astype(np.float32)
+    for _ in range(2):  # (a second round of the same graph finds its counts at zero)
+        seqs = [rig.submit(s, queries[s], 8, flags=ALL) for s in range(4)]
+        rig.serve()
+        held = rig.server._rounds[4]
+        assert held.plan.final_split > 1
+        for s in range(4):
+            if not _answered(rig, s, seqs[s]):
+                assert precision == "fast" and int(rig.server.handed[s]) == seqs[s], f"slot {s} neither answered nor handed"
+                continue
+            view = rig.views[s]
+            assert (int(view.status[0]), int(view.n_results[0])) == (0, 8)
+            assert_topk_matches(view.ids[:1, :8], view.scores[:1, :8], rig.ids, rig.vectors, queries[s][None], 8,
+                                rig.live, context=f"{precision} slot {s}")
+        assert not held.split.arrived.any()
+        queries = queries[::-1].copy()
+
+
+@needs_interpreter
 def test_batch_round_takes_at_most_its_size_in_turn_order_from_where_the_last_one_stopped(make_rig, rng):
     rig = make_rig(slots=8, server=QueuedGraphServer, depth=1, window_polls=0, batch=4)
     server = rig.server

@@ -48,7 +48,7 @@ from kalos.engine.gpu import (  # noqa: E402
 from kalos.engine.gpu.bounds import quantize_rows  # noqa: E402
 from kalos.engine.gpu.engine import load_kernels  # noqa: E402
 from kalos.engine.gpu.layout import HDR_WORDS, HEADER, HEADER_DTYPE, check_kernel_layout, kernel_constants  # noqa: E402
-from kalos.engine.gpu.planner import fast_candidates, next_pow2  # noqa: E402
+from kalos.engine.gpu.planner import SPLIT_MAX_CANDIDATES, fast_candidates, next_pow2  # noqa: E402
 from kalos.errors import InvalidArgument, InvalidQuery  # noqa: E402
 from kalos.validation import normalise_rows, row_scales  # noqa: E402
 
@@ -424,11 +424,52 @@ def test_triton_split_final_rescore(rng, precision):
     q = unit_queries(rng, 5, 40)
     for k in (8, 3, 16, 8):
         m.check(q, k)
-        assert not eng.pipeline.rescored[1].any()
+        assert not eng.pipeline.split_buffers.arrived.any()
     m.check(q[:2], 5, Filter(namespace=1))
+    eng.retune({"gemm_min_q": 2})  # the GEMM path: threshold selection, its overflow word checked too
+    assert eng.plan(3, 8).gemm_rows and eng.plan(3, 8).final_split > 1
+    m.check(q, 8)
+    assert not eng.pipeline.split_buffers.arrived.any()
+    # Near-duplicates: certificates fail under the split too, and the float32 scan answers.
+    base = rng.standard_normal(40)
+    m.add(60, base + 1e-5 * rng.standard_normal((60, 40)))
+    before = eng.stats["fallbacks"]
+    near = np.concatenate([as_unit_rows(base[None, :] + 1e-4 * rng.standard_normal((1, 40))), q[:2]])
+    m.check(near, 8, same_as_numpy=False)
+    assert eng.stats["fallbacks"] > before
+    assert not eng.pipeline.split_buffers.arrived.any()
     eng.retune({"final_split_rows": 0})
     assert eng.plan(3, 8).final_split == 1
     m.check(q, 8)
+
+
+@needs_interpreter
+def test_split_plans(rng):
+    """Which plans split the final kernel's re-score: batches whose certified re-score keeps
+    at most SPLIT_MAX_CANDIDATES candidates, in programs of final_split_rows (rounded up to a
+    power of two); never a single query, the exact float32 scan, or a split of one."""
+    eng = triton_engine(40, precision="fast", capacity=8)
+    assert eng.plan(4, 8).final_split == fast_candidates(8) // 8
+    assert eng.plan(1, 8).final_split == 1  # (a single query's chunks re-score their own)
+    assert eng.plan(4, 32).final_split == 1  # KF 128: not split
+    assert fast_candidates(32) > SPLIT_MAX_CANDIDATES >= fast_candidates(16)
+    eng.retune({"final_split_rows": 6})
+    assert eng.plan(4, 8).final_split == fast_candidates(8) // 8
+    eng.retune({"final_split_rows": fast_candidates(8)})
+    assert eng.plan(4, 8).final_split == 1
+    exact = triton_engine(40, precision="exact", capacity=8)
+    assert exact.scan_kind(4, 8, "exact") == "tf32" and exact.plan(4, 8).final_split > 1
+    assert exact.plan(4, 2000).final_split == 1  # (k past the 16-bit paths: the float32 scan)
+
+
+@needs_interpreter
+def test_split_buffers_hold_a_batch_rounded_up(rng):
+    """A batch runs in the power of two that holds it: an engine whose max_batch is not one
+    still answers a full batch (the split buffers hold the rounded-up batch)."""
+    eng = triton_engine(40, precision="exact", capacity=8, max_batch=3)
+    m = Mirror(eng, rng)
+    m.add(200)
+    m.check(unit_queries(rng, 3, 40), 8)
 
 
 @needs_interpreter

@@ -12,15 +12,24 @@ captures them).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from kalos.engine.gpu.buffers import AttachedHost, Staging
 from kalos.engine.gpu.columns import DeviceColumns
-from kalos.engine.gpu.planner import GROUPS_PER_CHUNK, MAX_FAST_K, Plan, Planner, ScanConfig, fast_candidates, next_pow2
+from kalos.engine.gpu.planner import GROUPS_PER_CHUNK, SPLIT_MAX_CANDIDATES, Plan, Planner, ScanConfig, next_pow2
 
-__all__ = ["Pipeline", "BatchKey", "GemmScratch"]
+__all__ = ["Pipeline", "BatchKey", "GemmScratch", "SplitBuffers"]
+
+
+class SplitBuffers(NamedTuple):
+    """What the final kernel's split re-score needs for a batch (final_kernel's RESCORED and
+    ARRIVED): each query's float32 keys, filed by its programs, and how many have filed them
+    (zero between searches: the last program resets it)."""
+
+    keys: torch.Tensor  # int64, room for SPLIT_MAX_CANDIDATES a query (the kernel files q's KF at q * KF)
+    arrived: torch.Tensor  # int32, one count a query
 
 _COLLECT_STEP = 8  # groups collect_kernel reads per step (a random query picks ~K of them)
 
@@ -79,9 +88,9 @@ class Pipeline:
         self._occupancy: dict = {}
         self._ws: tuple = (None, None, None)
         self._scratch = GemmScratch(device, half, dim, max_batch)
-        # The split final kernel's float32 keys (sized for the most candidates any plan keeps)
-        # and arrival counts per query (final_kernel's RESCORED and ARRIVED).
-        self.rescored = self.new_rescored(max_batch) if kernels is not None else None
+        # The split final kernel's buffers for the engine's own passes (one stream: the two
+        # staging sides' passes never overlap on them).
+        self.split_buffers = self.new_split_buffers(max_batch) if kernels is not None else None
         self._mm_fp32_out: bool | None = None
 
     def plan(self, kind: str, qb: int, kp: int) -> Plan:
@@ -159,7 +168,7 @@ class Pipeline:
                 stride = self.scan_keys(kind, plan, qb, st.d_hdr, st.d_hdrf, st.d_q, live_t, filtered,
                                          ws_a, ws_s, st.d_bound)
             self.select_final(kind, plan, qb, ws_a, ws_b, stride, st.d_hdr, st.d_hdrf, st.d_q, res_i,
-                               res_s, st.res_status_t, want_ids, over=over, bound=st.d_bound, rescored=self.rescored)
+                               res_s, st.res_status_t, want_ids, over=over, bound=st.d_bound, split=self.split_buffers)
 
     def scan_keys(self, kind: str, plan: Plan, qb: int, hdr: torch.Tensor, hdrf: torch.Tensor, dq: torch.Tensor,
                   live_t: torch.Tensor, filtered: bool, ws_a: torch.Tensor, ws_s: torch.Tensor | None,
@@ -210,11 +219,11 @@ class Pipeline:
     def select_final(self, kind: str, plan: Plan, qb: int, ws_a: torch.Tensor, ws_b: torch.Tensor, stride: int,
                      hdr: torch.Tensor, hdrf: torch.Tensor, dq: torch.Tensor, res_i: torch.Tensor,
                      res_s: torch.Tensor, status: torch.Tensor, want_ids: bool, *, over: torch.Tensor | None = None,
-                     bound: torch.Tensor | None = None, rescored: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     bound: torch.Tensor | None = None, split: SplitBuffers | None = None,
                      publish: dict | None = None) -> None:
         """The merge levels over the keys in ``ws_a`` (``ws_b``: the other buffer of the ping-pong),
-        then the final kernel: answers into host memory at the table's offsets (``rescored``:
-        the split re-score's buffers, :meth:`new_rescored`, used when ``plan.final_split`` > 1;
+        then the final kernel: answers into host memory at the table's offsets (``split``: the
+        split re-score's buffers, :meth:`new_split_buffers`, used when ``plan.final_split`` > 1;
         ``publish``: the slot server's extra arguments, see final_kernel)."""
         cols = self.columns
         tk = self.kernels
@@ -225,8 +234,8 @@ class Pipeline:
                                            num_warps=4)
             cur, nxt, stride, count = nxt, cur, out_stride, out_stride
         ea, eb, ec = self._err[kind]
-        split = plan.final_split > 1
-        if split and (rescored is None or rescored[1].numel() < qb or rescored[0].numel() < qb * plan.k1):
+        splits = plan.final_split > 1
+        if splits and (split is None or split.arrived.numel() < qb or split.keys.shape[1] < plan.k1):
             raise AssertionError("a split final kernel needs its buffers for this batch")
         tk.final_kernel[(qb, plan.final_split)](
             cur, hdr, hdrf, cols.x32, dq, cols.ids, res_i, res_s, status,
@@ -234,7 +243,7 @@ class Pipeline:
             BLOCK_D=plan.final_block_d, RESCORE=kind != "f32" and not plan.rescore_k, OUT_IDS=want_ids,
             num_warps=plan.final_warps, OVER=over, CHECK_OVER=over is not None,
             BOUND=bound, CHUNK_CERT=plan.rescore_k > 0, SPLIT=plan.final_split,
-            RESCORED=rescored[0] if split else None, ARRIVED=rescored[1] if split else None, **(publish or {}),
+            RESCORED=split.keys if splits else None, ARRIVED=split.arrived if splits else None, **(publish or {}),
         )
 
     def gemm_scores(self, kind: str, qb: int, plan: Plan, slices: int, ws_a: torch.Tensor, stride: int,
@@ -312,11 +321,12 @@ class Pipeline:
                 held.selection(qb, groups, scratch)
         return held.selection(qb, groups, scratch)
 
-    def new_rescored(self, max_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The split final kernel's buffers for batches of up to ``max_batch`` queries, any
-        plan: the re-scored keys and the arrival counts (zeros, as the kernel leaves them)."""
-        return (torch.empty(max_batch * fast_candidates(MAX_FAST_K), dtype=torch.int64, device=self.device),
-                torch.zeros(max_batch, dtype=torch.int32, device=self.device))
+    def new_split_buffers(self, max_batch: int) -> SplitBuffers:
+        """The split final kernel's buffers for batches of up to ``max_batch`` queries (a batch
+        runs in the power of two that holds it), any plan."""
+        rows = next_pow2(max_batch)
+        return SplitBuffers(torch.zeros((rows, SPLIT_MAX_CANDIDATES), dtype=torch.int64, device=self.device),
+                            torch.zeros(rows, dtype=torch.int32, device=self.device))
 
     def new_scratch(self, max_batch: int) -> GemmScratch:
         """A :class:`GemmScratch` of its own, for passes on another stream."""

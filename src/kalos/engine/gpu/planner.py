@@ -18,6 +18,7 @@ from kalos.errors import InvalidArgument
 __all__ = [
     "MAX_K", "MAX_FAST_K", "ScanConfig", "Tuning", "DEFAULT_TUNING", "Plan", "Planner", "next_pow2", "k_bucket",
     "fast_candidates",
+    "SPLIT_MAX_CANDIDATES",
 ]
 
 #: Largest k a search may ask for. The fast (16-bit) path serves k <= MAX_FAST_K; beyond it
@@ -28,6 +29,10 @@ MAX_FAST_K = 256
 #: selection (kalos.engine.gpu.kernels.select).
 GROUPS_PER_CHUNK = 16
 _THRESHOLD_MAX_K = 64  # larger candidate sets (k > 16) keep the per-chunk top-K
+#: Most candidates per query whose re-score a batch's final kernel splits over programs
+#: (Tuning.final_split_rows): each program of a split selects among all of them again, so a
+#: larger split multiplies that work; split and measured up to KF = 64 (k <= 16) only.
+SPLIT_MAX_CANDIDATES = 64
 
 
 def next_pow2(x: int) -> int:
@@ -120,9 +125,10 @@ class Tuning:
     # a single query gets a wider one.
     final_tile: int = 8192
     final_warps: int = 8
-    # Candidates each program of the final kernel re-scores: a query's KF candidates are split
-    # over KF / final_split_rows programs, each reading its rows in one tile (0: one program
-    # re-scores them all, a tile at a time).
+    # Candidates each program of a batch's final kernel re-scores (rounded up to a power of
+    # two): a query's KF candidates (at most SPLIT_MAX_CANDIDATES) go to KF / final_split_rows
+    # programs, each reading its rows in one tile, the last to finish answering; 0: one program
+    # re-scores them all, a tile at a time (a round trip per tile). 4, 8 and 16 measured alike.
     final_split_rows: int = 8
     single_final_tile: int = 16384
     single_final_warps: int = 16
@@ -315,7 +321,8 @@ class Planner:
         else:
             tile_elems = tune.single_final_tile if single else tune.final_tile
         split_rows = next_pow2(int(tune.final_split_rows)) if int(tune.final_split_rows) > 0 else 0
-        final_split = k1 // split_rows if kind != "f32" and not rescore_k and 0 < split_rows < k1 else 1
+        splits = batched and kind != "f32" and not rescore_k and 0 < split_rows < k1 <= SPLIT_MAX_CANDIDATES
+        final_split = k1 // split_rows if splits else 1
         final_block_d = max(16, min(next_pow2(self.dim), int(tile_elems) // (rescore_k or k1 // final_split)))
         if kind != "f32" and not rescore_k:
             final_warps = int(tune.single_final_warps if single else tune.final_warps)

@@ -73,7 +73,7 @@ from kalos.engine.base import Filter
 from kalos.engine.gpu.buffers import NO_BOUND
 from kalos.engine.gpu.engine import TorchEngine
 from kalos.engine.gpu.layout import CTL_WORDS, DEVICE_CONTROL, HCTL_WORDS, HDR_WORDS, HOST_CONTROL, TAB_WORDS
-from kalos.engine.gpu.pipeline import GemmScratch
+from kalos.engine.gpu.pipeline import GemmScratch, SplitBuffers
 from kalos.engine.gpu.planner import Plan, k_bucket, next_pow2
 from kalos.errors import InvalidArgument
 from kalos.ipc.protocol import NAMESPACE_BYTES, Layout, Op, RequestFlag, SlotWords
@@ -107,7 +107,7 @@ class _Round:
     ws_b: torch.Tensor
     ws_s: torch.Tensor
     bound: torch.Tensor
-    rescored: tuple[torch.Tensor, torch.Tensor]  # the split final kernel's (Pipeline.new_rescored)
+    split: SplitBuffers  # the final kernel's split re-score's
     scratch: GemmScratch | None  # (a GEMM round's)
     graph: "torch.cuda.CUDAGraph | None" = None
 
@@ -395,7 +395,7 @@ class SlotGraphServer:
                     torch.empty(plan.ws_keys * qb, dtype=torch.int64, device=dev),
                     torch.empty(max(1, scores), dtype=torch.float32, device=dev),
                     torch.full((qb,), NO_BOUND, dtype=torch.int64, device=dev),  # (the final kernel resets it)
-                    eng.pipeline.new_rescored(qb),
+                    eng.pipeline.new_split_buffers(qb),
                     eng.pipeline.new_scratch(qb) if plan.gemm_rows else None,
                 )
             self._rounds[qb] = held
@@ -448,7 +448,7 @@ class SlotGraphServer:
                                     rnd.bound)
         pipe.select_final(
             rnd.kind, plan, qb, rnd.ws_a, rnd.ws_b, stride, dh, dhf, dq, att.i64, att.f32, self._status,
-            True, over=over, bound=rnd.bound, rescored=rnd.rescored,
+            True, over=over, bound=rnd.bound, split=rnd.split,
             publish=dict(PUBLISH=True, SEG=att.i64, DSEEN=self._seen, HANS=self._t_answered, HHOF=self._t_handed,
                          HTAKEN=self._t_taken, HCTL=self._t_hctl, CTL=self._ctl, W_STATN=w.status_n, W_RESP=w.resp_seq, NS=self.ns,
                          ON_GPU=self.on_gpu),

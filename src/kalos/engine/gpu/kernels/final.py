@@ -1,5 +1,5 @@
-"""Stage 3, the final kernel: one program per query takes the top-K of the last merge level and
-writes the answer straight into host memory (the engine's result area, or a client's slot).
+"""Stage 3, the final kernel: per query, the top-K of the last merge level, the answer written
+straight into host memory (the engine's result area, or a client's slot).
 
 For the 16-bit and tf32 scans it re-scores the candidates in float32 and certifies them
 (``RESCORE``); after the chunks' own re-score it checks the chunks' bound (``CHUNK_CERT``);
@@ -9,8 +9,8 @@ The error bounds and why they certify: :mod:`kalos.engine.gpu.bounds`.
 The re-score reads KIN random rows. One program reading them a tile at a time waited a
 memory round trip per tile, and that chain was most of a batch's final step, so with
 ``SPLIT`` > 1 each query has SPLIT programs: each re-scores KIN / SPLIT candidates in one
-tile and files their float32 keys in ``RESCORED``, and the last to arrive (a counter after
-the keys, acquire-release) selects, certifies and answers for the query.
+tile and files their float32 keys in ``RESCORED``, and the last to arrive (a count per query
+in ``ARRIVED``, acquire-release) selects, certifies and answers for the query.
 """
 from __future__ import annotations
 
@@ -97,6 +97,8 @@ def final_kernel(
     RESCORED=None,
     ARRIVED=None,
 ):
+    tl.static_assert(SPLIT == 1 or RESCORE, "only a re-score is split: the other paths answer in every program")
+    tl.static_assert(KIN % SPLIT == 0, "each program of a split re-scores as many candidates")
     q = tl.program_id(0)
     part = tl.program_id(1)
     # The keys and every header word this program needs, loaded at once (the workspace and the
@@ -186,6 +188,9 @@ def _split_rescore(top, part, kq, X32, q_ptr, x_norm, err_a, err_b, err_c, RESCO
     tl.debug_barrier()
     arrived = tl.atomic_add(ARRIVED, 1, sem="acq_rel")
     last = arrived == SPLIT - 1
+    # Every program loads and selects (this form is the one measured; only the last one's
+    # result is used, the others' may read keys not filed yet). .cg: from L2, where the other
+    # programs' stores are (L1 is not coherent across SMs).
     every = tl.load(RESCORED + tl.arange(0, KIN)[None, :], cache_modifier=".cg")
     if last:
         tl.store(ARRIVED, 0)  # for the next search (a graph replays this word)
