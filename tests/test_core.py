@@ -1134,6 +1134,25 @@ def test_a_client_killed_mid_request_frees_its_slot_and_disturbs_no_one(sidecars
         wait_until(lambda: observer.stats()["clients"] == 1, "the healthy client's slot to be freed")
 
 
+def test_a_cpu_sidecar_without_the_native_scores_says_what_it_costs(tmp_path, runtime_dir, monkeypatch, caplog):
+    """Where kalos.engine._dots could not be built, a CPU sidecar still serves (BLAS scores its
+    passes) and says at start what that costs and how to get the native scores (not only doctor)."""
+    import logging
+
+    from kalos.engine import numpy_engine
+    from kalos.server.sidecar import Sidecar, SidecarConfig
+
+    monkeypatch.setattr(numpy_engine, "_dots", None)
+    name = unique_name("nodots")
+    with caplog.at_level(logging.WARNING, logger="kalos.server.sidecar"):
+        sidecar = Sidecar(SidecarConfig(store=tmp_path / f"{name}.db", name=name, dim=4, device="cpu"))
+    try:
+        said = [r.getMessage() for r in caplog.records if "_dots was not built" in r.getMessage()]
+        assert len(said) == 1 and "slower" in said[0] and "C compiler" in said[0]
+    finally:
+        sidecar.close()
+
+
 def test_clients_spin_as_the_sidecar_advises_unless_told(runtime_dir, tmp_path, monkeypatch):
     """A GPU sidecar answers in ~100-200 us: its clients poll up to 1 ms before sleeping (a
     wake-up costs tens of us); a CPU sidecar's keep the default; spin_us / the env var win.

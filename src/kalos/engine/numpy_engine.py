@@ -16,7 +16,18 @@ try:  # built at install where a C compiler exists (setup.py); else BLAS scores 
 except ImportError:  # pragma: no cover - depends on the install
     _dots = None
 
-__all__ = ["NumpyEngine"]
+__all__ = ["NumpyEngine", "native_scores", "NATIVE_SCORES_MISSING", "NATIVE_SCORES_FIX"]
+
+#: What an install without kalos.engine._dots costs, and the fix (kalos doctor, the sidecar's log).
+NATIVE_SCORES_MISSING = ("kalos.engine._dots was not built (no C compiler at install): a CPU sidecar answers a "
+                         "crowd with BLAS alone, up to 3x slower per pass")
+NATIVE_SCORES_FIX = "install a C compiler, then pip install the package again"
+
+
+def native_scores() -> bool:
+    """Whether the native scores of a crowd's passes (kalos.engine._dots) were built."""
+    return _dots is not None
+
 
 # A mask passing at most 1 row in this many is searched as a row list: only its rows are
 # scored (a where clause that picks one user's memories reads a sliver of the matrix).

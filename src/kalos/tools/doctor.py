@@ -540,11 +540,9 @@ def check_cpu_scores() -> Finding:
     """Whether the CPU engine's native scores for a crowd's passes (kalos.engine._dots) were built."""
     from kalos.engine import numpy_engine
 
-    if numpy_engine._dots is not None:
+    if numpy_engine.native_scores():
         return Finding("CPU engine", OK, "native scores for passes of 2-64 queries (kalos.engine._dots)")
-    return Finding("CPU engine", NOTE, "kalos.engine._dots was not built (no C compiler at install): a CPU "
-                   "sidecar answers a crowd with BLAS alone, up to 3x slower per pass",
-                   "install a C compiler, then pip install the package again")
+    return Finding("CPU engine", NOTE, numpy_engine.NATIVE_SCORES_MISSING, numpy_engine.NATIVE_SCORES_FIX)
 
 
 def check_all(name: str, store: Path, *, smi: Any = "probe", torch: Any = "probe") -> list[Finding]:
