@@ -330,6 +330,8 @@ def test_batch_round_with_a_split_final_kernel_answers_and_leaves_its_counts_at_
                                 rig.live, context=f"{precision} slot {s}")
         assert not held.split.arrived.any()
         queries = queries[::-1].copy()
+    # The rounds run are counted (a round of 4 takes at most 4): what stats report as gpu_rounds.
+    assert rig.server.rounds >= 2 and rig.server.served <= 4 * rig.server.rounds
 
 
 @needs_interpreter
@@ -910,6 +912,7 @@ def test_cuda_sidecar_with_gpu_polling_under_clients_adds_and_deletes(rng, runti
         assert not failures, failures[:3]
         assert len(checked) > 300
         assert stats["gpu_polled"] > 0 and stats["errors"] == 0
+        assert 0 < stats["gpu_rounds"] and stats["gpu_polled"] <= stats["gpu_rounds"] * 64
     finally:
         sidecar.stop()
         thread.join(timeout=30)

@@ -533,6 +533,8 @@ class ControlServer:
                 "clients": int(self._sidecar.channel.active.sum()),
                 # Single recalls the GPU's polling answered by itself (not in "queries").
                 "gpu_polled": self._polling.server.served if self._polling.server is not None else 0,
+                # ... in this many rounds (SlotGraphServer.rounds: queued, a few more than ran).
+                "gpu_rounds": self._polling.server.rounds if self._polling.server is not None else 0,
                 # The engine's own counters (searches, fallbacks, graph captures and errors).
                 "engine_stats": {key: value for key, value in getattr(self.engine, "stats", {}).items()
                                  if isinstance(value, (int, float, str))},

@@ -11,7 +11,8 @@ as a set, the scores to 1e-4). ``--crowd-scopes mixed``: a third of the clients 
 namespaces, a third in namespace "default" and a third with a time window, so one pass holds
 several filter groups. Reported per C: p50 / p99 / p99.9 per call, the aggregate recalls/s,
 connect p99 (the crowd's and the late connector's), errors, failed connects, wrong answers, and
-the sweep's queries per pass, time per pass and share of the crowd's time spent answering.
+the sweep's queries per pass, time per pass and share of the crowd's time spent answering
+(where the GPU's polling answered most recalls, "q/pass" is its requests per round instead).
 
 ``--colocated`` (CUDA) repeats chosen crowd sizes beside a process that keeps the GPU busy
 with bf16 matrix products (a stand-in for the LLM) and reports its rate alone and meanwhile.
@@ -191,13 +192,15 @@ def _connector(name: str, seconds: float, ready: Any, out: Any) -> None:
     out.put((-1, {"connect_times": times, "failures": failures, "error_text": last}))
 
 
-def _passes(name: str) -> tuple[int, int, float]:
-    """(queries, passes, seconds spent answering) of the sidecar so far."""
+def _passes(name: str) -> tuple[int, int, float, int, int]:
+    """(queries, passes, seconds spent answering) of the sidecar's sweep so far, then (recalls
+    answered, rounds queued) of its GPU polling."""
     from kalos.client.client import Client
 
     with Client(name) as client:
         stats = client.stats()
-    return int(stats["queries"]), int(stats["batches"]), float(stats.get("busy_s", 0.0))
+    return (int(stats["queries"]), int(stats["batches"]), float(stats.get("busy_s", 0.0)),
+            int(stats.get("gpu_polled", 0)), int(stats.get("gpu_rounds", 0)))
 
 
 def _pct(values: np.ndarray, q: float) -> float:
@@ -320,6 +323,9 @@ def run_crowd(args: argparse.Namespace) -> int:
                 # (near 100%: the sweep is the bottleneck; well below: the clients are).
                 row["pass_us"] = (after[2] - before[2]) / passes * 1e6
                 row["sweep_busy"] = (after[2] - before[2]) / args.crowd_seconds
+                polled, rounds = after[3] - before[3], after[4] - before[4]
+                if polled > after[0] - before[0] and rounds > 0:  # GPU polling answered most: its rounds
+                    row["queries_per_pass"] = polled / rounds
                 report["rows"].append(row)
                 print(f"  C={c}: p50 {row['p50_us']:.1f} us, p99 {row['p99_us']:.1f}, "
                       f"{row['recalls_per_s']:,.0f} recalls/s, failed {row['failed_connects']}, "

@@ -242,6 +242,10 @@ class SlotGraphServer:
         self._names: dict[bytes, int] = {}
         self._stream = torch.cuda.Stream(device=dev, priority=-100) if self.on_gpu else None
         self.launches = 0
+        #: Rounds queued (the CPU device: run) since the server was made; with :attr:`served`, the
+        #: requests a round took on average. (It counts the last few queued before a stop or an
+        #: idle end too, which then take none: a crowd's thousands of rounds hide them.)
+        self.rounds = 0
 
         # The header and a table row per request of the largest round.
         self._dh = torch.zeros(HDR_WORDS + TAB_WORDS * self.max_bucket, dtype=torch.int64, device=dev)
@@ -515,6 +519,7 @@ class SlotGraphServer:
                 done = torch.cuda.Event()
                 done.record(self._stream)
                 events.append(done)
+        self.rounds += count
         return events
 
     def start(self, active: np.ndarray, *, exit_at_once: bool = False, bucket: int | None = None) -> bool:
@@ -563,6 +568,7 @@ class SlotGraphServer:
         """Rounds one after another, synchronously, until one stops (the CPU device)."""
         while self._hctl[HOST_CONTROL.stopped] == 0:
             self._round(self._bucket)
+            self.rounds += 1
 
     def _capture(self, qb: int) -> None:
         """Compiles the kernels with one eager round (the stop word set: it serves at most what
