@@ -25,11 +25,11 @@ def test_a_crowd_of_sixteen_processes_gets_every_answer_right(sidecars, store_di
     ref_ids, ref_scores = _reference(matrix, queries, ids, k)
     name = unique_name("crowd")
     sidecars.start(store_path, name=name, extra_args=["--slots", "24"])
-    queries_before, passes_before, _ = _passes(name)
+    queries_before, passes_before, *_ = _passes(name)
     data = str(store_dir / "queries.npz")
     np.savez(data, queries=queries, ref_ids=ref_ids, ref_scores=ref_scores)
     row = _one_crowd(name, data, k, clients=16, seconds=3.0, scopes="mixed")
-    queries_after, passes_after, _ = _passes(name)
+    queries_after, passes_after, *_ = _passes(name)
     assert row["complete"], row["first_error"]  # all 16 were in before the crowd started
     assert row["failed_connects"] == 0, row["first_error"]
     assert row["errors"] == 0, row["first_error"]
