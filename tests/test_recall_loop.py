@@ -18,7 +18,8 @@ from kalos.ipc.channel import Segment, SidecarChannel
 from kalos.ipc.protocol import Layout, Op, RequestFlag, rest_seq
 from kalos.server.cohort import Cohort
 from kalos.server.metrics import Metrics
-from kalos.server.recall_loop import FilterCache, RecallLoop
+from kalos.server.filters import FilterCache
+from kalos.server.recall_loop import RecallLoop
 from kalos.server.slot_polling import SlotPolling
 from kalos.server.state_lock import StateLock
 

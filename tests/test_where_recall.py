@@ -575,10 +575,10 @@ def test_the_sweep_groups_single_recalls_by_where_and_refuses_unknown_handles(ru
         assert sidecar._control._rows_where("never-used", None).tolist() == []
         assert len(sidecar._control._rows_where(None, None)) == n
         # An evicted handle is refused, never read as another clause.
-        import kalos.server.recall_loop as recall_loop
+        import kalos.server.filters as filters
 
         old = handles[0]
-        for j in range(recall_loop._MAX_WHERE_HANDLES + 1):
+        for j in range(filters._MAX_WHERE_HANDLES + 1):
             sidecar._control._op_where({"where": json.dumps({"filler": j})}, bytearray())
         with pytest.raises(UnknownFilter):
             sidecar._filter_cache.filter_for(int(RequestFlag.HAS_WHERE | RequestFlag.ALL_NAMESPACES), b"", None, None, old + 10**9)
@@ -699,7 +699,7 @@ def test_a_crowd_of_one_kind_of_recall_is_answered_as_one_group_and_odd_slots_fa
         loop, channel = sidecar._recall_loop, sidecar.channel
         mixed_passes = []
         general = loop._answer_mixed
-        loop._answer_mixed = lambda slots: mixed_passes.append(len(slots)) or general(slots)
+        loop._answer_mixed = lambda slots, deferred: mixed_passes.append(len(slots)) or general(slots, deferred)
         all_ids = np.array(sorted(ids), dtype=np.int64)
         all_vectors = vectors[[ids[i] for i in all_ids.tolist()]]
         n_slots = sidecar.layout.n_slots

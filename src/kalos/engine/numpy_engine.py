@@ -195,18 +195,26 @@ class NumpyEngine(Engine):
         n = self.rows.size
         if _dots is None or n == 0 or len(groups) < 2:
             return super().search_groups(groups)
+
+        def alone(queries: np.ndarray, k: int, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+            # search() past the checks and the mask this loop has made already
+            return self._answer_of_rows(*self._search(queries, min(k, n), mask), k)
+
         answers: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(groups)
         shared: list[tuple[int, np.ndarray, int, np.ndarray | None]] = []  # (group, queries, k, mask)
         for at, (queries, k, flt) in enumerate(groups):
             queries = self._checked_queries(queries, k)
+            if not len(queries):
+                answers[at] = self.search(queries, k, flt)  # (the empty answer)
+                continue
             mask = self.rows.mask(self.rows.simplify(flt))
-            if len(queries) and (mask is None or self._row_list(mask) is None):
+            if mask is None or self._row_list(mask) is None:
                 shared.append((at, queries, k, mask))
-            else:  # no queries, or a row list: only its own rows are read
-                answers[at] = self.search(queries, k, flt)
+            else:  # a row list: only its own rows are read
+                answers[at] = alone(queries, k, mask)
         if len(shared) < 2 or sum(len(queries) for _at, queries, _k, _mask in shared) > _DOTS_MAX_Q:
-            for at, queries, k, _mask in shared:
-                answers[at] = self.search(queries, k, groups[at][2])
+            for at, queries, k, mask in shared:
+                answers[at] = alone(queries, k, mask)
             return answers  # type: ignore[return-value]
         scores = self._dot_scores(self._vectors[:n], np.concatenate([queries for _at, queries, _k, _m in shared]))
         first = 0

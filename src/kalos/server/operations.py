@@ -46,7 +46,7 @@ from kalos.ipc.protocol import Layout
 from kalos.server.cohort import Cohort
 from kalos.server.expirer import Expirer
 from kalos.server.metrics import Metrics
-from kalos.server.recall_loop import FilterCache
+from kalos.server.filters import FilterCache
 from kalos.server.slot_polling import SlotPolling
 from kalos.server.state_lock import StateLock
 from kalos.validation import (

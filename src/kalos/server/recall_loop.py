@@ -4,8 +4,9 @@ This is the hot path, where tens of microseconds per pass matter, so it is kept 
 setup and from the control socket: one object whose collaborators (channel, engine, cohort,
 filter cache, expirer, GPU polling) are bound once as its attributes, so that a pass pays one
 attribute hop to reach any of them, and nothing here is decided per query that could be
-decided once. The filter cache lives here because the loop is what reads it on every request;
-the control operations only register where clauses into it.
+decided once. The filters a request's words describe come from the filter cache
+(:mod:`kalos.server.filters`), bound here once: the loop reads it on every request, the control
+operations register where clauses into it.
 
 The loop runs in the thread that called ``Sidecar.serve_forever`` and holds the sidecar's
 ``_state_lock`` for each pass (the writers take it to change the engine), never the channel's
@@ -17,7 +18,6 @@ import collections
 import dataclasses
 import logging
 import os
-import secrets
 import threading
 import time
 from typing import Any, Callable
@@ -25,19 +25,20 @@ from typing import Any, Callable
 import numpy as np
 
 from kalos.engine import Engine, Filter
-from kalos.errors import InvalidArgument, InvalidQuery, KalosError, ServerError, UnknownFilter
+from kalos.errors import InvalidQuery, KalosError, ServerError
 from kalos.ipc import sync
 from kalos.ipc.channel import SidecarChannel
 from kalos.ipc.protocol import Layout, Op, RequestFlag, SlotView
 from kalos.server.cohort import Cohort
 from kalos.server.expirer import Expirer
+from kalos.server.filters import NOTHING as _NOTHING
+from kalos.server.filters import FilterCache, FilterKey
 from kalos.server.metrics import Metrics
 from kalos.server.slot_polling import SlotPolling
 from kalos.server.state_lock import StateLock
-from kalos.validation import check_namespace, row_scales
-from kalos.where import Where
+from kalos.validation import row_scales
 
-__all__ = ["FilterCache", "RecallLoop"]
+__all__ = ["RecallLoop"]
 
 # The sidecar's one logger, whichever of its modules logs.
 log = logging.getLogger("kalos.server.sidecar")
@@ -49,8 +50,6 @@ _HAS_WHERE = int(RequestFlag.HAS_WHERE)
 _KNOWN_FLAGS = _ALL_NAMESPACES | _HAS_SINCE | _HAS_UNTIL | _HAS_WHERE
 # The flags a single recall may carry and still take the columns' path (_answer_singles).
 _SINGLE_FLAGS = _ALL_NAMESPACES | _HAS_WHERE
-# Registered where clauses a sidecar keeps (op "where"); the oldest registration goes first.
-_MAX_WHERE_HANDLES = 4096
 _RECALL = int(Op.RECALL)
 _PING = int(Op.PING)
 # The longest the idle sweep looks at the slots before it checks again whether it must stop
@@ -58,15 +57,8 @@ _PING = int(Op.PING)
 _LOOK_S = 0.005
 
 _NO_FILTER = Filter()
-# The filter of a namespace that never held a memory (issue 22): answered with no hits, without
-# a search. Compared by identity, and never cached, so that the namespace's first add (or a
-# follower's) is seen by the next recall.
-_NOTHING = Filter(namespace=-1)
 _NO_ROWS = np.empty((0, 0), np.float32)
 _NO_SCALES = np.empty(0, np.float64)
-
-#: What identifies a request's filter: (flags, namespace, since, until, where handle).
-FilterKey = tuple[int, bytes, float | None, float | None, int]
 
 
 def _alike_row(column: np.ndarray, slots: np.ndarray, scratch: np.ndarray) -> np.ndarray | None:
@@ -84,81 +76,6 @@ def _alike_row(column: np.ndarray, slots: np.ndarray, scratch: np.ndarray) -> np
         return None
     scratch[:] = rows[0]
     return scratch
-
-
-class FilterCache:
-    """The engine filter of each request's words, validated once and then cached; and the where
-    clauses registered over the control socket (op "where"), which a request names by handle.
-
-    ``namespaces`` (name bytes -> id) is the sidecar's map, which its writers keep up to date.
-    """
-
-    def __init__(self, namespaces: dict[bytes, int]) -> None:
-        self.namespaces = namespaces
-        self.cached: dict[FilterKey, Filter] = {}
-        # Registered clauses: handle -> clause and canonical JSON -> handle, oldest first (the
-        # table is bounded: _MAX_WHERE_HANDLES). Handles are never reused and start at random,
-        # so a stale handle (evicted, or from before a restart) is refused as unknown, never
-        # read as another clause.
-        self.wheres: dict[int, Where] = {}
-        self._handles: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self._next_handle = secrets.randbits(48) | 1
-        self._lock = threading.Lock()
-
-    def register(self, where: Where) -> int:
-        """The handle of ``where``: the one it already has, or a new one (the oldest
-        registration is evicted past ``_MAX_WHERE_HANDLES``)."""
-        with self._lock:
-            handle = self._handles.get(where.key)
-            if handle is not None:
-                self._handles.move_to_end(where.key)
-            else:
-                handle = self._next_handle
-                self._next_handle += 1
-                self.wheres[handle] = where
-                self._handles[where.key] = handle
-                while len(self._handles) > _MAX_WHERE_HANDLES:
-                    _key, old = self._handles.popitem(last=False)
-                    del self.wheres[old]
-        return handle
-
-    def filter_for(self, flags: int, namespace_bytes: bytes, since: float | None, until: float | None,
-                   where_handle: int = 0) -> Filter:
-        """The engine filter a request's words describe (validated, then cached)."""
-        where = None
-        if flags & _HAS_WHERE:
-            where = self.wheres.get(where_handle)
-            if where is None:
-                raise UnknownFilter(
-                    f"where handle {where_handle} is not registered with this sidecar (it restarted, or the "
-                    "handle was evicted): register the clause again"
-                )
-        namespace = None
-        if not flags & _ALL_NAMESPACES:
-            namespace = self.namespaces.get(namespace_bytes)
-            if namespace is None:
-                # A name no add ever used: a valid one holds nothing yet (a new user's first
-                # recall), so it is answered with no hits (issue 22); a malformed one is still
-                # the caller's error, named.
-                try:
-                    check_namespace(namespace_bytes.decode("utf-8"))
-                except UnicodeDecodeError:
-                    shown = namespace_bytes.decode("utf-8", "replace")
-                    raise InvalidQuery(f"namespace {shown!r} is not valid UTF-8") from None
-                except InvalidArgument as exc:  # too long, control characters: a bad query
-                    raise InvalidQuery(str(exc)) from None
-        for label, value in (("since", since), ("until", until)):
-            if value is not None and not np.isfinite(value):
-                raise InvalidQuery(f"{label} must be a finite time, got {value}")
-        if since is not None and until is not None and since >= until:
-            raise InvalidQuery(f"empty time range: since={since} is not before until={until}")
-        if not flags & _ALL_NAMESPACES and namespace is None:
-            return _NOTHING
-        if len(self.cached) >= 1024:  # clients sweeping time windows: keep the cache bounded
-            self.cached.clear()
-        flt = Filter(namespace, since, until, where)
-        self.cached[(flags, namespace_bytes, since, until, where_handle)] = flt
-        return flt
 
 
 @dataclasses.dataclass(slots=True)
@@ -384,9 +301,9 @@ class RecallLoop:
                 return
         self._land_all()  # (this pass is answered here and now: those queued before it first)
         if len(slots) == 1:  # one client: scalar reads cost less than the columns' NumPy calls
-            n_queries = self._answer_each(slots)
+            n_queries = self._searching(self._answer_each, slots)
         else:
-            n_queries = self._answer_mixed(slots)
+            n_queries = self._searching(self._answer_mixed, slots)
         self._publish(slots, seqs, generations, n_queries, started)
 
     def _publish(self, slots: np.ndarray, seqs: np.ndarray, generations: np.ndarray | None, n_queries: int,
@@ -458,7 +375,7 @@ class RecallLoop:
             return True
         if self._flights:
             return False
-        self._publish(slots, seqs, generations, self._search_group(slots, ks, flt), started)
+        self._publish(slots, seqs, generations, self._searching(self._answer_group, slots, ks, flt), started)
         return True
 
     # -- passes in flight ----------------------------------------------------------------
@@ -498,22 +415,28 @@ class RecallLoop:
         while flights:
             self._land(flights.popleft())
 
-    def _answer_mixed(self, slots: np.ndarray) -> int:
+    def _searching(self, answer: Callable[..., int], *args: Any) -> int:
+        """``answer(*args, deferred)``, then the searches it left: a zero-copy engine's are run as
+        they are read (``deferred`` None); a host engine's groups (namespaces, time windows, where
+        clauses) are left in ``deferred`` and run in one engine call (:meth:`_run_deferred`),
+        which reads the rows once for all of them where it can. Returns the queries answered."""
+        if self.zero_copy:
+            return answer(*args, None)
+        deferred: list[_Deferred] = []
+        n_queries = answer(*args, deferred)
+        return (n_queries + self._run_deferred(deferred)) if deferred else n_queries
+
+    def _answer_mixed(self, slots: np.ndarray, deferred: list[_Deferred] | None) -> int:
         """Requests of several kinds: single recalls grouped (:meth:`_answer_singles`), the rest
-        read slot by slot."""
+        read slot by slot (``deferred``: see :meth:`_searching`)."""
         columns = self.channel.columns
         ks = columns.k[slots]
         flags = columns.flags[slots]
         single = (columns.op[slots] == _RECALL) & (columns.n_queries[slots] == 1)
         single &= (ks >= 1) & (ks <= self.layout.max_k) & ((flags | _SINGLE_FLAGS) == _SINGLE_FLAGS)
-        # A host engine's groups (namespaces, time windows, where clauses) go to the engine in
-        # one call, which reads the rows once for all of them where it can.
-        deferred: list[_Deferred] | None = None if self.zero_copy else []
-        n_queries = self._answer_singles(slots[single], ks[single], flags[single], deferred=deferred) if single.any() else 0
+        n_queries = self._answer_singles(slots[single], ks[single], flags[single], deferred) if single.any() else 0
         if not single.all():
-            n_queries += self._answer_each(slots[~single], deferred=deferred)
-        if deferred:
-            n_queries += self._run_deferred(deferred)
+            n_queries += self._answer_each(slots[~single], deferred)
         return n_queries
 
     def _run_deferred(self, deferred: list[_Deferred]) -> int:
@@ -541,11 +464,11 @@ class RecallLoop:
                 d.fail(exc)
         return counted
 
-    def _answer_singles(self, slots: np.ndarray, ks: np.ndarray, flags: np.ndarray, handle: int | None = None,
-                        deferred: list[_Deferred] | None = None) -> int:
+    def _answer_singles(self, slots: np.ndarray, ks: np.ndarray, flags: np.ndarray,
+                        deferred: list[_Deferred] | None, handle: int | None = None) -> int:
         """Single recalls grouped by where clause (``handle``: the one of these slots) and
-        namespace, one engine pass per group; returns how many (with ``deferred``, the groups'
-        searches are left there instead, and count when they run)."""
+        namespace, one engine pass per group (``deferred``: see :meth:`_searching`); returns how
+        many were answered."""
         columns = self.channel.columns
         if handle is None:
             with_where = (flags & _HAS_WHERE) != 0
@@ -555,10 +478,10 @@ class RecallLoop:
                 handles = columns.where_handle[slots[where_at]]
                 for h in np.unique(handles).tolist():
                     sub = where_at[handles == h]
-                    answered += self._answer_singles(slots[sub], ks[sub], flags[sub], int(h), deferred)
+                    answered += self._answer_singles(slots[sub], ks[sub], flags[sub], deferred, int(h))
                 if not with_where.all():
                     plain = ~with_where
-                    answered += self._answer_singles(slots[plain], ks[plain], flags[plain], deferred=deferred)
+                    answered += self._answer_singles(slots[plain], ks[plain], flags[plain], deferred)
                 return answered
         wflags, wkey = (0, 0) if handle is None else (_HAS_WHERE, handle)
         everywhere = (flags & _ALL_NAMESPACES) != 0
@@ -579,7 +502,7 @@ class RecallLoop:
             names = columns.namespace[named]  # bytes, trailing NULs dropped
             odd = columns.namespace_len[named] != np.char.str_len(names)
             if odd.any():  # a length word that disagrees with the bytes: read as the slot says
-                answered += self._answer_each(named[odd], deferred=deferred)
+                answered += self._answer_each(named[odd], deferred)
                 named, named_ks, names = named[~odd], named_ks[~odd], names[~odd]
             if not len(names):
                 unique, inverse = names, np.zeros(0, dtype=np.intp)
@@ -602,11 +525,16 @@ class RecallLoop:
                     continue
                 groups.append((named[members], named_ks[members], flt))
         for members, member_ks, flt in groups:
-            if deferred is None:
-                answered += self._search_group(members, member_ks, flt)
-            else:
-                self._defer_group(members, member_ks, flt, deferred)
+            answered += self._answer_group(members, member_ks, flt, deferred)
         return answered
+
+    def _answer_group(self, slots: np.ndarray, ks: np.ndarray, flt: Filter, deferred: list[_Deferred] | None) -> int:
+        """The single recalls of ``slots`` (one filter): searched now on a zero-copy engine, else
+        left in ``deferred`` (:meth:`_searching`); returns how many were answered now."""
+        if deferred is None:
+            return self._search_group(slots, ks, flt)
+        self._defer_group(slots, ks, flt, deferred)
+        return 0
 
     def _defer_group(self, slots: np.ndarray, ks: np.ndarray, flt: Filter, deferred: list[_Deferred]) -> None:
         """A host engine's search of the single recalls of ``slots`` (one filter), left in
@@ -631,12 +559,8 @@ class RecallLoop:
         deferred.append(_Deferred(batch, k_max, flt, deliver, fail))
 
     def _search_group(self, slots: np.ndarray, ks: np.ndarray, flt: Filter) -> int:
-        """Searches the single recalls of ``slots`` (one filter) in one pass and completes their
-        answers; returns how many were answered (the rest got their error)."""
-        if not self.zero_copy:  # a host engine: the one path of its searches (_run_deferred)
-            deferred: list[_Deferred] = []
-            self._defer_group(slots, ks, flt, deferred)
-            return self._run_deferred(deferred) if deferred else 0
+        """A zero-copy engine's search of the single recalls of ``slots`` (one filter) in one
+        pass, their answers completed; returns how many were answered (the rest got their error)."""
         try:
             slots, ks = self._search_singles(slots, ks, flt)
         except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
@@ -710,10 +634,9 @@ class RecallLoop:
             self._answer_error(self.channel.slots[index],
                                InvalidQuery(f"query 0 {reason}; it has no direction to compare by cosine"))
 
-    def _answer_each(self, slots: np.ndarray, deferred: list[_Deferred] | None = None) -> int:
+    def _answer_each(self, slots: np.ndarray, deferred: list[_Deferred] | None) -> int:
         """Requests read slot by slot (batches, time windows, pings, bad words), grouped by
-        filter; returns the queries answered (with ``deferred``, a host engine's, the groups'
-        searches are left there instead)."""
+        filter (``deferred``: see :meth:`_searching`); returns the queries answered."""
         groups: dict[Filter, list[tuple[SlotView, int, np.ndarray, np.ndarray]]] = {}
         n_queries = 0
         for index in slots.tolist():
@@ -740,9 +663,6 @@ class RecallLoop:
                 continue
             groups.setdefault(flt, []).append((view, k, rows, scales))
             n_queries += len(rows)
-        own = deferred is None and not self.zero_copy  # (a host engine's searches: _run_deferred)
-        if own:
-            deferred = []
         for flt, members in groups.items():
             k_max = max(member[1] for member in members)
             if deferred is not None:
@@ -755,8 +675,6 @@ class RecallLoop:
                 self._fail_members(members, exc)
                 continue
             self._complete_members(members)
-        if own and deferred:
-            self._run_deferred(deferred)
         return n_queries
 
     def _fail_members(self, members: list, exc: Exception) -> None:

@@ -54,7 +54,8 @@ from kalos.server.cohort import Cohort
 from kalos.server.expirer import Expirer
 from kalos.server.metrics import Metrics
 from kalos.server.operations import ControlServer
-from kalos.server.recall_loop import FilterCache, RecallLoop
+from kalos.server.filters import FilterCache
+from kalos.server.recall_loop import RecallLoop
 from kalos.server.slot_polling import SlotPolling
 from kalos.server.state_lock import StateLock
 from kalos.store.spec import StoreSpec, open_store

@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -192,15 +192,24 @@ def _connector(name: str, seconds: float, ready: Any, out: Any) -> None:
     out.put((-1, {"connect_times": times, "failures": failures, "error_text": last}))
 
 
-def _passes(name: str) -> tuple[int, int, float, int, int]:
-    """(queries, passes, seconds spent answering) of the sidecar's sweep so far, then (recalls
-    answered, rounds queued) of its GPU polling."""
+class _Passes(NamedTuple):
+    """A sidecar's counts so far: its sweep's queries, passes and seconds spent answering, and
+    the recalls its GPU polling answered in how many rounds."""
+
+    queries: int
+    passes: int
+    busy_s: float
+    gpu_polled: int
+    gpu_rounds: int
+
+
+def _passes(name: str) -> _Passes:
     from kalos.client.client import Client
 
     with Client(name) as client:
         stats = client.stats()
-    return (int(stats["queries"]), int(stats["batches"]), float(stats.get("busy_s", 0.0)),
-            int(stats.get("gpu_polled", 0)), int(stats.get("gpu_rounds", 0)))
+    return _Passes(int(stats["queries"]), int(stats["batches"]), float(stats.get("busy_s", 0.0)),
+                   int(stats.get("gpu_polled", 0)), int(stats.get("gpu_rounds", 0)))
 
 
 def _pct(values: np.ndarray, q: float) -> float:
@@ -317,14 +326,15 @@ def run_crowd(args: argparse.Namespace) -> int:
                 before = _passes(name)
                 row = _one_crowd(name, data, k, c, args.crowd_seconds, args.crowd_scopes)
                 after = _passes(name)
-                passes = max(1, after[1] - before[1])
-                row["queries_per_pass"] = (after[0] - before[0]) / passes
+                passes = max(1, after.passes - before.passes)
+                swept = after.queries - before.queries
+                row["queries_per_pass"] = swept / passes
                 # What one pass costs the sweep, and how much of the crowd's time it was answering
                 # (near 100%: the sweep is the bottleneck; well below: the clients are).
-                row["pass_us"] = (after[2] - before[2]) / passes * 1e6
-                row["sweep_busy"] = (after[2] - before[2]) / args.crowd_seconds
-                polled, rounds = after[3] - before[3], after[4] - before[4]
-                if polled > after[0] - before[0] and rounds > 0:  # GPU polling answered most: its rounds
+                row["pass_us"] = (after.busy_s - before.busy_s) / passes * 1e6
+                row["sweep_busy"] = (after.busy_s - before.busy_s) / args.crowd_seconds
+                polled, rounds = after.gpu_polled - before.gpu_polled, after.gpu_rounds - before.gpu_rounds
+                if polled > swept and rounds > 0:  # GPU polling answered most: its rounds
                     row["queries_per_pass"] = polled / rounds
                 report["rows"].append(row)
                 print(f"  C={c}: p50 {row['p50_us']:.1f} us, p99 {row['p99_us']:.1f}, "

@@ -240,7 +240,7 @@ class Pipeline:
         tk.final_kernel[(qb, plan.final_split)](
             cur, hdr, hdrf, cols.x32, dq, cols.ids, res_i, res_s, status,
             stride, count, ea, eb, ec, D=self.dim, KIN=plan.k1, KOUT=plan.kout, CHUNK=plan.final_chunk,
-            BLOCK_D=plan.final_block_d, RESCORE=kind != "f32" and not plan.rescore_k, OUT_IDS=want_ids,
+            BLOCK_D=plan.final_block_d, RESCORE=plan.final_rescore, OUT_IDS=want_ids,
             num_warps=plan.final_warps, OVER=over, CHECK_OVER=over is not None,
             BOUND=bound, CHUNK_CERT=plan.rescore_k > 0, SPLIT=plan.final_split,
             RESCORED=split.keys if splits else None, ARRIVED=split.arrived if splits else None, **(publish or {}),

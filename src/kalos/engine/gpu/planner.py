@@ -198,7 +198,8 @@ class Plan:
     gemm_rows: int = 0  # batches: cuBLAS scores this many rows at a time instead of the scan (0: scan)
     threshold: bool = False  # whole GEMM slices select by threshold, not per chunk
     fma: bool = False  # an exact batch of a few queries scanned by FMA (Planner.fma)
-    final_split: int = 1  # programs per query of the final kernel's re-score (final_kernel's SPLIT)
+    final_rescore: bool = False  # the final kernel re-scores the candidates and certifies (its RESCORE)
+    final_split: int = 1  # programs per query of that re-score (final_kernel's SPLIT)
 
 
 @dataclass
@@ -320,17 +321,19 @@ class Planner:
             tile_elems = tune.chunk_rescore_tile
         else:
             tile_elems = tune.single_final_tile if single else tune.final_tile
+        final_rescore = kind != "f32" and not rescore_k  # (16-bit or tf32 scores the chunks did not re-score)
         split_rows = next_pow2(int(tune.final_split_rows)) if int(tune.final_split_rows) > 0 else 0
-        splits = batched and kind != "f32" and not rescore_k and 0 < split_rows < k1 <= SPLIT_MAX_CANDIDATES
+        splits = batched and final_rescore and 0 < split_rows < k1 <= SPLIT_MAX_CANDIDATES
         final_split = k1 // split_rows if splits else 1
         final_block_d = max(16, min(next_pow2(self.dim), int(tile_elems) // (rescore_k or k1 // final_split)))
-        if kind != "f32" and not rescore_k:
+        if final_rescore:
             final_warps = int(tune.single_final_warps if single else tune.final_warps)
         else:  # the final kernel selects among float32 keys and re-scores nothing
             final_warps = int(tune.single_exact_final_warps) if single else 4
         topk_warps = int(tune.single_topk_warps) if single else 4
         return Plan(k1, kp, cfg, n_qblocks, progs, levels, count, final_chunk, final_block_d, final_warps, ws,
-                    topk_warps, rescore_k, score_chunk if scores else 0, gemm_rows, threshold, fma, final_split)
+                    topk_warps, rescore_k, score_chunk if scores else 0, gemm_rows, threshold, fma, final_rescore,
+                    final_split)
 
 
 def _threshold_fits(slice_rows: int, chunk: int, k1: int) -> bool:
