@@ -1,0 +1,11 @@
+#!/bin/bash
+# Session 19, the 2-vCPU VM, after the final mend: the crowd of single recalls, 1-64 client
+# processes beside one (C = 1), this code and then b739c85 (the diff's base, session 18's CPU
+# crowd change already in it; .snap/trees/b739 with its _fence and _dots built) in one run,
+# 65,536 x 384, k = 8, default `kalos serve --device cpu`.
+cd "$(dirname "$0")/../../.."
+for t in "src this" ".snap/trees/b739/src base"; do set -- $t
+  PYTHONPATH=$1 timeout 900 .venv/bin/python $1/kalos/tools/crowd.py --device cpu --n 65536 --dim 384 \
+    --crowd 1,2,4,8,16,32,64 --crowd-seconds 3 > benchmarks/results/cpu-crowd-s19/$2.txt 2>&1
+  echo "== $2"; grep -E "^ +[0-9]+ |Traceback|Error" benchmarks/results/cpu-crowd-s19/$2.txt | head -10
+done
