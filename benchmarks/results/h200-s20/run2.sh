@@ -5,7 +5,10 @@
 # rounds found): "gap" (this tree: keep gathering while requests keep arriving, stop once
 # --gpu-window-us passes without a new one, once every client asked, or after 8x the window),
 # with windows of 10 and 20 us; "yield" (d6fa4b9 with clients that spin and yield past two per
-# core instead of napping); "gapyield" (both). Needs .snap/trees/{s20,yield,gapyield}.
+# core instead of napping); "gapyield" (both). Needs .snap/trees/{s20,yield,gapyield}: s20 =
+# git archive d6fa4b9; yield = s20 with ClientChannel._budgets returning the yielding spin past
+# two per core too; the gap kernel = candidate-yield-gather.patch's poll.py without the expect
+# cap, going once quiet >= window or waited >= 8 x window.
 cd "$(dirname "$0")/../../.."
 ext=$(python3-config --extension-suffix); inc=$(python3-config --includes)
 for t in src .snap/trees/s20/src .snap/trees/yield/src .snap/trees/gapyield/src; do
