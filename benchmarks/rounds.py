@@ -16,7 +16,11 @@ another, ``--repeat`` times (alternated, for noise).
         --variant 'one program:exact:{"final_split_rows": 0}' --variant 'split:exact:{}'
 
 A variant is ``name:precision:json``, the JSON being :meth:`Tuning.replace` overrides (field
-names only); without any, the default tuning in both precisions.
+names only); without any, the default tuning in both precisions. ``--k-buckets 8,16`` runs each
+variant with its rounds held at each k bucket (the selection's and final kernel's columns; by
+default the server's own choice, the smaller bucket for k <= 8):
+
+    PYTHONPATH=src python3 benchmarks/rounds.py --sizes 1,2,8,16,32,64 --k-buckets 8,16
 """
 from __future__ import annotations
 
@@ -45,8 +49,8 @@ def parse_variant(text: str) -> tuple[str, str, dict]:
     return name, precision, json.loads(overrides or "{}")
 
 
-def run_variant(args: argparse.Namespace, name: str, precision: str, tune: dict[str, Any], rows: np.ndarray,
-                ref_rows: torch.Tensor) -> Figures:
+def run_variant(args: argparse.Namespace, name: str, precision: str, tune: dict[str, Any], kout: int | None,
+                rows: np.ndarray, ref_rows: torch.Tensor) -> Figures:
     rng = np.random.default_rng(0)
     engine = TorchEngine(args.dim, device="cuda", backend="triton", precision=precision, tune=tune)
     engine.add(np.arange(args.n, dtype=np.int64), rows, np.zeros(args.n, np.int32), np.zeros(args.n))
@@ -57,7 +61,11 @@ def run_variant(args: argparse.Namespace, name: str, precision: str, tune: dict[
     seqs = np.full(args.slots, rest_seq(1), np.uint64)
     for view in views:
         view.req_seq[0] = view.resp_seq[0] = rest_seq(1)
-    server = SlotGraphServer(engine, layout, seqs.copy(), idle_s=5.0, window_s=args.window_us * 1e-6)
+    # (A k bucket held: no switch back to the smaller one during the run.)
+    held = dict(k_resize_s=3600.0) if kout else {}
+    server = SlotGraphServer(engine, layout, seqs.copy(), idle_s=5.0, window_s=args.window_us * 1e-6, **held)
+    if kout and kout not in server.kouts:
+        raise SystemExit(f"--k-buckets: {kout} is not one of the server's k buckets {server.kouts}")
     server.in_use[:] = 1
     t0 = time.perf_counter()
     server.warm()
@@ -80,7 +88,7 @@ def run_variant(args: argparse.Namespace, name: str, precision: str, tune: dict[
         want = torch.topk(unit @ ref_rows.T, args.k, dim=1)
         want_ids, kth = want.indices.cpu().numpy(), want.values[:, -1].cpu().numpy()
         scores64 = (unit @ ref_rows.T).cpu().numpy()
-        server.start(server.in_use)
+        server.start(server.in_use, kout=kout)
         host, passes, wrong, n_handed = [], [], 0, 0
         for it in range(args.rounds):
             seqs[:b] += np.uint64(1)
@@ -130,8 +138,13 @@ def main() -> int:
     ap.add_argument("--window-us", type=float, default=20.0, help="the batch rounds' gathering window")
     ap.add_argument("--repeat", type=int, default=1, help="runs of the variants, alternated")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:PRECISION:JSON")
+    ap.add_argument("--k-buckets", default="", metavar="K1,K2",
+                    help="hold the rounds at each of these k buckets in turn (default: the server's choice)")
     args = ap.parse_args()
     args.sizes = [int(b) for b in args.sizes.split(",")]
+    kouts: list[int | None] = [int(k) for k in args.k_buckets.split(",") if k.strip()] or [None]
+    if any(kout is not None and kout < args.k for kout in kouts):
+        raise SystemExit(f"--k-buckets: a bucket below -k {args.k} would hand every request to the host")
     if not 1 <= args.k <= DEFAULT_MAX_K:
         raise SystemExit(f"-k must be 1 to {DEFAULT_MAX_K}: the server hands larger k to a host that is not running")
     if not all(1 <= b <= min(args.slots, DEFAULT_BATCH) for b in args.sizes):
@@ -146,7 +159,9 @@ def main() -> int:
     table: dict[tuple[int, str, str], Figures] = {}
     for rep in range(args.repeat):
         for name, precision, tune in variants:
-            table[rep, name, precision] = run_variant(args, name, precision, tune, rows, ref_rows)
+            for kout in kouts:
+                label = name if kout is None else f"{name} k<={kout}"
+                table[rep, label, precision] = run_variant(args, label, precision, tune, kout, rows, ref_rows)
     print(f"\nround host p50 / p99 / GPU pass p50 us by round size b ({args.n:,} x {args.dim}, k = {args.k}, "
           f"{args.slots} slots); wrong answers in the sampled rounds")
     print(f"{'variant':28s}" + "".join(f"{'b=' + str(b):>18s}" for b in args.sizes) + "  wrong handed")

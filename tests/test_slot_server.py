@@ -27,7 +27,13 @@ from test_torch_engine import HAVE_CUDA, _interpreter_env, needs_interpreter, rn
 
 from kalos.engine.gpu import TorchEngine  # noqa: E402
 from kalos.engine.gpu.layout import HOST_CONTROL  # noqa: E402
-from kalos.engine.gpu.slot_server import _NAME_PROBE, SlotGraphServer, name_home, waiting_warps  # noqa: E402
+from kalos.engine.gpu.slot_server import (  # noqa: E402
+    _NAME_PROBE,
+    SMALL_K,
+    SlotGraphServer,
+    name_home,
+    waiting_warps,
+)
 from kalos.errors import InvalidArgument  # noqa: E402
 from kalos.ipc.protocol import Layout, Op, RequestFlag, SlotView, rest_seq  # noqa: E402
 
@@ -318,7 +324,7 @@ def test_batch_round_with_a_split_final_kernel_answers_and_leaves_its_counts_at_
     for _ in range(2):  # (a second round of the same graph finds its counts at zero)
         seqs = [rig.submit(s, queries[s], 8, flags=ALL) for s in range(4)]
         rig.serve()
-        held = rig.server._rounds[4]
+        held = rig.server._rounds[(4, rig.server.kout)]
         assert held.plan.final_split > 1
         for s in range(4):
             if not _answered(rig, s, seqs[s]):
@@ -499,9 +505,9 @@ def test_needs_the_triton_engine_with_the_segment_attached(rng):
 class _DeferredRound:
     """A replay queued on the fake GPU of :class:`QueuedGraphServer`: it runs when its turn comes."""
 
-    def __init__(self, server: "QueuedGraphServer", bucket: int) -> None:
+    def __init__(self, server: "QueuedGraphServer", bucket: int, kout: int) -> None:
         self.server = server
-        self.bucket = bucket  # the graph replayed: the round size queued then
+        self.bucket, self.kout = bucket, kout  # the graph replayed: the round size and k bucket queued then
         self.done = False
 
     def query(self) -> bool:
@@ -525,14 +531,14 @@ class QueuedGraphServer(SlotGraphServer):
         self.running()
 
     def _enqueue_rounds(self, count: int) -> list:
-        rounds = [_DeferredRound(self, self._bucket) for _ in range(count)]
+        rounds = [_DeferredRound(self, self._bucket, self._kout) for _ in range(count)]
         self.gpu.extend(rounds)
         return rounds
 
     def step(self) -> None:
         """The oldest queued round runs (it waits for a request up to idle_polls polls)."""
         job = self.gpu.popleft()
-        self._round(job.bucket)
+        self._round(job.bucket, job.kout)
         job.done = True
 
 
@@ -643,10 +649,10 @@ class FailingCaptureServer(QueuedGraphServer):
         super().__init__(*args, **kwargs)
         self.fail_at, self.captured, self.captures = fail_at, set(captured), []
 
-    def _needs_capture(self, qb: int) -> bool:
+    def _needs_capture(self, qb: int, kout: int) -> bool:
         return qb not in self.captured
 
-    def _capture(self, qb: int) -> None:
+    def _capture(self, qb: int, kout: int) -> None:
         self.captures.append(qb)
         if qb >= self.fail_at:
             raise RuntimeError("CUDA out of memory (a test's)")
@@ -712,6 +718,60 @@ def test_rounds_follow_demand(make_rig, rng):
     assert not any(int(server.handed[s]) == int(rig.seqs[s]) for s in (0, 1, 2))
     server.step()
     assert all(int(rig.views[s].resp_seq[0]) == int(rig.seqs[s]) for s in (0, 1, 2))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("bucket_clients", [1, 4], ids=["single rounds", "batch rounds"])
+def test_rounds_take_the_larger_k_bucket_when_a_request_needs_it(make_rig, rng, bucket_clients):
+    # Rounds start at the k bucket of SMALL_K. A request past it is handed to the host (the
+    # round's kernels are built for fewer columns) and reported; the rounds queued next are of
+    # the larger bucket and answer such requests themselves, as the float64 reference says;
+    # once k_resize_s passes without one, the rounds go back to the smaller bucket.
+    rig = make_rig(server=QueuedGraphServer, slots=4, max_k=16, depth=1, window_polls=0, resize_s=3600.0,
+                   k_resize_s=3600.0)
+    server = rig.server
+    assert server.kouts == (SMALL_K, 16)
+    rig.active[bucket_clients:] = 0
+    assert server.start(rig.active) and server.gpu[-1].kout == SMALL_K
+    q = rng.standard_normal(rig.engine.dim).astype(np.float32)
+
+    def one_round(k: int) -> int:
+        seq = rig.submit(0, q, k)
+        server.step()
+        server.running()  # (the sweep's look: the next round's size and k bucket)
+        return seq
+
+    seq = one_round(SMALL_K)
+    assert _answered(rig, 0, seq) and server.gpu[-1].kout == SMALL_K
+    seq = rig.submit(0, q, 16)
+    server.step()
+    assert int(server.handed[0]) == seq and not _answered(rig, 0, seq)
+    assert not server.running()  # (the round handed it over, found no other, and went idle: stopped)
+    assert int(server._hctl[HOST_CONTROL.k_wanted]) == 16
+    # The next start (the sidecar's, at the next request) reads the report: the larger bucket.
+    assert server.start(rig.active) and server.gpu[-1].kout == 16
+    assert int(server._hctl[HOST_CONTROL.k_wanted]) == 0  # (read and cleared)
+    for k in (16, 12, 3):  # the larger bucket serves every k up to it
+        seq = one_round(k)
+        assert _answered(rig, 0, seq) and server.gpu[-1].kout == 16, f"k={k}"
+        view = rig.views[0]
+        assert (int(view.status[0]), int(view.n_results[0])) == (0, k)
+        assert_topk_matches(view.ids[:1, :k], view.scores[:1, :k], rig.ids, rig.vectors, q[None], k, rig.live,
+                            context=f"k={k} at the larger bucket")
+    server.stop()  # a stop and a start keep it
+    assert server.start(rig.active) and server.gpu[-1].kout == 16
+    server.k_resize_s = 0.0
+    seq = one_round(4)
+    assert _answered(rig, 0, seq) and server.gpu[-1].kout == SMALL_K
+
+
+def test_k_buckets_of_the_rounds(make_rig):
+    assert make_rig(max_k=16).server.kouts == (8, 16)
+    assert make_rig(max_k=8).server.kouts == (8,)
+    assert make_rig(max_k=3).server.kouts == (4,)
+    rig = make_rig(max_k=16)
+    with pytest.raises(InvalidArgument, match=r"kout must be one of the k buckets \(8, 16\), got 4"):
+        rig.server.start(rig.active, bucket=1, kout=4)
 
 
 @needs_interpreter
@@ -790,7 +850,7 @@ def test_cuda_server_answers_while_running(make_rig, rng, precision):
     rig.server.set_namespaces({b"a": 0, b"b": 1})
     rig.serve()
     assert rig.server.running()
-    answered = 0
+    answered, handed_k = 0, []
     for i in range(200):
         slot = i % 8
         k = int(rng.integers(1, 17))
@@ -805,7 +865,13 @@ def test_cuda_server_answers_while_running(make_rig, rng, precision):
             answered += 1
             assert_topk_matches(view.ids[:1, :k], view.scores[:1, :k], rig.ids, rig.vectors, query[None], k,
                                 eligible, context=f"request {i} namespace {ns}")
-    assert answered >= (200 if precision == "exact" else 150)
+        else:
+            handed_k.append(k)
+    if precision == "exact":
+        # Rounds start at the smaller k bucket: the first request past it, and those that meet
+        # the rounds queued at that bucket before the host saw its report, go to the host.
+        assert all(k > SMALL_K for k in handed_k) and len(handed_k) <= rig.server.depth + 1, handed_k
+    assert answered >= (200 - len(handed_k) if precision == "exact" else 150)
     rig.server.stop()
     assert not rig.server.running() and rig.server.served == answered
 
@@ -825,11 +891,13 @@ def test_cuda_batch_rounds_of_every_size_answer_a_crowd(make_rig, rng, precision
     for crowd in (40, 2, 17, 5, 33, 1):
         rig.active[:] = False
         rig.active[:crowd] = True
-        rig.server.start(rig.active, bucket=rig.server.bucket(crowd))  # (held: each size's own graph)
-        assert rig.server.running()
         for _ in range(3):
-            queries = rng.standard_normal((crowd, rig.engine.dim)).astype(np.float32)
             k = int(rng.integers(1, 17))
+            # (held: each size's own graph, at the k bucket that serves k; both are captured)
+            kout = min(b for b in rig.server.kouts if b >= k)
+            rig.server.start(rig.active, bucket=rig.server.bucket(crowd), kout=kout)
+            assert rig.server.running()
+            queries = rng.standard_normal((crowd, rig.engine.dim)).astype(np.float32)
             seqs = [rig.submit(s, queries[s], k) for s in range(crowd)]
             for s in range(crowd):
                 view = rig.views[s]
@@ -841,7 +909,7 @@ def test_cuda_batch_rounds_of_every_size_answer_a_crowd(make_rig, rng, precision
                                         queries[s][None], k, rig.live, context=f"crowd {crowd} slot {s}")
                 else:
                     assert precision == "fast", f"crowd {crowd}: slot {s} handed over in exact mode"
-        rig.server.stop()
+            rig.server.stop()
     total = 3 * (40 + 2 + 17 + 5 + 33 + 1)
     assert answered >= (total if precision == "exact" else total * 3 // 4)
     assert rig.server.served == answered

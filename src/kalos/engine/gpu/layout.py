@@ -77,6 +77,8 @@ HOST_CONTROL_DTYPE = np.dtype([
     ("t_staged", "<i8"),  # staged a request,
     ("t_published", "<i8"),  # published its answer,
     ("t_seen", "<i8"),  # first saw a request
+    ("k_wanted", "<i8"),  # the kernels: the largest k of a pending single recall past the smallest
+    #                       k bucket (the host queues rounds of the bucket that serves it; 0: none)
 ])
 
 DEVICE_CONTROL_DTYPE = np.dtype([

@@ -26,6 +26,14 @@ is one pass over the rows, not C. Each size is its own graph, captured at
 requests it found pending; the host queues the next rounds at the power of two that holds
 them (at once when that grows, after ``resize_s`` of smaller rounds when it shrinks).
 
+k buckets. A round's kernels are built for a k bucket (the columns of the selection and the
+final kernel), and a round at the bucket of 8 costs less than at 16 (docs/gpu-kernels.md, two
+k buckets). Rounds start at the bucket of ``SMALL_K`` (Client.recall's default); a request
+past it (up to ``max_k``) is handed to the host and reported (the host control word
+``k_wanted``), and rounds of the larger bucket are queued from then on, until ``k_resize_s``
+passes without one (across the server's stops and starts: a sidecar whose clients ask for
+such k off and on keeps serving them on the GPU).
+
 Clients coming and going. The kernels poll every slot, and the channel mirrors which have a
 client into page-locked words (:attr:`SlotGraphServer.in_use`) that each poll reads, so a new
 client is served without a restart. A slot changes hands at rest (``kalos.ipc.protocol``:
@@ -78,23 +86,29 @@ from kalos.engine.gpu.planner import Plan, k_bucket, next_pow2
 from kalos.errors import InvalidArgument
 from kalos.ipc.protocol import NAMESPACE_BYTES, Layout, Op, RequestFlag, SlotWords
 
-__all__ = ["SlotGraphServer", "DEFAULT_MAX_K", "DEFAULT_BATCH", "DEFAULT_WINDOW_S", "waiting_warps"]
+__all__ = ["SlotGraphServer", "DEFAULT_MAX_K", "SMALL_K", "DEFAULT_BATCH", "DEFAULT_WINDOW_S", "waiting_warps"]
 
 log = logging.getLogger(__name__)
 
 #: Largest k the kernel serves itself (larger ones go to the host path).
 DEFAULT_MAX_K = 16
+#: The k that rounds serve in their smaller k bucket (Client.recall's default): past it, up to
+#: max_k, rounds of the larger bucket serve, queued once such a request shows up.
+SMALL_K = 8
 #: Most requests one round takes.
 DEFAULT_BATCH = 64
 #: How long a round, once a request is pending, waits for the rest of the crowd.
 DEFAULT_WINDOW_S = 20e-6
 #: How long the rounds must find fewer requests before they are queued smaller.
 DEFAULT_RESIZE_S = 2e-3
+#: How long rounds keep the larger k bucket after the last request that needed it: a switch
+#: down costs the next such request a trip to the host, a round kept up a few microseconds.
+DEFAULT_K_RESIZE_S = 1.0
 
 
 @dataclasses.dataclass
 class _Round:
-    """A round of ``qb`` requests: what it scans, its plan, its workspace and its graph.
+    """A round of ``qb`` requests at one k bucket: what it scans, its plan, workspace and graph.
 
     Every round owns its buffers: a graph keeps the addresses it was captured with, so a
     buffer shared between rounds and grown for a larger one would leave the smaller one's
@@ -161,7 +175,8 @@ class SlotGraphServer:
     requests a round takes (rounded down to a power of two). ``window_s``: how long a batch
     round, once a request is pending, waits for the other connected clients' (``window_polls``
     polls on the CPU device). ``resize_s``: how long the rounds must find fewer requests before
-    smaller ones are queued. On PyTorch's CPU device (tests) :meth:`start` runs rounds
+    smaller ones are queued; ``k_resize_s``: how long they keep the larger k bucket after the
+    last request past the smaller. On PyTorch's CPU device (tests) :meth:`start` runs rounds
     synchronously, without a graph, until the waiting kernel stops (``idle_polls`` polls
     without a request); those keep the first round's size.
     """
@@ -169,11 +184,11 @@ class SlotGraphServer:
     def __init__(self, engine: TorchEngine, layout: Layout, answered: np.ndarray, *, idle_s: float = 0.002,
                  max_k: int = DEFAULT_MAX_K, depth: int = 3, idle_polls: int = 2, warps: int | None = None,
                  batch: int = DEFAULT_BATCH, window_s: float = DEFAULT_WINDOW_S, window_polls: int = 2,
-                 resize_s: float = DEFAULT_RESIZE_S) -> None:
+                 resize_s: float = DEFAULT_RESIZE_S, k_resize_s: float = DEFAULT_K_RESIZE_S) -> None:
         if batch < 1:
             raise InvalidArgument(f"batch must be >= 1, got {batch}")
-        if window_s < 0 or window_polls < 0 or resize_s < 0:
-            raise InvalidArgument("window_s, window_polls and resize_s must be >= 0")
+        if min(window_s, window_polls, resize_s, k_resize_s) < 0:
+            raise InvalidArgument("window_s, window_polls, resize_s and k_resize_s must be >= 0")
         if depth < 1:
             raise InvalidArgument(f"depth must be >= 1, got {depth}")
         if warps is not None and warps not in (1, 2, 4, 8):
@@ -193,12 +208,17 @@ class SlotGraphServer:
         if NAMESPACE_BYTES < 8 * _NAME_WORDS:
             raise AssertionError("the kernels read a namespace's first 8 int64 words from the slot")
         self.on_gpu = engine.on_gpu
-        self.kout = k_bucket(max_k)
+        #: The k buckets of the rounds, smallest first: SMALL_K's, and the largest k served's
+        #: (max_k, at most the slots' k) if larger.
+        top = min(max_k, layout.max_k)
+        self.kouts = tuple(sorted({k_bucket(min(SMALL_K, top)), k_bucket(top)}))
+        self.kout = self.kouts[-1]
         self.idle_s = float(idle_s)
         self.idle_polls = int(idle_polls)
         self.window_s = float(window_s)
         self.window_polls = int(window_polls)
         self.resize_s = float(resize_s)
+        self.k_resize_s = float(k_resize_s)
         self.ns = next_pow2(layout.n_slots)
         self.warps = waiting_warps(self.ns) if warps is None else int(warps)
         #: The largest round: a power of two, at most ``batch`` and the slot count's.
@@ -251,8 +271,11 @@ class SlotGraphServer:
         self._dh = torch.zeros(HDR_WORDS + TAB_WORDS * self.max_bucket, dtype=torch.int64, device=dev)
         self._ctl = torch.zeros(CTL_WORDS, dtype=torch.int64, device=dev)  # DEVICE_CONTROL_DTYPE
         self._status = torch.zeros(self.max_bucket, dtype=torch.int32, device=dev)
-        self._rounds: dict[int, _Round] = {}  # per bucket: its plan, workspace and graph
+        self._rounds: dict[tuple[int, int], _Round] = {}  # per (bucket, k bucket): plan, workspace, graph
         self._bucket = 1  # the round queued next: start() chooses it, then the demand (_follow_demand)
+        self._kout = self.kouts[0]  # its k bucket: the smaller at first, then the demand (_follow_k)
+        self._kout_ok = self.kout  # the largest k bucket whose rounds could be captured
+        self._k_seen_at = 0.0  # when a request past the smaller k bucket was last reported
         self._follow = True  # (False: start() was told the round)
         self._largest_ok = self.max_bucket  # below the smallest round whose capture failed
         self._peak = 0  # most the rounds found since the period began
@@ -298,12 +321,16 @@ class SlotGraphServer:
     def warm(self) -> None:
         """Compiles and captures every round now (a launch that exits at once), not on the
         first request: a compile in the middle of serving would stall every client."""
-        qb = 1
-        while qb <= self.max_bucket:
-            if not self.start(np.zeros(self.layout.n_slots, bool), exit_at_once=True, bucket=qb):
-                return  # nothing to scan yet
-            self.stop()
-            qb *= 2
+        try:
+            for kout in self.kouts:
+                qb = 1
+                while qb <= self.max_bucket:
+                    if not self.start(np.zeros(self.layout.n_slots, bool), exit_at_once=True, bucket=qb, kout=kout):
+                        return  # nothing to scan yet
+                    self.stop()
+                    qb *= 2
+        finally:
+            self._kout = self.kouts[0]  # (serving starts at the smaller k bucket)
 
     def set_namespaces(self, names: dict[bytes, int]) -> None:
         """The namespaces (UTF-8 name -> id) a request may name (call while stopped). Each goes
@@ -368,9 +395,10 @@ class SlotGraphServer:
         """Sizes the rounds queued from now by what the latest rounds found pending: larger at
         once, smaller only after ``resize_s`` in which no round found more (a crowd's rounds
         vary; a graph too large waits its window for clients that are not asking)."""
+        now = time.perf_counter()
+        self._follow_k(now)
         demand = int(self._hctl[HOST_CONTROL.demand])
         self._peak = max(self._peak, demand)
-        now = time.perf_counter()
         if demand <= self._hctl[HOST_CONTROL.expect] and now - self._period_began < self.resize_s:
             return
         if self._peak > 0:
@@ -378,34 +406,52 @@ class SlotGraphServer:
         self._peak = 0
         self._period_began = now
 
+    def _follow_k(self, now: float) -> None:
+        """The k bucket of the rounds queued from now: the larger at once when a round reported
+        a request past the smaller (it handed it to the host), the smaller again after
+        ``k_resize_s`` without one."""
+        wanted = int(self._hctl[HOST_CONTROL.k_wanted])
+        if wanted:
+            self._hctl[HOST_CONTROL.k_wanted] = 0
+            self._k_seen_at = now
+            self._kout = max(self._kout, min(k_bucket(wanted), self._kout_ok))
+        elif self._kout != self.kouts[0] and now - self._k_seen_at >= self.k_resize_s:
+            self._kout = self.kouts[0]
+
     def _set_expect(self, expect: int) -> None:
         """The expect word (most servable requests a round found lately), and the round that holds them."""
         self._hctl[HOST_CONTROL.expect] = expect
         self._bucket = self.bucket(expect)
 
-    def _round_for(self, qb: int) -> "_Round":
-        """The plan and scratch of a round of ``qb`` requests (made on first use)."""
-        held = self._rounds.get(qb)
+    def _round_for(self, qb: int, kout: int) -> "_Round":
+        """The plan and scratch of a round of ``qb`` requests at k bucket ``kout`` (made on first use)."""
+        held = self._rounds.get((qb, kout))
         if held is None:
             eng = self.engine
-            kind = eng.scan_kind(qb, self.kout, eng.precision)
-            plan = eng.pipeline.plan(kind, qb, self.kout)
-            scores = eng.rows.capacity * qb if plan.score_chunk and not plan.gemm_rows else 0
+            kind = eng.scan_kind(qb, kout, eng.precision)
+            plan = eng.pipeline.plan(kind, qb, kout)
+            scores = max(1, eng.rows.capacity * qb if plan.score_chunk and not plan.gemm_rows else 0)
             dev = eng.torch_device
+            # The round of the same size at the other k bucket lends its scores (capacity x qb
+            # floats: the largest buffer), never replaced while its graph lives: rounds run one
+            # at a time on the server's stream. (Not the GEMM scratch: its selection buffers
+            # grow with k, which would leave the other graph pointing at freed memory.)
+            sibling = next((r for (size, _k), r in self._rounds.items() if size == qb), None)
             with self._on_stream():
                 held = _Round(
                     qb, kind, plan,
                     torch.empty(plan.ws_keys * qb, dtype=torch.int64, device=dev),
                     torch.empty(plan.ws_keys * qb, dtype=torch.int64, device=dev),
-                    torch.empty(max(1, scores), dtype=torch.float32, device=dev),
+                    sibling.ws_s if sibling is not None and sibling.ws_s.numel() == scores
+                    else torch.empty(scores, dtype=torch.float32, device=dev),
                     torch.full((qb,), NO_BOUND, dtype=torch.int64, device=dev),  # (the final kernel resets it)
                     eng.pipeline.new_split_buffers(qb),
                     eng.pipeline.new_scratch(qb) if plan.gemm_rows else None,
                 )
-            self._rounds[qb] = held
+            self._rounds[(qb, kout)] = held
         return held
 
-    def _round(self, qb: int) -> None:
+    def _round(self, qb: int, kout: int) -> None:
         """One round's kernels on the current stream: wait for requests, scan, select, answer.
 
         A graph keeps the launch arguments it was captured with: what may change between
@@ -414,15 +460,16 @@ class SlotGraphServer:
         eng = self.engine
         att = eng.attached
         w = self.words
-        rnd = self._round_for(qb)
+        rnd = self._round_for(qb, kout)
         idle = int(self.idle_s * 1e9) if self.on_gpu else self.idle_polls
         dh, dhf, dq = self._dh, self._dh.view(torch.float64), self._dq.view(self.max_bucket, eng.dim)
-        k_limit = min(self.kout, self.layout.max_k)
+        max_k = self.layout.max_k
+        k_limits = (min(kout, max_k), min(self.kouts[0], max_k), min(self.kout, max_k))  # its, reported past, most
         if qb == 1:
             eng.kernels.await_request_kernel[(1,)](
                 att.i64, att.f32, self._slot_at, self._t_in_use, self._t_taken, self._seen, self._t_handed,
                 self._t_hctl, self._ctl, dh, self._dq, self._agree, self._ns_tab, self._ns_ids, self.layout.n_slots,
-                k_limit, idle, int(Op.RECALL), int(RequestFlag.ALL_NAMESPACES), **self._request_constexprs(),
+                *k_limits, idle, int(Op.RECALL), int(RequestFlag.ALL_NAMESPACES), **self._request_constexprs(),
                 E_IDS=w.ids, E_SC=w.scores, num_warps=self.warps,
             )
         else:
@@ -431,7 +478,7 @@ class SlotGraphServer:
             del constexprs["D"], constexprs["BLOCK_DQ"]
             eng.kernels.await_requests_kernel[(1,)](
                 att.i64, self._slot_at, self._t_in_use, self._t_taken, self._seen, self._t_handed, self._t_hctl,
-                self._ctl, dh, self._agree, self._ns_tab, self._ns_ids, self.layout.n_slots, k_limit, idle, window,
+                self._ctl, dh, self._agree, self._ns_tab, self._ns_ids, self.layout.n_slots, *k_limits, idle, window,
                 int(Op.RECALL), int(RequestFlag.ALL_NAMESPACES), **constexprs, E_IDS=w.ids, E_SC=w.scores, QB=qb,
                 num_warps=self.warps,
             )
@@ -467,39 +514,44 @@ class SlotGraphServer:
         if self._serving and self._hctl[HOST_CONTROL.stopped] == 0:
             if len(queued) < self.depth:
                 if self._follow:
-                    serving = self._bucket
+                    serving = self._bucket, self._kout
                     self._follow_demand()
-                    self._ensure_graph(self._bucket, serving)
+                    self._ensure_graph(self._bucket, self._kout, serving)
                 queued.extend(self._enqueue_rounds(self.depth - len(queued)))
         elif not queued:
             self._serving = False
         return bool(queued)
 
-    def _needs_capture(self, qb: int) -> bool:
-        """Whether the round of ``qb`` requests has no graph (on the GPU; the CPU runs rounds eagerly)."""
-        held = self._rounds.get(qb)
+    def _needs_capture(self, qb: int, kout: int) -> bool:
+        """Whether the round of ``qb`` requests at k bucket ``kout`` has no graph (on the GPU; the
+        CPU runs rounds eagerly)."""
+        held = self._rounds.get((qb, kout))
         return self.on_gpu and (held is None or held.graph is None)
 
-    def _ensure_graph(self, qb: int, serving: int) -> None:
-        """Captures the round of ``qb`` requests if the demand asks for one not captured since
-        the engine's columns last changed (warm() captured every round; a change of the
+    def _ensure_graph(self, qb: int, kout: int, serving: tuple[int, int]) -> None:
+        """Captures the round of ``qb`` requests at k bucket ``kout`` if the demand asks for one
+        not captured since the engine's columns last changed (warm() captured every round; a change of the
         columns forgets them, and start() captures only its own): the queued rounds are
         drained first, so that the capture's eager round runs alone, then serving goes on.
         If the capture fails (memory for a larger round, say), serving goes on with the round
-        of ``serving`` requests (captured: it was being replayed), no round as large is asked
-        for again, and a smaller one that failed ends this run's following of the demand."""
-        if not self._needs_capture(qb):
+        ``serving`` (requests, k bucket; captured: it was being replayed), no round as large
+        (or of as large a k bucket) is asked for again, and a smaller one that failed ends this
+        run's following of the demand."""
+        if not self._needs_capture(qb, kout):
             return
         self.stop()
         try:
-            self._capture(qb)
+            self._capture(qb, kout)
         except Exception:  # noqa: BLE001 - the rounds captured already still serve
-            log.exception("capturing the GPU's round of %d requests failed; serving with rounds of %d", qb, serving)
-            if qb > serving:
+            log.exception("capturing the GPU's round of %d requests at k <= %d failed; serving with rounds of %d "
+                          "at k <= %d", qb, kout, *serving)
+            if qb > serving[0]:
                 self._largest_ok = max(1, qb // 2)
+            elif kout > serving[1]:
+                self._kout_ok = serving[1]
             else:
                 self._follow = False
-            self._bucket = serving
+            self._bucket, self._kout = serving
             # The drained rounds and the capture's eager one may have stopped the server and
             # left a request taken: nothing runs now, so both are reset (as a start would).
             self.taken[:] = 0
@@ -513,7 +565,7 @@ class SlotGraphServer:
         """Replays the graph ``count`` times on the server's stream; an event per replay."""
         events = []
         with self._on_stream():  # replay() launches on the current stream
-            graph = self._rounds[self._bucket].graph
+            graph = self._rounds[(self._bucket, self._kout)].graph
             for _ in range(count):
                 graph.replay()
                 done = torch.cuda.Event()
@@ -522,11 +574,14 @@ class SlotGraphServer:
         self.rounds += count
         return events
 
-    def start(self, active: np.ndarray, *, exit_at_once: bool = False, bucket: int | None = None) -> bool:
+    def start(self, active: np.ndarray, *, exit_at_once: bool = False, bucket: int | None = None,
+              kout: int | None = None) -> bool:
         """Starts serving the slots, with rounds that first hold every client in ``active``
-        (those connected now) and then follow demand; ``bucket`` fixes the round instead.
-        False when there is nothing to serve (no rows). Call only while it is not running.
-        Which slots are polled is :attr:`in_use`'s (the channel keeps it)."""
+        (those connected now), at the k bucket the last run ended with (the smaller one at
+        first), and then follow demand; ``bucket`` fixes the round instead (at k bucket
+        ``kout``, by default the largest). False when there is nothing to serve (no rows). Call
+        only while it is not running. Which slots are polled is :attr:`in_use`'s (the channel
+        keeps it)."""
         n = self._rows_to_serve()
         if n == 0:
             return False
@@ -537,8 +592,13 @@ class SlotGraphServer:
         qb = self.bucket(clients) if bucket is None else int(bucket)
         if qb != 1 and (qb < 1 or qb > self.max_bucket or qb & (qb - 1)):
             raise InvalidArgument(f"bucket must be 1 or a power of two up to {self.max_bucket}, got {bucket}")
+        if kout is not None and kout not in self.kouts:
+            raise InvalidArgument(f"kout must be one of the k buckets {self.kouts}, got {kout}")
         self._set_expect(clients)
         self._bucket = qb
+        if bucket is None:  # (a request past the smaller k bucket since the last look: the larger)
+            self._follow_k(time.perf_counter())
+        self._kout = int(kout) if kout is not None else self._kout if bucket is None else self.kout
         self._follow = bucket is None
         self._peak = 0
         self._hctl[HOST_CONTROL.demand] = 0
@@ -558,8 +618,8 @@ class SlotGraphServer:
         if not self.on_gpu:  # the interpreter: rounds one after another until the server stops
             self._serve_now()
             return True
-        if self._round_for(qb).graph is None:
-            self._capture(qb)
+        if self._round_for(qb, self._kout).graph is None:
+            self._capture(qb, self._kout)
         self._serving = True
         self.running()
         return True
@@ -567,10 +627,10 @@ class SlotGraphServer:
     def _serve_now(self) -> None:
         """Rounds one after another, synchronously, until one stops (the CPU device)."""
         while self._hctl[HOST_CONTROL.stopped] == 0:
-            self._round(self._bucket)
+            self._round(self._bucket, self._kout)
             self.rounds += 1
 
-    def _capture(self, qb: int) -> None:
+    def _capture(self, qb: int, kout: int) -> None:
         """Compiles the kernels with one eager round (the stop word set: it serves at most what
         is already pending, then stops), then captures a round into the round's graph."""
         hctl, stop_at = self._hctl, HOST_CONTROL.stop
@@ -578,18 +638,18 @@ class SlotGraphServer:
         hctl[stop_at] = 1
         try:
             with self._on_stream():
-                self._round(qb)
+                self._round(qb, kout)
             self._stream.synchronize()
             with self._on_stream():
                 self._ctl[DEVICE_CONTROL.stopped] = 0
             hctl[HOST_CONTROL.stopped] = 0
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
-                self._round(qb)
+                self._round(qb, kout)
             self._stream.synchronize()
         finally:
             hctl[stop_at] = stop
-        self._rounds[qb].graph = graph
+        self._rounds[(qb, kout)].graph = graph
 
     def stop(self) -> None:
         """Asks the waiting round to stop and waits for every queued round (a round with a

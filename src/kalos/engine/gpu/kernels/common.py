@@ -53,6 +53,7 @@ HCTL_T_WAIT = tl.constexpr(_C["HCTL_T_WAIT"])
 HCTL_T_STAGED = tl.constexpr(_C["HCTL_T_STAGED"])
 HCTL_T_PUBLISHED = tl.constexpr(_C["HCTL_T_PUBLISHED"])
 HCTL_T_SEEN = tl.constexpr(_C["HCTL_T_SEEN"])
+HCTL_K_WANTED = tl.constexpr(_C["HCTL_K_WANTED"])
 CTL_STOPPED = tl.constexpr(_C["CTL_STOPPED"])
 CTL_TURN = tl.constexpr(_C["CTL_TURN"])
 CTL_ANSWERS = tl.constexpr(_C["CTL_ANSWERS"])
@@ -62,7 +63,7 @@ __all__ = [  # the layout's offsets (the loader checks them) and the empty key
     "SENTINEL", "HDR_WORDS", "TAB_WORDS", "H_N", "H_NQ", "H_K", "H_HAS_NS", "H_NS", "H_SINCE", "H_UNTIL",
     "H_MAX_NORM", "H_K_OUT", "H_ROW_ERR8", "T_QUERY_AT", "T_IDS_AT", "T_SCORES_AT", "T_SCALE",
     "T_SLOT_WORD", "T_SEQ", "T_SLOT", "HCTL_STOP", "HCTL_ANSWERS", "HCTL_STOPPED", "HCTL_DEMAND", "HCTL_EXPECT",
-    "HCTL_T_WAIT", "HCTL_T_STAGED", "HCTL_T_PUBLISHED", "HCTL_T_SEEN", "CTL_STOPPED", "CTL_TURN", "CTL_ANSWERS",
+    "HCTL_T_WAIT", "HCTL_T_STAGED", "HCTL_T_PUBLISHED", "HCTL_T_SEEN", "HCTL_K_WANTED", "CTL_STOPPED", "CTL_TURN", "CTL_ANSWERS",
 ]
 
 @triton.jit

@@ -15,6 +15,7 @@ from kalos.engine.gpu.kernels.common import (
     CTL_TURN,
     HCTL_DEMAND,
     HCTL_EXPECT,
+    HCTL_K_WANTED,
     H_HAS_NS,
     H_K,
     H_K_OUT,
@@ -165,6 +166,19 @@ def _servable(requests, pend, op_recall, k_limit, flags_all, W_OPK: tl.constexpr
 
 
 @triton.jit
+def _report_k_wanted(HCTL, requests, pend, kk, op_recall, k_report, k_most, flags_all, W_OPK: tl.constexpr,
+                     W_NQF: tl.constexpr, REQ_WORDS: tl.constexpr):
+    """Tells the host the largest k among the pending single recalls the server serves
+    (``k_most``) when it is past ``k_report`` (the smallest k bucket): a round of a smaller
+    bucket hands those to the host, which then queues rounds of the bucket that serves them.
+    (No store otherwise: a round of small k writes nothing over the bus.)"""
+    wanted, _k = _servable(requests, pend, op_recall, k_most, flags_all, W_OPK, W_NQF, REQ_WORDS)
+    k_wanted = tl.max(tl.where(wanted, kk, 0))
+    if k_wanted > k_report:
+        tl.store(HCTL + HCTL_K_WANTED, k_wanted)
+
+
+@triton.jit
 def _time_to_exit(host_now, polls, quiet_since, idle, may_idle, AGREE, stop_at, clock_at, sl, ON_GPU: tl.constexpr):
     """Whether the polling ends: the host's stop word (lane 0 of ``host_now``, from :func:`_poll_slots`),
     or, when ``may_idle``, ``idle`` ns without a request since ``quiet_since`` (the interpreter:
@@ -183,8 +197,9 @@ def _time_to_exit(host_now, polls, quiet_since, idle, may_idle, AGREE, stop_at, 
 
 @triton.jit
 def _take_request(
-    SEG, SEGF, SLOT_AT, IN_USE, TAKEN, DSEEN, HHOF, HCTL, RR, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle,
-    op_recall, flags_all, W_REQ: tl.constexpr, W_OPK: tl.constexpr, W_NQF: tl.constexpr, W_NSLEN: tl.constexpr,
+    SEG, SEGF, SLOT_AT, IN_USE, TAKEN, DSEEN, HHOF, HCTL, RR, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, k_report,
+    k_most, idle, op_recall, flags_all, W_REQ: tl.constexpr, W_OPK: tl.constexpr, W_NQF: tl.constexpr,
+    W_NSLEN: tl.constexpr,
     W_NSB: tl.constexpr, REQ_WORDS: tl.constexpr, E_Q: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
     NSMAX: tl.constexpr, BLOCK_DQ: tl.constexpr, ON_GPU: tl.constexpr,
 ):
@@ -242,6 +257,8 @@ def _take_request(
             requests = _agree(requests, AGREE, NS + sl[:, None] * REQ_WORDS + rw[None, :], slot_ok[:, None])
             ok, kk = _servable(requests, pend, op_recall, k_limit, flags_all, W_OPK, W_NQF, REQ_WORDS)
             tl.store(HCTL + HCTL_DEMAND, tl.sum(ok.to(tl.int64)))  # (the host sizes the rounds it queues by it)
+            _report_k_wanted(HCTL, requests, pend, kk, op_recall, k_report, k_most, flags_all, W_OPK, W_NQF,
+                             REQ_WORDS)
             best = tl.min(tl.where(ok, turn, NS))
             pick = tl.where(best < NS, (best + start) % NS, -1)
             give = pend & ~ok
@@ -296,7 +313,9 @@ def await_request_kernel(
     NS_IDS,  # [NSMAX + 16] int64: their ids (>= 0; -1 marks a row not in use), then the name found
     #          last (see _namespace_id)
     n_slots,
-    k_limit,  # largest k served
+    k_limit,  # largest k this round serves (its k bucket's; larger ones go to the host)
+    k_report,  # a pending single recall with a larger k is reported in HCTL's k_wanted
+    k_most,  # largest k the server's rounds serve (of its largest k bucket)
     idle,  # ns without a request before the server stops (interpreter: polls)
     op_recall,
     flags_all,
@@ -335,6 +354,7 @@ def await_request_kernel(
         tl.store(HCTL + HCTL_T_WAIT, _clock_ns(ON_GPU))  # phase stamps for diagnostics: waiting since
         state, pick, seq, kk, want_ns, ssq = _take_request(
             SEG, SEGF, SLOT_AT, IN_USE, TAKEN, DSEEN, HHOF, HCTL, CTL + CTL_TURN, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit,
+            k_report, k_most,
             idle, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, E_Q, D, NS, NSMAX,
             BLOCK_DQ, ON_GPU,
         )
@@ -415,8 +435,9 @@ def _idle_again(first_seen, AGREE, clock_at, ON_GPU: tl.constexpr):
 
 @triton.jit
 def _take_requests(
-    SEG, SLOT_AT, IN_USE, TAKEN, DSEEN, HHOF, HCTL, RR, DH, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle, window,
-    op_recall, flags_all, W_REQ: tl.constexpr, W_OPK: tl.constexpr, W_NQF: tl.constexpr, W_NSLEN: tl.constexpr,
+    SEG, SLOT_AT, IN_USE, TAKEN, DSEEN, HHOF, HCTL, RR, DH, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, k_report, k_most,
+    idle, window, op_recall, flags_all, W_REQ: tl.constexpr, W_OPK: tl.constexpr, W_NQF: tl.constexpr,
+    W_NSLEN: tl.constexpr,
     W_NSB: tl.constexpr, REQ_WORDS: tl.constexpr, E_Q: tl.constexpr, E_IDS: tl.constexpr, E_SC: tl.constexpr,
     NS: tl.constexpr, NSMAX: tl.constexpr, QB: tl.constexpr, ON_GPU: tl.constexpr,
 ):
@@ -483,8 +504,10 @@ def _take_requests(
                 requests = tl.load(SEG + at[:, None] + rw[None, :], mask=pend[:, None] & (rw < W_NSB + 8)[None, :],
                                    other=0, cache_modifier=".cg")
                 requests = _agree(requests, AGREE, NS + sl[:, None] * REQ_WORDS + rw[None, :], slot_ok[:, None])
-                ok, _k = _servable(requests, pend, op_recall, k_limit, flags_all, W_OPK, W_NQF, REQ_WORDS)
+                ok, kk = _servable(requests, pend, op_recall, k_limit, flags_all, W_OPK, W_NQF, REQ_WORDS)
                 tl.store(HCTL + HCTL_DEMAND, tl.sum(ok.to(tl.int64)))  # (the host sizes the rounds it queues by it)
+                _report_k_wanted(HCTL, requests, pend, kk, op_recall, k_report, k_most, flags_all, W_OPK, W_NQF,
+                                 REQ_WORDS)
                 give = pend & ~ok
                 tl.store(DSEEN + NS + sl, req, mask=give)
                 tl.store(HHOF + sl, req, mask=give)
@@ -529,7 +552,9 @@ def await_requests_kernel(
     NS_TAB,  # [NSMAX, 9] int64: known namespaces (see await_request_kernel)
     NS_IDS,  # [NSMAX + 16] int64: their ids, then the name found last
     n_slots,
-    k_limit,  # largest k served
+    k_limit,  # largest k this round serves (its k bucket's; larger ones go to the host)
+    k_report,  # a pending single recall with a larger k is reported in HCTL's k_wanted
+    k_most,  # largest k the server's rounds serve (of its largest k bucket)
     idle,  # ns without a request before the server stops (interpreter: polls)
     window,  # ns the gathering waits, from the first request, for the rest of the crowd (interpreter: polls)
     op_recall,
@@ -557,7 +582,8 @@ def await_requests_kernel(
     if tl.load(CTL + CTL_STOPPED, volatile=True) == 0:
         tl.store(HCTL + HCTL_T_WAIT, _clock_ns(ON_GPU))
         state = _take_requests(
-            SEG, SLOT_AT, IN_USE, TAKEN, DSEEN, HHOF, HCTL, CTL + CTL_TURN, DH, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, idle,
+            SEG, SLOT_AT, IN_USE, TAKEN, DSEEN, HHOF, HCTL, CTL + CTL_TURN, DH, AGREE, NS_TAB, NS_IDS, n_slots, k_limit,
+            k_report, k_most, idle,
             window, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, E_Q, E_IDS, E_SC, NS,
             NSMAX, QB, ON_GPU,
         )
