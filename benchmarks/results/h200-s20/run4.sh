@@ -4,7 +4,8 @@
 # 10 us of the last, up to 80 us) beside d6fa4b9 (base) in one call: the crowd 1-64, and beside
 # the GEMMs (the LLM's stand-in) at 1, 16 and 64; fast at 1, 16, 64; then the CUDA tests of the
 # slot server and the engine. "blendnap": this tree's rounds with napping clients, as before.
-# Not run in session 20 (no device was lent after run 2); the candidate is not on main. To run it:
+# Not run in session 20 (no device was lent after run 2); the candidate is not on main. To run it,
+# in a checkout of d6fa4b9 (e29ff71 changed the same kernels since):
 # git apply benchmarks/results/h200-s20/candidate-yield-gather.patch; .snap/trees/s20 = git archive
 # d6fa4b9 src benchmarks; .snap/trees/blendnap = the patched src with crowded_wait() returning
 # "nap" (kalos/server/sidecar.py). Carry .snap/trees and this folder.
