@@ -46,7 +46,7 @@ class Rig:
     """An engine with rows, a segment with slots, the engine attached to it, and a server."""
 
     def __init__(self, rng, *, precision="exact", dim=32, n=200, slots=4, device="cpu", max_k=32,
-                 server=SlotGraphServer, bucket=None, **server_args) -> None:
+                 server=SlotGraphServer, bucket=None, server_max_k=None, **server_args) -> None:
         self.rng = rng
         self.bucket = bucket  # the round start() runs (None: the one for the clients present)
         self.engine = TorchEngine(dim, device=device, backend="triton", precision=precision)
@@ -68,6 +68,8 @@ class Rig:
         self.seqs = np.full(slots, rest_seq(1), np.int64)
         for view in self.views:
             view.req_seq[0] = view.resp_seq[0] = rest_seq(1)
+        if server_max_k is not None:  # (max_k is the slots': the layout's)
+            server_args["max_k"] = server_max_k
         self.server = server(self.engine, self.layout, self.seqs.astype(np.uint64), **server_args)
         self.server.set_namespaces({b"a": 0, b"b": 1})
         # Which slots have a client: the server's in-use words themselves (the channel's mirror).
@@ -763,12 +765,55 @@ def test_rounds_take_the_larger_k_bucket_when_a_request_needs_it(make_rig, rng, 
     server.k_resize_s = 0.0
     seq = one_round(4)
     assert _answered(rig, 0, seq) and server.gpu[-1].kout == SMALL_K
+    # A report while rounds of the smaller bucket are queued (a round that handed a request over
+    # goes on waiting for others): the sweep's next look drains them and queues the larger.
+    server.k_resize_s = 3600.0
+    queued = server.gpu[-1]
+    server._hctl[HOST_CONTROL.k_wanted] = 12
+    assert server.running() and queued.done and server.gpu[-1].kout == 16
+    seq = one_round(12)
+    assert _answered(rig, 0, seq) and int(rig.views[0].n_results[0]) == 12
 
+
+def test_warm_serves_with_the_smaller_k_bucket_when_the_larger_cannot_be_captured(make_rig, monkeypatch, caplog):
+    # The larger bucket's rounds fail to capture (the GPU's memory, say): the server serves
+    # with the smaller bucket's, a report of a larger k no longer switches the rounds (such
+    # requests go to the host), and a failure of the smaller bucket's is raised.
+    rig = make_rig(max_k=16)
+    server = rig.server
+    real_start = server.start
+
+    def start(active, *, kout=None, **kwargs):
+        if kout == fail_at:
+            raise RuntimeError("CUDA out of memory (a test's)")
+        return real_start(active, kout=kout, **kwargs)
+
+    monkeypatch.setattr(server, "start", start)
+    fail_at = 16
+    server.warm()
+    assert server._kout_ok == SMALL_K and server._kout == SMALL_K
+    assert any("requests for k > 8 go to the host" in r.getMessage() for r in caplog.records)
+    server._hctl[HOST_CONTROL.k_wanted] = 16
+    assert not server._wants_larger_k()
+    server._follow_k(0.0)
+    assert server._kout == SMALL_K
+    fail_at = SMALL_K
+    with pytest.raises(RuntimeError, match="out of memory"):
+        server.warm()
 
 def test_k_buckets_of_the_rounds(make_rig):
     assert make_rig(max_k=16).server.kouts == (8, 16)
     assert make_rig(max_k=8).server.kouts == (8,)
     assert make_rig(max_k=3).server.kouts == (4,)
+    # Past 16: a reported k goes to the bucket the server has that serves it (8 or 32), never to
+    # one it did not capture (16).
+    wide = make_rig(max_k=32, server_max_k=32).server
+    assert wide.kouts == (8, 32)
+    for reported, bucket in ((12, 32), (32, 32), (5, 8)):
+        wide._kout = wide.kouts[0]
+        wide._hctl[HOST_CONTROL.k_wanted] = reported
+        wide._follow_k(0.0)
+        assert wide._kout == bucket and int(wide._hctl[HOST_CONTROL.k_wanted]) == 0, reported
     rig = make_rig(max_k=16)
     with pytest.raises(InvalidArgument, match=r"kout must be one of the k buckets \(8, 16\), got 4"):
         rig.server.start(rig.active, bucket=1, kout=4)
@@ -861,6 +906,7 @@ def test_cuda_server_answers_while_running(make_rig, rng, precision):
         view = rig.views[slot]
         while int(view.resp_seq[0]) != seq and int(rig.server.handed[slot]) != seq:
             assert rig.server.running(), "the kernel exited while a request was pending"
+        assert rig.server.running()  # (the sweep's look after each: it reads the rounds' reports)
         if int(view.resp_seq[0]) == seq:
             answered += 1
             assert_topk_matches(view.ids[:1, :k], view.scores[:1, :k], rig.ids, rig.vectors, query[None], k,
@@ -868,9 +914,10 @@ def test_cuda_server_answers_while_running(make_rig, rng, precision):
         else:
             handed_k.append(k)
     if precision == "exact":
-        # Rounds start at the smaller k bucket: the first request past it, and those that meet
-        # the rounds queued at that bucket before the host saw its report, go to the host.
-        assert all(k > SMALL_K for k in handed_k) and len(handed_k) <= rig.server.depth + 1, handed_k
+        # Rounds start at the smaller k bucket: the first request past it goes to the host, and
+        # the look after it queues the larger (one more may meet the old round if the report
+        # reached the host after the hand-over).
+        assert all(k > SMALL_K for k in handed_k) and len(handed_k) <= 2, handed_k
     assert answered >= (200 - len(handed_k) if precision == "exact" else 150)
     rig.server.stop()
     assert not rig.server.running() and rig.server.served == answered

@@ -30,9 +30,11 @@ k buckets. A round's kernels are built for a k bucket (the columns of the select
 final kernel), and a round at the bucket of 8 costs less than at 16 (docs/gpu-kernels.md, two
 k buckets). Rounds start at the bucket of ``SMALL_K`` (Client.recall's default); a request
 past it (up to ``max_k``) is handed to the host and reported (the host control word
-``k_wanted``), and rounds of the larger bucket are queued from then on, until ``k_resize_s``
-passes without one (across the server's stops and starts: a sidecar whose clients ask for
-such k off and on keeps serving them on the GPU).
+``k_wanted``); at its next look (:meth:`SlotGraphServer.running`) the host stops the rounds
+queued at the smaller bucket (a round that handed a request over goes on waiting) and serves
+with the larger from then on, until ``k_resize_s`` passes without such a request (across the
+server's stops and starts: a sidecar whose clients ask for such k off and on keeps serving
+them on the GPU).
 
 Clients coming and going. The kernels poll every slot, and the channel mirrors which have a
 client into page-locked words (:attr:`SlotGraphServer.in_use`) that each poll reads, so a new
@@ -112,7 +114,8 @@ class _Round:
 
     Every round owns its buffers: a graph keeps the addresses it was captured with, so a
     buffer shared between rounds and grown for a larger one would leave the smaller one's
-    graph pointing at freed memory."""
+    graph pointing at freed memory. (The one exception: the rounds of one size at the two k
+    buckets share ``ws_s``, whose size does not depend on k; see :meth:`SlotGraphServer._round_for`.)"""
 
     qb: int
     kind: str
@@ -275,7 +278,7 @@ class SlotGraphServer:
         self._bucket = 1  # the round queued next: start() chooses it, then the demand (_follow_demand)
         self._kout = self.kouts[0]  # its k bucket: the smaller at first, then the demand (_follow_k)
         self._kout_ok = self.kout  # the largest k bucket whose rounds could be captured
-        self._k_seen_at = 0.0  # when a request past the smaller k bucket was last reported
+        self._k_seen_at = -float("inf")  # when a request past the smaller k bucket was last reported
         self._follow = True  # (False: start() was told the round)
         self._largest_ok = self.max_bucket  # below the smallest round whose capture failed
         self._peak = 0  # most the rounds found since the period began
@@ -320,15 +323,26 @@ class SlotGraphServer:
 
     def warm(self) -> None:
         """Compiles and captures every round now (a launch that exits at once), not on the
-        first request: a compile in the middle of serving would stall every client."""
+        first request: a compile in the middle of serving would stall every client. If the
+        rounds of the larger k bucket cannot be captured (the GPU's memory, say), the smaller
+        bucket's serve alone, and requests past it go to the host."""
         try:
             for kout in self.kouts:
-                qb = 1
-                while qb <= self.max_bucket:
-                    if not self.start(np.zeros(self.layout.n_slots, bool), exit_at_once=True, bucket=qb, kout=kout):
-                        return  # nothing to scan yet
-                    self.stop()
-                    qb *= 2
+                try:
+                    qb = 1
+                    while qb <= self.max_bucket:
+                        if not self.start(np.zeros(self.layout.n_slots, bool), exit_at_once=True, bucket=qb,
+                                          kout=kout):
+                            return  # nothing to scan yet
+                        self.stop()
+                        qb *= 2
+                except Exception as exc:  # noqa: BLE001 - the smaller bucket's rounds still serve
+                    if kout == self.kouts[0]:
+                        raise
+                    log.warning("capturing the GPU's rounds for k <= %d failed (%s); requests for k > %d go to the "
+                                "host", kout, exc, self.kouts[0])
+                    self._kout_ok = self.kouts[0]
+                    self._reset_after_failed_capture()
         finally:
             self._kout = self.kouts[0]  # (serving starts at the smaller k bucket)
 
@@ -406,15 +420,27 @@ class SlotGraphServer:
         self._peak = 0
         self._period_began = now
 
+    def _kout_for(self, k: int) -> int:
+        """The k bucket of the rounds that serve ``k`` (reports never exceed the largest), at
+        most the largest whose rounds could be captured."""
+        return min(next((b for b in self.kouts if b >= k), self.kout), self._kout_ok)
+
+    def _wants_larger_k(self) -> bool:
+        """Whether a round reported a request that only rounds of a larger k bucket than the
+        queued ones serve."""
+        wanted = int(self._hctl[HOST_CONTROL.k_wanted])
+        return wanted > 0 and self._kout_for(wanted) > self._kout
+
     def _follow_k(self, now: float) -> None:
         """The k bucket of the rounds queued from now: the larger at once when a round reported
         a request past the smaller (it handed it to the host), the smaller again after
-        ``k_resize_s`` without one."""
+        ``k_resize_s`` without one. (The word is read, then cleared: a report stored in between
+        is lost, and the next such request reports again.)"""
         wanted = int(self._hctl[HOST_CONTROL.k_wanted])
         if wanted:
             self._hctl[HOST_CONTROL.k_wanted] = 0
             self._k_seen_at = now
-            self._kout = max(self._kout, min(k_bucket(wanted), self._kout_ok))
+            self._kout = max(self._kout, self._kout_for(wanted))
         elif self._kout != self.kouts[0] and now - self._k_seen_at >= self.k_resize_s:
             self._kout = self.kouts[0]
 
@@ -512,6 +538,12 @@ class SlotGraphServer:
         while queued and queued[0].query():
             queued.popleft()
         if self._serving and self._hctl[HOST_CONTROL.stopped] == 0:
+            if self._follow and self._wants_larger_k():
+                # The queued rounds would hand every such request to the host (a round that
+                # hands one over goes on waiting): they are stopped, and serving starts again
+                # at the larger bucket (start() reads the report).
+                self.stop()
+                return self.start(self.in_use)
             if len(queued) < self.depth:
                 if self._follow:
                     serving = self._bucket, self._kout
@@ -552,14 +584,17 @@ class SlotGraphServer:
             else:
                 self._follow = False
             self._bucket, self._kout = serving
-            # The drained rounds and the capture's eager one may have stopped the server and
-            # left a request taken: nothing runs now, so both are reset (as a start would).
-            self.taken[:] = 0
-            self._hctl[HOST_CONTROL.stopped] = 0
-            with self._on_stream():
-                self._ctl[DEVICE_CONTROL.stopped] = 0
+            self._reset_after_failed_capture()
         self._serving = True
         self._ran = True
+
+    def _reset_after_failed_capture(self) -> None:
+        """The drained rounds and a failed capture's eager round may have stopped the server and
+        left a request taken: nothing runs now, so both are reset (as a start would)."""
+        self.taken[:] = 0
+        self._hctl[HOST_CONTROL.stopped] = 0
+        with self._on_stream():
+            self._ctl[DEVICE_CONTROL.stopped] = 0
 
     def _enqueue_rounds(self, count: int) -> list:
         """Replays the graph ``count`` times on the server's stream; an event per replay."""
@@ -596,9 +631,14 @@ class SlotGraphServer:
             raise InvalidArgument(f"kout must be one of the k buckets {self.kouts}, got {kout}")
         self._set_expect(clients)
         self._bucket = qb
-        if bucket is None:  # (a request past the smaller k bucket since the last look: the larger)
+        if kout is not None:  # (held from now: as if such a request had just been reported)
+            self._hctl[HOST_CONTROL.k_wanted] = 0
+            self._kout, self._k_seen_at = int(kout), time.perf_counter()
+        elif bucket is None:  # (a request past the smaller k bucket since the last look: the larger)
             self._follow_k(time.perf_counter())
-        self._kout = int(kout) if kout is not None else self._kout if bucket is None else self.kout
+        else:  # a fixed round serves every k up to the largest bucket: none is reported
+            self._hctl[HOST_CONTROL.k_wanted] = 0
+            self._kout = self.kout
         self._follow = bucket is None
         self._peak = 0
         self._hctl[HOST_CONTROL.demand] = 0

@@ -156,24 +156,24 @@ def _servable(requests, pend, op_recall, k_limit, flags_all, W_OPK: tl.constexpr
               REQ_WORDS: tl.constexpr):
     """Which pending requests (their words, [slots, REQ_WORDS]) the kernels may answer: a
     recall of one query, 1 <= k <= k_limit, all namespaces or one named (the namespace and the
-    query are checked later); and each one's k."""
+    query are checked later); each one's k; and which are such recalls whatever their k."""
     w1 = _word(requests, W_OPK, REQ_WORDS)
     w2 = _word(requests, W_NQF, REQ_WORDS)
     kk = (w1 >> 32) & 0xFFFFFFFF
     fl = (w2 >> 32) & 0xFFFFFFFF
-    ok = pend & ((w1 & 0xFFFFFFFF) == op_recall) & ((w2 & 0xFFFFFFFF) == 1)
-    return ok & (kk >= 1) & (kk <= k_limit) & ((fl == flags_all) | (fl == 0)), kk
+    recall = pend & ((w1 & 0xFFFFFFFF) == op_recall) & ((w2 & 0xFFFFFFFF) == 1) & (kk >= 1)
+    recall = recall & ((fl == flags_all) | (fl == 0))
+    return recall & (kk <= k_limit), kk, recall
 
 
 @triton.jit
-def _report_k_wanted(HCTL, requests, pend, kk, op_recall, k_report, k_most, flags_all, W_OPK: tl.constexpr,
-                     W_NQF: tl.constexpr, REQ_WORDS: tl.constexpr):
-    """Tells the host the largest k among the pending single recalls the server serves
-    (``k_most``) when it is past ``k_report`` (the smallest k bucket): a round of a smaller
-    bucket hands those to the host, which then queues rounds of the bucket that serves them.
-    (No store otherwise: a round of small k writes nothing over the bus.)"""
-    wanted, _k = _servable(requests, pend, op_recall, k_most, flags_all, W_OPK, W_NQF, REQ_WORDS)
-    k_wanted = tl.max(tl.where(wanted, kk, 0))
+def _report_k_wanted(HCTL, recall, kk, k_report, k_most):
+    """Tells the host the largest k among the pending single recalls (``recall``, ``kk``:
+    from :func:`_servable`) that the server serves (``k_most``) when it is past ``k_report``
+    (the smallest k bucket): a round of a smaller bucket hands those to the host, which then
+    queues rounds of the bucket that serves them. (No store otherwise: a round of small k
+    writes nothing over the bus.)"""
+    k_wanted = tl.max(tl.where(recall & (kk <= k_most), kk, 0))
     if k_wanted > k_report:
         tl.store(HCTL + HCTL_K_WANTED, k_wanted)
 
@@ -255,10 +255,9 @@ def _take_request(
             guess = (tl.min(tl.where(pend, turn, NS)) + start) % NS
             ssq = _copy_slot_query(SEGF, DQ, at, sl, guess, E_Q, D, BLOCK_DQ)
             requests = _agree(requests, AGREE, NS + sl[:, None] * REQ_WORDS + rw[None, :], slot_ok[:, None])
-            ok, kk = _servable(requests, pend, op_recall, k_limit, flags_all, W_OPK, W_NQF, REQ_WORDS)
+            ok, kk, recall = _servable(requests, pend, op_recall, k_limit, flags_all, W_OPK, W_NQF, REQ_WORDS)
             tl.store(HCTL + HCTL_DEMAND, tl.sum(ok.to(tl.int64)))  # (the host sizes the rounds it queues by it)
-            _report_k_wanted(HCTL, requests, pend, kk, op_recall, k_report, k_most, flags_all, W_OPK, W_NQF,
-                             REQ_WORDS)
+            _report_k_wanted(HCTL, recall, kk, k_report, k_most)
             best = tl.min(tl.where(ok, turn, NS))
             pick = tl.where(best < NS, (best + start) % NS, -1)
             give = pend & ~ok
@@ -504,10 +503,10 @@ def _take_requests(
                 requests = tl.load(SEG + at[:, None] + rw[None, :], mask=pend[:, None] & (rw < W_NSB + 8)[None, :],
                                    other=0, cache_modifier=".cg")
                 requests = _agree(requests, AGREE, NS + sl[:, None] * REQ_WORDS + rw[None, :], slot_ok[:, None])
-                ok, kk = _servable(requests, pend, op_recall, k_limit, flags_all, W_OPK, W_NQF, REQ_WORDS)
+                ok, kk, recall = _servable(requests, pend, op_recall, k_limit, flags_all, W_OPK, W_NQF,
+                                           REQ_WORDS)
                 tl.store(HCTL + HCTL_DEMAND, tl.sum(ok.to(tl.int64)))  # (the host sizes the rounds it queues by it)
-                _report_k_wanted(HCTL, requests, pend, kk, op_recall, k_report, k_most, flags_all, W_OPK, W_NQF,
-                                 REQ_WORDS)
+                _report_k_wanted(HCTL, recall, kk, k_report, k_most)
                 give = pend & ~ok
                 tl.store(DSEEN + NS + sl, req, mask=give)
                 tl.store(HHOF + sl, req, mask=give)
