@@ -45,7 +45,6 @@ import numpy as np
 
 from kalos.config import DEFAULT_GPU_WINDOW_US, GPU_POLLING, RuntimeDir, open_runtime_dir, settings
 from kalos.engine import Engine, make_engine, numpy_engine
-from kalos.engine.numpy_engine import NumpyEngine
 from kalos.errors import InvalidArgument, KalosError, SidecarAlreadyRunning
 from kalos.ipc.channel import Endpoint, Segment, SidecarChannel
 from kalos.ipc.control import peer_credentials
@@ -332,7 +331,7 @@ class Sidecar:
             # of polling paid a wake-up (~40 us on the H200 host, benchmarks/profile_e2e.py).
             # Clients that set their own spin_us keep it.
             on_gpu = str(self.engine.device).startswith("cuda")
-            if isinstance(self.engine, NumpyEngine) and not numpy_engine.native_scores():
+            if isinstance(self.engine, numpy_engine.NumpyEngine) and not numpy_engine.native_scores():
                 # (Otherwise silent: a crowd's passes would just be slower, and only doctor says why.)
                 log.warning("%s; %s", numpy_engine.NATIVE_SCORES_MISSING, numpy_engine.NATIVE_SCORES_FIX)
             self.client_spin_us = GPU_CLIENT_SPIN_US if on_gpu else settings().client_spin_us

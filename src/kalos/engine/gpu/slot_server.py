@@ -215,7 +215,6 @@ class SlotGraphServer:
         #: (max_k, at most the slots' k) if larger.
         top = min(max_k, layout.max_k)
         self.kouts = tuple(sorted({k_bucket(min(SMALL_K, top)), k_bucket(top)}))
-        self.kout = self.kouts[-1]
         self.idle_s = float(idle_s)
         self.idle_polls = int(idle_polls)
         self.window_s = float(window_s)
@@ -289,6 +288,11 @@ class SlotGraphServer:
         # does running() queue rounds. A stop() that finds every round done must end it too.
         self._serving = False
         self._ran = False  # rounds were launched since the last stop()
+
+    @property
+    def kout(self) -> int:
+        """The largest k bucket: the rounds that serve every k the server serves."""
+        return self.kouts[-1]
 
     def _on_stream(self) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(self._stream) if self.on_gpu else contextlib.nullcontext()
