@@ -398,7 +398,7 @@ def main() -> None:
     parser.add_argument("--filler", choices=["embed", "random"], default="embed",
                         help="the scaled run's filler: synthetic sentences of the passages' words embedded by the "
                         "sidecar, or random unit vectors with short texts (default: %(default)s)")
-    parser.add_argument("--embed-runtime", choices=["torch", "onnx", "graphs", "auto"], default="torch",
+    parser.add_argument("--embed-runtime", choices=["torch", "onnx", "graphs", "triton", "auto"], default="torch",
                         help="the scaled run's sidecar embedder runtime (default: %(default)s)")
     parser.add_argument("--serve-args", default="",
                         help="more kalos serve options for the scaled run's sidecar, given with an = sign: "

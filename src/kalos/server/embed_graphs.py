@@ -17,7 +17,12 @@ beyond float rounding; every load checks the vectors against sentence-transforme
 texts of several lengths (cosine >= 0.9999 each, as the ONNX export is checked), and a model
 that fails the check is not used (the sidecar falls back to sentence-transformers).
 
-On PyTorch's CPU device (the tests) the same buckets run eagerly, without graphs.
+The forward pass captured is the model's own (``kernels="torch"``, ``--embed-runtime graphs``)
+or :class:`kalos.server.minilm_kernels.MiniLMKernels`, the same model as a few fused Triton
+kernels (``kernels="triton"``, ``--embed-runtime triton``), checked the same way at load.
+
+On PyTorch's CPU device (the tests) the same buckets run eagerly, without graphs (the Triton
+kernels only under Triton's interpreter).
 """
 from __future__ import annotations
 
@@ -30,7 +35,10 @@ import numpy as np
 from kalos.client.embed import DEFAULT_DIM, DEFAULT_MODEL, _check_output, _load_sentence_transformer
 from kalos.validation import check_embed_texts
 
-__all__ = ["GraphedEmbedder", "MAX_RUN", "MIN_TOKENS"]
+__all__ = ["FORWARD_KERNELS", "GraphedEmbedder", "MAX_RUN", "MIN_TOKENS"]
+
+#: What computes the captured forward pass: the model's own modules, or Triton kernels.
+FORWARD_KERNELS = ("torch", "triton")
 
 #: Most texts one replay embeds (a call of more texts replays several graphs).
 MAX_RUN = 32
@@ -61,7 +69,9 @@ class GraphedEmbedder:
     """all-MiniLM-L6-v2 on ``device`` ("cuda", "cuda:N"; "cpu" runs the buckets eagerly): an
     :class:`~kalos.client.embed.Embedder` whose forward passes are CUDA graph replays."""
 
-    def __init__(self, model: Path, device: str = "cuda") -> None:
+    def __init__(self, model: Path, device: str = "cuda", kernels: str = "torch") -> None:
+        if kernels not in FORWARD_KERNELS:
+            raise ValueError(f"kernels must be one of {FORWARD_KERNELS}, got {kernels!r}")
         import torch
         from tokenizers import Tokenizer
 
@@ -72,7 +82,9 @@ class GraphedEmbedder:
         self.dim = DEFAULT_DIM
         self.device = torch.device(device)
         self._on_gpu = self.device.type == "cuda"
-        self.runtime = f"graphs ({self.device})" if self._on_gpu else f"buckets ({self.device}, no graphs)"
+        self.kernels = kernels
+        self.runtime = (f"{'triton ' if kernels == 'triton' else ''}graphs ({self.device})" if self._on_gpu
+                        else f"{'triton ' if kernels == 'triton' else ''}buckets ({self.device}, no graphs)")
         self.max_tokens, self._normalise = _pooling_config(model)
         self.tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
         self.tokenizer.enable_truncation(max_length=self.max_tokens)
@@ -80,6 +92,11 @@ class GraphedEmbedder:
         self.tokenizer.no_padding()
         self._reference = _load_sentence_transformer(str(model), device=str(self.device), local_files_only=True)
         self._transformer = self._reference[0].auto_model.eval()
+        self._kernels: Any = None
+        if kernels == "triton":
+            from kalos.server.minilm_kernels import MiniLMKernels
+
+            self._kernels = MiniLMKernels(self._transformer, self._normalise)
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._stream = torch.cuda.Stream(self.device) if self._on_gpu else None
         self._pool = torch.cuda.graph_pool_handle() if self._on_gpu else None
@@ -92,8 +109,10 @@ class GraphedEmbedder:
                 self._bucket(texts, tokens)
         from kalos.server.sidecar_embed import check_against_reference
 
-        check_against_reference(self, self._reference, "the graphed model")
+        check_against_reference(self, self._reference, f"the graphed model ({kernels} kernels)")
         self._reference = None  # (the check was its last use: its weights are the transformer's)
+        if self._kernels is not None:
+            self._transformer = None  # the kernels hold their own copy of the weights
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every bucket's (texts, tokens): powers of two up to MAX_RUN texts, and from
@@ -107,6 +126,8 @@ class GraphedEmbedder:
     # -- the forward pass ----------------------------------------------------------------
 
     def _forward(self, inputs: Any) -> Any:
+        if self._kernels is not None:
+            return self._kernels(inputs)
         ids, mask, types = inputs[0], inputs[1], inputs[2]
         tokens = self._transformer(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
         weights = mask.unsqueeze(-1).to(tokens.dtype)

@@ -60,8 +60,9 @@ log = logging.getLogger("kalos.client.embed")
 
 #: ``kalos serve --embed``: when the sidecar loads its model (or never).
 EMBED_MODES = ("lazy", "start", "off")
-#: ``kalos serve --embed-runtime``: auto is onnx on a CPU sidecar, graphs on a GPU one.
-EMBED_RUNTIMES = ("auto", "onnx", "graphs", "torch")
+#: ``kalos serve --embed-runtime``: auto is onnx on a CPU sidecar, graphs on a GPU one; triton
+#: is graphs whose captured pass is the model as Triton kernels (kalos.server.minilm_kernels).
+EMBED_RUNTIMES = ("auto", "onnx", "graphs", "triton", "torch")
 #: What one embedding call of the service takes from its queue (EmbedService._work): at most
 #: this many texts, and about this many characters (a text counted up to _TEXT_CHARS: the model
 #: reads 256 tokens of it at most), shared among the pending requests: a call then takes about
@@ -301,10 +302,18 @@ def load_embedder(runtime: str = "auto", device: str = "cpu") -> Any:
     torch_device = str(device).split(",")[0] if on_gpu else "cpu"
     if torch_device == "cuda:all":
         torch_device = "cuda"
-    if runtime == "graphs" and not on_gpu:
-        raise EmbedderUnavailable("--embed-runtime graphs needs a GPU sidecar (--device cuda); this one runs on "
+    if runtime in ("graphs", "triton") and not on_gpu:
+        raise EmbedderUnavailable(f"--embed-runtime {runtime} needs a GPU sidecar (--device cuda); this one runs on "
                                   f"{device}: use onnx or torch")
-    if runtime == "graphs" or (runtime == "auto" and on_gpu):
+    if runtime == "triton":
+        from kalos.server.embed_graphs import GraphedEmbedder
+
+        try:
+            return GraphedEmbedder(model, torch_device, kernels="triton")
+        except Exception as exc:  # noqa: BLE001 - any failure of the faster runtime keeps the model
+            log.warning("the Triton kernels of %s are not available (%s: %s); trying its CUDA graphs",
+                        DEFAULT_MODEL, type(exc).__name__, exc)
+    if runtime in ("graphs", "triton") or (runtime == "auto" and on_gpu):
         from kalos.server.embed_graphs import GraphedEmbedder
 
         try:

@@ -13,6 +13,7 @@ import numpy as np
 
 from kalos.config import DEFAULT_GPU_WINDOW_US, GPU_POLLING, default_store_path, settings
 from kalos.errors import InvalidArgument, KalosError
+from kalos.server.sidecar_embed import EMBED_RUNTIMES
 from kalos.validation import check_keys
 
 __all__ = ["main"]
@@ -86,11 +87,13 @@ def _build_parser() -> argparse.ArgumentParser:
                        "first text does not wait (costs ~150 MB of memory even if no text comes); off: clients must "
                        "embed themselves. "
                        "Needs pip install 'kalos-recall[embed]' where the sidecar runs (default: %(default)s)")
-    serve.add_argument("--embed-runtime", choices=["auto", "onnx", "graphs", "torch"], default="auto",
+    serve.add_argument("--embed-runtime", choices=list(EMBED_RUNTIMES), default="auto",
                        help="how the sidecar runs the embedder: onnx (ONNX Runtime over a graph exported once from "
                        "the packaged weights and cached under ~/.cache/kalos; same vectors within cosine 0.9999, "
                        "about twice as fast on a small CPU), graphs (the model on the sidecar's GPU, each forward pass "
-                       "a replay of a captured CUDA graph, checked against sentence-transformers at load), torch "
+                       "a replay of a captured CUDA graph, checked against sentence-transformers at load), triton (the same "
+                       "graphs, capturing the model written as a few fused Triton kernels instead of its own ~100; "
+                       "checked the same way, else graphs), torch "
                        "(sentence-transformers as it is), auto (onnx on a CPU sidecar, graphs on a GPU sidecar). When "
                        "onnx or graphs are not possible the sidecar logs why and uses torch (default: %(default)s)")
     serve.add_argument("--seed-compat", action="store_true",
