@@ -144,9 +144,17 @@ class Generator:
         return self.list_namespaces()
 
 
-def expected(oracle: InMemoryStore, ops: list[Any]) -> list[Any]:
-    """InMemoryStore's results, list_namespaces over the namespaces that hold items."""
+def expected(oracle: InMemoryStore, ops: list[Any], held: set[tuple[str, ...]]) -> list[Any]:
+    """InMemoryStore's results, list_namespaces over the namespaces that hold items.
+
+    ``held``: the namespaces that ever held an item. InMemoryStore's dict of namespaces is a
+    defaultdict, so a put that the same batch's delete cancels still leaves an empty entry, which
+    places that namespace in the order of item-less searches although nothing was ever stored
+    there; KalosStore places a namespace when its first item is stored. Such entries go."""
     results = oracle.batch(ops)
+    held.update(ns for ns, items in oracle._data.items() if items)
+    for ns in [ns for ns, items in oracle._data.items() if not items and ns not in held]:
+        del oracle._data[ns]
     for i, op in enumerate(ops):
         if isinstance(op, ListNamespacesOp):
             holding = InMemoryStore()
@@ -158,6 +166,7 @@ def expected(oracle: InMemoryStore, ops: list[Any]) -> list[Any]:
 def test_operation_sequences_equal_in_memory_store(client8: Client, seed: int):
     gen = Generator(seed)
     kalos, oracle = stores(client8)
+    held: set[tuple[str, ...]] = set()
     for step in range(220):
         r = gen.r.random()
         ops = [gen.op() for _ in range(gen.r.randint(2, 4))] if r < 0.15 else [gen.op()]
@@ -168,7 +177,7 @@ def test_operation_sequences_equal_in_memory_store(client8: Client, seed: int):
         # in InMemoryStore only (a leftover that changes InMemoryStore's namespace order).
         mixed = len(ops) > 1 and any(isinstance(o, ListNamespacesOp) for o in ops)
         for batch in ([op] for op in ops) if mixed else [ops]:
-            want = expected(oracle, batch)
+            want = expected(oracle, batch, held)
             got = asyncio.run(kalos.abatch(batch)) if gen.r.random() < 0.3 else kalos.batch(batch)
             same(got, want)
     # The convenience API on top of batch, and a last full comparison.

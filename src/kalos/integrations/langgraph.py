@@ -27,7 +27,9 @@ transaction, in which the vector rows of paths no longer indexed are overwritten
 rows that nothing reads), then a delete of those dead rows (after a crash in between, the
 item's next put or delete removes them). A search with a query recalls vector rows
 (max-pooled per item, as InMemoryStore scores an item by its best text); without one it lists
-documents, namespaces in the order they were first used, items in the order they were first put.
+documents, namespaces in the order their first item was stored, items in the order they were first
+put. (InMemoryStore orders namespaces by their first touch: a get of a namespace that holds
+nothing, or a put that a delete in the same batch cancels, places it too.)
 Filters with nested objects or lists (InMemoryStore's JSON containment) are evaluated here,
 after listing, exactly.
 
