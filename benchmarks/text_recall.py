@@ -4,7 +4,8 @@ On this machine's CPU, over the ~800 passages of Python's help texts (``kalos.to
 questions of ``kalos.tools.corpus.QUESTIONS`` asked one after another (k = 8, hits with their texts):
 
 * ``recall_text`` with the sidecar embedding (``Client()``; the sidecar runs all-MiniLM-L6-v2
-  on ONNX Runtime);
+  on ONNX Runtime): one control round trip (op ``recall_text``), alternated question by
+  question with the same in three round trips (embed, recall, get), as a client did before;
 * ``recall_text`` with the embedder in the client (``Client(embedder=default_embedder())``,
   sentence-transformers in the client process: how every client embedded before);
 * what a user would write instead: sentence-transformers + NumPy in process (encode, a mat-vec
@@ -25,7 +26,8 @@ its embedder on sentence-transformers there (``kalos serve --device cuda --embed
 passages, then filler sentences made deterministically of the passages' words, all embedded by
 the sidecar (``--filler random``: random unit vectors with short texts instead, for a quick run).
 Then, ``--rounds`` questions one after another (default 1000 on cuda): ``recall_text(q, k=8)``
-(with its two parts timed alone: the sidecar's embed op, the recall of a ready vector), beside
+in one round trip and alternated with it in three (with the three parts timed alone: the
+sidecar's embed op, the recall of a ready vector, the get of the texts), beside
 what a user would write instead on the same device: sentence-transformers in process
 (``model.encode(q, convert_to_tensor=True, normalize_embeddings=True)``), ``torch.topk`` of a
 mat-vec against the same vectors held there as a tensor, the texts from a list. Then whether
@@ -48,6 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
@@ -75,6 +78,31 @@ def timed(fn, rounds: int) -> list[float]:
         fn(q)
         out.append(time.perf_counter() - t)
     return out
+
+
+def timed_alternately(fns: dict[str, Callable[[str], Any]], rounds: int) -> dict[str, list[float]]:
+    """:func:`timed` of several paths, each question asked of each path in turn (the order
+    flipped every question): a shared machine's slow moments fall on all of them alike."""
+    for fn in fns.values():
+        for q in QUESTIONS[:3]:
+            fn(q)  # warm
+    out: dict[str, list[float]] = {name: [] for name in fns}
+    pairs = list(fns.items())
+    for i in range(rounds):
+        q = QUESTIONS[i % len(QUESTIONS)]
+        for name, fn in (pairs if i % 2 == 0 else pairs[::-1]):
+            t = time.perf_counter()
+            fn(q)
+            out[name].append(time.perf_counter() - t)
+    return out
+
+
+def three_round_trips(name: str) -> Client:
+    """A client that recalls text as it did before op ``recall_text`` (as with an older
+    sidecar): the sidecar's embed op, the recall through the slot, then the get of the texts."""
+    client = Client(name, timeout=120)
+    client._connection().ops = frozenset()
+    return client
 
 
 _STARTUP = r"""
@@ -145,8 +173,13 @@ def corpus_run(args: argparse.Namespace) -> None:
                 c.remember(corpus[i:i + 64], namespace=NAMESPACE)
             print(f"{len(corpus)} passages remembered through the sidecar in {time.perf_counter() - t:.1f} s "
                   f"(the sidecar's embedder runtime: {c.embedder.runtime})")
-            side = timed(lambda q: c.recall_text(q, k=8, namespace=NAMESPACE), args.rounds)
-            rows.append(("kalos recall_text, embedding in the sidecar (ONNX)", *pct(side)))
+            with three_round_trips("textbench") as old:
+                side = timed_alternately({
+                    "one": lambda q: c.recall_text(q, k=8, namespace=NAMESPACE),
+                    "three": lambda q: old.recall_text(q, k=8, namespace=NAMESPACE)}, args.rounds)
+            rows.append(("kalos recall_text, embedding in the sidecar (ONNX), one round trip", *pct(side["one"])))
+            rows.append(("  the same in three round trips (embed, recall, get), alternated with it",
+                         *pct(side["three"])))
             # The stored vectors, for the in-process baseline's matrix.
             items, cursor = [], None
             while True:
@@ -328,8 +361,13 @@ def scale_run(args: argparse.Namespace) -> None:
                   f"{embedded:,} texts embedded by the sidecar in {embed_s:.1f} s ({embedded / embed_s:,.0f} texts/s), "
                   f"added in {add_s:.1f} s")
 
-            side = timed(lambda q: c.recall_text(q, k=8, namespace=NAMESPACE), rounds)
-            rows.append((f"kalos recall_text, embedding in the sidecar ({embedder.runtime})", *pct(side)))
+            with three_round_trips("textscale") as old:
+                side = timed_alternately({
+                    "one": lambda q: c.recall_text(q, k=8, namespace=NAMESPACE),
+                    "three": lambda q: old.recall_text(q, k=8, namespace=NAMESPACE)}, rounds)
+            rows.append((f"kalos recall_text, embedding in the sidecar ({embedder.runtime}), one round trip",
+                         *pct(side["one"])))
+            rows.append(("  the same in three round trips (embed, recall, get), alternated with it", *pct(side["three"])))
             alone = timed(lambda q: embedder.embed([q]), rounds)
             rows.append(("  of which: the sidecar's embed op alone", *pct(alone)))
             query = {q: embedder.embed([q])[0] for q in QUESTIONS}

@@ -255,6 +255,127 @@ def test_bad_text_input_is_refused_by_name_and_stores_nothing(sidecar, ns):
         assert c.count(namespace=ns) == 0
 
 
+def _ops_sent(client: Client, monkeypatch) -> list[str]:
+    """The control operations ``client`` sends from now on, in order."""
+    sent: list[str] = []
+    control = client._control
+
+    def recording(message, blob=b""):
+        sent.append(message["op"])
+        return control(message, blob)
+
+    monkeypatch.setattr(client, "_control", recording)
+    return sent
+
+
+def test_recall_text_is_one_round_trip_equal_to_float64(sidecar, ns, monkeypatch):
+    """The sidecar embeds, recalls in the client's slot and reads the texts for one control
+    request; the hits are the float64 brute force's over the stored vectors, with their texts,
+    for one text and several, with filters; the slot serves plain recalls afterwards."""
+    from reference import assert_topk_matches
+
+    texts = [p.text[:400] for p in passages()[::9][:60]]
+    with Client(sidecar.name, timeout=DEADLINE_S) as c:
+        ids = c.remember(texts, namespace=ns, metadata=[{"part": i % 3} for i in range(len(texts))])
+        stored = np.vstack([item.vector for item in c.get(ids=ids, with_vectors=True)])
+        questions = list(PYDOC_QUESTIONS[:6])
+        vectors = c.embedder.embed(questions)
+        sent = _ops_sent(c, monkeypatch)
+        for question, vector in zip(questions, vectors):
+            hits = c.recall_text(question, k=5, namespace=ns)
+            assert_topk_matches(np.array([[h.id for h in hits]]), np.array([[h.score for h in hits]]), ids, stored,
+                                vector[None], 5, context=question)
+            assert [h.text for h in hits] == [texts[list(ids).index(h.id)] for h in hits]
+        assert sent == ["recall_text"] * len(questions), "one round trip per recall_text, no embed, no get"
+        many = c.recall_texts(questions, k=3, namespace=ns, where={"part": 1})
+        eligible = np.array([i % 3 == 1 for i in range(len(texts))])
+        for hits, vector in zip(many, vectors):
+            assert_topk_matches(np.array([[h.id for h in hits]]), np.array([[h.score for h in hits]]), ids, stored,
+                                vector[None], 3, eligible, context="where part == 1")
+            assert all(h.metadata == {"part": 1} for h in hits)
+        # Every namespace (None), and a time window that excludes everything.
+        assert c.recall_text(FACTS[2], k=1, namespace=None)[0].text == FACTS[2]
+        assert c.recall_text(FACTS[2], k=1, namespace=ns, until=1.0) == []
+        # The slot is this client's again: plain recalls and pings alternate with it.
+        for question, vector in zip(questions, vectors):
+            c.ping()
+            assert c.recall(vector, k=1, namespace=ns).ids[0] == c.recall_text(question, k=1, namespace=ns)[0].id
+        assert "embed" not in sent and "get" not in sent
+
+
+def test_recall_text_registers_an_evicted_where_clause_again(sidecar, ns, monkeypatch):
+    with Client(sidecar.name, timeout=DEADLINE_S) as c:
+        c.remember(FACTS, namespace=ns, metadata=[{"n": i} for i in range(len(FACTS))])
+        assert [h.text for h in c.recall_text(QUESTIONS[2][0], k=1, namespace=ns, where={"n": 2})] == [FACTS[2]]
+        # As if the sidecar's bounded table had evicted the clause: the handle it names is unknown.
+        [key] = list(c._where_handles)
+        c._where_handles[key] = (c._where_handles[key][0], 4_000_000)
+        sent = _ops_sent(c, monkeypatch)
+        assert [h.text for h in c.recall_text(QUESTIONS[2][0], k=1, namespace=ns, where={"n": 2})] == [FACTS[2]]
+        assert sent == ["recall_text", "where", "recall_text"]
+        assert c.recall(c.embedder.embed([FACTS[0]])[0], k=1, namespace=ns).ids.size == 1
+
+
+def test_a_client_falls_back_to_three_round_trips_with_an_older_sidecar(sidecar, ns, monkeypatch):
+    with Client(sidecar.name, timeout=DEADLINE_S) as c:
+        c.remember(FACTS, namespace=ns)
+        c._connection().ops = frozenset()  # a sidecar from before op recall_text names no ops
+        sent = _ops_sent(c, monkeypatch)
+        for question, fact in QUESTIONS:
+            assert c.recall_text(question, k=1, namespace=ns)[0].text == FACTS[fact]
+        assert sent == ["embed", "get"] * len(QUESTIONS)
+
+
+def test_bad_recall_text_requests_are_refused_by_name_and_the_sidecar_goes_on(sidecar):
+    with Client(sidecar.name, timeout=DEADLINE_S) as c:
+        max_batch = c._connection().layout.max_batch
+        base = {"op": "recall_text", "texts": ["fine"], "k": 1}
+        for change, why in (
+            ({"texts": []}, "non-empty list"),
+            ({"texts": ["x"] * (max_batch + 1)}, f"at most {max_batch} texts"),
+            ({"k": 0}, "k=0 is out of range"),
+            ({"k": True}, "k=True is out of range"),
+            ({"k": 10**6}, "out of range"),
+            ({"flags": -1}, "flags must be an unsigned 32-bit"),
+            ({"where_handle": 2**64}, "where_handle must be an unsigned 64-bit"),
+            ({"since": "yesterday"}, "since must be a finite number"),
+            ({"namespace": 5}, "namespace must be a str"),
+            ({"namespace": "n" * 300}, "namespace longer than 256 bytes"),
+        ):
+            with pytest.raises(InvalidArgument, match=why):
+                c._control({**base, **change})
+        # Words the slot check refuses (an unknown flag, a namespace no memory has) come back
+        # as the slot's own errors; a where handle never registered too.
+        with pytest.raises(InvalidArgument):
+            c._control({**base, "flags": 1 << 20})
+        with pytest.raises(InvalidArgument, match="where handle 77 is not registered"):
+            c._control({**base, "flags": 8, "where_handle": 77})
+        c._resync_slot()
+        assert c.recall_text("What does Bob like to drink?", k=1, namespace="facts")[0].text == FACTS[2]
+    # A connection that never said hello holds no slot.
+    import socket as socket_module
+
+    from kalos.ipc.control import recv_frame, send_frame
+
+    with socket_module.socket(socket_module.AF_UNIX) as raw:
+        raw.connect(str(Path(sidecar.runtime) / f"{sidecar.name}.sock"))
+        send_frame(raw, base)
+        reply, _ = recv_frame(raw, max_bytes=1 << 20)
+    assert reply["ok"] is False and "holds no slot" in reply["error"]
+
+
+async def test_the_async_client_recalls_text_in_one_round_trip(sidecar, ns):
+    with Client(sidecar.name, timeout=DEADLINE_S) as c:
+        c.remember(FACTS, namespace=ns)
+    async with AsyncClient(sidecar.name, timeout=DEADLINE_S) as client:
+        for question, fact in QUESTIONS:
+            hits = await client.recall_text(question, k=2, namespace=ns)
+            assert hits[0].text == FACTS[fact]
+            [stored] = await client.get(ids=[hits[0].id], with_vectors=True)
+            recalled = await client.recall(stored.vector, k=1, namespace=ns)
+            assert recalled.ids[0] == hits[0].id  # the slot is the async client's again
+
+
 async def test_the_async_client_embeds_in_the_sidecar(sidecar):
     async with AsyncClient(sidecar.name, timeout=DEADLINE_S) as client:
         hits = await client.recall_text("Where can I find the deploy key?", k=1, namespace="facts")

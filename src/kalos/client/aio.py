@@ -1,6 +1,7 @@
 """The asyncio client: :class:`AsyncClient`, the whole :class:`~kalos.client.client.Client` API as coroutines.
 
-Recalls (``recall``, ``recall_many``, ``recall_text``, ``recall_texts``, ``ping``) are native:
+Recalls (``recall``, ``recall_many``, ``recall_text``, ``recall_texts``, ``ping``) are native
+(but a ``recall_text`` the sidecar embeds: its one control round trip waits in a worker thread):
 the request is written into the slot and submitted exactly as the sync client does (its own
 validation and request building, :meth:`Client._write_request`), then the answer is waited
 for without blocking the event loop: a short, bounded spin on ``resp_seq`` (an answer that
@@ -40,7 +41,9 @@ from kalos.client.client import (
     TimeLike,
     _check_k,
     _Connection,
+    _SidecarEmbedder,
     _filter_words,
+    _one_round_trip,
     _recall_request,
     _register_where,
     _single_hits,
@@ -492,8 +495,10 @@ class AsyncClient:
         since: TimeLike | None = None, until: TimeLike | None = None, *, where: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> list[Hit]:
-        """:meth:`Client.recall_text`: embeds in a worker thread (by default the sidecar embeds, as
-        for :class:`Client`), recalls natively, then fetches the hits' texts in one control round trip."""
+        """:meth:`Client.recall_text`: when the sidecar embeds, its one control round trip in a
+        worker thread (the recall connection's slot is the sidecar's meanwhile); with an embedder
+        of the client's own, embeds in a worker thread, recalls natively, then fetches the hits'
+        texts in one control round trip."""
         if kwargs:
             return await self._in_thread("recall_text", text, k, namespace, since, until, where=where, **kwargs)
         if not isinstance(text, str):
@@ -519,6 +524,23 @@ class AsyncClient:
         _filter_words(namespace, since, until)  # bad filters fail before the (slow) embedding
         clause = _where_clause(where)
         embedder = await self.embedder()
+        if isinstance(embedder, _SidecarEmbedder):
+            async with self._slot_lock():
+                conn = await self._slot_connection()
+                if _one_round_trip(conn, texts):
+                    if self._outstanding is not None:  # (a cancelled recall's answer: see _round_trip)
+                        await self._wait(conn, self._outstanding[1])
+                        self._outstanding = None
+                    # One round trip in the recall connection's own thread: the sidecar recalls in
+                    # its slot meanwhile, so the slot lock is held until the reply, cancelled or not.
+                    recaller = self._recaller
+                    work = asyncio.ensure_future(asyncio.to_thread(
+                        recaller._recall_texts_in_sidecar, texts, int(k), namespace, since, until, clause))
+                    try:
+                        return await asyncio.shield(work)
+                    except asyncio.CancelledError:
+                        await asyncio.wait([work])
+                        raise
         vectors = await asyncio.to_thread(embedder.embed, texts)
         batch = await self.recall_many(vectors, k=k, namespace=namespace, since=since, until=until, where=clause)
         hits = [batch[i] for i in range(len(texts))]

@@ -130,6 +130,7 @@ class _Connection:
     wake_fd = -1
     doorbell_fd = -1
     max_message_bytes = 0
+    ops: frozenset[str] = frozenset()  # the hello's optional operations (e.g. "recall_text")
 
     def __init__(self, endpoint: Endpoint, timeout: float, spin_s: float | None) -> None:
         directory = None
@@ -190,6 +191,8 @@ class _Connection:
             # _CONTROL_POLL_S and checks the sidecar's heartbeat between them (_control), so a
             # stopped sidecar cannot hold a send or a receive past the client's timeout.
             self.sock.settimeout(_CONTROL_POLL_S)
+            ops = reply.get("ops")
+            self.ops = frozenset(op for op in ops if isinstance(op, str)) if isinstance(ops, list) else frozenset()
             limit = reply.get("max_message_bytes")
             self.max_message_bytes = (
                 limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0
@@ -421,16 +424,7 @@ class Client:
         # Request words are ours alone, so unchanged ones need not be written again.
         key = (op, n, request)
         if key != self._last_request:
-            k, flags, since, until, namespace, *where_handle = request
-            slot.where_handle[0] = where_handle[0] if where_handle else 0
-            slot.op[0] = op
-            slot.k[0] = k
-            slot.n_queries[0] = n
-            slot.flags[0] = flags
-            slot.since[0] = since
-            slot.until[0] = until
-            slot.namespace[0] = namespace
-            slot.namespace_len[0] = len(namespace)
+            slot.write_request(op, n, *request)
             self._last_request = key
 
     def ping(self) -> None:
@@ -791,11 +785,13 @@ class Client:
     ) -> list["Hit"]:
         """The ``k`` memories closest in meaning to ``text``, best first, with their texts.
 
-        Embeds ``text`` (the sidecar does, over the control socket, unless this client has an
-        embedder of its own; a text of any length: the model reads its first 256 tokens),
-        recalls through shared memory, then fetches the hits' texts and metadata in one control
-        round trip. A memory deleted between the recall and the fetch
-        is left out, so fewer than k hits can come back. Filters as in :meth:`recall`.
+        When the sidecar embeds (this client has no embedder of its own), one control round
+        trip: the sidecar embeds ``text`` (of any length: the model reads its first 256 tokens),
+        recalls it in this client's slot, batched with every other recall, and sends the hits
+        with their texts and metadata. With an embedder of its own, the client embeds, recalls
+        through shared memory, then fetches the hits' items in one control round trip. A memory
+        deleted between the recall and the read of its item is left out, so fewer than k hits
+        can come back. Filters as in :meth:`recall`.
         """
         if not isinstance(text, str):
             raise InvalidArgument(f"recall_text takes one str, got {type(text).__name__}; use recall_texts for several")
@@ -805,7 +801,9 @@ class Client:
         self, texts: Sequence[str], k: int = 8, namespace: str | None = "default",
         since: TimeLike | None = None, until: TimeLike | None = None, *, where: dict[str, Any] | None = None,
     ) -> list[list["Hit"]]:
-        """:meth:`recall_text` for several texts: one embedding batch, one recall batch, one fetch."""
+        """:meth:`recall_text` for several texts: one embedding batch, one recall batch, one fetch
+        (all three in one round trip when the sidecar embeds and they fit one slot's batch and
+        one message)."""
         if isinstance(texts, str):
             raise InvalidArgument("recall_texts takes a sequence of texts; use recall_text for one")
         texts = list(texts)
@@ -815,6 +813,12 @@ class Client:
         _check_k(k, self.max_k)
         _filter_words(namespace, since, until)  # bad filters fail before the (slow) embedding
         clause = _where_clause(where)
+        if isinstance(self.embedder, _SidecarEmbedder):
+            with self._lock:
+                conn = self._connection()
+                fused = _one_round_trip(conn, texts)
+            if fused:
+                return self._recall_texts_in_sidecar(texts, int(k), namespace, since, until, clause)
         vectors = self.embedder.embed(texts)
         batch = self.recall_many(vectors, k=k, namespace=namespace, since=since, until=until, where=clause)
         hits = [batch[i] for i in range(len(texts))]
@@ -824,6 +828,51 @@ class Client:
             [Hit.from_item(items[i], s) for i, s in hit if items.get(i) is not None]
             for hit in hits
         ]
+
+
+    def _recall_texts_in_sidecar(self, texts: list[str], k: int, namespace: str | None, since: Any, until: Any,
+                                 clause: Where | None) -> list[list["Hit"]]:
+        """recall_texts as one control round trip (op ``recall_text``): the sidecar embeds the
+        texts, recalls them in this client's slot (batched with the crowd's recalls) and sends
+        the hits with their items. The slot's request words are then the sidecar's: the
+        channel takes its sequence number back from the slot."""
+        with self._lock:
+            request = _request_words(k, namespace, since, until)
+            if clause is not None:
+                request = self._where_request(request, clause)
+            _k, flags, since_word, until_word, encoded, *handle = request
+            message = {"op": "recall_text", "texts": texts, "k": k, "flags": flags, "since": since_word,
+                       "until": until_word, "namespace": encoded.decode("utf-8", "surrogatepass"),
+                       "where_handle": handle[0] if handle else 0}
+            for attempt in range(2):
+                try:
+                    reply, _blob = self._control(message)
+                    break
+                except UnknownFilter:
+                    # The sidecar no longer holds the handle (evicted from its bounded table):
+                    # the clause is registered again, once.
+                    if attempt or clause is None:
+                        raise
+                    self._where_handles.pop(clause.key, None)
+                    message["where_handle"] = self._where_request(request[:5], clause)[5]
+                finally:
+                    self._resync_slot()
+            items = {}
+            for fields in reply["items"]:
+                item = Item(**fields)
+                items[item.id] = item
+            hits = reply["hits"]
+            if not isinstance(hits, list) or len(hits) != len(texts):
+                raise ProtocolMismatch(f"recall_text of {len(texts)} texts was answered with {len(hits)} hit lists")
+            return [[Hit.from_item(items[i], s) for i, s in row if i in items] for row in hits]
+
+    def _resync_slot(self) -> None:
+        """After a control operation that may have recalled in this client's slot: the request
+        words there are no longer this client's, and its sequence number is the slot's."""
+        self._last_request = None
+        conn = self._conn
+        if conn is not None and conn.channel is not None:
+            conn.channel.resync()
 
 
 class _SidecarEmbedder:
@@ -977,6 +1026,14 @@ def _recall_request(
     rows = _as_matrix(queries, layout.dim, single=single)
     k = _check_k(k, layout.max_k)
     return rows, k, _request_words(k, namespace, since, until)
+
+
+def _one_round_trip(conn: _Connection, texts: list[str]) -> bool:
+    """Whether the sidecar of ``conn`` can recall ``texts`` in one control round trip (op
+    ``recall_text``): it names the op, and the texts fit one slot's batch and one message
+    (16: a character's most bytes in JSON, as _SidecarEmbedder's frames count them)."""
+    return ("recall_text" in conn.ops and len(texts) <= conn.layout.max_batch
+            and sum(map(len, texts)) <= (conn.max_message_bytes or settings().max_message_bytes) // 16)
 
 
 def _check_k(k: Any, max_k: int) -> int:

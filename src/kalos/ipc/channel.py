@@ -3,7 +3,10 @@
 Roles. The sidecar creates the segment (an anonymous memory file, sealed against resizing)
 and passes its descriptor to each client in the hello reply; a client maps it and uses only
 the slot it was given. In a slot the client owns ``req_seq`` and the request fields, the sidecar
-owns ``resp_seq`` and the response fields, so every word has one writer.
+owns ``resp_seq`` and the response fields, so every word has one writer at a time. (The one
+hand-over: while a client waits for the reply of a control operation that recalls for it, op
+``recall_text``, the sidecar writes that recall into the client's slot as the client would,
+:meth:`SidecarChannel.recall_for_client`; the client re-reads ``req_seq`` after the reply.)
 
 Waiting. Each side spins on the other's sequence number for a configurable window while
 traffic is hot (no system call on the hot path), then announces that it is going to sleep in
@@ -28,12 +31,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from kalos.config import runtime_dir
 from kalos.errors import InvalidArgument, ProtocolMismatch, SidecarUnavailable
 from kalos.ipc import sync
+from kalos.ipc.control import ConnectionClosed
 from kalos.ipc.protocol import HEADER_DTYPE, HeaderView, Layout, SlotColumns, SlotView, rest_seq
 from kalos.ipc.sync import full_fence
 
@@ -261,6 +266,11 @@ class ClientChannel:
                 # (tests/reliability/test_hostile.py, the doorbell saturation case).
                 pass
         return seq
+
+    def resync(self) -> None:
+        """Takes the slot's sequence number as this client's own again, after the sidecar
+        submitted a request in the slot for it (op ``recall_text``)."""
+        self._seq = int(self.slot.req_seq[0])
 
     def wait(self, seq: int) -> int:
         """Blocks until the response to ``seq`` is in the slot, then returns its status (0: the
@@ -541,6 +551,65 @@ class SidecarChannel:
             os.sched_yield()
             return
         sync.spin_pending(self.columns.req_seq, self.answered, self.active, busy, int(timeout_s * 1e9))
+
+    #: How long :meth:`recall_for_client` spins (yielding its core) before it sleeps.
+    CLIENT_SPIN_S = 50e-6
+
+    def recall_for_client(self, slot: int, write: Callable[[SlotView], None], *, timeout_s: float,
+                          stopping: threading.Event) -> SlotView:
+        """Submits a request in ``slot`` for its client, who waits on its control socket meanwhile
+        (op ``recall_text``): ``write`` fills the request's words and rows, then the request is
+        submitted as a client submits it and answered by the sweep or the GPU like any other, in
+        the same batched passes. Returns the slot once the answer is in (read it before the
+        control reply goes out). Waits on the sidecar's own record of answers (``answered``),
+        not on words the client could scribble on.
+
+        InvalidArgument if the slot is not active or holds a request in flight; TimeoutError after
+        ``timeout_s`` without an answer; ConnectionClosed once ``stopping`` is set or the slot
+        changed hands."""
+        view = self.slots[slot]
+        with self._lock:
+            if not self.active[slot]:
+                raise InvalidArgument(f"slot {slot} has no client")
+            answered = int(self.answered[slot])
+            in_flight = int(view.req_seq[0]) != answered or (self.taken is not None and int(self.taken[slot]) != 0)
+            generation = int(self.generation[slot])
+            wake_fd = self.wake_fds[slot]
+        if in_flight:
+            raise InvalidArgument("this connection's slot has a recall in flight; wait for its answer first")
+        write(view)
+        seq = answered + 1
+        full_fence()  # release: the request fields and query rows are visible before req_seq
+        view.req_seq[0] = seq
+        full_fence()  # store req_seq, then load sidecar_sleeping (Dekker, see kalos.ipc.sync)
+        if self.header.sidecar_sleeping[0]:
+            self.ring()
+        clock = time.monotonic
+        started = clock()
+        deadline = started + timeout_s
+        poller = select.poll()
+        poller.register(wake_fd, select.POLLIN)
+        while int(self.answered[slot]) != seq:
+            now = clock()
+            if stopping.is_set() or int(self.generation[slot]) != generation:
+                raise ConnectionClosed("the sidecar is stopping")
+            if now >= deadline:
+                raise TimeoutError(f"no answer in {timeout_s:g} s to the recall made for the client of slot {slot}")
+            if now - started < self.CLIENT_SPIN_S:
+                os.sched_yield()
+                continue
+            # Sleep as a client sleeps: the publisher rings the slot's wake fd when it sees this word.
+            view.client_sleeping[0] = 1
+            full_fence()  # store client_sleeping, then load answered (Dekker, see kalos.ipc.sync)
+            if int(self.answered[slot]) != seq:
+                poller.poll(max(1, min(10, int((deadline - now) * 1000))))
+            view.client_sleeping[0] = 0
+            try:
+                os.eventfd_read(wake_fd)
+            except OSError:  # nothing rung (or the fd is gone: the loop's checks say why)
+                pass
+        full_fence()  # acquire: the answer was recorded before its fields and rows are read
+        return view
 
     def requested(self, slots: np.ndarray) -> np.ndarray:
         """Which of ``slots`` hold an unanswered request (a peek: :meth:`pending` reads them)."""

@@ -325,6 +325,20 @@ class SlotView:
         self.request_bytes = np.ndarray((REQUEST_DTYPE.itemsize,), np.uint8, buf, base + layout.request_offset)
         self.response_bytes = np.ndarray((RESPONSE_DTYPE.itemsize,), np.uint8, buf, base + layout.response_offset)
 
+    def write_request(self, op: int, n_queries: int, k: int, flags: int, since: float, until: float,
+                      namespace: bytes, where_handle: int = 0) -> None:
+        """Writes a request's words (not its rows, not req_seq): the client's, or the sidecar's
+        when it recalls in a client's slot on its behalf (op ``recall_text``)."""
+        self.where_handle[0] = where_handle
+        self.op[0] = op
+        self.k[0] = k
+        self.n_queries[0] = n_queries
+        self.flags[0] = flags
+        self.since[0] = since
+        self.until[0] = until
+        self.namespace[0] = namespace
+        self.namespace_len[0] = len(namespace)
+
     def read_namespace(self) -> bytes:
         n = min(int(self.namespace_len[0]), NAMESPACE_BYTES)
         return self.namespace[0][:n] if n else b""

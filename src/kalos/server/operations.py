@@ -27,7 +27,15 @@ import numpy as np
 
 from kalos.config import settings
 from kalos.engine import Engine, Filter
-from kalos.errors import DimensionMismatch, InvalidArgument, KalosError, ProtocolMismatch, ServerError
+from kalos.errors import (
+    DimensionMismatch,
+    InvalidArgument,
+    InvalidQuery,
+    KalosError,
+    ProtocolMismatch,
+    ServerError,
+    error_from_code,
+)
 from kalos.ipc.channel import Endpoint
 from kalos.ipc.control import (
     PROTOCOL_VERSION,
@@ -42,7 +50,7 @@ from kalos.ipc.control import (
     send_fd,
     send_frame,
 )
-from kalos.ipc.protocol import Layout
+from kalos.ipc.protocol import NAMESPACE_BYTES, REQUEST_DTYPE, Layout, Op
 from kalos.server.cohort import Cohort
 from kalos.server.expirer import Expirer
 from kalos.server.metrics import Metrics
@@ -207,10 +215,13 @@ class ControlServer:
                         finally:
                             conn.settimeout(_CONTROL_POLL_S)
                         continue
-                    handler = self._handlers.get(op) if isinstance(op, str) else None
-                    if handler is None:
-                        raise InvalidArgument(f"unknown control operation {op!r}")
-                    reply, out_blob = handler(self, message, blob)
+                    if op == "recall_text":  # (the one operation that uses this connection's slot)
+                        reply, out_blob = self._recall_text(message, slot)
+                    else:
+                        handler = self._handlers.get(op) if isinstance(op, str) else None
+                        if handler is None:
+                            raise InvalidArgument(f"unknown control operation {op!r}")
+                        reply, out_blob = handler(self, message, blob)
                 except (ConnectionClosed, ConnectionError, TimeoutError):
                     # The client hung up mid-operation (it died, e.g. mid-hello), or stalled in
                     # the hello's fd exchange: not a server error, so no traceback in the log;
@@ -251,6 +262,8 @@ class ControlServer:
                 slot=slot, segment=self.endpoint.segment_name, epoch=self.epoch, dim=self.layout.dim,
                 max_k=self.layout.max_k, max_batch=self.layout.max_batch, n_slots=self.layout.n_slots,
                 client_spin_us=self.client_spin_us, client_naps=self.client_naps, max_message_bytes=settings().max_message_bytes,
+                # Operations added since the protocol's version: a client uses them only when named.
+                ops=["recall_text"],
             ))
             send_fd(conn, self._sidecar.channel.doorbell_fd)
             send_fd(conn, self._sidecar.segment.fileno())  # the segment has no name: protocol 2
@@ -609,6 +622,53 @@ class ControlServer:
         spec, blob = array_blob(vectors, "float32")
         return ok_reply(vectors=spec), blob
 
+    def _recall_text(self, message: dict[str, Any], slot: int | None) -> tuple[dict[str, Any], bytes]:
+        """Embeds ``texts``, recalls them in this connection's slot (the crowd's batched passes, as
+        if the client had sent the vectors) and reads the hits' items: a client's ``recall_text``
+        in one round trip instead of three (embed, recall, get). The request words (``k``,
+        ``flags``, ``since``, ``until``, ``namespace``, ``where_handle``) are those a client
+        writes into its slot; the recall validates them as it validates a client's."""
+        from kalos.validation import check_embed_texts
+
+        if slot is None:
+            raise InvalidArgument("recall_text: this connection holds no slot (send hello first)")
+        texts = message.get("texts")
+        if not isinstance(texts, list) or not texts:
+            raise InvalidArgument(f"recall_text: texts must be a non-empty list of str, got {str(texts)[:80]}")
+        if len(texts) > self.layout.max_batch:
+            raise InvalidArgument(f"recall_text: at most {self.layout.max_batch} texts at once (max_batch), got {len(texts)}")
+        texts = check_embed_texts(texts)
+        k, words = _slot_words(message, self.layout)
+        self._op_embedder({}, b"")  # the dimension check, before the (slow) load
+        vectors = self.embedding.embed(texts)
+        n = len(texts)
+
+        def write(view: Any) -> None:
+            view.queries[:n] = vectors
+            view.write_request(Op.RECALL, n, k, *words)
+
+        try:
+            view = self._sidecar.channel.recall_for_client(slot, write, timeout_s=settings().control_stall_s,
+                                                          stopping=self._stopping)
+        except TimeoutError as exc:  # (a TimeoutError here would drop the connection: see _serve_connection)
+            raise ServerError(f"recall_text: {exc}") from None
+        status = int(view.status[0])
+        if status:
+            raise error_from_code(status, view.read_message())
+        ids = view.ids[:n, :k].copy()
+        scores = view.scores[:n, :k].copy()
+        # (Only padding or a client's scribbles are negative or not finite: never sent.)
+        kept = (ids >= 0) & np.isfinite(scores)
+        hits = [[[int(i), float(s)] for i, s in zip(ids[row][kept[row]], scores[row][kept[row]])] for row in range(n)]
+        wanted = np.unique(ids[kept])
+        items = [item for item in self.store.get(wanted) if item is not None] if len(wanted) else []
+        size = sum(len(item.text or "") + len(json.dumps(item.metadata)) for item in items)
+        limit = settings().max_message_bytes
+        if size > limit:
+            raise InvalidArgument(f"recall_text: the hits' texts would make a reply of about {size} bytes > limit "
+                                  f"{limit} (KALOS_MAX_MESSAGE_BYTES); ask for fewer texts or a smaller k")
+        return ok_reply(hits=hits, items=[_item_fields(item) for item in items]), b""
+
     _handlers: dict[str, Callable[["ControlServer", dict[str, Any], bytearray], tuple[dict[str, Any], bytes]]] = {
         "embedder": _op_embedder,
         "embed": _op_embed,
@@ -623,6 +683,33 @@ class ControlServer:
         "compact": _op_compact,
         "where": _op_where,
     }
+
+
+def _slot_words(message: dict[str, Any], layout: Layout) -> tuple[int, tuple[int, float, float, bytes, int]]:
+    """A recall's k and the rest of its slot words (flags, since, until, namespace, where
+    handle) from a control message, checked only as far as writing them into the slot needs:
+    the recall loop then checks them as it checks any client's."""
+    k = message.get("k")
+    if type(k) is not int or not 1 <= k <= layout.max_k:
+        raise InvalidQuery(f"k={k!r} is out of range: 1 <= k <= {layout.max_k}")
+    flags, handle = message.get("flags", 0), message.get("where_handle", 0)
+    for label, value in (("flags", flags), ("where_handle", handle)):
+        word = REQUEST_DTYPE.fields[label][0]
+        if type(value) is not int or not 0 <= value <= np.iinfo(word).max:
+            raise InvalidArgument(f"recall_text: {label} must be an unsigned {8 * word.itemsize}-bit integer, got {value!r}")
+    bounds = []
+    for label in ("since", "until"):
+        value = message.get(label, 0.0)
+        if type(value) not in (int, float) or not np.isfinite(value):
+            raise InvalidQuery(f"recall_text: {label} must be a finite number, got {value!r}")
+        bounds.append(float(value))
+    namespace = message.get("namespace", "")
+    if not isinstance(namespace, str):
+        raise InvalidQuery(f"recall_text: namespace must be a str, got {type(namespace).__name__}")
+    encoded = namespace.encode("utf-8", "surrogatepass")
+    if len(encoded) > NAMESPACE_BYTES:
+        raise InvalidQuery(f"recall_text: namespace longer than {NAMESPACE_BYTES} bytes")
+    return k, (flags, bounds[0], bounds[1], encoded, handle)
 
 
 def _optional_namespace(value: Any) -> str | None:
