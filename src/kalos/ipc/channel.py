@@ -552,17 +552,15 @@ class SidecarChannel:
             return
         sync.spin_pending(self.columns.req_seq, self.answered, self.active, busy, int(timeout_s * 1e9))
 
-    #: How long :meth:`recall_for_client` spins (yielding its core) before it sleeps.
-    CLIENT_SPIN_S = 50e-6
-
-    def recall_for_client(self, slot: int, write: Callable[[SlotView], None], *, timeout_s: float,
+    def recall_for_client(self, slot: int, write: Callable[[SlotView], None], *, timeout_s: float, spin_s: float,
                           stopping: threading.Event) -> SlotView:
         """Submits a request in ``slot`` for its client, who waits on its control socket meanwhile
         (op ``recall_text``): ``write`` fills the request's words and rows, then the request is
         submitted as a client submits it and answered by the sweep or the GPU like any other, in
         the same batched passes. Returns the slot once the answer is in (read it before the
         control reply goes out). Waits on the sidecar's own record of answers (``answered``),
-        not on words the client could scribble on.
+        not on words the client could scribble on. Spins (yielding its core) for ``spin_s``, then
+        sleeps as a client sleeps, woken by the publisher.
 
         InvalidArgument if the slot is not active or holds a request in flight; TimeoutError after
         ``timeout_s`` without an answer; ConnectionClosed once ``stopping`` is set or the slot
@@ -595,7 +593,7 @@ class SidecarChannel:
                 raise ConnectionClosed("the sidecar is stopping")
             if now >= deadline:
                 raise TimeoutError(f"no answer in {timeout_s:g} s to the recall made for the client of slot {slot}")
-            if now - started < self.CLIENT_SPIN_S:
+            if now - started < spin_s:
                 os.sched_yield()
                 continue
             # Sleep as a client sleeps: the publisher rings the slot's wake fd when it sees this word.

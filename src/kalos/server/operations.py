@@ -80,6 +80,7 @@ __all__ = ["ControlServer"]
 log = logging.getLogger("kalos.server.sidecar")
 # How often a control connection's thread wakes from a silent socket to check its deadlines.
 _CONTROL_POLL_S = 1.0
+_CORES = len(os.sched_getaffinity(0))
 
 
 class ControlServer:
@@ -647,9 +648,13 @@ class ControlServer:
             view.queries[:n] = vectors
             view.write_request(Op.RECALL, n, k, *words)
 
+        channel = self._sidecar.channel
+        # Spin as this sidecar's clients are advised to, and only while they do: while every
+        # client and the sweep can have a core (kalos.ipc.channel.ClientChannel.wait).
+        spin_s = self.client_spin_us / 1e6 if channel.n_clients < _CORES else 0.0
         try:
-            view = self._sidecar.channel.recall_for_client(slot, write, timeout_s=settings().control_stall_s,
-                                                          stopping=self._stopping)
+            view = channel.recall_for_client(slot, write, timeout_s=settings().control_stall_s, spin_s=spin_s,
+                                             stopping=self._stopping)
         except TimeoutError as exc:  # (a TimeoutError here would drop the connection: see _serve_connection)
             raise ServerError(f"recall_text: {exc}") from None
         status = int(view.status[0])
