@@ -99,7 +99,8 @@ def _check_against_float64(model, texts: list[str], tokens: int, padding_rows: i
     st, normalise = model
     inputs = _inputs(st, texts, tokens, padding_rows)
     assert int(inputs[1, 0].sum()) == tokens, "the first text fills its bucket (truncated to it)"
-    assert int(inputs[1, 1].sum()) < tokens, "the second text is padded"
+    if len(texts) > 1:
+        assert int(inputs[1, 1].sum()) < tokens, "the second text is padded"
     kernels = MiniLMKernels(st[0].auto_model.eval(), normalise)
     with torch.inference_mode():
         got = kernels(inputs).numpy().astype(np.float64)
@@ -116,21 +117,29 @@ def _check_against_float64(model, texts: list[str], tokens: int, padding_rows: i
         np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
 
 
+LONG_QUESTION = "What is the difference between a list and a tuple in Python, and when is each the better choice?"
+
+
+@needs_interpreter
+def test_one_short_query_equals_the_model_in_float64(model):
+    """An agent's query: one text in the narrowest bucket (16 rows: the smallest linear tiles)."""
+    _check_against_float64(model, [LONG_QUESTION], tokens=16, padding_rows=0)
+
+
 @needs_interpreter
 def test_short_texts_and_padding_equal_the_model_in_float64(model):
-    """Real questions in the narrowest bucket (16 tokens): one truncated to it, shorter ones
-    padded, and a padding row; one query block per (text, head)."""
-    long_question = "What is the difference between a list and a tuple in Python, and when is each the better choice?"
-    _check_against_float64(model, [long_question, "Bob prefers green tea over coffee.", "Hi."], tokens=16, padding_rows=1)
+    """Real texts in the narrowest bucket (64 rows: the middle tiles): one truncated to it,
+    shorter ones padded, and a padding row; one query block per (text, head)."""
+    _check_against_float64(model, [LONG_QUESTION, "Bob prefers green tea over coffee.", "Hi."], tokens=16,
+                           padding_rows=1)
 
 
 @needs_interpreter
 def test_a_long_passage_equals_the_model_in_float64(model):
-    """128 tokens: the attention in two blocks of 64 queries, the pooling in two blocks of tokens,
-    and linears of the middle tile sizes."""
+    """The model's longest input, 256 tokens (the largest tiles): the attention in four blocks of
+    64 queries over 256 keys, the pooling in four blocks of tokens."""
     passage = max((p.text for p in passages()[:80]), key=len)
-    _check_against_float64(model, [passage, "The deploy key lives in the vault under ops/deploy."], tokens=128,
-                           padding_rows=0)
+    _check_against_float64(model, [passage], tokens=256, padding_rows=0)
 
 
 def test_a_model_the_kernels_do_not_compute_is_refused_by_name():

@@ -303,6 +303,21 @@ def test_recall_text_is_one_round_trip_equal_to_float64(sidecar, ns, monkeypatch
         assert "embed" not in sent and "get" not in sent
 
 
+def test_a_recall_after_recall_text_writes_its_own_words_again(sidecar, ns):
+    """The sidecar wrote its k, namespace and filter into the slot: the client's next recall with
+    the same arguments as before the recall_text must not take the slot's words for its own."""
+    other = f"{ns}-b"
+    with Client(sidecar.name, timeout=DEADLINE_S) as c:
+        texts = [p.text[:300] for p in passages()[:40]]
+        c.remember(texts, namespace=ns)
+        c.remember(FACTS, namespace=other)
+        vector = c.embedder.embed([PYDOC_QUESTIONS[0]])[0]
+        before = c.recall(vector, k=5, namespace=ns)
+        assert len(c.recall_text(FACTS[1], k=1, namespace=other, where={"x": {"$ne": 1}})) == 1
+        after = c.recall(vector, k=5, namespace=ns)
+        assert after.ids.tolist() == before.ids.tolist() and len(after.ids) == 5
+
+
 def test_recall_text_registers_an_evicted_where_clause_again(sidecar, ns, monkeypatch):
     with Client(sidecar.name, timeout=DEADLINE_S) as c:
         c.remember(FACTS, namespace=ns, metadata=[{"n": i} for i in range(len(FACTS))])
@@ -339,6 +354,7 @@ def test_bad_recall_text_requests_are_refused_by_name_and_the_sidecar_goes_on(si
             ({"flags": -1}, "flags must be an unsigned 32-bit"),
             ({"where_handle": 2**64}, "where_handle must be an unsigned 64-bit"),
             ({"since": "yesterday"}, "since must be a finite number"),
+            ({"until": 10**400}, "until must be a finite number"),
             ({"namespace": 5}, "namespace must be a str"),
             ({"namespace": "n" * 300}, "namespace longer than 256 bytes"),
         ):
@@ -364,16 +380,45 @@ def test_bad_recall_text_requests_are_refused_by_name_and_the_sidecar_goes_on(si
     assert reply["ok"] is False and "holds no slot" in reply["error"]
 
 
-async def test_the_async_client_recalls_text_in_one_round_trip(sidecar, ns):
+async def test_the_async_client_recalls_text_in_one_round_trip(sidecar, ns, monkeypatch):
     with Client(sidecar.name, timeout=DEADLINE_S) as c:
         c.remember(FACTS, namespace=ns)
+        vectors = c.embedder.embed([q for q, _ in QUESTIONS])
     async with AsyncClient(sidecar.name, timeout=DEADLINE_S) as client:
-        for question, fact in QUESTIONS:
+        await client.recall_text("warm", k=1, namespace=ns)  # (both connections open)
+        on_slot = _ops_sent(client._recaller, monkeypatch)
+        on_control = _ops_sent(await client._control_client(), monkeypatch)
+        for (question, fact), vector in zip(QUESTIONS, vectors):
             hits = await client.recall_text(question, k=2, namespace=ns)
             assert hits[0].text == FACTS[fact]
-            [stored] = await client.get(ids=[hits[0].id], with_vectors=True)
-            recalled = await client.recall(stored.vector, k=1, namespace=ns)
-            assert recalled.ids[0] == hits[0].id  # the slot is the async client's again
+            recalled = await client.recall(vector, k=2, namespace=ns)
+            assert recalled.ids.tolist() == [h.id for h in hits]  # the slot is the async client's again
+        assert on_slot == ["recall_text"] * len(QUESTIONS)
+        assert "embed" not in on_control and "get" not in on_control
+
+
+async def test_a_cancelled_async_recall_text_keeps_the_slot_until_the_sidecar_replies(sidecar, ns):
+    """Cancelled twice while the sidecar embeds and recalls in the slot: the coroutine ends
+    cancelled, and the next recalls on the slot still get their own answers."""
+    import asyncio
+
+    with Client(sidecar.name, timeout=DEADLINE_S) as c:
+        c.remember(FACTS, namespace=ns)
+        vectors = c.embedder.embed([q for q, _ in QUESTIONS])
+        want = [c.recall(v, k=3, namespace=ns).ids.tolist() for v in vectors]
+    async with AsyncClient(sidecar.name, timeout=DEADLINE_S) as client:
+        await client.recall_text("warm", k=1, namespace=ns)
+        for delay in (0.0, 0.0005, 0.001, 0.002):
+            task = asyncio.ensure_future(client.recall_text(QUESTIONS[0][0] * 20, k=8, namespace=None))
+            await asyncio.sleep(delay)
+            task.cancel()
+            await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            got = await asyncio.gather(*(client.recall(v, k=3, namespace=ns) for v in vectors))
+            assert [g.ids.tolist() for g in got] == want
+            assert (await client.recall_text(QUESTIONS[1][0], k=1, namespace=ns))[0].text == FACTS[QUESTIONS[1][1]]
 
 
 async def test_the_async_client_embeds_in_the_sidecar(sidecar):

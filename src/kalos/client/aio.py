@@ -102,9 +102,12 @@ class AsyncClient:
 
     **Two connections.** Control operations run in worker threads on a second, sync
     :class:`Client`, opened on the first one: sharing the recall connection with threads would
-    need a thread lock on the event loop's hot path, and its control socket could then carry
-    replies, while the recall connection's socket stays silent, so that any readiness of it
-    means that the sidecar is gone.
+    need a thread lock on the event loop's hot path. The recall connection's control socket
+    carries only what concerns its slot (a where clause's registration, a ``recall_text`` the
+    sidecar recalls in the slot), each with the slot lock held, so while a recall waits any
+    readiness of that socket means that the sidecar is gone. A ``recall_text`` the sidecar
+    embeds holds the slot, and so this client's other recalls, until its reply: the sidecar
+    embeds and recalls in the slot meanwhile.
 
     **Cancellation.** A recall cancelled while its request is in flight leaves that request's
     sequence number outstanding; the next request on the slot first waits for (and discards)
@@ -510,7 +513,8 @@ class AsyncClient:
         since: TimeLike | None = None, until: TimeLike | None = None, *, where: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> list[list[Hit]]:
-        """:meth:`Client.recall_texts`: one embedding batch, one recall batch, one fetch."""
+        """:meth:`Client.recall_texts`: one embedding batch, one recall batch, one fetch (one
+        control round trip when the sidecar embeds, as for :class:`Client`)."""
         if kwargs:
             return await self._in_thread("recall_texts", texts, k, namespace, since, until, where=where, **kwargs)
         if isinstance(texts, str):
@@ -538,9 +542,17 @@ class AsyncClient:
                         recaller._recall_texts_in_sidecar, texts, int(k), namespace, since, until, clause))
                     try:
                         return await asyncio.shield(work)
-                    except asyncio.CancelledError:
-                        await asyncio.wait([work])
-                        raise
+                    except asyncio.CancelledError as cancel:
+                        # The sidecar recalls in this slot until it replies: the lock stays held
+                        # until then, however often this task is cancelled meanwhile.
+                        while not work.done():
+                            try:
+                                await asyncio.wait([work])
+                            except asyncio.CancelledError:
+                                pass
+                        if not work.cancelled():
+                            work.exception()  # (retrieved: the caller hears of its cancellation)
+                        raise cancel
         vectors = await asyncio.to_thread(embedder.embed, texts)
         batch = await self.recall_many(vectors, k=k, namespace=namespace, since=since, until=until, where=clause)
         hits = [batch[i] for i in range(len(texts))]

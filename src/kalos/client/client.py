@@ -872,7 +872,10 @@ class Client:
         self._last_request = None
         conn = self._conn
         if conn is not None and conn.channel is not None:
-            conn.channel.resync()
+            try:
+                conn.channel.resync()
+            except SidecarUnavailable:
+                self._drop()  # (the next call connects again; this one's own outcome stands)
 
 
 class _SidecarEmbedder:

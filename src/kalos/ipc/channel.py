@@ -269,8 +269,12 @@ class ClientChannel:
 
     def resync(self) -> None:
         """Takes the slot's sequence number as this client's own again, after the sidecar
-        submitted a request in the slot for it (op ``recall_text``)."""
+        submitted a request in the slot for it (op ``recall_text``). A request the sidecar gave
+        up waiting for is still in the slot: its answer is waited for here (SidecarUnavailable
+        if none comes), as the slot is not this client's to rewrite before."""
         self._seq = int(self.slot.req_seq[0])
+        if int(self.slot.resp_seq[0]) != self._seq:
+            self.wait(self._seq)
 
     def wait(self, seq: int) -> int:
         """Blocks until the response to ``seq`` is in the slot, then returns its status (0: the
@@ -552,6 +556,10 @@ class SidecarChannel:
             return
         sync.spin_pending(self.columns.req_seq, self.answered, self.active, busy, int(timeout_s * 1e9))
 
+    #: How long :meth:`recall_for_client` waits for a slot to be quiet before refusing: a GPU
+    #: kernel's round publishes an answer before it releases the slot (``taken``).
+    QUIET_WAIT_S = 5e-3
+
     def recall_for_client(self, slot: int, write: Callable[[SlotView], None], *, timeout_s: float, spin_s: float,
                           stopping: threading.Event) -> SlotView:
         """Submits a request in ``slot`` for its client, who waits on its control socket meanwhile
@@ -562,19 +570,27 @@ class SidecarChannel:
         not on words the client could scribble on. Spins (yielding its core) for ``spin_s``, then
         sleeps as a client sleeps, woken by the publisher.
 
-        InvalidArgument if the slot is not active or holds a request in flight; TimeoutError after
-        ``timeout_s`` without an answer; ConnectionClosed once ``stopping`` is set or the slot
-        changed hands."""
+        InvalidArgument if the slot is not active, holds a request in flight (after
+        ``QUIET_WAIT_S``), or its client rewrites ``req_seq`` meanwhile; TimeoutError after
+        ``timeout_s`` without an answer (the request stays in the slot: its client waits for
+        the answer before it uses the slot again, :meth:`ClientChannel.resync`);
+        ConnectionClosed once ``stopping`` is set or the slot changed hands."""
         view = self.slots[slot]
-        with self._lock:
-            if not self.active[slot]:
-                raise InvalidArgument(f"slot {slot} has no client")
-            answered = int(self.answered[slot])
-            in_flight = int(view.req_seq[0]) != answered or (self.taken is not None and int(self.taken[slot]) != 0)
-            generation = int(self.generation[slot])
-            wake_fd = self.wake_fds[slot]
-        if in_flight:
-            raise InvalidArgument("this connection's slot has a recall in flight; wait for its answer first")
+        clock = time.monotonic
+        quiet_until = clock() + self.QUIET_WAIT_S
+        while True:
+            with self._lock:
+                if not self.active[slot]:
+                    raise InvalidArgument(f"slot {slot} has no client")
+                answered = int(self.answered[slot])
+                in_flight = int(view.req_seq[0]) != answered or (self.taken is not None and int(self.taken[slot]) != 0)
+                generation = int(self.generation[slot])
+                wake_fd = self.wake_fds[slot]
+            if not in_flight:
+                break
+            if clock() >= quiet_until:
+                raise InvalidArgument("this connection's slot has a recall in flight; wait for its answer first")
+            os.sched_yield()
         write(view)
         seq = answered + 1
         full_fence()  # release: the request fields and query rows are visible before req_seq
@@ -582,7 +598,6 @@ class SidecarChannel:
         full_fence()  # store req_seq, then load sidecar_sleeping (Dekker, see kalos.ipc.sync)
         if self.header.sidecar_sleeping[0]:
             self.ring()
-        clock = time.monotonic
         started = clock()
         deadline = started + timeout_s
         poller = select.poll()
@@ -591,6 +606,8 @@ class SidecarChannel:
             now = clock()
             if stopping.is_set() or int(self.generation[slot]) != generation:
                 raise ConnectionClosed("the sidecar is stopping")
+            if int(view.req_seq[0]) != seq:
+                raise InvalidArgument("the client rewrote its slot's request while the sidecar recalled in it")
             if now >= deadline:
                 raise TimeoutError(f"no answer in {timeout_s:g} s to the recall made for the client of slot {slot}")
             if now - started < spin_s:
@@ -599,13 +616,16 @@ class SidecarChannel:
             # Sleep as a client sleeps: the publisher rings the slot's wake fd when it sees this word.
             view.client_sleeping[0] = 1
             full_fence()  # store client_sleeping, then load answered (Dekker, see kalos.ipc.sync)
-            if int(self.answered[slot]) != seq:
-                poller.poll(max(1, min(10, int((deadline - now) * 1000))))
+            woken = int(self.answered[slot]) == seq or bool(poller.poll(max(1, min(10, int((deadline - now) * 1000)))))
             view.client_sleeping[0] = 0
             try:
                 os.eventfd_read(wake_fd)
             except OSError:  # nothing rung (or the fd is gone: the loop's checks say why)
                 pass
+            if woken and int(self.answered[slot]) != seq:
+                # A ring that was no answer (the client's fd is its own to write, or is no
+                # eventfd at all): a short nap, so that such an fd cannot make this a busy loop.
+                time.sleep(100e-6)
         full_fence()  # acquire: the answer was recorded before its fields and rows are read
         return view
 

@@ -6,8 +6,8 @@ that pass was the largest part of a ``recall_text`` on the H200). The arithmetic
 text is tiny and its weights are read once, so the pass is bound by the number of kernels and
 their latency, not by the GPU's throughput. Here each layer is seven kernels, the whole pass
 forty-four: the embeddings' sum with its LayerNorm in one, each linear with its bias and its
-GELU or residual in one, one attention kernel for every (text, head), one LayerNorm, and the
-masked mean with the normalisation in the last.
+GELU or residual in one, one attention kernel (a program per text, head and block of queries),
+one LayerNorm after each residual, and the masked mean with the normalisation in the last.
 
 What it computes. Exactly the model of ``transformers.BertModel`` in inference (no dropout):
 absolute positions, token types, LayerNorm after each residual, exact (erf) GELU, padding keys
@@ -169,8 +169,10 @@ class MiniLMKernels:
     """The forward pass of ``transformer`` (a ``transformers`` BERT model in eval mode) and the
     sentence embedding's pooling, as Triton kernels: ``kernels(inputs)`` maps the graphed
     embedder's int64 ``[3, texts, tokens]`` input (ids, attention mask, token types) to float32
-    ``[texts, hidden]`` vectors on the same device. Holds float32 copies of the weights in the
-    layout the kernels read (the projections transposed, q, k and v side by side)."""
+    ``[texts, hidden]`` vectors on the same device. Holds the weights in the layout the kernels
+    read: float32, the projections transposed, q, k and v side by side (copies of those; the
+    embedding tables and LayerNorm parameters are the model's own tensors where they are float32
+    already)."""
 
     def __init__(self, transformer: Any, normalise: bool) -> None:
         import torch

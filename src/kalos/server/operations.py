@@ -17,6 +17,7 @@ import collections
 import dataclasses
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -705,9 +706,13 @@ def _slot_words(message: dict[str, Any], layout: Layout) -> tuple[int, tuple[int
     bounds = []
     for label in ("since", "until"):
         value = message.get(label, 0.0)
-        if type(value) not in (int, float) or not np.isfinite(value):
-            raise InvalidQuery(f"recall_text: {label} must be a finite number, got {value!r}")
-        bounds.append(float(value))
+        try:
+            bound = float(value) if type(value) in (int, float) else math.nan
+        except OverflowError:  # an int past float's range
+            bound = math.nan
+        if not math.isfinite(bound):
+            raise InvalidQuery(f"recall_text: {label} must be a finite number, got {str(value)[:40]}")
+        bounds.append(bound)
     namespace = message.get("namespace", "")
     if not isinstance(namespace, str):
         raise InvalidQuery(f"recall_text: namespace must be a str, got {type(namespace).__name__}")
