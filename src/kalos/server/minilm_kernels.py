@@ -254,17 +254,20 @@ class MiniLMKernels:
                                     rows, tokens, self.eps, HIDDEN=hidden, BLOCK_H=block_h)
         block_t = max(16, triton.next_power_of_2(tokens))
         block_q = min(block_t, 64)
+        # A block's scores are BLOCK_Q x BLOCK_T floats in registers: more warps share the wide ones.
+        attention_warps = 8 if block_q * block_t >= 64 * 128 else 4
         scale = 1.0 / math.sqrt(self.head_dim)
         for layer in self.layers:
             qkv = self._linear(x, layer["qkv"])
             context = torch.empty_like(x)
             _attention_kernel[(texts, self.heads, triton.cdiv(tokens, block_q))](
                 qkv, inputs, context, rows, tokens, scale,
-                HIDDEN=hidden, HEAD_DIM=self.head_dim, BLOCK_Q=block_q, BLOCK_T=block_t)
+                HIDDEN=hidden, HEAD_DIM=self.head_dim, BLOCK_Q=block_q, BLOCK_T=block_t, num_warps=attention_warps)
             x = self._layernorm(self._linear(context, layer["attention_out"], residual=x), layer["attention_norm"])
             up = self._linear(x, layer["up"], gelu=True)
             x = self._layernorm(self._linear(up, layer["down"], residual=x), layer["output_norm"])
         out = torch.empty((texts, hidden), dtype=torch.float32, device=inputs.device)
+        # (16 tokens of a 512-wide block at a time: a wider tile would not fit the registers.)
         _mean_pool_kernel[(texts,)](x, inputs, out, rows, tokens, NORMALISE=self.normalise,
-                                    HIDDEN=hidden, BLOCK_H=block_h, BLOCK_T=min(block_t, 64))
+                                    HIDDEN=hidden, BLOCK_H=block_h, BLOCK_T=16)
         return out
