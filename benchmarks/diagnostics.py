@@ -80,12 +80,7 @@ RECALL, ALL = int(Op.RECALL), int(RequestFlag.ALL_NAMESPACES)
 
 def submit(view: SlotView, q: np.ndarray, k: int, seq: int, *, n_queries: int = 1, flags: int = ALL,
            namespace: bytes = b"") -> None:
-    view.namespace[0] = namespace
-    view.namespace_len[0] = len(namespace)
-    view.op[0] = RECALL
-    view.k[0] = k
-    view.n_queries[0] = n_queries
-    view.flags[0] = flags
+    view.write_request(RECALL, n_queries, k, flags, 0.0, 0.0, namespace)
     view.queries[0] = q
     view.req_seq[0] = seq
 

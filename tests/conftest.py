@@ -12,6 +12,7 @@ Conventions (see also tests/reference.py):
 """
 from __future__ import annotations
 
+import importlib
 import json
 import multiprocessing
 import os
@@ -31,6 +32,28 @@ import pytest
 from kalos.server.launcher import SidecarProcess
 
 DEADLINE_S = 60.0  # a hang guard, never a performance assertion
+
+
+def import_interpreted(*modules: str) -> None:
+    """Imports ``modules`` (Triton kernels, or triton itself) with ``TRITON_INTERPRET=1``: for
+    tests without a CUDA GPU, which run the kernels under Triton's interpreter. @triton.jit reads
+    the variable when it decorates, and triton.language decorates its own functions (tl.sum)
+    when triton is first imported, so it must be set for those imports; it is put back after, so
+    that child processes other tests start do not inherit it. A module that cannot be imported
+    is left out: the tests that need it skip."""
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        for module in modules:
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                pass
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
 
 
 def short_tempdir(prefix: str = "k") -> str:

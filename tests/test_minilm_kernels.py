@@ -22,19 +22,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 HAVE_CUDA = torch.cuda.is_available()
 if not HAVE_CUDA and "kalos.server.minilm_kernels" not in sys.modules:
-    # @triton.jit reads TRITON_INTERPRET when it decorates: set it for the kernels' import only
-    # (child processes that other tests start must not inherit it).
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import kalos.server.minilm_kernels  # noqa: F401
-    except ImportError:  # no triton: the interpreter tests skip
-        pass
-    finally:
-        if _saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = _saved
+    from conftest import import_interpreted
+
+    import_interpreted("kalos.server.minilm_kernels")
 
 pytest.importorskip("sentence_transformers")  # (after the kernels: transformers may import triton)
 minilm_kernels = pytest.importorskip("kalos.server.minilm_kernels")

@@ -21,20 +21,9 @@ torch = pytest.importorskip("torch")
 
 HAVE_CUDA = torch.cuda.is_available()
 if not HAVE_CUDA and "triton" not in sys.modules:
-    # @triton.jit reads TRITON_INTERPRET when it decorates, so set it for the first import of
-    # triton and of the kernels, then put the environment back: child processes that other
-    # tests start must not inherit it.
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import kalos.engine.gpu.kernels  # noqa: F401
-    except ImportError:  # no triton: the interpreter tests skip
-        pass
-    finally:
-        if _saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = _saved
+    from conftest import import_interpreted
+
+    import_interpreted("kalos.engine.gpu.kernels")
 
 from kalos.engine import Filter, NumpyEngine  # noqa: E402
 from kalos.engine.base import as_unit_rows  # noqa: E402

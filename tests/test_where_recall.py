@@ -26,17 +26,9 @@ except ImportError:  # the torch engines' tests skip
 
 HAVE_CUDA = torch is not None and torch.cuda.is_available()
 if torch is not None and not HAVE_CUDA and "triton" not in sys.modules:
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton  # noqa: F401  (the kernels' @triton.jit then sees the variable)
-    except ImportError:
-        pass
-    finally:
-        if _saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = _saved
+    from conftest import import_interpreted
+
+    import_interpreted("triton")  # (the kernels' @triton.jit then sees the variable)
 
 from kalos.engine import Filter, NumpyEngine, ShardedEngine  # noqa: E402
 from kalos.engine.base import as_unit_rows  # noqa: E402
