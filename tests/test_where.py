@@ -217,15 +217,15 @@ def test_columns_follow_writes_compaction_and_growth(monkeypatch, dense_at):
 
 
 def test_the_clients_memo_tells_equal_looking_clauses_apart():
-    from kalos.client.client import _where_clause
+    from kalos.client.requests import where_clause
 
-    one, true, one_f = _where_clause({"a": 1}), _where_clause({"a": True}), _where_clause({"a": 1.0})
+    one, true, one_f = where_clause({"a": 1}), where_clause({"a": True}), where_clause({"a": 1.0})
     assert one.key == '{"a":{"$eq":1}}' and true.key == '{"a":{"$eq":true}}' and one_f.key == '{"a":{"$eq":1.0}}'
-    assert _where_clause({"a": 1}) is one  # remembered
-    assert _where_clause({}) is None and _where_clause(None) is None
+    assert where_clause({"a": 1}) is one  # remembered
+    assert where_clause({}) is None and where_clause(None) is None
     with pytest.raises(InvalidArgument, match="keys must be strings"):
-        _where_clause({1: "a", "b": 2})
+        where_clause({1: "a", "b": 2})
     with pytest.raises(InvalidArgument, match="unknown operator"):
-        _where_clause({"a": {"$regex": "x"}})
+        where_clause({"a": {"$regex": "x"}})
     with pytest.raises(InvalidArgument, match="unknown operator"):
-        _where_clause({"a": {"$regex": "x"}})  # a refused clause is not remembered
+        where_clause({"a": {"$regex": "x"}})  # a refused clause is not remembered

@@ -38,18 +38,13 @@ from kalos.client.client import (
     Page,
     Recall,
     RecallBatch,
-    TimeLike,
-    _check_k,
     _Connection,
-    _SidecarEmbedder,
-    _filter_words,
     _one_round_trip,
-    _recall_request,
     _register_where,
+    _SidecarEmbedder,
     _single_hits,
-    _where_clause,
-    _with_where,
 )
+from kalos.client.requests import TimeLike, check_k, filter_words, recall_request, where_clause, with_where
 from kalos.errors import InvalidArgument, KalosError, SidecarUnavailable, UnknownFilter, error_from_code
 from kalos.ipc.channel import SidecarExited
 from kalos.ipc.protocol import Layout, Op
@@ -352,18 +347,18 @@ class AsyncClient:
             if len(self._where_handles) >= 4096:
                 self._where_handles.clear()
             cached = self._where_handles[clause.key] = await asyncio.to_thread(_register_where, control, clause)
-        return _with_where(request, cached[1])
+        return with_where(request, cached[1])
 
     async def _recall(
         self, queries: Any, k: int, namespace: str | None, since: Any, until: Any, *, single: bool,
         where: Any = None,
     ) -> Recall | RecallBatch:
         """:meth:`Client._recall` with the wait on the event loop."""
-        clause = _where_clause(where)
+        clause = where_clause(where)
         async with self._slot_lock():
             conn = await self._slot_connection()
             layout = conn.layout
-            rows, k, request = _recall_request(queries, k, namespace, since, until, layout, single=single)
+            rows, k, request = recall_request(queries, k, namespace, since, until, layout, single=single)
             plain = request
             if clause is not None:
                 request = await self._where_request(conn, plain, clause)
@@ -524,9 +519,9 @@ class AsyncClient:
             return []
         async with self._slot_lock():
             max_k = (await self._slot_connection()).layout.max_k
-        _check_k(k, max_k)
-        _filter_words(namespace, since, until)  # bad filters fail before the (slow) embedding
-        clause = _where_clause(where)
+        check_k(k, max_k)
+        filter_words(namespace, since, until)  # bad filters fail before the (slow) embedding
+        clause = where_clause(where)
         embedder = await self.embedder()
         if isinstance(embedder, _SidecarEmbedder):
             async with self._slot_lock():

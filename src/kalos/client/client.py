@@ -1,7 +1,8 @@
 """What an LLM service imports: :class:`Client`.
 
-Length: the client, its result types (Recall, Hit, Item, Page) and the request words shared
-with :mod:`kalos.client.aio`; one job (the caller's side of the sidecar), many calls.
+Length: the client, its connection and its result types (Recall, Hit, Item, Page); one job
+(the caller's side of the sidecar), many calls. How a call's arguments are checked and encoded
+is :mod:`kalos.client.requests`, shared with :mod:`kalos.client.aio`.
 
 Recalls go through the client's slot in shared memory and never touch a socket; writes
 (add, update, delete, drop_namespace) and lookups (get, list, count, stats) go over the control
@@ -11,10 +12,8 @@ socket to the sidecar, the only writer of the store. A client whose sidecar dies
 from __future__ import annotations
 
 import dataclasses
-import datetime as _dt
 import math
 import os
-import re
 import secrets
 import socket
 import threading
@@ -26,11 +25,25 @@ import numpy as np
 
 from kalos.config import open_runtime_dir, settings
 from kalos.engine.base import MISSING_ID
+from kalos.client.requests import (
+    TimeLike,
+    as_matrix,
+    check_k,
+    check_limit,
+    decode_cursor,
+    encode_cursor,
+    filter_words,
+    key_or_id_message,
+    looks_like_ids,
+    recall_request,
+    request_words,
+    timestamps,
+    where_clause,
+    with_where,
+)
 from kalos.errors import (
     DimensionMismatch,
     InvalidArgument,
-    InvalidQuery,
-    KalosError,
     ProtocolMismatch,
     SidecarUnavailable,
     UnknownFilter,
@@ -50,11 +63,8 @@ from kalos.ipc.control import (
     send_fd,
     send_frame,
 )
-from kalos.ipc.protocol import Layout, Op, RequestFlag, SlotView
+from kalos.ipc.protocol import Layout, Op, SlotView
 from kalos.validation import (
-    MAX_ID,
-    MAX_LIST_LIMIT,
-    MAX_NAMESPACE_BYTES,
     UNSET,
     Item,
     check_created_at,
@@ -72,10 +82,6 @@ from kalos.where import Where, compile_where
 
 __all__ = ["Client", "Recall", "RecallBatch", "Item", "Hit", "Page"]
 
-TimeLike = float | int | _dt.datetime
-#: recall_many splits a batch into requests of the sidecar's max_batch rows; past this many
-#: rows in one call the caller is almost certainly passing the wrong array.
-MAX_RECALL_MANY_ROWS = 1 << 20
 #: How often a control operation that waits on the socket checks the sidecar's heartbeat.
 _CONTROL_POLL_S = 0.05
 
@@ -342,11 +348,11 @@ class Client:
         where: Any = None,
     ) -> Recall | RecallBatch:
         """A :class:`Recall` (``single``) or a :class:`RecallBatch`."""
-        clause = _where_clause(where)
+        clause = where_clause(where)
         with self._lock:
             conn = self._connection()
             layout = conn.layout
-            rows, k, request = _recall_request(queries, k, namespace, since, until, layout, single=single)
+            rows, k, request = recall_request(queries, k, namespace, since, until, layout, single=single)
             plain = request
             if clause is not None:  # (registering may reconnect: the connection is looked up again)
                 request = self._where_request(plain, clause)
@@ -406,7 +412,7 @@ class Client:
             if len(self._where_handles) >= 4096:  # many distinct clauses: keep it bounded
                 self._where_handles.clear()
             cached = self._where_handles[clause.key] = _register_where(self, clause)
-        return _with_where(request, cached[1])
+        return with_where(request, cached[1])
 
     def _round_trip(self, conn: _Connection, rows: np.ndarray, request: tuple[Any, ...], op: Op = Op.RECALL) -> None:
         channel = conn.channel
@@ -476,7 +482,7 @@ class Client:
             # The store's own checks, run here too so that a bad add fails before it is sent
             # (and before JSON could silently turn a metadata key 1 into "1").
             if created_at is not None:
-                created_at = _timestamps(created_at)
+                created_at = timestamps(created_at)
             matrix = check_vectors(vectors, conn.layout.dim)
             n = len(matrix)
             check_namespace(namespace)
@@ -515,9 +521,9 @@ class Client:
             message: dict[str, Any] = {"op": "delete", "where": compile_where(where).to_dict(),
                                        "namespace": None if namespace is None else check_namespace(namespace)}
         else:
-            if namespace is None and keys is not None and not _looks_like_ids(keys):
+            if namespace is None and keys is not None and not looks_like_ids(keys):
                 raise InvalidArgument("delete: keys live in one namespace; namespace=None is for where= only")
-            message = _key_or_id_message("delete", keys, ids, "default" if namespace is None else namespace)
+            message = key_or_id_message("delete", keys, ids, "default" if namespace is None else namespace)
             message.pop("wanted")
         return int(self._control(message)[0]["deleted"])
 
@@ -535,13 +541,13 @@ class Client:
         one page; one added meanwhile may or may not be. Expired memories are never listed.
         """
         message: dict[str, Any] = {"op": "list", "namespace": None if namespace is None else check_namespace(namespace),
-                                   "limit": _check_limit(limit), "after": _decode_cursor(cursor)}
+                                   "limit": check_limit(limit), "after": decode_cursor(cursor)}
         if where is not None:
             message["where"] = compile_where(where).to_dict()
         reply, _ = self._control(message)
         items = [Item(**item) for item in reply["items"]]
         after = reply.get("next")
-        return Page(items, None if after is None else _encode_cursor(int(after)))
+        return Page(items, None if after is None else encode_cursor(int(after)))
 
     def count(self, *, namespace: str | None = None, where: dict[str, Any] | None = None) -> int:
         """How many stored (unexpired) memories ``namespace`` (None: every namespace) holds whose
@@ -565,7 +571,7 @@ class Client:
         """
         if not isinstance(with_vectors, bool):
             raise InvalidArgument(f"get: with_vectors must be True or False, got {with_vectors!r}")
-        message = _key_or_id_message("get", keys, ids, namespace)
+        message = key_or_id_message("get", keys, ids, namespace)
         wanted = message.pop("wanted")
         # Each id travels once (the sidecar refuses repeats: each was a full copy in its reply)
         # and the answer is repeated here, where the caller asked for it.
@@ -608,7 +614,7 @@ class Client:
         with self._lock:
             dim = self._connection().layout.dim
         if vector is not UNSET and vector is not None:
-            vector = _as_matrix(vector, dim, single=False, what="vector", error=InvalidArgument)
+            vector = as_matrix(vector, dim, single=False, what="vector", error=InvalidArgument)
             if len(vector) != 1:
                 raise InvalidArgument(f"update takes one vector of shape ({dim},), got {len(vector)} rows")
             vector = vector[0]
@@ -810,9 +816,9 @@ class Client:
         if not texts:
             return []
         texts = check_embed_texts(texts)
-        _check_k(k, self.max_k)
-        _filter_words(namespace, since, until)  # bad filters fail before the (slow) embedding
-        clause = _where_clause(where)
+        check_k(k, self.max_k)
+        filter_words(namespace, since, until)  # bad filters fail before the (slow) embedding
+        clause = where_clause(where)
         if isinstance(self.embedder, _SidecarEmbedder):
             with self._lock:
                 conn = self._connection()
@@ -837,7 +843,7 @@ class Client:
         the hits with their items. The slot's request words are then the sidecar's: the
         channel takes its sequence number back from the slot."""
         with self._lock:
-            request = _request_words(k, namespace, since, until)
+            request = request_words(k, namespace, since, until)
             if clause is not None:
                 request = self._where_request(request, clause)
             _k, flags, since_word, until_word, encoded, *handle = request
@@ -962,88 +968,12 @@ class Page:
         return f"Page({len(self.items)} items, next_cursor={self.next_cursor!r})"
 
 
-_CURSOR = re.compile(r"1\.([0-9a-f]{1,16})")
-
-
-def _encode_cursor(after: int) -> str:
-    return f"1.{after:x}"
-
-
-def _decode_cursor(cursor: Any) -> int:
-    """The id a cursor pages on from (0: the first page), or InvalidArgument."""
-    if cursor is None:
-        return 0
-    match = _CURSOR.fullmatch(cursor) if isinstance(cursor, str) else None
-    if match is None or int(match.group(1), 16) > MAX_ID:
-        raise InvalidArgument(f"cursor {cursor!r:.80} is not one that list() returned")
-    return int(match.group(1), 16)
-
-
-def _check_limit(limit: Any) -> int:
-    if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or not 1 <= limit <= MAX_LIST_LIMIT:
-        raise InvalidArgument(f"limit must be an integer from 1 to {MAX_LIST_LIMIT}, got {limit!r:.80}")
-    return int(limit)
-
-
-_FLOAT32 = np.dtype(np.float32)
-
-
-def _as_matrix(
-    value: Any, dim: int, *, single: bool, what: str = "query", error: type[KalosError] = InvalidQuery
-) -> np.ndarray:
-    if single and type(value) is np.ndarray and value.dtype is _FLOAT32 and value.shape == (dim,):
-        return value[None]  # a recall's usual query passes every check below: skip them (~0.3 us)
-    try:
-        array = np.asarray(value)
-        # Real numbers only, as add's check_vectors: float32 conversion dropped the imaginary
-        # part of complex input, parsed strings and took bools as 0/1 (issue 19).
-        if array.dtype.kind not in "iuf":
-            raise TypeError(f"dtype {array.dtype} is not a real number type")
-        array = array.astype(np.float32, copy=False)
-    except (TypeError, ValueError) as exc:
-        raise error(f"{what} is not a numeric array: {exc}") from None
-    if single:
-        if array.ndim != 1:
-            raise error(f"recall takes one vector of shape ({dim},), got shape {array.shape}; use recall_many for a batch")
-        array = array[None, :]
-    elif array.ndim == 1 and what == "vector":
-        array = array[None, :]
-    if array.ndim != 2:
-        raise error(f"expected a matrix of shape (n, {dim}), got shape {array.shape}")
-    if array.shape[1] != dim:
-        raise DimensionMismatch(f"{what} has dimension {array.shape[1]}, the store holds dimension {dim}")
-    if len(array) == 0:
-        raise error(f"empty batch: at least one {what} is needed")
-    if len(array) > MAX_RECALL_MANY_ROWS:
-        raise error(f"batch of {len(array)} rows exceeds {MAX_RECALL_MANY_ROWS}; split it")
-    return array
-
-
-_REQUESTS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-
-
-def _recall_request(
-    queries: Any, k: Any, namespace: str | None, since: Any, until: Any, layout: Layout, *, single: bool
-) -> tuple[np.ndarray, int, tuple[Any, ...]]:
-    """A recall's query rows, its k and its request words, validated (Client and AsyncClient)."""
-    rows = _as_matrix(queries, layout.dim, single=single)
-    k = _check_k(k, layout.max_k)
-    return rows, k, _request_words(k, namespace, since, until)
-
-
 def _one_round_trip(conn: _Connection, texts: list[str]) -> bool:
     """Whether the sidecar of ``conn`` can recall ``texts`` in one control round trip (op
     ``recall_text``): it names the op, and the texts fit one slot's batch and one message
     (16: a character's most bytes in JSON, as _SidecarEmbedder's frames count them)."""
     return ("recall_text" in conn.ops and len(texts) <= conn.layout.max_batch
             and sum(map(len, texts)) <= (conn.max_message_bytes or settings().max_message_bytes) // 16)
-
-
-def _check_k(k: Any, max_k: int) -> int:
-    """``k`` as an int; InvalidQuery unless it is an integer (not a bool) in [1, max_k]."""
-    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= max_k:
-        raise InvalidQuery(f"k={k!r} is out of range: 1 <= k <= {max_k}")
-    return int(k)
 
 
 def _single_hits(slot: SlotView, k: int) -> Recall:
@@ -1056,160 +986,8 @@ def _single_hits(slot: SlotView, k: int) -> Recall:
     return Recall(hits, hit_scores)
 
 
-def _where_clause(where: Any) -> Where | None:
-    """``where=`` compiled (InvalidArgument names a bad part); None for no filter or ``{}``.
-
-    Compiled clauses are remembered by their structure: compiling (validation and the canonical
-    JSON) costs 10-20 us, a recall's whole client side a few."""
-    if where is None or type(where) is Where:
-        return None if where is None or where.is_trivial else where
-    try:
-        frozen = _freeze(where)
-    except TypeError:  # not plain JSON-like data: compile_where names what is wrong
-        frozen = None
-    clause = _WHERES.get(frozen) if frozen is not None else None
-    if clause is None:
-        clause = compile_where(where)
-        if frozen is not None:
-            if len(_WHERES) >= 4096:
-                _WHERES.clear()
-            _WHERES[frozen] = clause
-    return None if clause.is_trivial else clause
-
-
-_WHERES: dict[Any, Where] = {}
-
-
-def _freeze(value: Any) -> Any:
-    """A hashable copy of JSON-like ``value`` that tells 1, 1.0 and True apart (TypeError otherwise)."""
-    kind = type(value)
-    if kind is dict:
-        return (dict, tuple(sorted((k, _freeze(v)) for k, v in value.items())))
-    if kind is list or kind is tuple:
-        return (list, tuple(_freeze(v) for v in value))
-    if kind is str or kind is int or kind is float or kind is bool:
-        return (kind, value)
-    raise TypeError(kind.__name__)
-
-
-_HAS_WHERE = int(RequestFlag.HAS_WHERE)
-
-
 def _register_where(client: "Client", clause: Where) -> tuple[int, int]:
     """Registers ``clause`` with ``client``'s sidecar: ``(that sidecar's epoch, the handle)``."""
     with client._lock:
         handle = int(client._control({"op": "where", "where": clause.key})[0]["handle"])
         return client._connection().epoch, handle  # (_control may have connected again)
-
-
-def _with_where(request: tuple[Any, ...], handle: int) -> tuple[Any, ...]:
-    """Request words (as :func:`_request_words`) that name the where clause ``handle``."""
-    k, flags, since, until, namespace = request[:5]
-    return (k, flags | _HAS_WHERE, since, until, namespace, handle)
-
-
-def _request_words(k: int, namespace: str | None, since: Any, until: Any) -> tuple[Any, ...]:
-    """``(k, flags, since, until, namespace bytes)`` of a recall, remembered for the common
-    arguments (validating and encoding them costs microseconds on every call otherwise)."""
-    key = (k, namespace, since, until)
-    try:
-        words = _REQUESTS.get(key)
-    except TypeError:  # an unhashable argument: no memo, the checks below still apply
-        return (k, *_filter_words(namespace, since, until))
-    if words is None:
-        words = (k, *_filter_words(namespace, since, until))
-        if len(_REQUESTS) >= 4096:  # callers sweeping time windows: keep it bounded
-            _REQUESTS.clear()
-        if type(since) in (int, float, type(None)) and type(until) in (int, float, type(None)):
-            _REQUESTS[key] = words  # (datetimes are converted afresh: their timezone may change)
-    return words
-
-
-def _filter_words(namespace: str | None, since: Any, until: Any) -> tuple[int, float, float, bytes]:
-    flags = 0
-    if namespace is None:
-        flags |= RequestFlag.ALL_NAMESPACES
-        encoded = b""
-    elif isinstance(namespace, str):
-        try:
-            encoded = namespace.encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate: was a raw UnicodeEncodeError (issue 19)
-            raise InvalidQuery(f"namespace {namespace!r} is not valid Unicode (lone surrogate)") from None
-        if not encoded or len(encoded) > MAX_NAMESPACE_BYTES or b"\x00" in encoded:
-            raise InvalidQuery(f"namespace {namespace[:40]!r} must be 1 to {MAX_NAMESPACE_BYTES} UTF-8 bytes without NUL")
-    else:
-        raise InvalidQuery(f"namespace must be a str or None, got {type(namespace).__name__}")
-    bounds = []
-    for label, flag, value in (("since", RequestFlag.HAS_SINCE, since), ("until", RequestFlag.HAS_UNTIL, until)):
-        if value is None:
-            bounds.append(0.0)
-            continue
-        flags |= flag
-        bounds.append(_to_timestamp(value, label))
-    if since is not None and until is not None and bounds[0] >= bounds[1]:
-        raise InvalidQuery(f"empty time range: since={bounds[0]} is not before until={bounds[1]}")
-    return int(flags), bounds[0], bounds[1], encoded
-
-
-def _to_timestamp(value: Any, label: str) -> float:
-    if isinstance(value, _dt.datetime):
-        return value.timestamp()
-    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
-        if not np.isfinite(value):
-            raise InvalidQuery(f"{label} must be a finite time, got {value}")
-        return float(value)
-    raise InvalidQuery(f"{label} must be unix seconds or a datetime, got {type(value).__name__}")
-
-
-def _timestamps(created_at: Any) -> Any:
-    """``created_at`` with datetimes turned into unix seconds (like since/until)."""
-    if isinstance(created_at, _dt.datetime):
-        return created_at.timestamp()
-    if isinstance(created_at, (list, tuple)):
-        return [c.timestamp() if isinstance(c, _dt.datetime) else c for c in created_at]
-    return created_at
-
-
-def _key_or_id_message(op: str, keys: Any, ids: Any, namespace: str) -> dict[str, Any]:
-    """The control message of a get or delete by keys or by ids, checked before it travels.
-    Carries ``wanted`` (the checked keys or ids, repeats kept) for get."""
-    if keys is not None and ids is None and _looks_like_ids(keys):
-        keys, ids = None, keys  # get([3, 4]) / delete(ids[:10]): the positional ids of every release before keys
-    if (keys is None) == (ids is None):
-        raise InvalidArgument(f"{op}: pass keys or ids (one of them), got {'both' if keys is not None else 'neither'}")
-    if ids is not None:
-        wanted: list[Any] = _id_list(ids)
-        return {"op": op, "ids": wanted, "wanted": wanted}
-    check_namespace(namespace)
-    if isinstance(keys, (str, bytes)) or not hasattr(keys, "__len__"):
-        raise InvalidArgument(f"{op}: keys must be a sequence of str, got {type(keys).__name__} {keys!r:.80}")
-    wanted = list(keys)
-    for i, key in enumerate(wanted):
-        if not isinstance(key, str):
-            raise InvalidArgument(f"{op}: keys[{i}] must be a str, got {type(key).__name__} {key!r:.80}")
-    check_keys(list(dict.fromkeys(wanted)))  # length and Unicode, each distinct key once
-    return {"op": op, "keys": wanted, "namespace": namespace, "wanted": wanted}
-
-
-def _looks_like_ids(value: Any) -> bool:
-    """True for an int, an integer array or a non-empty sequence of ints (bool excluded)."""
-    if isinstance(value, np.ndarray):
-        return value.dtype.kind in "iu"
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        return True
-    if isinstance(value, (list, tuple)) and value:
-        return all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value)
-    return False
-
-
-def _id_list(ids: Any) -> list[int]:
-    array = np.asarray(ids)
-    if array.ndim == 0:
-        array = array[None]
-    if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
-        raise InvalidArgument(f"ids must be a 1-D sequence of integers, got dtype {array.dtype} shape {array.shape}")
-    if array.dtype.kind == "u" and array.size and int(array.max()) > MAX_ID:
-        # [2**63] is a uint64 array, and astype(int64) wrapped it to -2**63 (issue 19).
-        raise InvalidArgument(f"id {int(array.max())} does not fit in int64 (ids are below 2**63)")
-    return array.astype(np.int64).tolist()
-
