@@ -15,6 +15,12 @@ from kalos.ipc.protocol import Layout, RequestFlag
 from kalos.validation import MAX_ID, MAX_LIST_LIMIT, MAX_NAMESPACE_BYTES, check_keys, check_namespace
 from kalos.where import Where, compile_where
 
+__all__ = [
+    "MAX_RECALL_MANY_ROWS", "TimeLike", "as_matrix", "check_k", "check_limit", "decode_cursor", "encode_cursor",
+    "filter_words", "id_list", "key_or_id_message", "looks_like_ids", "recall_request", "request_words",
+    "timestamps", "to_timestamp", "where_clause", "with_where",
+]
+
 TimeLike = float | int | _dt.datetime
 #: recall_many splits a batch into requests of the sidecar's max_batch rows; past this many
 #: rows in one call the caller is almost certainly passing the wrong array.
