@@ -200,6 +200,16 @@ class SidecarExited(SidecarUnavailable):
     """The sidecar's end of the control socket closed: it exited or was killed (not merely slow)."""
 
 
+def _publish_request(header: HeaderView, slot: SlotView, seq: int) -> bool:
+    """Numbers the request already written into ``slot`` ``seq`` (its words and rows visible
+    first), then says whether the sidecar sleeps and its doorbell must be rung (Dekker, see
+    :mod:`kalos.ipc.sync`): a client's submit, and the sidecar's for a client (op recall_text)."""
+    full_fence()  # release: the request fields and query rows are visible before req_seq
+    slot.req_seq[0] = seq
+    full_fence()  # store req_seq, then load sidecar_sleeping
+    return bool(header.sidecar_sleeping[0])
+
+
 class ClientChannel:
     """A client's end of one slot: submit a request, wait for its answer."""
 
@@ -254,10 +264,7 @@ class ClientChannel:
         slot = self.slot
         seq = self._seq + 1
         self._seq = seq
-        full_fence()  # release: the request fields and query rows are visible before req_seq
-        slot.req_seq[0] = seq
-        full_fence()  # store req_seq, then load sidecar_sleeping (Dekker, see kalos.ipc.sync)
-        if self.header.sidecar_sleeping[0]:
+        if _publish_request(self.header, slot, seq):
             try:
                 os.eventfd_write(self._doorbell_fd, 1)
             except BlockingIOError:
@@ -593,10 +600,7 @@ class SidecarChannel:
             os.sched_yield()
         write(view)
         seq = answered + 1
-        full_fence()  # release: the request fields and query rows are visible before req_seq
-        view.req_seq[0] = seq
-        full_fence()  # store req_seq, then load sidecar_sleeping (Dekker, see kalos.ipc.sync)
-        if self.header.sidecar_sleeping[0]:
+        if _publish_request(self.header, view, seq):
             self.ring()
         started = clock()
         deadline = started + timeout_s
