@@ -165,6 +165,9 @@ def test_the_triton_runtime_needs_a_gpu_and_falls_back_to_the_graphs(monkeypatch
         assert se.load_embedder("triton", "cuda:1").runtime == "graphs (cuda:1)"
     assert made == [("cuda:1", "triton"), ("cuda:1", "torch")]
     assert "Triton kernels" in caplog.text and "no such kernels here" in caplog.text
+    made.clear()  # a GPU sidecar's default tries the kernels first, the same way
+    assert se.load_embedder("auto", "cuda:0").runtime == "graphs (cuda:0)"
+    assert made == [("cuda:0", "triton"), ("cuda:0", "torch")]
 
 
 @pytest.mark.cuda

