@@ -1,0 +1,22 @@
+#!/bin/bash
+# The trees next.sh measures, made here (the device machine has no git): run from the repository
+# root, `bash benchmarks/results/h200-s22/make_trees.sh [commit]` (default HEAD). n-base: that
+# commit's src; n-rest20: with candidate-rest.patch (the sweep, while the GPU polls, rests 20 us
+# between its looks with the GIL released, kalos.ipc._fence.spin_pending, keeping its core);
+# n-rest50: the same resting 50 us; n-sleep: sleeping 20 us instead (probe1's variant, which
+# brought recall_text to 1.7 ms and cost the crowd beside the GEMMs).
+set -e
+here=benchmarks/results/h200-s22
+commit=${1:-HEAD}
+rm -rf .snap/trees/n-base .snap/trees/n-rest20 .snap/trees/n-rest50 .snap/trees/n-sleep
+mkdir -p .snap/trees/n-base
+git archive "$commit" src | tar -x -C .snap/trees/n-base
+for v in rest20 rest50 sleep; do
+  cp -r .snap/trees/n-base .snap/trees/n-$v
+  (cd .snap/trees/n-$v && patch -s -p1 < ../../../$here/candidate-rest.patch)
+done
+sed -i 's/^_SERVING_REST_S = 20e-6$/_SERVING_REST_S = 50e-6/' .snap/trees/n-rest50/src/kalos/server/recall_loop.py
+sed -i 's/channel.rest(_SERVING_REST_S)$/time.sleep(20e-6)/' .snap/trees/n-sleep/src/kalos/server/recall_loop.py
+grep -q "_SERVING_REST_S = 50e-6" .snap/trees/n-rest50/src/kalos/server/recall_loop.py
+grep -q "time.sleep(20e-6)" .snap/trees/n-sleep/src/kalos/server/recall_loop.py
+du -sh .snap/trees/n-*

@@ -1,0 +1,41 @@
+#!/bin/bash
+# For the next device session: the GIL candidates for recall_text on the H200 (BENCHMARKS.md,
+# text recall on the H200), each beside main in one call. Make the trees first (make_trees.sh)
+# and carry .snap/model, .snap/trees/n-{base,rest20,rest50,sleep} and this folder. Parts
+# (arguments, in order; about 330 s and 250 s, so two calls: `next.sh text crowd-a`, then
+# `next.sh crowd-b tests`):
+#   text     recall_text one round trip against three, 100 questions, in each tree;
+#   crowd-a  the crowd 1-64 and beside the GEMMs at 1 and 16: n-rest20, then n-base;
+#   crowd-b  the same: n-rest50, then n-sleep;
+#   tests    the CUDA test of a sidecar with GPU polling under clients, on n-rest20.
+cd "$(dirname "$0")/../../.."
+ext=$(python3-config --extension-suffix); inc=$(python3-config --includes)
+for t in base rest20 rest50 sleep; do
+  s=.snap/trees/n-$t/src; [ -f $s/kalos/ipc/_fence$ext ] || gcc -O2 -shared -fPIC $inc $s/kalos/ipc/_fence.c \
+    -o $s/kalos/ipc/_fence$ext || exit 1; done
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+text() { # variant
+  echo "=== text $1 $(date +%T)"
+  PYTHONPATH=.snap/model:.snap/trees/n-$1/src timeout 90 python3 benchmarks/text_recall.py --device cuda \
+    --filler random --rounds 100 --embed-runtime triton > $OUT/next-text-$1.txt 2>&1
+  grep -E "one round trip|three round|embed op|Error|Traceback" $OUT/next-text-$1.txt | head -4
+}
+show() { grep -E "^ +[0-9]+ |GEMMs|first error|Traceback|Error" "$1" | head -24; }
+crowd() { # variant
+  echo "=== crowd $1 $(date +%T)"; PYTHONPATH=.snap/trees/n-$1/src timeout 120 python3 .snap/trees/n-$1/src/kalos/tools/crowd.py \
+    --device cuda --crowd 1,2,4,8,16,32,64 --crowd-seconds 2 --colocated 1,16 > $OUT/next-crowd-$1.txt 2>&1
+  show $OUT/next-crowd-$1.txt
+}
+for part in ${*:-text crowd-a crowd-b tests}; do
+  case $part in
+    text) for v in base rest20 rest50 sleep; do text $v; done;;
+    crowd-a) crowd rest20; crowd base;;
+    crowd-b) crowd rest50; crowd sleep;;
+    tests)
+      echo "=== tests $(date +%T)"
+      PYTHONPATH=.snap/trees/n-rest20/src timeout 120 python3 -m pytest -q -m cuda -p no:cacheprovider \
+        -k "sidecar_with_gpu_polling" tests/test_slot_server.py > $OUT/next-cuda-tests.txt 2>&1
+      grep -E "passed|failed|^FAILED|Error" $OUT/next-cuda-tests.txt | tail -4;;
+  esac
+done
+echo "end $(date +%T)"
