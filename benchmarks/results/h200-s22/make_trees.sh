@@ -4,17 +4,21 @@
 # commit's src; n-rest20: with candidate-rest.patch (the sweep, while the GPU polls, rests 20 us
 # between its looks with the GIL released, kalos.ipc._fence.spin_pending, keeping its core);
 # n-rest50: the same resting 50 us; n-sleep: sleeping 20 us instead (probe1's variant, which
-# brought recall_text to 1.7 ms and cost the crowd beside the GEMMs).
+# brought recall_text to 1.7 ms and cost the crowd beside the GEMMs); n-watch: with
+# candidate-watch.patch instead (the sweep, while the GPU polls, waits with the GIL released
+# until the kernels write one of their host words: a round began, took, handed over, answered).
 set -e
 here=benchmarks/results/h200-s22
 commit=${1:-HEAD}
-rm -rf .snap/trees/n-base .snap/trees/n-rest20 .snap/trees/n-rest50 .snap/trees/n-sleep
+rm -rf .snap/trees/n-base .snap/trees/n-rest20 .snap/trees/n-rest50 .snap/trees/n-sleep .snap/trees/n-watch
 mkdir -p .snap/trees/n-base
-git archive "$commit" src | tar -x -C .snap/trees/n-base
+git archive "$commit" src tests | tar -x -C .snap/trees/n-base  # (tests: the patches change them too)
 for v in rest20 rest50 sleep; do
   cp -r .snap/trees/n-base .snap/trees/n-$v
   (cd .snap/trees/n-$v && patch -s -p1 < ../../../$here/candidate-rest.patch)
 done
+cp -r .snap/trees/n-base .snap/trees/n-watch
+(cd .snap/trees/n-watch && patch -s -p1 < ../../../$here/candidate-watch.patch)
 sed -i 's/^_SERVING_REST_S = 20e-6$/_SERVING_REST_S = 50e-6/' .snap/trees/n-rest50/src/kalos/server/recall_loop.py
 sed -i 's/channel.rest(_SERVING_REST_S)$/time.sleep(20e-6)/' .snap/trees/n-sleep/src/kalos/server/recall_loop.py
 grep -q "_SERVING_REST_S = 50e-6" .snap/trees/n-rest50/src/kalos/server/recall_loop.py

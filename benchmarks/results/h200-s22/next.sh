@@ -1,16 +1,18 @@
 #!/bin/bash
 # For the next device session: the GIL candidates for recall_text on the H200 (BENCHMARKS.md,
 # text recall on the H200), each beside main in one call. Make the trees first (make_trees.sh)
-# and carry .snap/model, .snap/trees/n-{base,rest20,rest50,sleep} and this folder. Parts
-# (arguments, in order; about 330 s and 250 s, so two calls: `next.sh text crowd-a`, then
+# and carry .snap/model, .snap/trees/n-{base,rest20,rest50,sleep,watch} and this folder. Parts
+# (arguments, in order; about 360 s and 280 s, so two calls: `next.sh text crowd-a`, then
 # `next.sh crowd-b tests`):
-#   text     recall_text one round trip against three, 100 questions, in each tree;
-#   crowd-a  the crowd 1-64 and beside the GEMMs at 1 and 16: n-rest20, then n-base;
-#   crowd-b  the same: n-rest50, then n-sleep;
-#   tests    the CUDA test of a sidecar with GPU polling under clients, on n-rest20.
+#   text     recall_text one round trip against three, 100 questions: n-base, n-watch, n-rest20,
+#            n-sleep (n-rest50 only if n-rest20 does not reach n-sleep's figure);
+#   crowd-a  the crowd 1-64 and beside the GEMMs at 1 and 16: n-watch, then n-base;
+#   crowd-b  the same: n-rest20, then n-sleep;
+#   tests    the CUDA tests of a sidecar with GPU polling under clients, on n-watch and n-rest20
+#            (and every test of the patch's own on the CPU: apply it to a checkout, .ci/run).
 cd "$(dirname "$0")/../../.."
 ext=$(python3-config --extension-suffix); inc=$(python3-config --includes)
-for t in base rest20 rest50 sleep; do
+for t in base rest20 rest50 sleep watch; do
   s=.snap/trees/n-$t/src; [ -f $s/kalos/ipc/_fence$ext ] || gcc -O2 -shared -fPIC $inc $s/kalos/ipc/_fence.c \
     -o $s/kalos/ipc/_fence$ext || exit 1; done
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -28,14 +30,17 @@ crowd() { # variant
 }
 for part in ${*:-text crowd-a crowd-b tests}; do
   case $part in
-    text) for v in base rest20 rest50 sleep; do text $v; done;;
-    crowd-a) crowd rest20; crowd base;;
-    crowd-b) crowd rest50; crowd sleep;;
+    text) for v in base watch rest20 sleep; do text $v; done;;
+    text-rest50) text rest50;;
+    crowd-a) crowd watch; crowd base;;
+    crowd-b) crowd rest20; crowd sleep;;
     tests)
-      echo "=== tests $(date +%T)"
-      PYTHONPATH=.snap/trees/n-rest20/src timeout 120 python3 -m pytest -q -m cuda -p no:cacheprovider \
-        -k "sidecar_with_gpu_polling" tests/test_slot_server.py > $OUT/next-cuda-tests.txt 2>&1
-      grep -E "passed|failed|^FAILED|Error" $OUT/next-cuda-tests.txt | tail -4;;
+      for v in watch rest20; do
+        echo "=== tests $v $(date +%T)"
+        PYTHONPATH=.snap/trees/n-$v/src timeout 100 python3 -m pytest -q -m cuda -p no:cacheprovider \
+          -k "sidecar_with_gpu_polling" tests/test_slot_server.py > $OUT/next-cuda-tests-$v.txt 2>&1
+        grep -E "passed|failed|^FAILED|Error" $OUT/next-cuda-tests-$v.txt | tail -4
+      done;;
   esac
 done
 echo "end $(date +%T)"
