@@ -166,8 +166,15 @@ def test_the_triton_runtime_needs_a_gpu_and_falls_back_to_the_graphs(monkeypatch
     assert made == [("cuda:1", "triton"), ("cuda:1", "torch")]
     assert "Triton kernels" in caplog.text and "no such kernels here" in caplog.text
     made.clear()  # a GPU sidecar's default tries the kernels first, the same way
+    monkeypatch.setattr(se, "_triton_installed", lambda: True)
     assert se.load_embedder("auto", "cuda:0").runtime == "graphs (cuda:0)"
     assert made == [("cuda:0", "triton"), ("cuda:0", "torch")]
+    made.clear()  # where Triton is not installed, straight to the graphs: nothing failed, nothing said
+    monkeypatch.setattr(se, "_triton_installed", lambda: False)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kalos.client.embed"):
+        assert se.load_embedder("auto", "cuda:0").runtime == "graphs (cuda:0)"
+    assert made == [("cuda:0", "torch")] and not caplog.text
 
 
 @pytest.mark.cuda
@@ -177,7 +184,7 @@ def test_the_triton_graphs_equal_sentence_transformers_on_a_gpu():
     from kalos.client.embed import default_embedder
     from kalos.server.sidecar_embed import load_embedder
 
-    embedder = load_embedder("triton", "cuda")
+    embedder = load_embedder("auto", "cuda")  # (a GPU sidecar's default)
     assert embedder.runtime == "triton graphs (cuda)", "the kernels passed their load check"
     texts = [p.text for p in passages()[::40][:20]] + list(QUESTIONS) + [p.text[:80] for p in passages()[::7][:30]]
     reference = default_embedder().embed(texts).astype(np.float64)

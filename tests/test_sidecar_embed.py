@@ -461,24 +461,27 @@ def test_onnx_impossible_falls_back_to_sentence_transformers_with_a_reason(monke
     assert isinstance(embedder, FakeST) and embedder.runtime == "torch (cpu)"
     assert made[0][1]["device"] == "cpu" and made[0][1]["local_files_only"] is True
     assert "ONNX runtime" in caplog.text and "the exporter is broken here" in caplog.text
-    # On a GPU sidecar auto is the CUDA graphs on its (first) GPU, without trying ONNX; when
-    # they are impossible, sentence-transformers there, with the reason logged.
+    # On a GPU sidecar auto is the CUDA graphs of the Triton kernels on its (first) GPU, then
+    # those of the model's own kernels, without trying ONNX; when both are impossible,
+    # sentence-transformers there, with the reasons logged.
     import kalos.server.embed_graphs as eg
 
     made.clear()
     graphed = []
 
-    def no_graphs(model, device):
-        graphed.append(device)
-        raise RuntimeError("capture refused")
+    def no_graphs(model, device, kernels="torch"):
+        graphed.append((device, kernels))
+        raise RuntimeError(f"capture of the {kernels} kernels refused")
 
     monkeypatch.setattr(se, "onnx_embedder", lambda: pytest.fail("ONNX tried on a GPU sidecar"))
+    monkeypatch.setattr(se, "_triton_installed", lambda: True)
     monkeypatch.setattr(eg, "GraphedEmbedder", no_graphs)
     monkeypatch.setattr(se, "_model_path", lambda: Path("/nonexistent/model"))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kalos.client.embed"):
         assert se.load_embedder("auto", "cuda:1,cuda:2").runtime == "torch (cuda:1)"
-    assert graphed == ["cuda:1"] and "capture refused" in caplog.text
+    assert graphed == [("cuda:1", "triton"), ("cuda:1", "torch")]
+    assert "triton kernels refused" in caplog.text and "torch kernels refused" in caplog.text
     with pytest.raises(EmbedderUnavailable, match="graphs needs a GPU"):
         se.load_embedder("graphs", "cpu")
     with pytest.raises(ValueError, match="embed runtime"):
@@ -528,8 +531,8 @@ def test_the_gpu_runtime_replays_graphs_equal_to_sentence_transformers():
         pytest.skip("needs a CUDA GPU")
     from kalos.server.sidecar_embed import load_embedder
 
-    graphed = load_embedder("auto", "cuda")
-    assert graphed.runtime == "graphs (cuda)", "auto on a GPU sidecar: the CUDA graphs"
+    graphed = load_embedder("graphs", "cuda")  # (auto is the Triton kernels' graphs: test_minilm_kernels)
+    assert graphed.runtime == "graphs (cuda)", "the model's own kernels, captured"
     texts = _graph_texts()
     reference = default_embedder().embed(texts)
     assert _cosines(graphed.embed(texts), reference).min() >= 0.9999

@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -285,6 +286,10 @@ def onnx_embedder() -> OnnxEmbedder:
     return OnnxEmbedder(graph, model)
 
 
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def load_embedder(runtime: str = "auto", device: str = "cpu") -> Any:
     """The packaged model on ``runtime`` (see :data:`EMBED_RUNTIMES`) for a sidecar on ``device``;
     ONNX falls back to sentence-transformers with a logged reason."""
@@ -307,7 +312,8 @@ def load_embedder(runtime: str = "auto", device: str = "cpu") -> Any:
     if runtime in ("graphs", "triton") and not on_gpu:
         raise EmbedderUnavailable(f"--embed-runtime {runtime} needs a GPU sidecar (--device cuda); this one runs on "
                                   f"{device}: use onnx or torch")
-    if runtime == "triton" or (runtime == "auto" and on_gpu):
+    # (auto without Triton installed goes to the graphs without a word: nothing failed)
+    if runtime == "triton" or (runtime == "auto" and on_gpu and _triton_installed()):
         from kalos.server.embed_graphs import GraphedEmbedder
 
         try:
