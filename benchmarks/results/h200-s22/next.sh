@@ -13,7 +13,7 @@
 cd "$(dirname "$0")/../../.."
 ext=$(python3-config --extension-suffix); inc=$(python3-config --includes)
 for t in base rest20 rest50 sleep watch; do
-  s=.snap/trees/n-$t/src; [ -f $s/kalos/ipc/_fence$ext ] || gcc -O2 -shared -fPIC $inc $s/kalos/ipc/_fence.c \
+  s=.snap/trees/n-$t/src; gcc -O2 -shared -fPIC $inc $s/kalos/ipc/_fence.c \
     -o $s/kalos/ipc/_fence$ext || exit 1; done
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 text() { # variant
