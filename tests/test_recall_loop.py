@@ -291,6 +291,69 @@ def test_the_sweep_thread_keeps_a_pass_in_flight_apart_and_publishes_it_when_it_
     assert not thread.is_alive()
 
 
+class FakeKernel:
+    """The GPU's polling as the sweep sees it (kalos.engine.gpu.slot_server.SlotGraphServer):
+    serving until the test stops it; then its queued rounds drain for ``drain_s``."""
+
+    def __init__(self, n_slots: int) -> None:
+        self.handed = np.zeros(n_slots, np.uint64)  # the seqs the kernel handed to the host
+        self.in_use = np.zeros(n_slots, np.int64)
+        self.taken = np.zeros(n_slots, np.int64)
+        self.drained_at: float | None = None
+        self.starts = 0
+
+    def running(self) -> bool:
+        import time
+
+        return self.drained_at is None or time.perf_counter() < self.drained_at
+
+    def stop_by_itself(self, drain_s: float) -> None:  # (idle_s without a request)
+        import time
+
+        self.drained_at = time.perf_counter() + drain_s
+
+    def set_namespaces(self, namespaces) -> None:
+        pass
+
+    def start(self, active) -> None:
+        self.starts += 1
+        self.drained_at = None
+
+    def stop(self) -> None:
+        self.drained_at = 0.0
+
+
+def test_while_the_gpu_polls_the_sweep_answers_what_it_hands_over_and_after_it_stops_the_rest(loop):
+    """The real sweep (its own thread) beside a GPU kernel that serves the slots: it answers the
+    requests the kernel hands over, leaves the kernel's own alone, and once the kernel has
+    stopped by itself and its queued rounds have drained, answers what is pending and starts
+    the kernel again."""
+    import time
+
+    from conftest import wait_until
+
+    kernel = FakeKernel(loop.layout.n_slots)
+    loop._polling.install(kernel, loop.channel)
+    loop._polling.start({"default": 0})
+    assert kernel.starts == 1
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    try:
+        _submit(loop, [0, 1])
+        kernel.handed[0] = loop.channel.columns.req_seq[0]  # the kernel hands slot 0's request over
+        wait_until(lambda: _published(loop, [0]), "the handed-over request's answer", timeout=5)
+        time.sleep(0.3)
+        assert not _published(loop, [1]), "the sweep answered a request the GPU serves"
+        kernel.stop_by_itself(drain_s=0.05)
+        wait_until(lambda: _published(loop, [1]), "the request pending once the kernel stopped", timeout=5)
+        wait_until(lambda: kernel.starts == 2, "the kernel started again", timeout=5)
+    finally:
+        loop._stopping.set()
+        loop.channel.ring()
+        thread.join(5)
+    assert not thread.is_alive()
+
+
 def test_an_engine_that_refuses_the_places_is_detached_and_zero_copy_is_off(loop):
     """attach() with an engine that takes the segment but refuses the slots' places: the engine
     gives the segment back and the loop answers through host copies (zero copy off)."""
