@@ -63,8 +63,8 @@ log = logging.getLogger("kalos.client.embed")
 EMBED_MODES = ("lazy", "start", "off")
 #: ``kalos serve --embed-runtime``: auto is onnx on a CPU sidecar, triton on a GPU one. triton
 #: is graphs whose captured pass is the model as Triton kernels (kalos.server.minilm_kernels),
-#: falling back to graphs (the model's own kernels, captured) when they fail their load check;
-#: each falls back to torch (sentence-transformers, uncaptured).
+#: falling back to graphs (the model's own kernels, captured) when they cannot load or fail
+#: their load check; each falls back to torch (sentence-transformers, uncaptured).
 EMBED_RUNTIMES = ("auto", "onnx", "graphs", "triton", "torch")
 #: What one embedding call of the service takes from its queue (EmbedService._work): at most
 #: this many texts, and about this many characters (a text counted up to _TEXT_CHARS: the model
