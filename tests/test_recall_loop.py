@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -109,8 +110,9 @@ class NoExpiry:
         return False
 
 
-@pytest.fixture
-def loop():
+def new_loop(spin_us: float = 0) -> tuple[RecallLoop, Segment]:
+    """A real RecallLoop over a real channel of 8 slots, every one with a client, and a
+    FakeEngine; close its channel, then the segment, when done."""
     layout = Layout(8, DIM, 16, 4)
     segment = Segment.create(unique_name("rl"), layout.size)
     layout.write_header(segment.buf, epoch=1, pid=os.getpid())
@@ -119,13 +121,19 @@ def loop():
     lock = StateLock()
     recall_loop = RecallLoop(engine=engine, channel=channel, layout=layout, metrics=Metrics(), cohort=Cohort(8, 0),
                              filters=FilterCache({b"default": 0}), polling=SlotPolling(lock), expirer=NoExpiry(),
-                             state_lock=lock, stopping=threading.Event(), spin_us=0)
+                             state_lock=lock, stopping=threading.Event(), spin_us=spin_us)
     engine.loop = recall_loop
     assert recall_loop.attach(segment.buf)
     for slot in range(layout.n_slots):
         channel.activate(slot, os.eventfd(0, os.EFD_NONBLOCK))
+    return recall_loop, segment
+
+
+@pytest.fixture
+def loop():
+    recall_loop, segment = new_loop()
     yield recall_loop
-    channel.close()
+    recall_loop.channel.close()
     segment.close()
 
 
@@ -266,8 +274,6 @@ def test_the_sweep_thread_keeps_a_pass_in_flight_apart_and_publishes_it_when_it_
     """The real sweep (its own thread): a crowd's pass stays in flight while the GPU (the test)
     holds it; the sweep neither queues its slots again nor sleeps meanwhile, and publishes
     the answers as soon as the pass lands."""
-    import time
-
     from conftest import wait_until
 
     engine = loop.engine
@@ -303,13 +309,9 @@ class FakeKernel:
         self.starts = 0
 
     def running(self) -> bool:
-        import time
-
         return self.drained_at is None or time.perf_counter() < self.drained_at
 
     def stop_by_itself(self, drain_s: float) -> None:  # (idle_s without a request)
-        import time
-
         self.drained_at = time.perf_counter() + drain_s
 
     def set_namespaces(self, namespaces) -> None:
@@ -328,8 +330,6 @@ def test_while_the_gpu_polls_the_sweep_answers_what_it_hands_over_and_after_it_s
     requests the kernel hands over, leaves the kernel's own alone, and once the kernel has
     stopped by itself and its queued rounds have drained, answers what is pending and starts
     the kernel again."""
-    import time
-
     from conftest import wait_until
 
     kernel = FakeKernel(loop.layout.n_slots)
