@@ -7,10 +7,16 @@
 # brought recall_text to 1.7 ms and cost the crowd beside the GEMMs); n-watch: with
 # candidate-watch.patch instead (the sweep, while the GPU polls, waits with the GIL released
 # until the kernels write one of their host words: a round began, took, handed over, answered).
+# n-gather: with candidate-gather.patch (session 20's candidate-yield-gather.patch ported onto
+# main in session 23: a batch round, past its 20 us window, goes on gathering while requests
+# keep coming, each within 10 us of the last, up to 80 us; a GPU-polling sidecar advises its
+# crowded clients, past two per core, to spin yielding instead of napping); n-gathernap: the
+# same rounds with napping clients (crowded_wait returning "nap"), to tell the two parts apart.
 set -e
 here=benchmarks/results/h200-s22
 commit=${1:-HEAD}
-rm -rf .snap/trees/n-base .snap/trees/n-rest20 .snap/trees/n-rest50 .snap/trees/n-sleep .snap/trees/n-watch
+rm -rf .snap/trees/n-base .snap/trees/n-rest20 .snap/trees/n-rest50 .snap/trees/n-sleep .snap/trees/n-watch \
+  .snap/trees/n-gather .snap/trees/n-gathernap
 mkdir -p .snap/trees/n-base
 git archive "$commit" src tests | tar -x -C .snap/trees/n-base  # (tests: the patches change them too)
 for v in rest20 rest50 sleep; do
@@ -21,6 +27,12 @@ cp -r .snap/trees/n-base .snap/trees/n-watch
 (cd .snap/trees/n-watch && patch -s -p1 < ../../../$here/candidate-watch.patch)
 sed -i 's/^_SERVING_REST_S = 20e-6$/_SERVING_REST_S = 50e-6/' .snap/trees/n-rest50/src/kalos/server/recall_loop.py
 sed -i 's/channel.rest(_SERVING_REST_S)$/time.sleep(20e-6)/' .snap/trees/n-sleep/src/kalos/server/recall_loop.py
+for v in gather gathernap; do
+  cp -r .snap/trees/n-base .snap/trees/n-$v
+  (cd .snap/trees/n-$v && patch -s -p1 < ../../../$here/candidate-gather.patch)
+done
+sed -i 's/return "yield" if gpu_polling else "nap"$/return "nap"/' .snap/trees/n-gathernap/src/kalos/server/sidecar.py
+grep -q 'return "nap"$' .snap/trees/n-gathernap/src/kalos/server/sidecar.py
 grep -q "_SERVING_REST_S = 50e-6" .snap/trees/n-rest50/src/kalos/server/recall_loop.py
 grep -q "time.sleep(20e-6)" .snap/trees/n-sleep/src/kalos/server/recall_loop.py
 du -sh .snap/trees/n-*

@@ -8,11 +8,14 @@
 #            n-sleep (n-rest50 only if n-rest20 does not reach n-sleep's figure);
 #   crowd-a  the crowd 1-64 and beside the GEMMs at 1 and 16: n-watch, then n-base;
 #   crowd-b  the same: n-rest20, then n-sleep;
+#   crowd-c  the gathering candidate (candidate-gather.patch): the crowd 1-64 and beside the
+#            GEMMs at 1, 16 and 64 for n-gather, then n-base; n-gathernap at 16-64 (beside the
+#            GEMMs at 64); n-gather in fast precision at 1, 16, 64 (about 330 s: a call of its own);
 #   tests    the CUDA tests of a sidecar with GPU polling under clients, on n-watch and n-rest20
 #            (and every test of the patch's own on the CPU: apply it to a checkout, .ci/run).
 cd "$(dirname "$0")/../../.."
 ext=$(python3-config --extension-suffix); inc=$(python3-config --includes)
-for t in base rest20 rest50 sleep watch; do
+for t in base rest20 rest50 sleep watch gather gathernap; do
   s=.snap/trees/n-$t/src; gcc -O2 -shared -fPIC $inc $s/kalos/ipc/_fence.c \
     -o $s/kalos/ipc/_fence$ext || exit 1; done
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -23,10 +26,11 @@ text() { # variant
   grep -E "one round trip|three round|embed op|Error|Traceback" $OUT/next-text-$1.txt | head -4
 }
 show() { grep -E "^ +[0-9]+ |GEMMs|first error|Traceback|Error" "$1" | head -24; }
-crowd() { # variant
-  echo "=== crowd $1 $(date +%T)"; PYTHONPATH=.snap/trees/n-$1/src timeout 120 python3 .snap/trees/n-$1/src/kalos/tools/crowd.py \
-    --device cuda --crowd 1,2,4,8,16,32,64 --crowd-seconds 2 --colocated 1,16 > $OUT/next-crowd-$1.txt 2>&1
-  show $OUT/next-crowd-$1.txt
+crowd() { # variant [label sizes colocated extra...]
+  local v=$1 label=${2:-$1} sizes=${3:-1,2,4,8,16,32,64} colo=${4-1,16}; shift $(( $# < 4 ? $# : 4 ))
+  echo "=== crowd $label $(date +%T)"; PYTHONPATH=.snap/trees/n-$v/src timeout 150 python3 .snap/trees/n-$v/src/kalos/tools/crowd.py \
+    --device cuda --crowd $sizes --crowd-seconds 2 --colocated $colo "$@" > $OUT/next-crowd-$label.txt 2>&1
+  show $OUT/next-crowd-$label.txt
 }
 for part in ${*:-text crowd-a crowd-b tests}; do
   case $part in
@@ -34,6 +38,9 @@ for part in ${*:-text crowd-a crowd-b tests}; do
     text-rest50) text rest50;;
     crowd-a) crowd watch; crowd base;;
     crowd-b) crowd rest20; crowd sleep;;
+    crowd-c) crowd gather gather 1,2,4,8,16,32,48,64 1,16,64; crowd base base-c 1,2,4,8,16,32,48,64 1,16,64
+             crowd gathernap gathernap 16,32,48,64 64
+             crowd gather gather-fast 1,16,64 "" --serve-arg=--precision --serve-arg=fast;;
     tests)
       for v in watch rest20; do
         echo "=== tests $v $(date +%T)"
