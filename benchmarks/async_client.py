@@ -8,9 +8,15 @@ recalls (k=8, one query after another) are timed from the sync client and from t
 (``spin_us=0`` / ``max_spin_us=0``: every answer through the wake eventfd, in ``poll`` for the
 sync client, through ``loop.add_reader`` for the async one), in alternating blocks so that a
 busy shared machine skews both alike; ``ping`` (a bare round trip, no search) the same way.
-Last, 16 coroutines recall at once through one AsyncClient: the latency each sees (queueing
-on the slot included) and the recalls/s. Only one client is connected while a side is timed:
-the channel stops spinning once clients outnumber the cores (see ``ClientChannel.wait``).
+Last, C coroutines (``--coroutines``, default 16) recall at once through one AsyncClient, one
+query after another each: the latency each sees (queueing on the slot included), the recalls/s,
+the requests the slot carried for them (concurrent single recalls go together, up to the
+sidecar's max_batch a request) and wrong answers (every answer's ids against a float64
+brute force). Only one client is connected while a side is timed: the channel stops spinning
+once clients outnumber the cores (see ``ClientChannel.wait``). ``--only-coroutines`` skips the
+one-at-a-time lines:
+
+    PYTHONPATH=src python3 benchmarks/async_client.py --sizes 50000 --coroutines 1,4,16,64 --only-coroutines
 """
 from __future__ import annotations
 
@@ -65,35 +71,61 @@ def time_async(name: str, fn: Callable[[AsyncClient], Awaitable[Any]], n: int, *
     return asyncio.run(main())
 
 
-def crowd(name: str, queries: np.ndarray, coroutines: int, per: int) -> tuple[list[float], float]:
-    async def main() -> tuple[list[float], float]:
+def reference_ids(matrix: np.ndarray, queries: np.ndarray, k: int) -> list[set[int]]:
+    """The float64 brute-force top-k of each query, as sets of ids (ids are 1-based rows)."""
+    unit = matrix.astype(np.float64)
+    unit /= np.linalg.norm(unit, axis=1, keepdims=True)
+    scores = queries.astype(np.float64) @ unit.T
+    return [set((np.argpartition(-row, k - 1)[:k] + 1).tolist()) for row in scores]
+
+
+def crowd(name: str, queries: np.ndarray, want: list[set[int]], coroutines: int,
+          per: int) -> tuple[list[float], float, int, int]:
+    """C coroutines through one AsyncClient: latencies, recalls/s, slot requests, wrong answers."""
+    async def main() -> tuple[list[float], float, int, int]:
         async with AsyncClient(name, timeout=10.0) as client:
             await asyncio.gather(*(client.recall(q, k=8) for q in queries[:coroutines]))  # warm
             latencies: list[float] = []
+            wrong = 0
+            requests = 0
+            round_trip = client._round_trip
+
+            async def counted(*args: Any, **kwargs: Any) -> Any:
+                nonlocal requests
+                requests += 1
+                return await round_trip(*args, **kwargs)
+
+            client._round_trip = counted  # type: ignore[method-assign]
 
             async def one(i: int) -> None:
+                nonlocal wrong
                 clock = time.perf_counter
                 for j in range(per):
+                    q = (i * per + j) % len(queries)
                     t = clock()
-                    await client.recall(queries[(i * per + j) % len(queries)], k=8)
+                    hits = await client.recall(queries[q], k=8)
                     latencies.append(clock() - t)
+                    wrong += set(hits.ids.tolist()) != want[q]
 
             start = time.perf_counter()
             await asyncio.gather(*(one(i) for i in range(coroutines)))
-            return latencies, len(latencies) / (time.perf_counter() - start)
+            return latencies, len(latencies) / (time.perf_counter() - start), requests, wrong
 
     return asyncio.run(main())
 
 
-def bench_size(n_items: int, dim: int, recalls: int, rng: np.random.Generator) -> None:
+def bench_size(n_items: int, dim: int, recalls: int, rng: np.random.Generator, coroutines: list[int],
+               only_coroutines: bool) -> None:
     tmp = tempfile.mkdtemp(prefix="kab", dir="/tmp")
     name = f"async-bench-{os.getpid()}-{n_items}"
     sidecar = SidecarProcess(os.path.join(tmp, "store.db"), name=name, dim=dim, device="cpu")
     try:
+        matrix = rng.standard_normal((n_items, dim)).astype(np.float32)
         with Client(name, timeout=30.0) as client:
             for start in range(0, n_items, 5000):
-                client.add(rng.standard_normal((min(5000, n_items - start), dim)).astype(np.float32))
+                client.add(matrix[start:start + 5000])
         queries = rng.standard_normal((256, dim)).astype(np.float32)
+        want = reference_ids(matrix, queries, 8)
         counter = iter(range(1 << 62))
 
         def next_query() -> np.ndarray:
@@ -104,7 +136,8 @@ def bench_size(n_items: int, dim: int, recalls: int, rng: np.random.Generator) -
                                           "async recall, spin 0",
                                           "sync ping", "async ping")}
         per_block = max(1, recalls // BLOCKS)
-        for _ in range(BLOCKS):
+        print(f"\n{n_items:,} items x dim {dim}, k=8, CPU sidecar, {os.cpu_count()} cores")
+        for _ in range(0 if only_coroutines else BLOCKS):
             sides["sync recall"] += time_sync(name, lambda c: c.recall(next_query(), k=8), per_block)
             sides["async recall"] += time_async(name, lambda c: c.recall(next_query(), k=8), per_block)
             sides["sync recall, spin 0"] += time_sync(name, lambda c: c.recall(next_query(), k=8), per_block,
@@ -113,12 +146,12 @@ def bench_size(n_items: int, dim: int, recalls: int, rng: np.random.Generator) -
                                                         max_spin_us=0)
             sides["sync ping"] += time_sync(name, lambda c: c.ping(), per_block)
             sides["async ping"] += time_async(name, lambda c: c.ping(), per_block)
-        print(f"\n{n_items:,} items x dim {dim}, k=8, {per_block * BLOCKS} recalls per line "
-              f"({BLOCKS} alternating blocks), CPU sidecar, {os.cpu_count()} cores")
-        for label, samples in sides.items():
-            print(f"  {label:<34} {percentiles(samples)}")
-        latencies, rate = crowd(name, queries, 16, max(1, recalls // 16))
-        print(f"  {'async, 16 coroutines at once':<34} {percentiles(latencies)}   {rate:,.0f} recalls/s")
+        for label, samples in sides.items() if not only_coroutines else ():
+            print(f"  {label:<34} {percentiles(samples)} ({per_block * BLOCKS} recalls, {BLOCKS} alternating blocks)")
+        for c in coroutines:
+            latencies, rate, requests, wrong = crowd(name, queries, want, c, max(1, recalls // c))
+            print(f"  {f'async, {c} coroutines at once':<34} {percentiles(latencies)}   {rate:,.0f} recalls/s, "
+                  f"{len(latencies) / requests:.1f} recalls a request, {wrong} wrong of {len(latencies)}")
     finally:
         sidecar.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -129,6 +162,8 @@ def main() -> int:
     parser.add_argument("--sizes", default="1000,50000", help="store sizes, comma-separated")
     parser.add_argument("--dim", type=int, default=384)
     parser.add_argument("--recalls", type=int, default=3000, help="timed recalls per line")
+    parser.add_argument("--coroutines", default="16", help="coroutine counts of the last lines, comma-separated")
+    parser.add_argument("--only-coroutines", action="store_true", help="only the coroutines' lines")
     args = parser.parse_args()
     runtime = tempfile.mkdtemp(prefix="kabr", dir="/tmp")
     os.chmod(runtime, 0o700)
@@ -136,7 +171,8 @@ def main() -> int:
     rng = np.random.default_rng(0)
     try:
         for size in (int(s) for s in args.sizes.split(",")):
-            bench_size(size, args.dim, args.recalls, rng)
+            bench_size(size, args.dim, args.recalls, rng, [int(c) for c in args.coroutines.split(",")],
+                       args.only_coroutines)
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
     return 0

@@ -259,6 +259,112 @@ def test_sixty_four_concurrent_coroutines_each_get_their_own_answer(served: Serv
     run(scenario)
 
 
+def counting_requests(client: AsyncClient) -> list[int]:
+    """The rows of each request this client's recalls send through its slot, in order."""
+    rows: list[int] = []
+    recall = client._recall
+
+    async def counted(queries: Any, *args: Any, single: bool, **kwargs: Any) -> Any:
+        rows.append(1 if single else len(queries))
+        return await recall(queries, *args, single=single, **kwargs)
+
+    client._recall = counted  # type: ignore[method-assign]
+    return rows
+
+
+def test_concurrent_single_recalls_go_to_the_sidecar_together(served: Served) -> None:
+    """While the slot is busy, the single recalls of one filter group queue, and each request
+    then carries up to max_batch of them; each caller still gets its own answer. Other groups
+    (namespace, k) go in requests of their own; a lone recall goes at once."""
+    queries = served.queries(21)
+
+    async def scenario() -> None:
+        async with AsyncClient(served.name, timeout=30.0, max_spin_us=0.0) as client:
+            rows = counting_requests(client)
+            hit = await client.recall(queries[0], k=5)
+            served.model.check(hit, queries[0], 5, context="alone")
+            assert rows == [1]
+            rows.clear()
+            with stopped(served.pid):  # the first request waits in the slot while the rest queue
+                first = asyncio.ensure_future(client.recall(queries[0], k=5))
+                await until_sleeping(client, first)
+                same = [asyncio.ensure_future(client.recall(q, k=5)) for q in queries[1:18]]
+                other_ns = [asyncio.ensure_future(client.recall(q, k=5, namespace="alpha")) for q in queries[18:20]]
+                other_k = asyncio.ensure_future(client.recall(queries[20], k=9))
+                await asyncio.sleep(0.01)
+                assert not any(t.done() for t in [first, *same, *other_ns, other_k])
+            served.model.check(await first, queries[0], 5, context="the first")
+            for i, task in enumerate(same, 1):
+                served.model.check(await task, queries[i], 5, context=f"queued {i}")
+            for i, task in enumerate(other_ns, 18):
+                served.model.check(await task, queries[i], 5, namespace="alpha", context=f"alpha {i}")
+            served.model.check(await other_k, queries[20], 9, context="k=9")
+            # The first alone, then the 17 of its group in batches of max_batch, the two of
+            # "alpha" together, the k=9 one alone: 6 requests for 21 recalls.
+            assert rows[0] == 1 and sorted(rows[1:]) == sorted([MAX_BATCH, MAX_BATCH, 1, 2, 1]), rows
+
+    run(scenario)
+
+
+def test_a_bad_query_in_a_batch_fails_only_its_own_caller(served: Served) -> None:
+    """A query the sidecar refuses (a zero vector) queued with good ones: the batch is sent
+    again one recall at a time, the bad one's caller gets the sidecar's error, the others their
+    answers."""
+    queries = served.queries(6)
+    zero = np.zeros(DIM, np.float32)
+
+    async def scenario() -> None:
+        async with AsyncClient(served.name, timeout=30.0, max_spin_us=0.0) as client:
+            with Client(served.name, timeout=10.0) as sync:
+                with pytest.raises(InvalidQuery) as want:
+                    sync.recall(zero)
+            rows = counting_requests(client)
+            with stopped(served.pid):
+                first = asyncio.ensure_future(client.recall(queries[0]))
+                await until_sleeping(client, first)
+                tasks = [asyncio.ensure_future(client.recall(q)) for q in queries[1:3]]
+                bad = asyncio.ensure_future(client.recall(zero))
+                tasks += [asyncio.ensure_future(client.recall(q)) for q in queries[3:]]
+                await asyncio.sleep(0.01)
+            served.model.check(await first, queries[0], 8, context="the first")
+            for i, task in enumerate(tasks, 1):
+                served.model.check(await task, queries[i], 8, context=f"beside a bad query {i}")
+            with pytest.raises(InvalidQuery) as got:
+                await bad
+            assert str(got.value) == str(want.value)
+            assert rows == [1, 6, 1, 1, 1, 1, 1, 1], rows  # the batch of 6 refused, then each alone
+
+    run(scenario)
+
+
+def test_a_cancelled_sender_hands_the_queue_over(served: Served) -> None:
+    """The coroutine sending the queued recalls is cancelled while its request is in flight,
+    and a queued one too: every other caller still gets its answer, the slot stays right."""
+    queries = served.queries(12)
+
+    async def scenario() -> None:
+        async with AsyncClient(served.name, timeout=30.0, max_spin_us=0.0) as client:
+            with stopped(served.pid):
+                sender = asyncio.ensure_future(client.recall(queries[0], k=3))
+                await until_sleeping(client, sender)
+                queued = [asyncio.ensure_future(client.recall(q, k=3)) for q in queries[1:]]
+                await asyncio.sleep(0.005)
+                sender.cancel()
+                queued[4].cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await sender
+                with pytest.raises(asyncio.CancelledError):
+                    await queued[4]
+            for i, task in enumerate(queued, 1):
+                if i != 5:
+                    served.model.check(await task, queries[i], 3, context=f"queued {i}")
+            hit = await client.recall(queries[0], k=4)
+            served.model.check(hit, queries[0], 4, context="after the hand-over")
+            assert not client._sending and not client._queued
+
+    run(scenario)
+
+
 def test_one_client_serves_several_event_loops_in_turn(served: Served) -> None:
     client = AsyncClient(served.name, timeout=10.0)
     q = served.queries(1)[0]

@@ -27,7 +27,7 @@ import inspect
 import math
 import os
 import time
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, NamedTuple, Sequence, TypeVar
 
 import numpy as np
 
@@ -69,6 +69,20 @@ def _resolve(waiter: asyncio.Future, what: str | None) -> None:
         waiter.set_result(what)
 
 
+class _Queued(NamedTuple):
+    """A single recall waiting for the slot (:meth:`AsyncClient.recall`)."""
+
+    row: np.ndarray  # [1, dim] float32, checked
+    future: asyncio.Future
+
+
+class _Group(NamedTuple):
+    """The recalls of one filter group waiting for the slot, and the filter's arguments."""
+
+    args: tuple[Any, ...]  # k, namespace, since, until, where clause
+    waiting: list[_Queued]
+
+
 def _retrieve(task: asyncio.Future) -> None:
     """Marks a background task's exception as retrieved: whoever awaits it sees it; if nobody
     does (its caller was cancelled), asyncio must not log it as lost."""
@@ -88,12 +102,17 @@ class AsyncClient:
     Constructing one does not connect: ``async with``, :meth:`connect` or the first call does,
     in a worker thread (the hello is a blocking socket exchange).
 
-    **One slot, one request at a time.** The recalls of every coroutine of the process go
-    through one slot, queued on an :class:`asyncio.Lock` (first come, first served). A pool of
-    slots was not chosen: slots are a host-wide resource (``KALOS_SLOTS``) shared with every
-    other client, a waiting coroutine costs nothing while it queues, and batching belongs to
-    :meth:`recall_many` (one request, one engine pass), which is what many queries at once
-    should use. Open several ``AsyncClient`` objects for recalls that must overlap.
+    **One slot, one request at a time; concurrent single recalls go together.** The recalls of
+    every coroutine of the process go through one slot, queued on an :class:`asyncio.Lock`
+    (first come, first served). :meth:`recall` calls that arrive while the slot is busy wait
+    in a queue by filter group (k, namespace, time window, ``where``), and the next request
+    carries every waiting recall of the oldest group (up to the sidecar's max_batch) as one
+    batch: the agents of one process cost the sidecar one engine pass, as the crowd of separate
+    processes does (issue 18). A lone recall goes at once, without waiting for company; each
+    caller gets its own answer, and a batch that fails on one caller's query (a zero vector,
+    say) is sent again one recall at a time, so that each caller hears only of its own error.
+    A pool of slots was not chosen: slots are a host-wide resource (``KALOS_SLOTS``) shared with
+    every other client, and a waiting coroutine costs nothing while it queues.
 
     **Two connections.** Control operations run in worker threads on a second, sync
     :class:`Client`, opened on the first one: sharing the recall connection with threads would
@@ -139,6 +158,11 @@ class AsyncClient:
         self._opening: dict[str, asyncio.Task] = {}
         self._locks_loop: asyncio.AbstractEventLoop | None = None
         self._slot_lock_: asyncio.Lock | None = None
+        # Single recalls waiting for the slot, by filter group, oldest group first (:meth:`recall`),
+        # and whether a coroutine (or the task it handed over to) is sending them.
+        self._queued: dict[Any, _Group] = {}
+        self._sending = False
+        self._sender: asyncio.Task | None = None
 
     # -- connection ------------------------------------------------------------------------
 
@@ -149,6 +173,8 @@ class AsyncClient:
         if self._locks_loop is not loop:
             self._locks_loop = loop
             self._slot_lock_ = asyncio.Lock()
+            # What waited on a loop that is gone went with it.
+            self._queued, self._sending, self._sender = {}, False, None
         return self._slot_lock_  # type: ignore[return-value]
 
     async def _opened(self, key: str, open_: Callable[[], _T]) -> _T:
@@ -325,7 +351,112 @@ class AsyncClient:
         """
         if kwargs:
             return await self._in_thread("recall", vector, k, namespace, since, until, where=where, **kwargs)
-        return await self._recall(vector, k, namespace, since, until, single=True, where=where)
+        self._slot_lock()  # (binds the queue to the running loop)
+        layout = self._layout
+        if layout is None:  # the first call connects, as every call does after aclose()
+            async with self._slot_lock():
+                layout = (await self._slot_connection()).layout
+        clause = where_clause(where)
+        # Checked here, in the caller's own task: a bad argument is this caller's error alone.
+        rows, k, request = recall_request(vector, k, namespace, since, until, layout, single=True)
+        key = (request, None if clause is None else clause.key)
+        return await self._together(rows, key, (k, namespace, since, until, clause))
+
+    async def _together(self, row: np.ndarray, key: Any, args: tuple[Any, ...]) -> Recall:
+        """A single recall through the queue of its filter group ``key``: sent with the others
+        of that group that wait for the slot meanwhile. If nobody is sending, this caller sends,
+        group after group, until its own answer is in, then hands what is left to a task."""
+        future = asyncio.get_running_loop().create_future()
+        group = self._queued.get(key)
+        if group is None:
+            group = self._queued[key] = _Group(args, [])
+        group.waiting.append(_Queued(row, future))
+        if self._sending:
+            return await future
+        self._sending = True
+        try:
+            while not future.done():
+                await self._send_next()
+        finally:
+            if not future.done():  # cancelled: nobody waits for this one any more
+                future.cancel()
+            self._hand_over()
+        return future.result()
+
+    def _hand_over(self) -> None:
+        """The sender leaves: a task sends what still waits (nothing: nobody is sending)."""
+        if self._queued:
+            self._sender = asyncio.get_running_loop().create_task(self._send_all())
+            self._sender.add_done_callback(_retrieve)
+        else:
+            self._sending, self._sender = False, None
+
+    async def _send_all(self) -> None:
+        try:
+            while self._queued:
+                await self._send_next()
+        except asyncio.CancelledError:
+            # The loop is shutting down: the recalls still queued cannot be sent any more.
+            for group in self._queued.values():
+                for waiting in group.waiting:
+                    waiting.future.cancel()
+            self._queued.clear()
+            raise
+        finally:
+            self._sending, self._sender = False, None
+
+    async def _send_next(self) -> None:
+        """One request: the waiting recalls of the oldest group, up to the slot's max_batch."""
+        key, group = next(iter(self._queued.items()))
+        del self._queued[key]
+        step = self._layout.max_batch if self._layout is not None else 1
+        batch: list[_Queued] = []
+        while group.waiting and len(batch) < step:
+            waiting = group.waiting.pop(0)
+            if not waiting.future.done():  # (its caller was cancelled)
+                batch.append(waiting)
+        if group.waiting:  # the rest after the other groups (a busy group does not starve them)
+            self._queued[key] = group
+        if not batch:
+            return
+        try:
+            answers = await self._answers(batch, group.args)
+        except asyncio.CancelledError:
+            # This sender was cancelled: the batch goes first again, for the next one.
+            left = [waiting for waiting in batch if not waiting.future.done()]
+            if left:
+                queued = self._queued.pop(key, None)
+                self._queued = {key: _Group(group.args, left + (queued.waiting if queued else [])), **self._queued}
+            raise
+        for waiting, answer in zip(batch, answers):
+            if waiting.future.done():
+                continue
+            if isinstance(answer, BaseException):
+                waiting.future.set_exception(answer)
+            else:
+                waiting.future.set_result(answer)
+
+    async def _answers(self, batch: list["_Queued"], args: tuple[Any, ...]) -> list[Any]:
+        """Each recall's answer (or its error) from one request, or one request each where the
+        batch failed on something that may be one query's fault."""
+        k, namespace, since, until, clause = args
+        if len(batch) > 1:
+            try:
+                answers = await self._recall(np.concatenate([w.row for w in batch]), k, namespace, since, until,
+                                             single=False, where=clause)
+            except SidecarUnavailable as exc:
+                return [exc] * len(batch)
+            except KalosError:
+                pass  # one at a time below: each caller hears only of its own query's error
+            else:
+                return [Recall(hits.ids.copy(), hits.scores.copy()) for hits in answers]
+        out: list[Any] = []
+        for waiting in batch:
+            try:
+                out.append(await self._recall(waiting.row[0], k, namespace, since, until, single=True, where=clause))
+            except KalosError as exc:
+                out.append(exc)
+        return out
 
     async def recall_many(
         self, matrix: Any, k: int = 8, namespace: str | None = "default",
