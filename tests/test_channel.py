@@ -27,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kalos.errors import InvalidArgument, ProtocolMismatch, SidecarUnavailable
-from kalos.ipc.channel import ClientChannel, Endpoint, Segment, SidecarChannel
+from kalos.ipc.channel import ClientChannel, Endpoint, Segment, SidecarChannel, wake_pair
 from kalos.ipc.protocol import (
     HEADER_DTYPE,
     MAGIC,
@@ -254,9 +254,9 @@ class Harness:
 
     def add_client(self, *, timeout: float = 30.0, spin_s: float = 0.0, naps: bool = True) -> ClientChannel:
         slot = len(self.clients)
-        wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        theirs, wake = wake_pair()
         self._fds.append(wake)
-        self.side.activate(slot, os.dup(wake))  # the sidecar closes its own copy
+        self.side.activate(slot, theirs)  # the sidecar closes its end when the slot is freed
         ours, theirs = socket.socketpair()
         self._socks.append(ours)
         self.peers.append(theirs)
@@ -645,8 +645,7 @@ def test_deactivated_slot_is_not_swept_and_is_reset_for_the_next_owner(harness):
     h.side.deactivate(0)  # the client died mid-request
     assert h.side.pending()[0].tolist() == []
     assert h.side.free_slot() == 0
-    wake = os.eventfd(0, os.EFD_NONBLOCK)
-    h.side.activate(0, wake)
+    h.side.activate(0, wake_pair()[0])
     # At rest: the new generation's numbers, none of which the previous client could have used.
     rest = rest_seq(int(h.side.generation[0]))
     assert int(h.side.slots[0].req_seq[0]) == rest == int(h.side.slots[0].resp_seq[0]) == int(h.side.answered[0])
@@ -677,8 +676,8 @@ def test_a_slot_changes_hands_at_rest_and_only_once_its_last_request_is_answered
     first.slot.n_queries[0] = 1
     seq = first.submit()
     h.side.deactivate(0)  # the client died mid-request: the request stays unanswered
-    def wake() -> int:  # (the channel closes a slot's wake fd when it is freed)
-        return os.eventfd(0, os.EFD_NONBLOCK)
+    def wake() -> socket.socket:  # (the channel closes a slot's wake socket when it is freed)
+        return wake_pair()[0]
 
     # A GPU kernel may still hold that request: only a quiet slot is handed out meanwhile.
     assert h.side.take_slot(wake(), quiet_only=True) == 1
@@ -703,8 +702,7 @@ def test_an_answer_is_not_published_to_a_slot_that_changed_hands_during_its_pass
     generations = h.side.pending_generations
     assert slots.tolist() == [0] and seqs.tolist() == [seq]
     h.side.deactivate(0)  # the client died mid-request
-    wake = os.eventfd(0, os.EFD_NONBLOCK)
-    h.side.activate(0, wake)  # a new client got the slot
+    h.side.activate(0, wake_pair()[0])  # a new client got the slot
     rest = int(h.side.slots[0].resp_seq[0])
     newcomer_seq = rest + 1
     h.side.slots[0].req_seq[0] = newcomer_seq  # and sent its first request
@@ -775,9 +773,9 @@ def test_pending_and_publish_natively_as_in_numpy(shm_name, monkeypatch, native)
         rng = np.random.default_rng(7)
         wake_fds = []
         for slot in range(layout.n_slots):
-            fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-            wake_fds.append(os.dup(fd))
-            side.activate(slot, fd)
+            theirs, ours = wake_pair()
+            wake_fds.append(ours)
+            side.activate(slot, theirs)
         cols = side.columns
         for _round in range(40):
             active = rng.random(layout.n_slots) < 0.8
@@ -803,7 +801,7 @@ def test_pending_and_publish_natively_as_in_numpy(shm_name, monkeypatch, native)
             before = cols.resp_seq.copy()
             for fd in wake_fds:  # drain earlier rounds' wake-ups
                 try:
-                    os.eventfd_read(fd)
+                    os.read(fd, 4096)
                 except BlockingIOError:
                     pass
             side.publish(slots, seqs, generations)
@@ -818,7 +816,7 @@ def test_pending_and_publish_natively_as_in_numpy(shm_name, monkeypatch, native)
             rung = []
             for s, fd in enumerate(wake_fds):
                 try:
-                    os.eventfd_read(fd)
+                    os.read(fd, 4096)
                     rung.append(s)
                 except BlockingIOError:
                     pass

@@ -15,10 +15,12 @@ import json
 import os
 import queue as queue_mod
 import shutil
+import signal
 import socket
 import sqlite3
 import stat
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -455,6 +457,71 @@ def test_one_client_shared_by_threads(served):
         t.join(DEADLINE_S * 2)
     assert not any(t.is_alive() for t in threads), "a thread hung"
     assert not failures, failures[:3]
+
+
+def test_a_child_forked_while_another_thread_holds_the_client_is_not_stuck(served):
+    """Fork while a thread of the parent is inside a call (the client's lock held): the child's
+    own calls must work (it inherits the lock held by a thread it does not have)."""
+    import gc
+
+    q = served.rng.standard_normal(DIM).astype(np.float32)
+    served.client.recall(q, k=3)
+    held = threading.Event()
+    release = threading.Event()
+
+    def hold() -> None:
+        with served.client._lock:  # as a call in flight does
+            held.set()
+            release.wait(DEADLINE_S)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(DEADLINE_S)
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(read_fd)
+            signal.alarm(int(DEADLINE_S))  # a child stuck on the inherited lock dies, and says so
+            hits = served.client.recall(q, k=3)
+            os.write(write_fd, json.dumps({"ids": hits.ids.tolist()}).encode())
+            code = 0
+        except BaseException as exc:  # noqa: BLE001
+            os.write(write_fd, json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
+        finally:
+            os._exit(code)
+    release.set()
+    holder.join(DEADLINE_S)
+    os.close(write_fd)
+    try:
+        with os.fdopen(read_fd, "rb") as pipe:
+            payload = pipe.read()
+    finally:
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status), "the forked child hung on the client's lock (killed by its alarm)"
+    result = json.loads(payload)
+    assert "error" not in result, result.get("error")
+    assert result["ids"] == served.client.recall(q, k=3).ids.tolist()
+    gc.collect()
+
+
+def test_a_client_dropped_without_close_keeps_no_descriptor(served):
+    """Clients (and the integrations' hidden ones) that are dropped without close() free their
+    descriptors (wake socket, doorbell, segment, control socket) and their slot."""
+    import gc
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    Client(served.name, timeout=10.0).ping()  # anything opened once per process comes first
+    gc.collect()
+    before, clients = open_fds(), served.client.stats()["clients"]
+    for _ in range(10):
+        Client(served.name, timeout=10.0).ping()
+    gc.collect()
+    assert open_fds() == before
+    wait_until(lambda: served.client.stats()["clients"] == clients, "the sidecar to free the dropped clients' slots")
 
 
 def test_a_forked_child_gets_its_own_slot(served):

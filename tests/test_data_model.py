@@ -575,7 +575,8 @@ def test_check_ttl():
     assert got[0] == 1.5 and np.isnan(got[1])
     for ttl, message in [(0, "> 0"), (-1, "> 0"), (float("nan"), "> 0"), (float("inf"), "> 0"), (True, "number"),
                          ("5", "seconds"), ([1], "1 entries for 2"), ([1, "x"], r"ttl\[1\]"), ({1, 2}, "seconds"),
-                         ([1, 0], r"ttl\[1\] must be a finite")]:
+                         ([1, 0], r"ttl\[1\] must be a finite"), (10**400, "finite"),
+                         ([1, 10**400], r"ttl\[1\] must be a finite")]:
         with pytest.raises(InvalidArgument, match=message):
             check_ttl(ttl, 2)
 
@@ -677,6 +678,7 @@ def test_gpu_polling_stops_before_an_expiry_and_stays_off_until_it_passed(runtim
     expiry and answers itself (tombstoning the row at its expires_at) until that has passed."""
     import os
 
+    from kalos.ipc.channel import wake_pair
     from kalos.ipc.control import array_blob
     from kalos.server.expirer import _EXPIRY_LEAD_S
     from kalos.server.sidecar import Sidecar, SidecarConfig
@@ -705,7 +707,7 @@ def test_gpu_polling_stops_before_an_expiry_and_stays_off_until_it_passed(runtim
         wait_until(lambda: kernel.stops, "the sweep to stop the polling kernel", timeout=5)
         assert expires_at - 0.5 < kernel.stops[0] < expires_at, (kernel.stops[0] - expires_at, _EXPIRY_LEAD_S)
         # A recall now, before the expiry: the sweep answers it and leaves the kernel off.
-        slot = channel.take_slot(os.eventfd(0))
+        slot = channel.take_slot(wake_pair()[0])
         view = channel.slots[slot]
         view.op[0], view.k[0], view.n_queries[0], view.flags[0] = 1, 2, 1, 0
         view.namespace[0], view.namespace_len[0] = b"t", 1
@@ -731,6 +733,51 @@ def test_gpu_polling_stops_before_an_expiry_and_stays_off_until_it_passed(runtim
         sidecar._stopping.set()
         if thread is not None:
             thread.join(10)
+        sidecar.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.parametrize("expired", ["before the update reads the row back", "after it read the row back"])
+def test_a_vector_update_racing_the_expiry_does_not_bring_the_row_back(rng, expired):
+    """An update of a row's vector commits while the row is live; the expirer tombstones it
+    (its time has come) before the update puts the new vector into the engine. The row must
+    not be served from then on: the update leaves out a row already gone, and schedules the
+    expiry of one it read live again (an adversarial review found it recallable until the
+    store's sweep deleted it)."""
+    import os
+
+    from kalos.ipc.control import array_blob
+    from kalos.server.sidecar import Sidecar, SidecarConfig
+
+    directory = short_tempdir("ttlu")
+    sidecar = Sidecar(SidecarConfig(store=os.path.join(directory, "s.db"), name=unique_name("ttlu"), dim=DIM,
+                                    device="cpu", slots=4))
+    try:
+        vectors = rng.standard_normal((2, DIM)).astype(np.float32)
+        spec, blob = array_blob(vectors, "float32")
+        _, out = sidecar._control._op_add({"vectors": spec, "namespace": "t", "ttl": [0.4, None]}, bytearray(blob))
+        doomed, kept = np.frombuffer(out, np.int64).tolist()
+        expires_at = sidecar._expirer.schedule.expires_at(doomed)
+        step = "update" if expired.startswith("before") else "get"
+        original = getattr(sidecar.store, step)
+
+        def then_expired(*args):  # the sweep's expire_due runs right after this step
+            result = original(*args)
+            setattr(sidecar.store, step, original)
+            _wait_past(expires_at)
+            sidecar._expirer.expire_due()
+            assert doomed not in sidecar.engine
+            return result
+
+        setattr(sidecar.store, step, then_expired)
+        new = rng.standard_normal(DIM).astype(np.float32)
+        spec, blob = array_blob(new, "float32")
+        sidecar._control._op_update({"id": doomed, "vector": spec}, bytearray(blob))
+        sidecar._expirer.expire_due()  # what the sweep does before its next pass
+        assert doomed not in sidecar.engine, "the expired row is served again"
+        ids, _ = sidecar.engine.search((new / np.linalg.norm(new))[None], 2)
+        assert ids[0].tolist() == [kept, -1]
+    finally:
         sidecar.close()
         shutil.rmtree(directory, ignore_errors=True)
 

@@ -15,7 +15,7 @@ from conftest import unique_name
 
 from kalos.engine import Filter
 from kalos.errors import ErrorCode, InvalidArgument
-from kalos.ipc.channel import Segment, SidecarChannel
+from kalos.ipc.channel import Segment, SidecarChannel, wake_pair
 from kalos.ipc.protocol import Layout, Op, RequestFlag, rest_seq
 from kalos.server.cohort import Cohort
 from kalos.server.metrics import Metrics
@@ -125,7 +125,7 @@ def new_loop(spin_us: float = 0) -> tuple[RecallLoop, Segment]:
     engine.loop = recall_loop
     assert recall_loop.attach(segment.buf)
     for slot in range(layout.n_slots):
-        channel.activate(slot, os.eventfd(0, os.EFD_NONBLOCK))
+        channel.activate(slot, wake_pair()[0])
     return recall_loop, segment
 
 
@@ -233,7 +233,7 @@ def test_a_client_that_left_while_its_pass_flew_is_not_published_to(loop):
     _submit(loop, [0, 1])
     _sweep(loop)
     channel.deactivate(1)
-    channel.activate(1, os.eventfd(0, os.EFD_NONBLOCK))  # a new client in the slot
+    channel.activate(1, wake_pair()[0])  # a new client in the slot
     engine.passes[0].landed = True
     _sweep(loop)
     assert _published(loop, [0])
@@ -393,7 +393,7 @@ def _mixed_pass(rng, engine_hook=None):
                              expirer=NoExpiry(), state_lock=lock, stopping=threading.Event(), spin_us=0)
     assert not recall_loop.attach(segment.buf)  # a host engine: no zero copy
     for slot in range(layout.n_slots):
-        channel.activate(slot, os.eventfd(0, os.EFD_NONBLOCK))
+        channel.activate(slot, wake_pair()[0])
     _submit(recall_loop, range(8))
     scopes = {}
     for slot in range(8):

@@ -9,12 +9,13 @@ tests/test_slot_server.py); the channel and its segment are the real ones.
 from __future__ import annotations
 
 import os
+import socket
 
 import numpy as np
 import pytest
 from conftest import unique_name
 
-from kalos.ipc.channel import Segment, SidecarChannel
+from kalos.ipc.channel import Segment, SidecarChannel, wake_pair
 from kalos.ipc.protocol import Layout, rest_seq
 from kalos.server.slot_polling import SlotPolling
 from kalos.server.state_lock import StateLock
@@ -47,8 +48,8 @@ def polled():
     segment.close()
 
 
-def _wake_fd() -> int:
-    return os.eventfd(0, os.EFD_NONBLOCK)
+def _wake_fd() -> socket.socket:
+    return wake_pair()[0]
 
 
 def test_clients_come_and_go_without_stopping_the_kernel(polled):

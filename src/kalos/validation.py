@@ -312,7 +312,10 @@ def check_ttl(ttl: Any, n: int) -> np.ndarray | None:
         if isinstance(value, bool) or not isinstance(value, (numbers.Real, np.floating, np.integer)):
             where = "ttl" if scalar else f"ttl[{i}]"
             raise InvalidArgument(f"{where} must be seconds (a number), got {type(value).__name__} {value!r:.80}")
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int past float's range
+            seconds = math.inf
         if not (math.isfinite(seconds) and seconds > 0):
             where = "ttl" if scalar else f"ttl[{i}]"
             raise InvalidArgument(f"{where} must be a finite number of seconds > 0, got {value!r}")

@@ -42,6 +42,7 @@ import numpy as np
 
 from kalos import Client
 from kalos.errors import SidecarUnavailable
+from kalos.ipc.channel import wake_pair
 from kalos.ipc.control import PROTOCOL_VERSION, recv_frame, send_fd, send_frame
 from kalos.store.sqlite import Store
 from kalos.validation import normalise_rows
@@ -479,12 +480,13 @@ def raw_connection(runtime: str | os.PathLike[str], name: str, timeout: float = 
 def hello_and_vanish(runtime: str, name: str) -> None:
     """A client that asks for a slot and hangs up before reading the answer (dies mid-hello)."""
     sock = raw_connection(runtime, name)
-    wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    theirs, wake = wake_pair()
     try:
         send_frame(sock, {"op": "hello", "protocol": PROTOCOL_VERSION, "pid": os.getpid()})
-        send_fd(sock, wake)
+        send_fd(sock, theirs.fileno())
     finally:
         sock.close()
+        theirs.close()
         os.close(wake)
 
 

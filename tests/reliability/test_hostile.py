@@ -42,13 +42,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import DEADLINE_S, _seed_value, unique_name
+from conftest import DEADLINE_S, _seed_value, unique_name, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from kalos import Client
 from kalos.errors import ErrorCode, InvalidArgument
+from kalos.ipc.channel import wake_pair
 from kalos.ipc.control import PROTOCOL_VERSION
 from kalos.ipc.protocol import HEADER_DTYPE, MESSAGE_BYTES, NAMESPACE_BYTES, REQUEST_DTYPE, Layout, Op, SlotView
 from kalos.validation import check_namespace
@@ -310,7 +311,9 @@ def exchange(runtime: str, name: str, parts: list[tuple[str, Any]]) -> tuple[lis
     Returns the replies and whether the stream after them was well framed. Raises on a hang.
     """
     sock = raw_connection(runtime, name, timeout=30.0)
-    wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    wake_end, kept = wake_pair()
+    wake = wake_end.detach()
+    os.close(kept)
     try:
         try:
             for kind, value in parts:
@@ -552,9 +555,9 @@ def test_scribbling_over_the_whole_slot_with_random_bytes(sidecars, children, st
 # -- hostile wake-up file descriptors ---------------------------------------------------------------
 
 
-def _rogue_hello(runtime: str, name: str, wake_fd: int) -> tuple[Any, int, int, int]:
-    """A raw hello that hands the sidecar ``wake_fd`` as the client's doorbell; (socket, slot,
-    doorbell, segment): the segment's memfd follows the doorbell (control protocol 2)."""
+def _rogue_hello(runtime: str, name: str, wake_fd: int) -> tuple[Any, dict, list[int]]:
+    """A raw hello that hands the sidecar ``wake_fd`` as the client's wake-up: (the socket, the
+    reply, the descriptors that follow a successful one: doorbell, segment)."""
     from kalos.ipc.control import recv_fd
 
     sock = raw_connection(runtime, name)
@@ -564,34 +567,99 @@ def _rogue_hello(runtime: str, name: str, wake_fd: int) -> tuple[Any, int, int, 
     head = sock.recv(_PREFIX.size, socket.MSG_WAITALL)
     json_len, _ = _PREFIX.unpack(head)
     reply = json.loads(sock.recv(json_len, socket.MSG_WAITALL))
-    assert reply["ok"], reply
-    doorbell = recv_fd(sock)
-    return sock, int(reply["slot"]), doorbell, recv_fd(sock)
+    return sock, reply, [recv_fd(sock), recv_fd(sock)] if reply["ok"] else []
 
 
-@pytest.mark.parametrize("wake", ["read-only-file", "full-pipe", "saturated-blocking-eventfd",
-                                  "saturated-nonblocking-eventfd"])
-def test_a_rogue_wake_fd_cannot_stop_or_stall_the_sweep(sidecars, children, store_dir, runtime_dir, scale, wake):
-    """The sidecar writes to each sleeping client's wake fd; a rogue hands it one that fails or blocks."""
-    import fcntl
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
 
+
+@pytest.mark.parametrize("wake", ["read-only-file", "eventfd", "pipe", "named-unix-socket", "listening-socket",
+                                  "udp-socket"])
+def test_a_wake_descriptor_that_is_no_socket_pair_end_is_refused_and_not_kept(sidecars, children, store_dir,
+                                                                           runtime_dir, wake):
+    """The hello's wake descriptor must be one end of a Unix stream socket pair: the only kind
+    the sidecar can ring with no flag of the client's making the write block, and none that
+    carries its writes to another process's listening socket. Anything else is refused with a
+    named error, and the sidecar keeps no descriptor of it (a refused hello leaked one)."""
+    served = Served(sidecars, children, store_dir, _seed_value())
+    pid = served.proc.process.pid
+    keep: list[int] = []
+    listener = None
+    if wake == "read-only-file":
+        fd = os.open("/dev/null", os.O_RDONLY)
+    elif wake == "eventfd":  # what protocol 2 passed: its O_NONBLOCK was the client's to clear
+        fd = os.eventfd(0, os.EFD_NONBLOCK)
+    elif wake == "pipe":
+        r, fd = os.pipe()
+        keep.append(r)
+    elif wake in ("named-unix-socket", "listening-socket"):
+        path = os.path.join(str(runtime_dir), f"rogue-{os.getpid()}.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(1)
+        if wake == "listening-socket":
+            fd = os.dup(listener.fileno())
+        else:
+            other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            other.connect(path)
+            fd = other.detach()
+    else:
+        fd = socket.socket(socket.AF_INET, socket.SOCK_DGRAM).detach()
+    keep.append(fd)
+    try:
+        before = _open_fds(pid)
+        for _ in range(20):
+            sock, reply, fds = _rogue_hello(str(runtime_dir), served.name, fd)
+            sock.close()
+            assert not reply["ok"] and reply["code"] == int(ErrorCode.INVALID_ARGUMENT), reply
+            assert "wake" in reply["error"], reply
+        wait_until(lambda: _open_fds(pid) <= before, "the sidecar to close the refused descriptors")
+        # Honest clients are served all along.
+        q = served.unit[1].astype(np.float32)
+        assert served.observer.recall(q, k=1, namespace=None).ids.tolist() == [int(served.ids[1])]
+    finally:
+        for k in keep:
+            os.close(k)
+        if listener is not None:
+            listener.close()
+    served.finish()
+
+
+@pytest.mark.parametrize("wake", ["full-blocking", "peer-closed"])
+def test_a_rogue_wake_socket_cannot_stop_or_stall_the_sweep(sidecars, children, store_dir, runtime_dir, scale, wake):
+    """The sidecar writes to each sleeping client's wake socket. A rogue keeps a copy of the end
+    it handed over, makes it blocking (the flag is shared with the sidecar's copy) and never
+    drains the pair, so that it fills: a plain write would block the sweep, and every client
+    with it, for good (an adversarial review found this with protocol 2's eventfd). Or it
+    closes its own end, so that every write fails."""
     seed = _seed_value()
     print(f"random seed: {seed} (replay with KALOS_TEST_SEED={seed})")
     served = Served(sidecars, children, store_dir, seed)
-    keep: list[int] = []
-    if wake == "read-only-file":
-        fd = os.open("/dev/null", os.O_RDONLY)
-    elif wake == "full-pipe":
-        r, fd = os.pipe()  # blocking, and nobody ever reads it
-        fcntl.fcntl(fd, 1031, 4096)  # F_SETPIPE_SZ: full after 512 wake-ups
-        keep.append(r)
+    theirs, ours = wake_pair()
+    handed = theirs.detach()
+    keep = [ours]
+    if wake == "full-blocking":
+        blocking = os.dup(handed)
+        os.set_blocking(blocking, True)
+        keep.append(blocking)
+        filler = socket.socket(fileno=os.dup(handed))
+        filler.setblocking(False)
+        try:
+            while True:  # fill the sidecar's direction of the pair (its writes land on ``ours``)
+                filler.send(b"x" * 4096)
+        except BlockingIOError:
+            pass
+        filler.close()
     else:
-        flags = os.EFD_NONBLOCK if wake == "saturated-nonblocking-eventfd" else 0
-        fd = os.eventfd(0, flags)
-        os.eventfd_write(fd, 2**64 - 2)  # the largest count: the next write blocks (or fails)
-    keep.append(fd)
-    sock, slot, doorbell, mfd = _rogue_hello(str(runtime_dir), served.name, fd)
+        os.close(ours)
+        keep = []
+    sock, reply, fds = _rogue_hello(str(runtime_dir), served.name, handed)
+    os.close(handed)
+    assert reply["ok"], reply
+    doorbell, mfd = fds
     keep.append(doorbell)
+    slot = int(reply["slot"])
     path = f"segment of {served.name}"
     mapping = mmap.mmap(mfd, os.fstat(mfd).st_size)
     os.close(mfd)
@@ -606,7 +674,7 @@ def test_a_rogue_wake_fd_cannot_stop_or_stall_the_sweep(sidecars, children, stor
         view.flags[0] = 1
         view.queries[0] = 1.0
         for seq in range(1, rounds + 1):
-            view.client_sleeping[0] = 1  # "wake me": the sidecar writes to the rogue's fd every time
+            view.client_sleeping[0] = 1  # "wake me": the sidecar writes to the rogue's socket every time
             view.req_seq[0] = seq
             os.eventfd_write(doorbell, 1)
             deadline = time.monotonic() + 30
@@ -625,7 +693,7 @@ def test_a_rogue_wake_fd_cannot_stop_or_stall_the_sweep(sidecars, children, stor
     q = served.unit[1].astype(np.float32)
     assert served.observer.recall(q, k=1, namespace=None).ids.tolist() == [int(served.ids[1])]
     honest_answers = served.finish()
-    print(f"RELIABILITY hostile-wake-fd-{wake}: rounds={rounds} honest_recalls_checked={honest_answers}")
+    print(f"RELIABILITY hostile-wake-socket-{wake}: rounds={rounds} honest_recalls_checked={honest_answers}")
 
 
 def test_a_rogue_saturating_the_doorbell_does_not_break_honest_clients(sidecars, children, store_dir, scale):

@@ -18,6 +18,7 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -49,7 +50,7 @@ from kalos.errors import (
     UnknownFilter,
     error_from_code,
 )
-from kalos.ipc.channel import ClientChannel, Endpoint, Segment, SidecarExited
+from kalos.ipc.channel import ClientChannel, Endpoint, Segment, SidecarExited, wake_pair
 from kalos.ipc.control import (
     PROTOCOL_VERSION,
     ConnectionClosed,
@@ -167,9 +168,12 @@ class _Connection:
                         ) from None
                     time.sleep(0.005)
             directory.close()
-            self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-            send_frame(self.sock, {"op": "hello", "protocol": PROTOCOL_VERSION, "pid": os.getpid()})
-            send_fd(self.sock, self.wake_fd)
+            theirs, self.wake_fd = wake_pair()
+            try:
+                send_frame(self.sock, {"op": "hello", "protocol": PROTOCOL_VERSION, "pid": os.getpid()})
+                send_fd(self.sock, theirs.fileno())
+            finally:
+                theirs.close()  # (the sidecar holds its own copy once sent)
             reply = raise_for_reply(recv_frame(self.sock, max_bytes=1 << 20)[0])
             self.doorbell_fd = recv_fd(self.sock)
             source = f"the segment of sidecar {endpoint.name!r}"
@@ -228,6 +232,33 @@ class _Connection:
             self.sock.close()
             self.sock = None
 
+    def __del__(self) -> None:
+        # A Client dropped without close() (or an integration's hidden one) would otherwise
+        # keep its wake socket, the doorbell and the segment's descriptor, and with them the
+        # sidecar's memory of an old segment after a restart, until the process exits.
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit, modules may be gone already
+            pass
+
+
+#: Every live Client, for the fork handler below.
+_LIVE_CLIENTS: "weakref.WeakSet[Client]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A child forked while another thread of the parent held a client's lock (a call in
+    flight) inherits the lock held, by a thread it does not have: the child's first call would
+    wait for ever. Its locks are new ones; its first call then drops the parent's connection
+    (Client._connection), as after any fork."""
+    for client in list(_LIVE_CLIENTS):
+        client._lock = threading.RLock()
+        client._embedder_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 class Client:
     """A connection to the sidecar called ``name`` on this host. Thread-safe; a context manager.
@@ -272,6 +303,7 @@ class Client:
         self._embedder_spec = embedder
         self._embedder: Any = None
         self._embedder_lock = threading.Lock()
+        _LIVE_CLIENTS.add(self)
         self._connect()
 
     # -- connection ------------------------------------------------------------------------

@@ -10,9 +10,13 @@ hand-over: while a client waits for the reply of a control operation that recall
 
 Waiting. Each side spins on the other's sequence number for a configurable window while
 traffic is hot (no system call on the hot path), then announces that it is going to sleep in
-a ``*_sleeping`` word and blocks in ``poll`` on an eventfd doorbell. The other side rings the
-doorbell only when it sees that word set, after a full fence (see :mod:`kalos.ipc.sync` for why
-the fence is needed on both sides). A client spins only while every client can have a core;
+a ``*_sleeping`` word and blocks in ``poll``: the sidecar on its eventfd doorbell, a client on
+its wake socket. The other side rings only when it sees that word set, after a full fence (see
+:mod:`kalos.ipc.sync` for why the fence is needed on both sides). A client's wake-up is one end
+of a socket pair that the client made and passed in its hello (:func:`wake_socket`): the
+sidecar writes it with ``MSG_DONTWAIT``, which no flag the client sets on the shared file can
+turn into a blocking write (an eventfd's ``O_NONBLOCK`` was the client's to clear, and one
+client's saturated blocking eventfd then froze the sweep, and every client with it). A client spins only while every client can have a core;
 past two clients per core it first naps (timed sleeps of 100 us, re-reading its sequence
 number, for up to 2 ms) so that the sidecar need not write its wake-up. A client's poll also
 watches its control socket: when the sidecar dies the kernel closes that socket and the client
@@ -42,9 +46,42 @@ from kalos.ipc.control import ConnectionClosed
 from kalos.ipc.protocol import HEADER_DTYPE, HeaderView, Layout, SlotColumns, SlotView, rest_seq
 from kalos.ipc.sync import full_fence
 
-__all__ = ["Endpoint", "Segment", "ClientChannel", "SidecarChannel", "SidecarExited"]
+__all__ = ["Endpoint", "Segment", "ClientChannel", "SidecarChannel", "SidecarExited", "wake_pair", "wake_socket"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_RING = b"\x01"
+
+
+def wake_pair() -> tuple[socket.socket, int]:
+    """A client's wake-up: ``(the end to pass to the sidecar in the hello, the descriptor the
+    client polls)``, a connected pair of Unix stream sockets, the client's end non-blocking."""
+    theirs, ours = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours.setblocking(False)
+    return theirs, ours.detach()
+
+
+def wake_socket(fd: int) -> socket.socket:
+    """The wake descriptor a client passed in its hello, as the socket the sidecar rings; the
+    descriptor is closed and InvalidArgument raised unless it is an unnamed Unix stream socket
+    (one end of a socket pair): rung with ``MSG_DONTWAIT``, it can never block the sidecar, and
+    an unnamed one cannot carry the sidecar's writes to some other process's listening socket."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        os.close(fd)
+        raise InvalidArgument(f"the hello's wake descriptor is not a socket ({exc.strerror}); "
+                              "pass one end of a socket pair (kalos.ipc.channel.wake_pair)") from None
+    try:
+        if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM or sock.getpeername():
+            raise InvalidArgument("the hello's wake descriptor must be one end of a Unix stream socket pair "
+                                  "(kalos.ipc.channel.wake_pair)")
+    except OSError as exc:  # not connected
+        sock.close()
+        raise InvalidArgument(f"the hello's wake socket is not connected ({exc.strerror})") from None
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 _NO_SEQS = np.empty(0, dtype=np.uint64)
 _NO_SLOTS = np.empty(0, dtype=np.int64)
 
@@ -347,9 +384,9 @@ class ClientChannel:
         return False
 
     def drain_wake(self) -> None:
-        """Empties the wake eventfd after a wake-up (rung already: nothing to read is fine)."""
+        """Empties the wake socket after a wake-up (rung already: nothing to read is fine)."""
         try:
-            os.eventfd_read(self._wake_fd)
+            os.read(self._wake_fd, 4096)
         except BlockingIOError:
             pass
 
@@ -358,7 +395,7 @@ class ClientChannel:
 
     @property
     def wake_fd(self) -> int:
-        """The eventfd the sidecar rings when it answers while ``client_sleeping`` is set."""
+        """The socket the sidecar rings when it answers while ``client_sleeping`` is set."""
         return self._wake_fd
 
     @property
@@ -417,7 +454,9 @@ class SidecarChannel:
         # kalos.engine.gpu.slot_server, are seen here and their sleeping clients woken).
         self._woken = np.zeros(layout.n_slots, dtype=np.uint64)
         self.active = np.zeros(layout.n_slots, dtype=bool)
-        self.wake_fds: list[int] = [-1] * layout.n_slots
+        self.wake_socks: list[socket.socket | None] = [None] * layout.n_slots
+        # Set by a ring of the slot while the sidecar itself waits in it (recall_for_client).
+        self._rung: list[threading.Event | None] = [None] * layout.n_slots
         # Bumped each time a slot changes hands: a pass publishes only to the clients whose
         # requests it read (one that left meanwhile may have been replaced by a new client).
         self.generation = np.zeros(layout.n_slots, dtype=np.uint64)
@@ -433,7 +472,7 @@ class SidecarChannel:
         self._sleepers = np.empty(layout.n_slots, dtype=np.int64)
         self._none_busy = np.zeros(layout.n_slots, dtype=bool)
         # Held briefly by the slot table's changes, by pending() and by publishing, never across
-        # a search. It also covers the wake fds: a closed number may be reused at once by
+        # a search. It also covers the wake sockets: a closed number may be reused at once by
         # another file (a control socket), which a late write would then corrupt.
         self._lock = threading.Lock()
         self.doorbell_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -442,8 +481,8 @@ class SidecarChannel:
     def stamp_heartbeat(self) -> None:
         self.header.heartbeat_ns[0] = time.monotonic_ns()
 
-    def take_slot(self, wake_fd: int, *, quiet_only: bool = False) -> int | None:
-        """Activates the first free slot for a client whose wake fd is ``wake_fd``; None when all
+    def take_slot(self, wake: socket.socket, *, quiet_only: bool = False) -> int | None:
+        """Activates the first free slot for a client whose wake socket is ``wake``; None when all
         are in use. With ``quiet_only``, only a free slot whose last request was answered (or
         that never had one) and that no GPU round holds: a kernel that took a request of the
         slot's previous client and has not answered it yet would write that answer into the
@@ -459,17 +498,14 @@ class SidecarChannel:
             if not len(free):
                 return None
             slot = int(free[0])
-            self._activate(slot, wake_fd)
+            self._activate(slot, wake)
             return slot
 
-    def activate(self, slot: int, wake_fd: int) -> None:
+    def activate(self, slot: int, wake: socket.socket) -> None:
         with self._lock:
-            self._activate(slot, wake_fd)
+            self._activate(slot, wake)
 
-    def _activate(self, slot: int, wake_fd: int) -> None:
-        # The client chose this fd: make it non-blocking, or a blocking pipe or a saturated
-        # blocking eventfd would stall the sweep for everyone in publish() (test_hostile.py).
-        os.set_blocking(wake_fd, False)
+    def _activate(self, slot: int, wake: socket.socket) -> None:
         self.generation[slot] += 1
         view = self.slots[slot]
         view.reset()
@@ -478,7 +514,7 @@ class SidecarChannel:
         view.req_seq[0] = rest  # the client starts counting from here
         self.answered[slot] = rest
         self._woken[slot] = rest
-        self.wake_fds[slot] = wake_fd
+        self.wake_socks[slot] = wake
         self.active[slot] = True
         if self.in_use is not None:
             self.in_use[slot] = 1  # (after the rest seqs: a GPU kernel polls it from now on)
@@ -493,9 +529,9 @@ class SidecarChannel:
             self.generation[slot] += 1
             self.n_clients = int(self.active.sum())
             self.header.clients[0] = self.n_clients
-            fd, self.wake_fds[slot] = self.wake_fds[slot], -1
-        if fd >= 0:
-            os.close(fd)  # out of the table first: no wake-up can reach the number once reused
+            wake, self.wake_socks[slot] = self.wake_socks[slot], None
+        if wake is not None:
+            wake.close()  # out of the table first: no wake-up can reach the number once reused
 
     def free_slot(self) -> int | None:
         free = np.flatnonzero(~self.active)
@@ -592,7 +628,6 @@ class SidecarChannel:
                 answered = int(self.answered[slot])
                 in_flight = int(view.req_seq[0]) != answered or (self.taken is not None and int(self.taken[slot]) != 0)
                 generation = int(self.generation[slot])
-                wake_fd = self.wake_fds[slot]
             if not in_flight:
                 break
             if clock() >= quiet_until:
@@ -604,8 +639,24 @@ class SidecarChannel:
             self.ring()
         started = clock()
         deadline = started + timeout_s
-        poller = select.poll()
-        poller.register(wake_fd, select.POLLIN)
+        rung = threading.Event()
+        with self._lock:
+            self._rung[slot] = rung
+        try:
+            self._wait_answered(view, slot, seq, generation, rung, started, deadline, timeout_s, spin_s, stopping)
+        finally:
+            with self._lock:
+                self._rung[slot] = None
+        full_fence()  # acquire: the answer was recorded before its fields and rows are read
+        return view
+
+    def _wait_answered(self, view: SlotView, slot: int, seq: int, generation: int, rung: threading.Event,
+                       started: float, deadline: float, timeout_s: float, spin_s: float,
+                       stopping: threading.Event) -> None:
+        """:meth:`recall_for_client`'s wait: spins, then sleeps on ``rung``, which the
+        publisher sets where it would wake the slot's client (the client's own wake socket is
+        rung too; the client drains it at its next wait)."""
+        clock = time.monotonic
         while int(self.answered[slot]) != seq:
             now = clock()
             if stopping.is_set() or int(self.generation[slot]) != generation:
@@ -617,21 +668,13 @@ class SidecarChannel:
             if now - started < spin_s:
                 os.sched_yield()
                 continue
-            # Sleep as a client sleeps: the publisher rings the slot's wake fd when it sees this word.
+            # Sleep as a client sleeps: the publisher rings the slot when it sees this word.
             view.client_sleeping[0] = 1
             full_fence()  # store client_sleeping, then load answered (Dekker, see kalos.ipc.sync)
-            woken = int(self.answered[slot]) == seq or bool(poller.poll(max(1, min(10, int((deadline - now) * 1000)))))
+            if int(self.answered[slot]) != seq:
+                rung.wait(max(1e-3, min(10e-3, deadline - now)))
             view.client_sleeping[0] = 0
-            try:
-                os.eventfd_read(wake_fd)
-            except OSError:  # nothing rung (or the fd is gone: the loop's checks say why)
-                pass
-            if woken and int(self.answered[slot]) != seq:
-                # A ring that was no answer (the client's fd is its own to write, or is no
-                # eventfd at all): a short nap, so that such an fd cannot make this a busy loop.
-                time.sleep(100e-6)
-        full_fence()  # acquire: the answer was recorded before its fields and rows are read
-        return view
+            rung.clear()
 
     def requested(self, slots: np.ndarray) -> np.ndarray:
         """Which of ``slots`` hold an unanswered request (a peek: :meth:`pending` reads them)."""
@@ -694,14 +737,18 @@ class SidecarChannel:
 
     def _ring(self, slots: np.ndarray | list[int]) -> None:  # (self._lock held)
         for slot in (slots.tolist() if isinstance(slots, np.ndarray) else slots):
-            fd = self.wake_fds[slot]
-            if fd >= 0:
+            wake = self.wake_socks[slot]
+            if wake is not None:
                 try:
-                    os.eventfd_write(fd, 1)
+                    wake.send(_RING, socket.MSG_DONTWAIT)
                 except OSError:
-                    # A wake fd that refuses the write (saturated, read-only, a full pipe) costs
-                    # only its own client's wake-up; it must not take the sweep down (test_hostile.py).
+                    # A wake socket that refuses the write (full: its client never drains it;
+                    # closed at the other end) costs only its own client's wake-up; it must not
+                    # take the sweep down (test_hostile.py).
                     pass
+            rung = self._rung[slot]
+            if rung is not None:
+                rung.set()
 
     def sleep(self, timeout_s: float, extra_fds: tuple[int, ...] = ()) -> None:
         """Blocks until a client rings the doorbell (or ``timeout_s``), unless work is pending."""

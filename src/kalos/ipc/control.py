@@ -9,8 +9,9 @@ Vectors and ids travel in the blob as little-endian float32 / int64 with their s
 JSON, so no message is ever unpickled and every length is bounded before anything is
 allocated. A reply is ``{"ok": true, ...}`` or ``{"ok": false, "code": <ErrorCode>, "error": msg}``.
 
-File descriptors (the doorbell eventfds) ride on a one-byte message of their own, sent right
-after the frame they belong to, so that a plain ``recv`` of a frame never swallows them.
+File descriptors (a client's wake socket, the doorbell eventfd, the segment) ride on a one-byte
+message of their own, sent right after the frame they belong to, so that a plain ``recv`` of a
+frame never swallows them.
 """
 from __future__ import annotations
 
@@ -43,8 +44,9 @@ __all__ = [
 ]
 
 # 2: the hello reply passes the segment's descriptor (a sealed memfd) after the doorbell's,
-# instead of naming a file in /dev/shm (issue 19).
-PROTOCOL_VERSION = 2
+# instead of naming a file in /dev/shm (issue 19). 3: the client's wake descriptor in the hello
+# is one end of a Unix socket pair, not an eventfd (kalos.ipc.channel.wake_socket says why).
+PROTOCOL_VERSION = 3
 _PREFIX = struct.Struct("<IQ")
 _MAX_JSON_BYTES = 1 << 28
 

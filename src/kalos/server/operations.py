@@ -37,7 +37,7 @@ from kalos.errors import (
     ServerError,
     error_from_code,
 )
-from kalos.ipc.channel import Endpoint
+from kalos.ipc.channel import Endpoint, wake_socket
 from kalos.ipc.control import (
     PROTOCOL_VERSION,
     ConnectionClosed,
@@ -252,13 +252,16 @@ class ControlServer:
             raise ProtocolMismatch(
                 f"client speaks control protocol {message.get('protocol')!r}, this sidecar {PROTOCOL_VERSION}"
             )
-        wake_fd = recv_fd(conn)
-        slot = self._polling.admit(self._sidecar.channel, wake_fd)
-        if slot is not None:
-            self.cohort.forget(slot)  # a new client: quick until it shows otherwise
+        wake = wake_socket(recv_fd(conn))  # (closed on refusal: a refused hello keeps no descriptor)
+        try:
+            slot = self._polling.admit(self._sidecar.channel, wake)
+        except BaseException:
+            wake.close()
+            raise
         if slot is None:
-            os.close(wake_fd)
+            wake.close()
             raise InvalidArgument(f"all {self.layout.n_slots} slots are in use; restart the sidecar with more --slots")
+        self.cohort.forget(slot)  # a new client: quick until it shows otherwise
         try:
             send_frame(conn, ok_reply(
                 slot=slot, segment=self.endpoint.segment_name, epoch=self.epoch, dim=self.layout.dim,
@@ -488,7 +491,13 @@ class ControlServer:
                         self._polling.pause()
                         ids = np.array([item_id], dtype=np.int64)
                         self.engine.delete(ids)
-                        self.engine.add(ids, unit, np.int32(namespace_id), np.array([created_at]), indexed)
+                        if stored is not None:  # (expired since the commit: gone, not served again)
+                            self.engine.add(ids, unit, np.int32(namespace_id), np.array([created_at]), indexed)
+                            # Its expiry once more: the expirer may have tombstoned the old row
+                            # between the commit and here, and dropped it from its schedule; a
+                            # time already past is tombstoned again before the next recall.
+                            expires = np.nan if stored.expires_at is None else stored.expires_at
+                            self._expirer.note(ids, np.array([expires], dtype=np.float64))
                     if item_id in self.quarantined:  # a damaged vector replaced: served again
                         self.quarantined.remove(item_id)
                 except BaseException as exc:

@@ -12,6 +12,7 @@ others.
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Any
 
 from kalos.ipc.channel import SidecarChannel
@@ -92,8 +93,8 @@ class SlotPolling:
         except Exception:
             self.failed("failed to start")
 
-    def admit(self, channel: SidecarChannel, wake_fd: int) -> int | None:
-        """A slot for a new client whose wake fd is ``wake_fd`` (None: every slot is in use).
+    def admit(self, channel: SidecarChannel, wake: socket.socket) -> int | None:
+        """A slot for a new client whose wake socket is ``wake`` (None: every slot is in use).
 
         Without GPU polling, the first free slot, under the channel's lock alone (microseconds,
         never a search). With it, the first free slot whose last request was answered and that
@@ -102,13 +103,13 @@ class SlotPolling:
         Only when every free slot still holds an unanswered request (a client that died
         waiting) is the kernel stopped first (the next request starts it again)."""
         if self.server is None:
-            return channel.take_slot(wake_fd)
-        slot = channel.take_slot(wake_fd, quiet_only=True)
+            return channel.take_slot(wake)
+        slot = channel.take_slot(wake, quiet_only=True)
         if slot is not None or channel.free_slot() is None:
             return slot
         with self._state_lock:
             self.pause()
-            return channel.take_slot(wake_fd)
+            return channel.take_slot(wake)
 
     @staticmethod
     def release(channel: SidecarChannel, slot: int) -> None:
