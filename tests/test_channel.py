@@ -261,7 +261,7 @@ class Harness:
         self._socks.append(ours)
         self.peers.append(theirs)
         channel = ClientChannel(
-            self.client_segment, self.layout, slot, doorbell_fd=self.side.doorbell_fd, wake_fd=wake,
+            self.client_segment, self.layout, slot, wake_fd=wake,
             control=ours, epoch=self.epoch, timeout=timeout, spin_s=spin_s, naps=naps,
         )
         self.clients.append(channel)
@@ -311,7 +311,7 @@ class Harness:
 
     def close(self) -> None:
         self.stop.set()
-        if self.side.doorbell_fd >= 0:
+        if not self.side.closed:
             self.side.ring()
         for thread in self.threads:
             thread.join(timeout=DEADLINE_S)
@@ -668,6 +668,37 @@ def test_a_slot_that_changed_hands_thousands_of_times_still_waits_for_its_own_an
     h.side.stamp_heartbeat()
     h.side.publish(*h.side.pending(), h.side.pending_generations)
     assert channel.wait(seq) == 0
+
+
+def test_a_client_rings_through_its_own_bell_and_a_closed_bell_is_no_longer_watched(harness):
+    """A client's ring (a byte on its end of the pair) wakes the sleeping sidecar; once the
+    client closes its end, the sidecar's end reads EOF for ever, so the sidecar stops waiting on
+    it (or its every sleep would return at once, a core burnt), and the slot stays the client's."""
+    h = harness(n_slots=2)
+    theirs, ours = wake_pair()
+    h.side.activate(0, theirs)
+    woke = threading.Event()
+
+    def sleeper() -> None:
+        h.side.sleep(DEADLINE_S)
+        woke.set()
+
+    thread = threading.Thread(target=sleeper, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + DEADLINE_S
+    while h.side.header.sidecar_sleeping[0] != 1:  # until the sidecar sleeps
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    os.write(ours, b"\x01")
+    assert woke.wait(DEADLINE_S), "a client's ring did not wake the sidecar"
+    thread.join(DEADLINE_S)
+    assert theirs.fileno() in h.side._bell_socks
+    os.close(ours)
+    h.side.sleep(DEADLINE_S)  # returns at once: EOF on the bell
+    assert theirs.fileno() not in h.side._bell_socks, "a closed bell is still watched"
+    assert h.side.active[0]
+    h.side.deactivate(0)  # (its close must not trip over the bell that is no longer watched)
+    assert theirs.fileno() == -1
 
 
 def test_a_slot_changes_hands_at_rest_and_only_once_its_last_request_is_answered(harness):

@@ -718,7 +718,7 @@ def test_gpu_polling_stops_before_an_expiry_and_stays_off_until_it_passed(runtim
             nonlocal seq
             seq += 1
             view.req_seq[0] = seq
-            os.eventfd_write(channel.doorbell_fd, 1)  # as a client does when the sweep sleeps
+            channel.ring()  # as a client's ring does when the sweep sleeps
             wait_until(lambda: int(view.resp_seq[0]) == seq, "the sweep's answer", timeout=5)
             return [i for i in view.ids[0, :2].tolist() if i >= 0]
 

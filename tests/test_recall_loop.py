@@ -281,7 +281,7 @@ def test_the_sweep_thread_keeps_a_pass_in_flight_apart_and_publishes_it_when_it_
     thread.start()
     try:
         _submit(loop, [0, 1, 2])
-        os.eventfd_write(loop.channel.doorbell_fd, 1)  # as a client does when the sweep sleeps
+        loop.channel.ring()  # as a client's ring does when the sweep sleeps
         wait_until(lambda: engine.passes, "the crowd's pass to be queued", timeout=5)
         time.sleep(0.7)  # longer than the sweep's sleep timeout: it would have slept and looked again
         assert len(engine.passes) == 1, "slots in flight were read and queued again"

@@ -282,7 +282,6 @@ class _FakeSidecar:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(path))
         self.listener.listen(4)
-        self.doorbell = os.eventfd(0, os.EFD_NONBLOCK)
         self.segment, self.layout = segment, layout
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -297,14 +296,12 @@ class _FakeSidecar:
             lay = self.layout
             send_frame(conn, ok_reply(slot=0, segment="fake", epoch=7, dim=lay.dim, max_k=lay.max_k,
                                       max_batch=lay.max_batch, n_slots=lay.n_slots))
-            send_fd(conn, self.doorbell)
             send_fd(conn, self.segment)
             conn.recv(1)  # until the client hangs up
 
     def close(self) -> None:
         self.listener.close()
         self.thread.join(timeout=DEADLINE_S)
-        os.close(self.doorbell)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -129,13 +129,12 @@ class RecallBatch:
 
 
 class _Connection:
-    """One hello'd connection: control socket, segment, slot channel, doorbells."""
+    """One hello'd connection: control socket, segment, slot channel, bell (the wake socket)."""
 
     sock: socket.socket | None = None
     segment: Segment | None = None
     channel: ClientChannel | None = None
     wake_fd = -1
-    doorbell_fd = -1
     max_message_bytes = 0
     ops: frozenset[str] = frozenset()  # the hello's optional operations (e.g. "recall_text")
 
@@ -175,7 +174,6 @@ class _Connection:
             finally:
                 theirs.close()  # (the sidecar holds its own copy once sent)
             reply = raise_for_reply(recv_frame(self.sock, max_bytes=1 << 20)[0])
-            self.doorbell_fd = recv_fd(self.sock)
             source = f"the segment of sidecar {endpoint.name!r}"
             self.segment = Segment.attach(recv_fd(self.sock), source=source)
             self.layout = Layout.read_header(self.segment.buf, source=source)
@@ -189,8 +187,7 @@ class _Connection:
                 spin_s = (advised if ok else settings().client_spin_us) / 1e6
             naps = reply.get("client_naps", True)  # (a sidecar that does not say: as before, nap)
             self.channel = ClientChannel(
-                self.segment, self.layout, int(reply["slot"]), doorbell_fd=self.doorbell_fd,
-                wake_fd=self.wake_fd, control=self.sock, epoch=self.epoch, timeout=timeout, spin_s=spin_s,
+                self.segment, self.layout, int(reply["slot"]), wake_fd=self.wake_fd, control=self.sock, epoch=self.epoch, timeout=timeout, spin_s=spin_s,
                 naps=naps if isinstance(naps, bool) else True,
             )
             # The epoch only: the hello's reply has just shown the sidecar alive, while its
@@ -223,18 +220,16 @@ class _Connection:
         if self.segment is not None:
             self.segment.close()
             self.segment = None
-        for name in ("wake_fd", "doorbell_fd"):
-            fd = getattr(self, name)
-            if fd >= 0:
-                os.close(fd)
-                setattr(self, name, -1)
+        if self.wake_fd >= 0:
+            os.close(self.wake_fd)
+            self.wake_fd = -1
         if self.sock is not None:
             self.sock.close()
             self.sock = None
 
     def __del__(self) -> None:
         # A Client dropped without close() (or an integration's hidden one) would otherwise
-        # keep its wake socket, the doorbell and the segment's descriptor, and with them the
+        # keep its wake socket and the segment's descriptor, and with them the
         # sidecar's memory of an old segment after a restart, until the process exits.
         try:
             self.close()

@@ -10,15 +10,17 @@ hand-over: while a client waits for the reply of a control operation that recall
 
 Waiting. Each side spins on the other's sequence number for a configurable window while
 traffic is hot (no system call on the hot path), then announces that it is going to sleep in
-a ``*_sleeping`` word and blocks in ``poll``: the sidecar on its eventfd doorbell, a client on
-its wake socket. The other side rings only when it sees that word set, after a full fence (see
-:mod:`kalos.ipc.sync` for why the fence is needed on both sides). A client's wake-up is one end
-of a socket pair that the client made and passed in its hello (:func:`wake_socket`): the
-sidecar writes it with ``MSG_DONTWAIT``, which no flag the client sets on the shared file can
-turn into a blocking write (an eventfd's ``O_NONBLOCK`` was the client's to clear, and one
-client's saturated blocking eventfd then froze the sweep, and every client with it). A client spins only while every client can have a core;
-past two clients per core it first naps (timed sleeps of 100 us, re-reading its sequence
-number, for up to 2 ms) so that the sidecar need not write its wake-up. A client's poll also
+a ``*_sleeping`` word and blocks in ``poll``. The other side rings only when it sees that word
+set, after a full fence (see :mod:`kalos.ipc.sync` for why the fence is needed on both sides).
+Each client rings, and is rung, through a socket pair of its own: it made the pair and passed
+one end in its hello (:func:`wake_socket`); a byte it writes wakes the sidecar, which waits on
+every client's end at once (epoll), and a byte the sidecar writes with ``MSG_DONTWAIT`` wakes
+the client. No descriptor is shared between clients, and no flag a client sets on its own can
+make the sidecar block: with eventfds (one doorbell that every client wrote, one wake fd a
+client chose), a client could clear ``O_NONBLOCK`` on the shared file, saturate it and freeze
+the sweep for everyone, or eat the doorbell's rings and stall it. A client spins only while
+every client can have a core; past two clients per core it first naps (timed sleeps of 100 us,
+re-reading its sequence number, for up to 2 ms) so that the sidecar need not write its wake-up. A client's poll also
 watches its control socket: when the sidecar dies the kernel closes that socket and the client
 wakes at once; a sidecar that hangs is noticed through its heartbeat stamp going stale.
 """
@@ -53,18 +55,20 @@ _RING = b"\x01"
 
 
 def wake_pair() -> tuple[socket.socket, int]:
-    """A client's wake-up: ``(the end to pass to the sidecar in the hello, the descriptor the
-    client polls)``, a connected pair of Unix stream sockets, the client's end non-blocking."""
+    """A client's bell: ``(the end to pass to the sidecar in the hello, the descriptor the
+    client keeps: written to ring the sidecar, polled to be woken)``, a connected pair of Unix
+    stream sockets, the client's end non-blocking."""
     theirs, ours = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     ours.setblocking(False)
     return theirs, ours.detach()
 
 
 def wake_socket(fd: int) -> socket.socket:
-    """The wake descriptor a client passed in its hello, as the socket the sidecar rings; the
-    descriptor is closed and InvalidArgument raised unless it is an unnamed Unix stream socket
-    (one end of a socket pair): rung with ``MSG_DONTWAIT``, it can never block the sidecar, and
-    an unnamed one cannot carry the sidecar's writes to some other process's listening socket."""
+    """The descriptor a client passed in its hello, as the socket the sidecar rings it by and
+    hears it ring on; the descriptor is closed and InvalidArgument raised unless it is an
+    unnamed Unix stream socket (one end of a socket pair): used with ``MSG_DONTWAIT``, it can
+    never block the sidecar, and an unnamed one cannot carry the sidecar's writes to some other
+    process's listening socket."""
     try:
         sock = socket.socket(fileno=fd)
     except OSError as exc:
@@ -239,7 +243,7 @@ class SidecarExited(SidecarUnavailable):
 
 def _publish_request(header: HeaderView, slot: SlotView, seq: int) -> bool:
     """Numbers the request already written into ``slot`` ``seq`` (its words and rows visible
-    first), then says whether the sidecar sleeps and its doorbell must be rung (Dekker, see
+    first), then says whether the sidecar sleeps and must be rung (Dekker, see
     :mod:`kalos.ipc.sync`): a client's submit, and the sidecar's for a client (op recall_text)."""
     full_fence()  # release: the request fields and query rows are visible before req_seq
     slot.req_seq[0] = seq
@@ -259,7 +263,6 @@ class ClientChannel:
         layout: Layout,
         slot: int,
         *,
-        doorbell_fd: int,
         wake_fd: int,
         control: socket.socket,
         epoch: int,
@@ -270,7 +273,6 @@ class ClientChannel:
         self.layout = layout
         self.header = HeaderView(segment.buf)
         self.slot = SlotView(segment.buf, layout, slot)
-        self._doorbell_fd = doorbell_fd
         self._wake_fd = wake_fd
         self._epoch = epoch
         self._timeout_ns = int(timeout * 1e9)
@@ -303,12 +305,9 @@ class ClientChannel:
         self._seq = seq
         if _publish_request(self.header, slot, seq):
             try:
-                os.eventfd_write(self._doorbell_fd, 1)
+                os.write(self._wake_fd, _RING)  # the sidecar hears it on its end of the pair
             except BlockingIOError:
-                # The doorbell's counter is at its maximum (any client can write to it): it is
-                # rung already, so the sidecar wakes; raising here would fail an honest recall
-                # (tests/reliability/test_hostile.py, the doorbell saturation case).
-                pass
+                pass  # the sidecar has not read the earlier rings yet: rung already
         return seq
 
     def resync(self) -> None:
@@ -475,7 +474,12 @@ class SidecarChannel:
         # a search. It also covers the wake sockets: a closed number may be reused at once by
         # another file (a control socket), which a late write would then corrupt.
         self._lock = threading.Lock()
-        self.doorbell_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # What the sleeping sweep waits on: every client's end of its pair (a client rings by
+        # writing to its own end), and the sidecar's own bell (ring()), which no client holds.
+        self._bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._epoll = select.epoll()
+        self._epoll.register(self._bell, select.EPOLLIN)
+        self._bell_socks: dict[int, socket.socket] = {}
         self.epoch = epoch
 
     def stamp_heartbeat(self) -> None:
@@ -515,6 +519,8 @@ class SidecarChannel:
         self.answered[slot] = rest
         self._woken[slot] = rest
         self.wake_socks[slot] = wake
+        self._bell_socks[wake.fileno()] = wake
+        self._epoll.register(wake.fileno(), select.EPOLLIN)
         self.active[slot] = True
         if self.in_use is not None:
             self.in_use[slot] = 1  # (after the rest seqs: a GPU kernel polls it from now on)
@@ -530,8 +536,17 @@ class SidecarChannel:
             self.n_clients = int(self.active.sum())
             self.header.clients[0] = self.n_clients
             wake, self.wake_socks[slot] = self.wake_socks[slot], None
+            if wake is not None:
+                self._unwatch(wake)
         if wake is not None:
             wake.close()  # out of the table first: no wake-up can reach the number once reused
+
+    def _unwatch(self, bell: socket.socket) -> None:  # (self._lock held)
+        """Stops waiting on a client's bell. Before its close: the client may hold a copy of this
+        end, which keeps the file open, and epoll would go on reporting it under a number that
+        the next socket of the sidecar reuses."""
+        if self._bell_socks.pop(bell.fileno(), None) is not None:
+            self._epoll.unregister(bell.fileno())
 
     def free_slot(self) -> int | None:
         free = np.flatnonzero(~self.active)
@@ -750,36 +765,56 @@ class SidecarChannel:
             if rung is not None:
                 rung.set()
 
-    def sleep(self, timeout_s: float, extra_fds: tuple[int, ...] = ()) -> None:
-        """Blocks until a client rings the doorbell (or ``timeout_s``), unless work is pending."""
+    def sleep(self, timeout_s: float) -> None:
+        """Blocks until a client rings (or :meth:`ring`, or ``timeout_s``), unless work is pending."""
         self.header.sidecar_sleeping[0] = 1
         full_fence()  # store sidecar_sleeping, then load every req_seq (Dekker, see kalos.ipc.sync)
         try:
             if len(self.pending()[0]):
                 return
-            ready, _, _ = select.select([self.doorbell_fd, *extra_fds], [], [], timeout_s)
-            if self.doorbell_fd in ready:
-                try:
-                    os.eventfd_read(self.doorbell_fd)
-                except BlockingIOError:
-                    pass
+            for fd, _events in self._epoll.poll(timeout_s):
+                if fd == self._bell:
+                    try:
+                        os.eventfd_read(fd)
+                    except BlockingIOError:
+                        pass
+                    continue
+                with self._lock:  # (a slot freed meanwhile: its number may be another file's now)
+                    bell = self._bell_socks.get(fd)
+                    if bell is None:
+                        continue
+                    try:
+                        heard = bell.recv(4096, socket.MSG_DONTWAIT)  # the rings so far (never blocks)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        heard = b""
+                    if not heard:
+                        # The client closed its end (or broke it): it cannot ring any more, and
+                        # an end at EOF would wake this wait at once for ever. Its requests are
+                        # still seen at the sweep's next look; its slot is freed when its
+                        # control connection goes.
+                        self._unwatch(bell)
         finally:
             self.header.sidecar_sleeping[0] = 0
+
+    @property
+    def closed(self) -> bool:
+        return self._bell < 0
 
     def ring(self) -> None:
         """Wakes the sweep (used to stop the sidecar or to apply a slot change promptly)."""
         try:
-            os.eventfd_write(self.doorbell_fd, 1)
-        except BlockingIOError:
-            pass  # saturated by a client: rung already
+            os.eventfd_write(self._bell, 1)
         except OSError:
-            pass  # closed: the sidecar is stopping, and no sweep is left to wake
+            pass  # saturated (rung already), or closed: the sidecar is stopping
 
     def close(self) -> None:
         for slot in range(self.layout.n_slots):
             self.deactivate(slot)
-        if self.doorbell_fd >= 0:
-            os.close(self.doorbell_fd)
-            self.doorbell_fd = -1
+        if self._bell >= 0:
+            self._epoll.close()
+            os.close(self._bell)
+            self._bell = -1
         self.slots = []
 

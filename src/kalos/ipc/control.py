@@ -9,7 +9,7 @@ Vectors and ids travel in the blob as little-endian float32 / int64 with their s
 JSON, so no message is ever unpickled and every length is bounded before anything is
 allocated. A reply is ``{"ok": true, ...}`` or ``{"ok": false, "code": <ErrorCode>, "error": msg}``.
 
-File descriptors (a client's wake socket, the doorbell eventfd, the segment) ride on a one-byte
+File descriptors (a client's end of its bell, the segment) ride on a one-byte
 message of their own, sent right after the frame they belong to, so that a plain ``recv`` of a
 frame never swallows them.
 """
@@ -45,7 +45,8 @@ __all__ = [
 
 # 2: the hello reply passes the segment's descriptor (a sealed memfd) after the doorbell's,
 # instead of naming a file in /dev/shm (issue 19). 3: the client's wake descriptor in the hello
-# is one end of a Unix socket pair, not an eventfd (kalos.ipc.channel.wake_socket says why).
+# is one end of a Unix socket pair, not an eventfd, and the client rings the sidecar through it
+# instead of a doorbell eventfd that every client shared (kalos.ipc.channel says why).
 PROTOCOL_VERSION = 3
 _PREFIX = struct.Struct("<IQ")
 _MAX_JSON_BYTES = 1 << 28

@@ -270,8 +270,7 @@ class ControlServer:
                 # Operations added since the protocol's version: a client uses them only when named.
                 ops=["recall_text"],
             ))
-            send_fd(conn, self._sidecar.channel.doorbell_fd)
-            send_fd(conn, self._sidecar.segment.fileno())  # the segment has no name: protocol 2
+            send_fd(conn, self._sidecar.segment.fileno())  # the segment has no name (protocol 2 on)
         except BaseException:
             # The client hung up before it learnt its slot (it died mid-hello). The caller never
             # receives the slot number, so its cleanup cannot free it: free it here, or the slot

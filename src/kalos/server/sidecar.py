@@ -473,7 +473,7 @@ class Sidecar:
         self._stopping.set()
         self._wrote.set()  # wakes the checkpointer, which then sees _stopping
         channel = getattr(self, "channel", None)
-        if channel is not None and channel.doorbell_fd >= 0:
+        if channel is not None and not channel.closed:
             channel.ring()
 
     def close(self) -> None:
