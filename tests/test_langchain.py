@@ -212,6 +212,24 @@ def test_vector_store_ids_are_keys_and_nothing_is_added(fake_client, fake, ns):
     assert asyncio.run(other.adelete()) is True and other.get_by_ids(["x1"]) == []
 
 
+def test_ids_that_are_not_keys_name_no_document_in_any_namespace(fake_client, fake, ns):
+    """An integer id is a global Kalos item id to the client: get_by_ids([id]) and delete([id])
+    read and deleted another namespace's document. As InMemoryVectorStore, an id that cannot be
+    a stored key (not a str, empty, over-long) finds nothing and deletes nothing."""
+    secret = KalosVectorStore(fake_client, embedding=fake, namespace=f"{ns}-secret")
+    public = KalosVectorStore(fake_client, embedding=fake, namespace=ns)
+    secret.add_texts(["the launch code"], ids=["s1"])
+    [item] = fake_client.get(keys=["s1"], namespace=secret.namespace)
+    oracle = InMemoryVectorStore(fake)
+    oracle.add_texts(["x"], ids=["s1"])
+    for bad in ([item.id], [np.int64(item.id)], [""], ["k" * 300], ["\ud800"]):
+        assert public.get_by_ids(bad) == oracle.get_by_ids(bad) == []
+        assert asyncio.run(public.aget_by_ids(bad)) == []
+        assert public.delete(bad) is True and asyncio.run(public.adelete(bad)) is True
+    assert [d.page_content for d in secret.get_by_ids(["s1"])] == ["the launch code"]
+    assert [d.id for d in public.get_by_ids([item.id, "nope"])] == []
+
+
 def test_get_with_vectors_returns_the_stored_normalised_vectors(fake_client, ns, rng):
     """What MMR reads: Client.get(..., with_vectors=True), by keys and by ids, absent ones None."""
     vectors = rng.standard_normal((5, DEFAULT_DIM)).astype(np.float32) * rng.uniform(0.1, 10.0, (5, 1)).astype(np.float32)

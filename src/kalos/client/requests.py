@@ -210,11 +210,21 @@ def timestamps(created_at: Any) -> Any:
     return created_at
 
 
-def key_or_id_message(op: str, keys: Any, ids: Any, namespace: str) -> dict[str, Any]:
+def key_or_id_message(op: str, first: Any, ids: Any, namespace: str, *, keys: Any = None) -> dict[str, Any]:
     """The control message of a get or delete by keys or by ids, checked before it travels.
-    Carries ``wanted`` (the checked keys or ids, repeats kept) for get."""
-    if keys is not None and ids is None and looks_like_ids(keys):
-        keys, ids = None, keys  # get([3, 4]) / delete(ids[:10]): the positional ids of every release before keys
+    Carries ``wanted`` (the checked keys or ids, repeats kept) for get.
+
+    ``first`` is the call's positional first argument: keys, or ids when it is integers (the
+    positional ids of every release before keys). ``keys`` is an explicit ``keys=`` argument and
+    is only ever keys: ids are global, so taking ``keys=[5]`` for id 5 would reach past the
+    namespace the caller named."""
+    if first is not None:
+        if keys is not None:
+            raise InvalidArgument(f"{op}: keys given twice (positionally and as keys=)")
+        if ids is None and looks_like_ids(first):
+            ids = first
+        else:
+            keys = first
     if (keys is None) == (ids is None):
         raise InvalidArgument(f"{op}: pass keys or ids (one of them), got {'both' if keys is not None else 'neither'}")
     if ids is not None:

@@ -57,6 +57,7 @@ import numpy as np
 from kalos.client.aio import AsyncClient
 from kalos.client.client import Client, Hit, Item
 from kalos.errors import DimensionMismatch, InvalidArgument
+from kalos.validation import MAX_KEY_BYTES
 
 __all__ = ["KalosRetriever", "KalosVectorStore", "KalosEmbeddings", "hit_to_document", "item_to_document"]
 
@@ -91,6 +92,22 @@ def _where(filter: Any) -> dict[str, Any]:
     if not isinstance(filter, dict):
         raise InvalidArgument(f"filter must be a dict (a Kalos where clause), got {type(filter).__name__}")
     return {"where": filter}
+
+
+def _stored_ids(ids: Any, what: str) -> list[str]:
+    """The ids of ``ids`` that could be stored keys, in order, repeats kept. LangChain ids are
+    str: anything else, like an empty or over-long str, names no document (InMemoryVectorStore
+    finds none), and must never reach the client, which reads integers as global item ids."""
+    if isinstance(ids, str):
+        raise InvalidArgument(f"{what} takes a list of ids, got the str {ids!r:.80}")
+    return [i for i in ids if isinstance(i, str) and _fits_key(i)]
+
+
+def _fits_key(key: str) -> bool:
+    try:
+        return 0 < len(key.encode("utf-8")) <= MAX_KEY_BYTES
+    except UnicodeEncodeError:  # a lone surrogate: no stored key holds one
+        return False
 
 
 _ASYNC_CLIENTS: "weakref.WeakKeyDictionary[Client, AsyncClient]" = weakref.WeakKeyDictionary()
@@ -264,9 +281,7 @@ class KalosVectorStore(VectorStore):
     def _delete_request(self, ids: Any, kwargs: dict[str, Any]) -> tuple[list[str] | None, str]:
         namespace = kwargs.pop("namespace", self.namespace)
         _refuse("delete", kwargs)
-        if isinstance(ids, str):
-            raise InvalidArgument(f"delete takes a list of ids, got the str {ids!r:.80}")
-        return None if ids is None else list(ids), namespace
+        return None if ids is None else _stored_ids(ids, "delete"), namespace
 
     def delete(self, ids: list[str] | None = None, **kwargs: Any) -> bool | None:
         """Deletes the documents of ``ids`` (ids not stored are ignored); ``ids=None``, as
@@ -293,11 +308,11 @@ class KalosVectorStore(VectorStore):
 
     def get_by_ids(self, ids: Sequence[str], /) -> list[Document]:
         """The documents of those ``ids`` that are stored, in the order of ``ids``."""
-        keys = list(ids)
+        keys = _stored_ids(ids, "get_by_ids")
         return self._documents_of(self.client.get(keys=keys, namespace=self.namespace)) if keys else []
 
     async def aget_by_ids(self, ids: Sequence[str], /) -> list[Document]:
-        keys = list(ids)
+        keys = _stored_ids(ids, "aget_by_ids")
         return self._documents_of(await self._aclient.get(keys=keys, namespace=self.namespace)) if keys else []
 
     def _search_request(self, filter: Any, kwargs: dict[str, Any], what: str) -> dict[str, Any]:
