@@ -344,3 +344,67 @@ def test_langchain_embeddings_as_the_embedder(sidecar, ns):  # noqa: F811
         assert c.recall_text("rivers", k=1, namespace=ns)[0].id == int(ids[1])
         store = KalosVectorStore(c, embedding=HashEmbeddings(), namespace=ns)
         assert store.similarity_search("elephants", k=1)[0].page_content == "purple elephants dance"
+
+
+def _in_two_loops(step, rounds: int) -> list[str]:
+    """``step(i)`` (a coroutine) ``rounds`` times in each of two threads, each thread running its
+    own event loop by asyncio.run at the same time; returns the errors. A thread still running
+    at DEADLINE_S is a hang (a hang guard, not a timing assertion)."""
+    import threading
+
+    errors: list[str] = []
+    started = threading.Barrier(2)
+
+    def worker(offset: int) -> None:
+        async def run() -> None:
+            started.wait()
+            for r in range(rounds):
+                try:
+                    await step(offset + r)
+                except Exception as exc:  # noqa: BLE001 - reported by the test
+                    errors.append(f"{type(exc).__name__}: {exc}")
+        asyncio.run(run())
+
+    threads = [threading.Thread(target=worker, args=(k * 7,), daemon=True) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE_S)
+    assert not any(t.is_alive() for t in threads), "an async call hung with two event loops"
+    return errors
+
+
+def test_async_calls_from_two_event_loops_each_get_their_own_client(fake_client, fake, ns, rng):
+    """One AsyncClient binds its lock and futures to one loop: shared by two threads each running
+    asyncio.run, their calls hung. Each loop now has its own; a closed loop's one is closed."""
+    store = KalosVectorStore(fake_client, embedding=fake, namespace=ns)
+    vectors = rng.standard_normal((20, DEFAULT_DIM)).astype(np.float32)
+    keys = [f"d{i}" for i in range(20)]
+    fake_client.add(vectors, keys=keys, texts=keys, namespace=ns)
+
+    async def step(i: int) -> None:
+        [doc] = await store.asimilarity_search_by_vector(vectors[i % 20].tolist(), k=1)
+        assert doc.id == keys[i % 20]
+
+    assert _in_two_loops(step, 60) == []
+
+    async def both_loops() -> tuple[object, object]:
+        inner: list[object] = []
+
+        def other_loop() -> None:
+            async def mine() -> None:
+                inner.append(store._aclient)
+            asyncio.run(mine())
+        await asyncio.to_thread(other_loop)
+        return store._aclient, inner[0]
+
+    here, there = asyncio.run(both_loops())
+    assert here is not there and asyncio.run(both_loops())[0] is not here  # a new loop, a new client
+
+    async def clients_now() -> int:
+        await store.asimilarity_search_by_vector(vectors[0].tolist(), k=1)  # connects this loop's
+        return (await asyncio.to_thread(fake_client.stats))["clients"]
+
+    first = asyncio.run(clients_now())
+    # The first loop's client (closed with its loop) gave its slots back: none piles up.
+    assert asyncio.run(clients_now()) == first == asyncio.run(clients_now())

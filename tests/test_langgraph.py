@@ -276,3 +276,44 @@ def test_a_put_replaces_the_vectors_of_the_previous_one(client8: Client):
     assert client8.count(namespace=kalos._kalos_namespace(ns)) == 1
     kalos.delete(ns, "k")
     assert client8.count(namespace=kalos._kalos_namespace(ns)) == 0
+
+
+def test_abatch_from_two_event_loops_each_gets_its_own_client(client8: Client):
+    """KalosStore shared one AsyncClient by every loop: two threads each running asyncio.run
+    hung. Each loop now has its own (a hang guard, not a timing assertion, bounds the threads)."""
+    import threading
+
+    kalos, _ = stores(client8)
+    for i in range(10):
+        kalos.put(("loops",), f"k{i}", {"text": f"item {i}"})
+    errors: list[str] = []
+    started = threading.Barrier(2)
+
+    def worker(offset: int) -> None:
+        async def run() -> None:
+            started.wait()
+            for r in range(40):
+                try:
+                    found = await kalos.asearch(("loops",), query=f"item {(offset + r) % 10}", limit=1)
+                    assert len(found) == 1
+                    assert (await kalos.aget(("loops",), f"k{(offset + r) % 10}")) is not None
+                except Exception as exc:  # noqa: BLE001 - reported below
+                    errors.append(f"{type(exc).__name__}: {exc}")
+        asyncio.run(run())
+
+    threads = [threading.Thread(target=worker, args=(k * 3,), daemon=True) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE_S)
+    assert not any(t.is_alive() for t in threads), "abatch hung with two event loops"
+    assert errors == []
+
+    async def mine() -> object:
+        return kalos._async_client()
+
+    async def with_another_loop_alive() -> tuple[object, object]:
+        return await mine(), await asyncio.to_thread(asyncio.run, mine())
+
+    here, there = asyncio.run(with_another_loop_alive())
+    assert here is not there

@@ -57,6 +57,7 @@ import numpy as np
 from kalos.client.aio import AsyncClient
 from kalos.client.client import Client, Hit, Item
 from kalos.errors import DimensionMismatch, InvalidArgument
+from kalos.integrations._loops import LoopClients
 from kalos.validation import MAX_KEY_BYTES
 
 __all__ = ["KalosRetriever", "KalosVectorStore", "KalosEmbeddings", "hit_to_document", "item_to_document"]
@@ -110,18 +111,20 @@ def _fits_key(key: str) -> bool:
         return False
 
 
-_ASYNC_CLIENTS: "weakref.WeakKeyDictionary[Client, AsyncClient]" = weakref.WeakKeyDictionary()
+_ASYNC_CLIENTS: "weakref.WeakKeyDictionary[Client, LoopClients]" = weakref.WeakKeyDictionary()
 _ASYNC_LOCK = threading.Lock()
 
 
 def _async_client(client: Client) -> AsyncClient:
-    """The one :class:`AsyncClient` of ``client``'s sidecar that this module's async methods share
-    (each one holds slots: one per Client, not one per store or retriever)."""
+    """The :class:`AsyncClient` of ``client``'s sidecar for the running event loop, shared by this
+    module's async methods (each one holds slots: one per Client and loop, not one per store or
+    retriever; an AsyncClient serves one loop at a time)."""
     with _ASYNC_LOCK:
-        aclient = _ASYNC_CLIENTS.get(client)
-        if aclient is None:
-            aclient = _ASYNC_CLIENTS[client] = AsyncClient(client.name, client.timeout)
-        return aclient
+        clients = _ASYNC_CLIENTS.get(client)
+        if clients is None:
+            name, timeout = client.name, client.timeout
+            clients = _ASYNC_CLIENTS[client] = LoopClients(lambda: AsyncClient(name, timeout))
+    return clients.get()
 
 
 class KalosRetriever(BaseRetriever):

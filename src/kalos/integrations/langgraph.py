@@ -80,6 +80,7 @@ from kalos.client.aio import AsyncClient
 from kalos.client.client import Client
 from kalos.client.client import Item as KalosItem
 from kalos.errors import DimensionMismatch, InvalidArgument
+from kalos.integrations._loops import LoopClients
 from kalos.validation import check_keys
 
 __all__ = ["KalosStore", "MAX_NAMESPACE_BYTES"]
@@ -221,7 +222,8 @@ class KalosStore(BaseStore):
             self._fields = [(p, tokenize_path(p) if p != "$" else p) for p in (index.get("fields") or ["$"])]
         self._placeholder = np.zeros(self.client.dim, np.float32)
         self._placeholder[0] = 1.0  # documents need a vector; no recall of documents ever reads it
-        self._aclient: AsyncClient | None = None
+        name_, timeout_ = self.client.name, self.client.timeout
+        self._aclients = LoopClients(lambda: AsyncClient(name_, timeout_))
 
     # -- names -------------------------------------------------------------------------------
 
@@ -311,9 +313,8 @@ class KalosStore(BaseStore):
                 result = await getattr(self.embeddings, "a" + name)(*args, **kwargs)
 
     def _async_client(self) -> AsyncClient:
-        if self._aclient is None:
-            self._aclient = AsyncClient(self.client.name, self.client.timeout)
-        return self._aclient
+        """The running loop's AsyncClient (one serves one loop at a time; see ``_loops``)."""
+        return self._aclients.get()
 
     def _batch(self, ops: list[Op]) -> Any:
         results: list[Result] = [None] * len(ops)
