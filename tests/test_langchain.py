@@ -408,3 +408,40 @@ def test_async_calls_from_two_event_loops_each_get_their_own_client(fake_client,
     first = asyncio.run(clients_now())
     # The first loop's client (closed with its loop) gave its slots back: none piles up.
     assert asyncio.run(clients_now()) == first == asyncio.run(clients_now())
+
+
+class QueryUnlikeDocuments(Embeddings):
+    """An asymmetric model (E5, Cohere): a query is embedded unlike a document. Here a query is
+    the document embedding of its text reversed, so "ahpla" finds "alpha" at cosine 1 by
+    embed_query and nothing in particular by embed_documents."""
+
+    def __init__(self) -> None:
+        self.base = DeterministicFakeEmbedding(size=DEFAULT_DIM)
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        return self.base.embed_documents(texts)
+
+    def embed_query(self, text: str) -> list[float]:
+        return self.base.embed_documents([text[::-1]])[0]
+
+
+def test_searches_embed_their_query_with_embed_query(sidecar, ns):  # noqa: F811
+    """LangChain's contract: documents by embed_documents, queries by embed_query. Searches,
+    MMR and the retriever embedded the query with embed_documents."""
+    asym = QueryUnlikeDocuments()
+    texts = ["alpha", "beta", "gamma", "delta"]
+    with Client(sidecar.name, timeout=DEADLINE_S, embedder=asym) as c:
+        for store in (KalosVectorStore(c, embedding=asym, namespace=ns), KalosVectorStore(c, namespace=ns)):
+            store.add_texts(texts, ids=texts)
+            oracle = InMemoryVectorStore(asym)
+            oracle.add_texts(texts, ids=texts)
+            assert_same_pairs(store.similarity_search_with_score("ahpla", k=4),
+                              oracle.similarity_search_with_score("ahpla", k=4))
+            [(doc, score)] = asyncio.run(store.asimilarity_search_with_score("ammag", k=1))
+            assert doc.id == "gamma" and score == pytest.approx(1.0, abs=1e-5)
+            assert store.max_marginal_relevance_search("ateb", k=1, fetch_k=4)[0].id == "beta"
+            assert asyncio.run(store.amax_marginal_relevance_search("ateb", k=1, fetch_k=4))[0].id == "beta"
+            assert np.allclose(store.embeddings.embed_query("ahpla"), asym.embed_documents(["alpha"])[0], atol=1e-6)
+        retriever = KalosRetriever(client=c, k=1, namespace=ns)
+        assert [d.id for d in retriever.invoke("atled")] == ["delta"]
+        assert [d.id for d in asyncio.run(retriever.ainvoke("atled"))] == ["delta"]

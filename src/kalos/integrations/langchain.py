@@ -56,6 +56,7 @@ import numpy as np
 
 from kalos.client.aio import AsyncClient
 from kalos.client.client import Client, Hit, Item
+from kalos.client.embed import embed_queries
 from kalos.errors import DimensionMismatch, InvalidArgument
 from kalos.integrations._loops import LoopClients
 from kalos.validation import MAX_KEY_BYTES
@@ -165,7 +166,16 @@ class KalosRetriever(BaseRetriever):
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
         k, call = self._arguments(kwargs)
-        return self._documents(self.client.recall_text(query, k, **call))
+        embedder = self.client.embedder
+        if not hasattr(embedder, "embed_queries"):
+            return self._documents(self.client.recall_text(query, k, **call))
+        # Client.recall_text embeds with embed(), a LangChain Embeddings' embed_documents; a query
+        # is embed_query's (they differ for asymmetric models: E5, Cohere).
+        if not isinstance(query, str):
+            raise InvalidArgument(f"a retriever's query is one str, got {type(query).__name__}")
+        hits = self.client.recall(embed_queries(embedder, [query])[0], k, **call)
+        items = self.client.get(hits.ids) if len(hits) else []
+        return self._documents([Hit.from_item(item, score) for item, (_i, score) in zip(items, hits) if item is not None])
 
     async def _aget_relevant_documents(
         self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
@@ -173,7 +183,7 @@ class KalosRetriever(BaseRetriever):
         k, call = self._arguments(kwargs)
         if not isinstance(query, str):
             raise InvalidArgument(f"a retriever's query is one str, got {type(query).__name__}")
-        vector = (await asyncio.to_thread(self.client.embedder.embed, [query]))[0]
+        vector = (await asyncio.to_thread(embed_queries, self.client.embedder, [query]))[0]
         aclient = _async_client(self.client)
         hits = await aclient.recall(vector, k, **call)
         items = await aclient.get(hits.ids) if len(hits) else []
@@ -190,7 +200,7 @@ class KalosEmbeddings(Embeddings):
         return self.embedder.embed(texts).tolist()
 
     def embed_query(self, text: str) -> list[float]:
-        return self.embedder.embed([text])[0].tolist()
+        return embed_queries(self.embedder, [text])[0].tolist()
 
 
 class KalosVectorStore(VectorStore):
@@ -214,15 +224,25 @@ class KalosVectorStore(VectorStore):
 
             self._embedder = as_embedder(embedding)
 
-    def _embed(self, texts: list[str]) -> np.ndarray:
+    def _embedder_checked(self) -> Any:
         if self._embedder is None:
-            return self.client.embedder.embed(texts)
+            return self.client.embedder
         if self._embedder.dim != self.client.dim:
             raise DimensionMismatch(
                 f"embedding {self._embedder.name} makes {self._embedder.dim}-dimensional vectors but the store "
                 f"of sidecar {self.client.name!r} holds dimension {self.client.dim}"
             )
-        return self._embedder.embed(texts)
+        return self._embedder
+
+    def _embed(self, texts: list[str]) -> np.ndarray:
+        """The vectors of documents to store (``embed_documents`` of a LangChain Embeddings)."""
+        return self._embedder_checked().embed(texts)
+
+    def _embed_query(self, query: str) -> np.ndarray:
+        """The vector of a search query (``embed_query`` of a LangChain Embeddings)."""
+        if not isinstance(query, str):
+            raise InvalidArgument(f"a search query is one str, got {type(query).__name__}")
+        return embed_queries(self._embedder_checked(), [query])[0]
 
     @property
     def embeddings(self) -> Embeddings:
@@ -351,14 +371,10 @@ class KalosVectorStore(VectorStore):
         return await self._asearch_with_score_by_vector(embedding, k, filter, kwargs)
 
     def _query_vector(self, query: str) -> np.ndarray:
-        if not isinstance(query, str):
-            raise InvalidArgument(f"a search query is one str, got {type(query).__name__}")
-        return self._embed([query])[0]
+        return self._embed_query(query)
 
     async def _aquery_vector(self, query: str) -> np.ndarray:
-        if not isinstance(query, str):
-            raise InvalidArgument(f"a search query is one str, got {type(query).__name__}")
-        return (await asyncio.to_thread(self._embed, [query]))[0]
+        return await asyncio.to_thread(self._embed_query, query)
 
     def similarity_search_with_score(
         self, query: str, k: int = 4, filter: dict[str, Any] | None = None, **kwargs: Any,
