@@ -216,12 +216,42 @@ def test_bad_input_is_refused(client8: Client):
         kalos.put(("a",), "k", {"__kalos_lg_key": 1})
     with pytest.raises(InvalidArgument, match="JSON"):
         kalos.put(("a",), "k", {"a": object()})
-    with pytest.raises(InvalidArgument):
+    with pytest.raises(InvalidArgument, match=r"key 'k+'\.\.\. is 300 UTF-8 bytes; KalosStore keys hold at most 254"):
         kalos.put(("a",), "k" * 300, {"a": 1})
+    with pytest.raises(InvalidArgument, match="key 'éé.* is 256 UTF-8 bytes"):
+        kalos.put(("a",), "é" * 128, {"a": 1})  # its own length, not that of the row key 'd:...'
+    with pytest.raises(InvalidArgument, match="lone surrogate"):
+        kalos.get(("a",), "x\ud800")
+    kalos.put(("a",), "k" * 254, {"a": 1})
+    kalos.delete(("a",), "k" * 254)
     assert kalos.list_namespaces() == []
     ok = ("n" * 100, "m" * 100)  # 200 bytes of labels plus the prefix: fits
     kalos.put(ok, "k", {"a": 1})
     assert kalos.get(ok, "k").value == {"a": 1}
+
+
+def test_a_batch_with_one_unstorable_put_writes_nothing(client8: Client):
+    """The puts of a batch go as one add per namespace: a value the client's encoder refuses
+    (a lone surrogate passes json.dumps; a nested non-str key is turned into a str by it) was
+    refused only at its namespace's add, after the earlier namespaces were written."""
+    kalos, memory = stores(client8)
+    for bad in ({"text": "second", "note": "bad \ud800"}, {"text": "second", "nested": {1: "x"}}):
+        ops = [PutOp(("a",), "k1", {"text": "first"}), GetOp(("a",), "k0", refresh_ttl=True),
+               PutOp(("b",), "k2", bad)]
+        with pytest.raises(InvalidArgument, match="cannot be stored"):
+            kalos.batch(ops)
+        with pytest.raises(InvalidArgument, match="cannot be stored"):
+            asyncio.run(kalos.abatch(ops))
+        assert kalos.get(("a",), "k1") is None and kalos.get(("b",), "k2") is None
+    assert kalos.list_namespaces() == []
+    # A namespace that cannot be a Kalos namespace is LangGraph's InvalidNamespaceError, for a
+    # read too (InMemoryStore stores such labels; nothing can be stored under them here).
+    for call in (lambda: kalos.get(("x\ud800",), "k"), lambda: kalos.put(("x\ud800",), "k", {"text": "t"}),
+                 lambda: kalos.put(("x\u202e",), "k", {"text": "t"}),
+                 lambda: kalos.batch([PutOp(("a",), "k1", {"text": "first"}), GetOp(("x\ud800",), "k")])):
+        with pytest.raises(InvalidNamespaceError):
+            call()
+    assert kalos.list_namespaces() == [] and memory.list_namespaces() == []
 
 
 def test_ttl_expires_and_refresh_on_read_renews(client8: Client):

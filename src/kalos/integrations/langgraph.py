@@ -81,7 +81,7 @@ from kalos.client.client import Client
 from kalos.client.client import Item as KalosItem
 from kalos.errors import DimensionMismatch, InvalidArgument
 from kalos.integrations._loops import LoopClients
-from kalos.validation import check_keys
+from kalos.validation import MAX_KEY_BYTES, check_namespace, encode_metadata
 
 __all__ = ["KalosStore", "MAX_NAMESPACE_BYTES"]
 
@@ -93,6 +93,7 @@ _PREFIX, _KIND, _KEY, _DEPTH = _R + "prefix", _R + "kind", _R + "key", _R + "dep
 _PATHS, _NVEC, _PATH = _R + "paths", _R + "nvec", _R + "path"
 _CREATED, _UPDATED, _TTL = _R + "created", _R + "updated", _R + "ttl"
 _LIST_PAGE = 1000  # Client.list's largest page
+_DOC = "d:"  # the Kalos key of an item's document row is this + the item's key
 
 
 def _call(name: str, *args: Any, **kwargs: Any) -> tuple[str, str, tuple, dict]:
@@ -234,9 +235,17 @@ class KalosStore(BaseStore):
             if not isinstance(label, str) or not label or "." in label:
                 raise InvalidNamespaceError(f"namespace labels are non-empty str without '.', got {label!r} in {namespace!r}")
         joined = ".".join((self.prefix, *namespace))
-        if len(joined.encode("utf-8")) > MAX_NAMESPACE_BYTES:
+        try:
+            size = len(joined.encode("utf-8"))
+            check_namespace(joined)  # the client's own rules (valid Unicode, no control characters)
+        except UnicodeEncodeError:
+            raise InvalidNamespaceError(f"namespace {namespace!r} is not valid Unicode (a lone surrogate); "
+                                        f"Kalos namespaces are UTF-8") from None
+        except InvalidArgument as exc:
+            raise InvalidNamespaceError(f"namespace {namespace!r} cannot be a Kalos namespace: {exc}") from None
+        if size > MAX_NAMESPACE_BYTES:
             raise InvalidNamespaceError(
-                f"namespace {namespace!r} joined with prefix {self.prefix!r} is {len(joined.encode())} UTF-8 bytes; "
+                f"namespace {namespace!r} joined with prefix {self.prefix!r} is {size} UTF-8 bytes; "
                 f"Kalos namespaces hold at most {MAX_NAMESPACE_BYTES}")
         return joined
 
@@ -248,9 +257,17 @@ class KalosStore(BaseStore):
     def _doc_key(key: str) -> str:
         if not isinstance(key, str):
             raise InvalidArgument(f"a key is a str, got {type(key).__name__}")
-        doc = "d:" + key
-        check_keys([doc])  # at most 256 UTF-8 bytes, valid Unicode: named if not
-        return doc
+        if not key:
+            raise InvalidArgument("a key is a non-empty str, got ''")
+        try:
+            size = len(key.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise InvalidArgument(f"key {key!r:.80} is not valid Unicode (lone surrogate)") from None
+        # The document row's Kalos key is "d:" + key, so a key has two bytes less than a Kalos key.
+        if size > MAX_KEY_BYTES - len(_DOC):
+            raise InvalidArgument(f"key {key[:40]!r}... is {size} UTF-8 bytes; KalosStore keys hold at most "
+                                  f"{MAX_KEY_BYTES - len(_DOC)}")
+        return _DOC + key
 
     @staticmethod
     def _vec_key(key: str, path: str) -> str:
@@ -317,6 +334,19 @@ class KalosStore(BaseStore):
         return self._aclients.get()
 
     def _batch(self, ops: list[Op]) -> Any:
+        for op in ops:
+            # Every op is checked (a put as the client will check its rows) before anything
+            # runs: one refused after earlier puts, or a get's refresh, had written would leave
+            # the batch half applied.
+            if isinstance(op, (PutOp, GetOp)):
+                self._kalos_namespace(op.namespace)
+                self._doc_key(op.key)
+                if isinstance(op, PutOp) and op.value is not None:
+                    self._check_value(op)
+            elif isinstance(op, SearchOp):
+                self._check_search(op)
+            elif not isinstance(op, ListNamespacesOp):
+                raise InvalidArgument(f"unknown store operation {type(op).__name__}")
         results: list[Result] = [None] * len(ops)
         puts: dict[tuple[tuple[str, ...], str], PutOp] = {}
         for i, op in enumerate(ops):
@@ -326,12 +356,8 @@ class KalosStore(BaseStore):
                 results[i] = yield from self._search(op)
             elif isinstance(op, ListNamespacesOp):
                 results[i] = yield from self._list_namespaces(op)
-            elif isinstance(op, PutOp):
-                self._kalos_namespace(op.namespace)
-                self._doc_key(op.key)
-                puts[(op.namespace, op.key)] = op
             else:
-                raise InvalidArgument(f"unknown store operation {type(op).__name__}")
+                puts[(op.namespace, op.key)] = op
         if puts:
             yield from self._apply_puts(list(puts.values()))
         return results
@@ -373,9 +399,9 @@ class KalosStore(BaseStore):
             if k.startswith(_R):
                 raise InvalidArgument(f"put: value keys starting with {_R!r} are Kalos's own, got {k!r}")
         try:
-            json.dumps(value, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgument(f"put: the value of {op.key!r} is not JSON: {exc}") from None
+            encode_metadata([value], 1)  # the client's encoder: JSON, str keys throughout, valid Unicode
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"put: the value of {op.key!r} cannot be stored: {exc}") from None
         if op.ttl is not None and (not isinstance(op.ttl, (int, float)) or isinstance(op.ttl, bool)
                                    or not math.isfinite(op.ttl) or op.ttl <= 0):
             raise InvalidArgument(f"put: ttl is a positive number of minutes or None, got {op.ttl!r}")
