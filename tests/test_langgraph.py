@@ -347,3 +347,36 @@ def test_abatch_from_two_event_loops_each_gets_its_own_client(client8: Client):
 
     here, there = asyncio.run(with_another_loop_alive())
     assert here is not there
+
+
+def test_a_refresh_on_read_does_not_undo_a_delete_made_meanwhile(sidecar8: TextSidecar):
+    """refresh_ttl stores the item's rows again; another writer's delete between the refresh's
+    read and its add was undone (the deleted memory came back). The delete is run inside that
+    window deterministically, from the add itself."""
+    prefix = f"lg{uuid.uuid4().hex[:10]}"
+    index = {"dims": DIM, "embed": DeterministicFakeEmbedding(size=DIM), "fields": ["text"]}
+    with Client(sidecar8.name, timeout=DEADLINE_S) as mine, Client(sidecar8.name, timeout=DEADLINE_S) as theirs:
+        reader = KalosStore(index=index, client=mine, prefix=prefix)
+        other = KalosStore(index=index, client=theirs, prefix=prefix)
+        reader.put(("u",), "m", {"text": "secret to forget"}, ttl=60)
+        reader.put(("u",), "kept", {"text": "still here"}, ttl=60)
+        real_add = mine.add
+
+        def add_after_a_delete(*args: Any, **kwargs: Any) -> Any:
+            other.delete(("u",), "m")
+            return real_add(*args, **kwargs)
+
+        mine.add = add_after_a_delete  # type: ignore[method-assign]
+        try:
+            assert reader.get(("u",), "m", refresh_ttl=True).value == {"text": "secret to forget"}
+        finally:
+            mine.add = real_add  # type: ignore[method-assign]
+        assert other.get(("u",), "m") is None
+        assert other.search(("u",), query="secret to forget", limit=5)[0].key == "kept"
+        assert [i.key for i in other.search(("u",))] == ["kept"]
+        # An undisturbed refresh keeps the item and its vectors (same rows, same ids).
+        before = mine.get(keys=["d:kept"], namespace=f"{prefix}.u")[0]
+        assert reader.get(("u",), "kept", refresh_ttl=True) is not None
+        after = mine.get(keys=["d:kept"], namespace=f"{prefix}.u")[0]
+        assert after.id == before.id and after.expires_at >= before.expires_at
+        assert other.search(("u",), query="still here", limit=1)[0].key == "kept"

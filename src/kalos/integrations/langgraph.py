@@ -35,7 +35,9 @@ after listing, exactly.
 
 TTL (``supports_ttl``): a put's ``ttl`` (minutes, LangGraph's unit) becomes the Kalos
 expiry; expired items are never returned and the sidecar sweeps them. ``refresh_on_read``
-(per call: ``refresh_ttl``) renews the expiry of the items a get or search returns.
+(per call: ``refresh_ttl``) renews the expiry of the items a get or search returns, by storing
+their rows again; a delete by another writer meanwhile is detected and redone at once (see
+``KalosStore._refresh`` for the narrow window that remains).
 
 ``abatch`` runs the same steps as ``batch`` on the event loop: recalls through
 :class:`kalos.AsyncClient` (waited for without blocking the loop), the index's ``aembed_query``
@@ -473,7 +475,18 @@ class KalosStore(BaseStore):
     def _refresh(self, rows: Sequence[KalosItem]) -> Any:
         """Renews the expiry of the items of ``rows`` (those put with a ttl) by storing their rows again.
         Called when the op's ``refresh_ttl`` is true: BaseStore already resolved it from the call and
-        ``ttl_config["refresh_on_read"]`` (an explicit ``refresh_ttl=True`` wins over the config)."""
+        ``ttl_config["refresh_on_read"]`` (an explicit ``refresh_ttl=True`` wins over the config).
+
+        The sidecar has no operation that renews an expiry without creating what is missing, so
+        the rows are re-read and stored again by key (an upsert keeps a row's id). A delete by
+        another writer between that read and the add would be undone: the add would store the
+        rows afresh, under new ids. Those ids are how it is seen, and the rows are deleted again
+        at once. What remains: a reader may see the item between the two calls, a crash between
+        them leaves it stored, and a delete followed by a new put of the same key, both inside
+        that window, loses the new put (the add overwrote it with the old value, and the delete
+        removes it). Closing it needs a sidecar operation that renews the expiry of existing
+        keys only (e.g. ``update(key, ttl=...)``, or ``touch(keys, namespace, ttl)`` skipping
+        absent keys, in one transaction)."""
         for row in rows:
             meta = row.metadata or {}
             if _TTL not in meta:
@@ -488,10 +501,14 @@ class KalosStore(BaseStore):
                 keys = [self._doc_key(key)] + [self._vec_key(key, p) for p in doc.metadata.get(_PATHS, [])]
             fetched = yield _call("get", keys=keys, namespace=row.namespace, with_vectors=True)
             current = [r for r in fetched if r is not None]
-            if current:
-                yield _call("add", np.stack([r.vector for r in current]), texts=[r.text for r in current],
-                            metadata=[r.metadata for r in current], namespace=row.namespace,
-                            keys=[r.key for r in current], ttl=float(meta[_TTL]) * 60.0)
+            if not current:
+                continue
+            ids = yield _call("add", np.stack([r.vector for r in current]), texts=[r.text for r in current],
+                              metadata=[r.metadata for r in current], namespace=row.namespace,
+                              keys=[r.key for r in current], ttl=float(meta[_TTL]) * 60.0)
+            resurrected = [int(new) for new, r in zip(np.asarray(ids).tolist(), current) if int(new) != r.id]
+            if resurrected:
+                yield _call("delete", ids=resurrected)
 
     # -- search ----------------------------------------------------------------------------------
 
