@@ -151,18 +151,25 @@ def with_where(request: tuple[Any, ...], handle: int) -> tuple[Any, ...]:
 def request_words(k: int, namespace: str | None, since: Any, until: Any) -> tuple[Any, ...]:
     """``(k, flags, since, until, namespace bytes)`` of a recall, remembered for the common
     arguments (validating and encoding them costs microseconds on every call otherwise)."""
+    # Only plain numbers and None are remembered, and looked up: True == 1 and hashes alike, so
+    # a lookup of since=True found since=1's words and skipped the check that refuses a bool.
+    # (Datetimes are converted afresh: their timezone may change.)
+    if type(since) not in _MEMO_TYPES or type(until) not in _MEMO_TYPES:
+        return (k, *filter_words(namespace, since, until))
     key = (k, namespace, since, until)
     try:
         words = _REQUESTS.get(key)
-    except TypeError:  # an unhashable argument: no memo, the checks below still apply
+    except TypeError:  # an unhashable namespace: no memo, the checks below still apply
         return (k, *filter_words(namespace, since, until))
     if words is None:
         words = (k, *filter_words(namespace, since, until))
         if len(_REQUESTS) >= 4096:  # callers sweeping time windows: keep it bounded
             _REQUESTS.clear()
-        if type(since) in (int, float, type(None)) and type(until) in (int, float, type(None)):
-            _REQUESTS[key] = words  # (datetimes are converted afresh: their timezone may change)
+        _REQUESTS[key] = words
     return words
+
+
+_MEMO_TYPES = (int, float, type(None))
 
 
 def filter_words(namespace: str | None, since: Any, until: Any) -> tuple[int, float, float, bytes]:
