@@ -27,7 +27,7 @@ from langgraph.store.base import GetOp, InvalidNamespaceError, ListNamespacesOp,
 from langgraph.store.memory import InMemoryStore  # noqa: E402
 from test_text import TextSidecar  # noqa: E402
 
-from kalos import Client, InvalidArgument  # noqa: E402
+from kalos import Client, InvalidArgument, InvalidQuery  # noqa: E402
 from kalos.integrations.langgraph import KalosStore  # noqa: E402
 
 DIM = 8
@@ -380,3 +380,38 @@ def test_a_refresh_on_read_does_not_undo_a_delete_made_meanwhile(sidecar8: TextS
         after = mine.get(keys=["d:kept"], namespace=f"{prefix}.u")[0]
         assert after.id == before.id and after.expires_at >= before.expires_at
         assert other.search(("u",), query="still here", limit=1)[0].key == "kept"
+
+
+def test_filters_on_dollar_and_empty_value_keys_match_as_in_memory_store(client8: Client):
+    """The where compiler takes "$x" for an operator and refuses "": such filters raised
+    InvalidArgument, while InMemoryStore matches them as value keys."""
+    kalos, memory = stores(client8)
+    for store in (kalos, memory):
+        store.put(("f",), "a", {"text": "one", "$x": 1, "": "e"})
+        store.put(("f",), "b", {"text": "two", "$x": 2, "": "f"})
+    for flt in ({"$x": 1}, {"": "f"}, {"$x": {"$gte": 1}, "": "e"}, {"$x": 3}):
+        same(kalos.search(("f",), filter=flt), memory.search(("f",), filter=flt))
+        same(kalos.search(("f",), query="one", filter=flt), memory.search(("f",), query="one", filter=flt))
+
+
+class ZeroForBlank(DeterministicFakeEmbedding):
+    """Embeds the query "blank" as all zeros (and "nan" as NaN): a query with no direction."""
+
+    def embed_query(self, text: str) -> list[float]:
+        if text in ("blank", "nan"):
+            return [0.0 if text == "blank" else float("nan")] * DIM
+        return super().embed_query(text)
+
+
+def test_a_query_with_no_direction_is_refused_where_scored_here_too(client8: Client):
+    """A filter the scan cannot evaluate (JSON containment) scores the items here; a zero or NaN
+    query vector gave all-NaN scores there and returned items in arbitrary order, where the
+    recall path refuses it."""
+    index = {"dims": DIM, "embed": ZeroForBlank(size=DIM), "fields": ["text"]}
+    kalos = KalosStore(index=index, client=client8, prefix=f"lg{uuid.uuid4().hex[:10]}")
+    kalos.put(("z",), "a", {"text": "one", "meta": {"tag": "t"}})
+    for flt in ({"meta": {"tag": "t"}}, {"text": "one"}):  # scored here / recalled by the sidecar
+        for query in ("blank", "nan"):
+            with pytest.raises(InvalidQuery, match="no direction"):
+                kalos.search(("z",), query=query, filter=flt)
+        assert [i.key for i in kalos.search(("z",), query="one", filter=flt)] == ["a"]

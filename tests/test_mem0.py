@@ -32,7 +32,7 @@ from mem0 import Memory  # noqa: E402
 from mem0.configs.base import MemoryConfig  # noqa: E402
 from test_text import TextSidecar  # noqa: E402
 
-from kalos import Client, InvalidArgument, UnknownKey  # noqa: E402
+from kalos import Client, InvalidArgument, InvalidQuery, UnknownKey  # noqa: E402
 from kalos.integrations.mem0 import KalosMem0, mem0_where, register  # noqa: E402
 
 DIM = 16
@@ -317,3 +317,18 @@ def test_iso_date_ranges_filter_as_instants(client16: Client, sidecar16: TextSid
     assert [r.id for r in store.list(filters={"created_at": {"lt": "2000-01-01"}})[0]] == [ids[0]]
     with pytest.raises(InvalidArgument):
         store.search("", query, top_k=1, filters={"created_at": {"gte": "not a date"}})
+
+
+def test_a_query_with_no_direction_is_refused_on_the_listed_path_too(client16: Client, sidecar16: TextSidecar,
+                                                                    collection: str):
+    """contains / icontains and a top_k past max_k score here after listing; a zero or NaN query
+    gave all-NaN scores there and returned rows in arbitrary order, where a recall refuses it."""
+    store = KalosMem0(collection_name=collection, embedding_model_dims=DIM, sidecar=sidecar16.name, timeout=DEADLINE_S)
+    store.insert(np.eye(DIM)[:3].tolist(), [{"data": f"alpha {i}"} for i in range(3)], ["a", "b", "c"])
+    for vector in ([0.0] * DIM, [float("nan")] * DIM):
+        for call in (lambda: store.search("", vector, top_k=2, filters={"data": {"contains": "a"}}),
+                     lambda: store.search("", vector, top_k=client16.max_k + 1),
+                     lambda: store.search("", vector, top_k=2)):
+            with pytest.raises(InvalidQuery, match="no direction"):
+                call()
+    assert [r.id for r in store.search("", np.eye(DIM)[1].tolist(), top_k=1, filters={"data": {"contains": "a"}})] == ["b"]

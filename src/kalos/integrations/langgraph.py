@@ -81,9 +81,10 @@ import numpy as np
 from kalos.client.aio import AsyncClient
 from kalos.client.client import Client
 from kalos.client.client import Item as KalosItem
-from kalos.errors import DimensionMismatch, InvalidArgument
+from kalos.client.requests import as_matrix
+from kalos.errors import DimensionMismatch, InvalidArgument, InvalidQuery
 from kalos.integrations._loops import LoopClients
-from kalos.validation import MAX_KEY_BYTES, check_namespace, encode_metadata
+from kalos.validation import MAX_KEY_BYTES, check_namespace, encode_metadata, row_scales
 
 __all__ = ["KalosStore", "MAX_NAMESPACE_BYTES"]
 
@@ -175,7 +176,9 @@ def _where_of(flt: dict[str, Any] | None) -> dict[str, Any] | None:
     objects or lists (JSON containment, evaluated after listing instead)."""
     parts: list[dict[str, Any]] = []
     for field, wanted in (flt or {}).items():
-        if not isinstance(field, str) or field.startswith(_R):
+        # The where compiler reads "$..." as an operator and refuses "" as a field name;
+        # InMemoryStore matches such value keys like any other: compared here after listing.
+        if not isinstance(field, str) or not field or field.startswith(("$", _R)):
             return None
         if _scalar(wanted):
             parts.append(_equal_where(field, wanted))
@@ -595,6 +598,10 @@ class KalosStore(BaseStore):
             k = min(self.client.max_k, 2 * k)
 
     def _scored_here(self, op: SearchOp, query: np.ndarray, clause: dict[str, Any]) -> Any:
+        # Refused as a recall refuses it: a NaN or zero query has no direction, and its scores
+        # (all NaN) ordered the items arbitrarily.
+        row = as_matrix(query, self.client.dim, single=True)
+        unit = row[0].astype(np.float64) * row_scales(row, what="query", error=InvalidQuery)[0]
         listed = yield from self._listed(clause)
         rows = [r for r in listed if _matches(op.filter, self._value(r.metadata or {}))]
         if not rows:
@@ -604,8 +611,7 @@ class KalosStore(BaseStore):
         if not with_vectors:
             return []
         matrix = np.stack([r.vector for r in with_vectors]).astype(np.float64)
-        q = query.astype(np.float64)
-        scores = matrix @ (q / np.linalg.norm(q))
+        scores = matrix @ unit
         best: dict[tuple[str, str], tuple[KalosItem, float]] = {}
         for i in np.argsort(-scores, kind="stable"):
             row = with_vectors[i]

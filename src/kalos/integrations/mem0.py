@@ -55,7 +55,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError(f"kalos.integrations.mem0 needs mem0: pip install 'kalos-recall[mem0]' ({exc})") from None
 
 from kalos.client.client import Client, Item
-from kalos.errors import DimensionMismatch, InvalidArgument, UnknownKey
+from kalos.client.requests import as_matrix
+from kalos.errors import DimensionMismatch, InvalidArgument, InvalidQuery, UnknownKey
+from kalos.validation import row_scales
 from kalos.where import compile_where
 
 __all__ = ["KalosMem0", "KalosMem0Config", "OutputData", "mem0_where", "register", "PROVIDER"]
@@ -359,6 +361,10 @@ class KalosMem0(VectorStoreBase):
                 return out
 
     def _search_listed(self, query: np.ndarray, k: int, filters: dict | None) -> list[OutputData]:
+        # Refused as a recall refuses it: a NaN or zero query has no direction, and its scores
+        # (all NaN) ordered the rows arbitrarily.
+        row = as_matrix(query, self.client.dim, single=True)
+        unit = row[0].astype(np.float64) * row_scales(row, what="query", error=InvalidQuery)[0]
         items = self._listed(filters)
         if not items:
             return []
@@ -366,8 +372,7 @@ class KalosMem0(VectorStoreBase):
         if not with_vectors:
             return []
         matrix = np.stack([item.vector for item in with_vectors]).astype(np.float64)
-        q = query.astype(np.float64)
-        scores = matrix @ (q / np.linalg.norm(q))
+        scores = matrix @ unit
         order = np.argsort(-scores, kind="stable")[:k]
         return [_row(with_vectors[i], float(scores[i])) for i in order]
 
