@@ -255,7 +255,9 @@ def test_get_with_vectors_returns_the_stored_normalised_vectors(fake_client, ns,
     lambda s: s.similarity_search_with_score("x", k=1, fetch_k=3),
     lambda s: s.similarity_search_by_vector([0.0] * DEFAULT_DIM, k=1, score_threshold=0.2),
     lambda s: s.max_marginal_relevance_search("x", k=1, foo=2),
-    lambda s: s.max_marginal_relevance_search("x", k=0),
+    lambda s: s.max_marginal_relevance_search("x", k=-1),
+    lambda s: s.similarity_search("x", k=-1),
+    lambda s: s.add_texts(["x"], ids=[5]),
     lambda s: s.delete(["x"], cascade=True),
     lambda s: s.delete("kept"),
     lambda s: s.similarity_search("x", k=1, filter="user = alice"),
@@ -445,3 +447,29 @@ def test_searches_embed_their_query_with_embed_query(sidecar, ns):  # noqa: F811
         retriever = KalosRetriever(client=c, k=1, namespace=ns)
         assert [d.id for d in retriever.invoke("atled")] == ["delta"]
         assert [d.id for d in asyncio.run(retriever.ainvoke("atled"))] == ["delta"]
+
+
+def test_k_zero_k_past_max_k_and_a_repeated_id_as_in_memory_vector_store(fake_client, fake, ns, rng):
+    """InMemoryVectorStore returns what exists for any k, nothing for k=0, and keeps the later
+    document of an id given twice in one add; the store raised for the three."""
+    store = KalosVectorStore(fake_client, embedding=fake, namespace=ns)
+    oracle = InMemoryVectorStore(fake)
+    texts = [f"doc {i} {rng.integers(1000)}" for i in range(fake_client.max_k + 20)]
+    ids = [f"i{i}" for i in range(len(texts))]
+    ids[5] = ids[3]  # given twice: the document at 5 wins
+    for s in (store, oracle):
+        assert s.add_texts(texts, [{"n": i % 3} for i in range(len(texts))], ids=ids, batch_size=100) == ids
+    assert store.get_by_ids(["i3"]) == oracle.get_by_ids(["i3"]) == [Document(id="i3", page_content=texts[5], metadata={"n": 2})]
+    query = "doc 7"
+    k = fake_client.max_k + 50
+    assert_same_pairs(store.similarity_search_with_score(query, k=k), oracle.similarity_search_with_score(query, k=k))
+    assert len(store.similarity_search(query, k=k)) == len(texts) - 1
+    want = oracle.similarity_search_with_score(query, k=k, filter=lambda d: d.metadata["n"] == 1)
+    assert_same_pairs(store.similarity_search_with_score(query, k=k, filter={"n": 1}), want)
+    assert_same_pairs(asyncio.run(store.asimilarity_search_with_score(query, k=k, filter={"n": 1})), want)
+    assert [d.id for d in store.max_marginal_relevance_search(query, k=3, fetch_k=k)] == \
+        [d.id for d in oracle.max_marginal_relevance_search(query, k=3, fetch_k=k)]
+    for call in (lambda s: s.similarity_search(query, k=0), lambda s: s.max_marginal_relevance_search(query, k=0)):
+        assert call(store) == call(oracle) == []
+    assert asyncio.run(store.asimilarity_search(query, k=0)) == []
+    assert store.similarity_search_by_vector([0.0] * DEFAULT_DIM, k=0) == []

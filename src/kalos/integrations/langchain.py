@@ -36,6 +36,7 @@ raises an ImportError naming that extra.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import uuid
 import weakref
@@ -57,14 +58,16 @@ import numpy as np
 from kalos.client.aio import AsyncClient
 from kalos.client.client import Client, Hit, Item
 from kalos.client.embed import embed_queries
-from kalos.errors import DimensionMismatch, InvalidArgument
+from kalos.client.requests import as_matrix, to_timestamp
+from kalos.errors import DimensionMismatch, InvalidArgument, InvalidQuery
 from kalos.integrations._loops import LoopClients
-from kalos.validation import MAX_KEY_BYTES
+from kalos.validation import MAX_KEY_BYTES, row_scales
 
 __all__ = ["KalosRetriever", "KalosVectorStore", "KalosEmbeddings", "hit_to_document", "item_to_document"]
 
 # The search keywords every search method takes besides k and filter (Client.recall's own).
 _SEARCH_KEYWORDS = ("namespace", "since", "until")
+_LIST_PAGE = 1000  # Client.list's largest page
 
 
 def item_to_document(item: Item, score: float | None = None, *, kalos_metadata: bool = False) -> Document:
@@ -110,6 +113,12 @@ def _fits_key(key: str) -> bool:
         return 0 < len(key.encode("utf-8")) <= MAX_KEY_BYTES
     except UnicodeEncodeError:  # a lone surrogate: no stored key holds one
         return False
+
+
+def _check_k(k: Any) -> int:
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 0:
+        raise InvalidArgument(f"k must be an int >= 0, got {k!r:.80}")
+    return int(k)
 
 
 _ASYNC_CLIENTS: "weakref.WeakKeyDictionary[Client, LoopClients]" = weakref.WeakKeyDictionary()
@@ -273,8 +282,21 @@ class KalosVectorStore(VectorStore):
             raise InvalidArgument(f"add_texts: {len(metadatas)} metadatas for {len(texts)} texts")
         # A document without an id gets a fresh UUID4, as LangChain's own stores do.
         keys = [str(uuid.uuid4()) if ids is None or ids[i] is None else ids[i] for i in range(len(texts))]
+        # An id given twice keeps its later document, as InMemoryVectorStore does (the client
+        # refuses a key twice in one add).
+        for i, key in enumerate(keys):
+            if not isinstance(key, str):
+                raise InvalidArgument(f"add_texts: ids[{i}] must be a str or None, got {type(key).__name__} {key!r:.80}")
+        last = {key: i for i, key in enumerate(keys)}
+        kept = [i for i, key in enumerate(keys) if last[key] == i]
+        if len(kept) < len(keys):
+            texts = [texts[i] for i in kept]
+            metadatas = None if metadatas is None else [metadatas[i] for i in kept]
+            stored = [keys[i] for i in kept]
+        else:
+            stored = keys
         step = batch_size or max(1, len(texts))
-        batches = [{"texts": texts[i : i + step], "keys": keys[i : i + step], "namespace": namespace,
+        batches = [{"texts": texts[i : i + step], "keys": stored[i : i + step], "namespace": namespace,
                     "metadata": None if metadatas is None else list(metadatas[i : i + step])}
                    for i in range(0, len(texts), step)]
         return keys, batches
@@ -349,21 +371,68 @@ class KalosVectorStore(VectorStore):
         return [(item_to_document(item, float(score), kalos_metadata=self.kalos_metadata), float(score))
                 for item, (_id, score) in zip(items, hits) if item is not None]
 
+    def _nearest(self, embedding: Any, k: Any, call: dict[str, Any], *, with_vectors: bool = False
+                 ) -> tuple[Any, list[Item | None]]:
+        """The ``k`` nearest documents' ``(id, cosine)`` pairs, best first, and their items."""
+        if _check_k(k) == 0:
+            return [], []
+        query = np.asarray(embedding, np.float32)
+        if k > self.client.max_k:
+            return self._listed_nearest(query, k, call, with_vectors)
+        hits = self.client.recall(query, k, **call)
+        return hits, (self.client.get(hits.ids, with_vectors=with_vectors) if len(hits) else [])
+
+    async def _anearest(self, embedding: Any, k: Any, call: dict[str, Any], *, with_vectors: bool = False
+                        ) -> tuple[Any, list[Item | None]]:
+        if _check_k(k) == 0:
+            return [], []
+        query = np.asarray(embedding, np.float32)
+        if k > self.client.max_k:
+            return await asyncio.to_thread(self._listed_nearest, query, k, call, with_vectors)
+        hits = await self._aclient.recall(query, k, **call)
+        return hits, (await self._aclient.get(hits.ids, with_vectors=with_vectors) if len(hits) else [])
+
+    def _listed_nearest(self, query: np.ndarray, k: int, call: dict[str, Any], with_vectors: bool
+                        ) -> tuple[list[tuple[int, float]], list[Item | None]]:
+        """:meth:`_nearest` for a ``k`` past the sidecar's ``max_k``: every document passing the
+        filters is listed and scored here (as InMemoryVectorStore, all there are up to ``k``,
+        never cut short to ``max_k``)."""
+        row = as_matrix(query, self.client.dim, single=True)
+        unit = row[0].astype(np.float64) * row_scales(row, what="query", error=InvalidQuery)[0]
+        since, until = (None if call[b] is None else to_timestamp(call[b], b) for b in ("since", "until"))
+        listed: list[Item] = []
+        cursor = None
+        while True:
+            page = self.client.list(namespace=call["namespace"], where=call.get("where"), limit=_LIST_PAGE,
+                                    cursor=cursor)
+            listed += [item for item in page.items if (since is None or item.created_at >= since)
+                       and (until is None or item.created_at < until)]
+            cursor = page.next_cursor
+            if cursor is None:
+                break
+        items = [i for i in (self.client.get([i.id for i in listed], with_vectors=True) if listed else []) if i is not None]
+        if not items:
+            return [], []
+        scores = np.stack([item.vector for item in items]).astype(np.float64) @ unit
+        order = np.argsort(-scores, kind="stable")[:k]
+        chosen = [items[i] if with_vectors else dataclasses.replace(items[i], vector=None) for i in order]
+        return [(item.id, float(scores[i])) for item, i in zip(chosen, order)], chosen
+
     def similarity_search_with_score_by_vector(
         self, embedding: Sequence[float], k: int = 4, filter: dict[str, Any] | None = None, **kwargs: Any,
     ) -> list[tuple[Document, float]]:
         """``(Document, cosine)`` pairs, best first, among the documents that pass ``filter``.
-        ``namespace=`` (None: every namespace), ``since=`` and ``until=`` narrow it further."""
+        ``namespace=`` (None: every namespace), ``since=`` and ``until=`` narrow it further.
+        ``k=0`` finds nothing; a ``k`` past the sidecar's ``max_k`` scores every matching
+        document here, after listing them (slower, never incomplete)."""
         call = self._search_request(filter, kwargs, "similarity_search")
-        hits = self.client.recall(np.asarray(embedding, np.float32), k, **call)
-        return self._pairs(hits, self.client.get(hits.ids) if len(hits) else [])
+        return self._pairs(*self._nearest(embedding, k, call))
 
     async def _asearch_with_score_by_vector(
         self, embedding: Any, k: int, filter: Any, kwargs: dict[str, Any],
     ) -> list[tuple[Document, float]]:
         call = self._search_request(filter, kwargs, "asimilarity_search")
-        hits = await self._aclient.recall(np.asarray(embedding, np.float32), k, **call)
-        return self._pairs(hits, await self._aclient.get(hits.ids) if len(hits) else [])
+        return self._pairs(*(await self._anearest(embedding, k, call)))
 
     async def asimilarity_search_with_score_by_vector(
         self, embedding: Sequence[float], k: int = 4, filter: dict[str, Any] | None = None, **kwargs: Any,
@@ -420,9 +489,9 @@ class KalosVectorStore(VectorStore):
         return [item_to_document(*present[i], kalos_metadata=self.kalos_metadata) for i in chosen]
 
     def _mmr_check(self, k: int, fetch_k: int) -> None:
-        for label, value in (("k", k), ("fetch_k", fetch_k)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidArgument(f"max_marginal_relevance_search: {label} must be an int >= 1, got {value!r}")
+        for label, value, least in (("k", k, 0), ("fetch_k", fetch_k, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise InvalidArgument(f"max_marginal_relevance_search: {label} must be an int >= {least}, got {value!r}")
 
     def max_marginal_relevance_search_by_vector(
         self, embedding: list[float], k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5,
@@ -432,8 +501,9 @@ class KalosVectorStore(VectorStore):
         pass ``filter`` (their vectors come from the store: nothing is embedded again)."""
         self._mmr_check(k, fetch_k)
         call = self._search_request(filter, kwargs, "max_marginal_relevance_search")
-        hits = self.client.recall(np.asarray(embedding, np.float32), fetch_k, **call)
-        items = self.client.get(hits.ids, with_vectors=True) if len(hits) else []
+        if k == 0:
+            return []
+        hits, items = self._nearest(embedding, fetch_k, call, with_vectors=True)
         return self._mmr(embedding, hits, items, k, lambda_mult)
 
     async def amax_marginal_relevance_search_by_vector(
@@ -442,8 +512,9 @@ class KalosVectorStore(VectorStore):
     ) -> list[Document]:
         self._mmr_check(k, fetch_k)
         call = self._search_request(filter, kwargs, "amax_marginal_relevance_search")
-        hits = await self._aclient.recall(np.asarray(embedding, np.float32), fetch_k, **call)
-        items = await self._aclient.get(hits.ids, with_vectors=True) if len(hits) else []
+        if k == 0:
+            return []
+        hits, items = await self._anearest(embedding, fetch_k, call, with_vectors=True)
         return self._mmr(embedding, hits, items, k, lambda_mult)
 
     def max_marginal_relevance_search(
