@@ -267,3 +267,18 @@ def test_a_store_made_before_keys_opens_and_gains_the_columns(tmp_path):
         assert store.count() == 4
     with Store.open(path) as store:  # a second open finds it migrated
         assert store.get_keys(["y"], "default")[0].id == ids[1]
+
+
+def test_an_explicit_keys_argument_is_never_taken_for_ids():
+    """keys=[5] names key "5"-like keys in one namespace; reading it as the global item id 5
+    reached another namespace's memory. Only the positional first argument may be ids."""
+    from kalos.client.requests import key_or_id_message
+
+    with pytest.raises(InvalidArgument, match=r"keys\[0\] must be a str"):
+        key_or_id_message("get", None, None, "public", keys=[5])
+    with pytest.raises(InvalidArgument, match="keys given twice"):
+        key_or_id_message("get", ["a"], None, "public", keys=["b"])
+    assert key_or_id_message("get", None, None, "public", keys=["a"])["keys"] == ["a"]
+    # The documented positional form: get([3, 4]) is by id, get(["a"]) by key.
+    assert key_or_id_message("get", [3, 4], None, "public")["ids"] == [3, 4]
+    assert key_or_id_message("delete", ["a"], None, "public")["keys"] == ["a"]

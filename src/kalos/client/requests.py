@@ -151,18 +151,25 @@ def with_where(request: tuple[Any, ...], handle: int) -> tuple[Any, ...]:
 def request_words(k: int, namespace: str | None, since: Any, until: Any) -> tuple[Any, ...]:
     """``(k, flags, since, until, namespace bytes)`` of a recall, remembered for the common
     arguments (validating and encoding them costs microseconds on every call otherwise)."""
+    # Only plain numbers and None are remembered, and looked up: True == 1 and hashes alike, so
+    # a lookup of since=True found since=1's words and skipped the check that refuses a bool.
+    # (Datetimes are converted afresh: their timezone may change.)
+    if type(since) not in _MEMO_TYPES or type(until) not in _MEMO_TYPES:
+        return (k, *filter_words(namespace, since, until))
     key = (k, namespace, since, until)
     try:
         words = _REQUESTS.get(key)
-    except TypeError:  # an unhashable argument: no memo, the checks below still apply
+    except TypeError:  # an unhashable namespace: no memo, the checks below still apply
         return (k, *filter_words(namespace, since, until))
     if words is None:
         words = (k, *filter_words(namespace, since, until))
         if len(_REQUESTS) >= 4096:  # callers sweeping time windows: keep it bounded
             _REQUESTS.clear()
-        if type(since) in (int, float, type(None)) and type(until) in (int, float, type(None)):
-            _REQUESTS[key] = words  # (datetimes are converted afresh: their timezone may change)
+        _REQUESTS[key] = words
     return words
+
+
+_MEMO_TYPES = (int, float, type(None))
 
 
 def filter_words(namespace: str | None, since: Any, until: Any) -> tuple[int, float, float, bytes]:
@@ -210,11 +217,21 @@ def timestamps(created_at: Any) -> Any:
     return created_at
 
 
-def key_or_id_message(op: str, keys: Any, ids: Any, namespace: str) -> dict[str, Any]:
+def key_or_id_message(op: str, first: Any, ids: Any, namespace: str, *, keys: Any = None) -> dict[str, Any]:
     """The control message of a get or delete by keys or by ids, checked before it travels.
-    Carries ``wanted`` (the checked keys or ids, repeats kept) for get."""
-    if keys is not None and ids is None and looks_like_ids(keys):
-        keys, ids = None, keys  # get([3, 4]) / delete(ids[:10]): the positional ids of every release before keys
+    Carries ``wanted`` (the checked keys or ids, repeats kept) for get.
+
+    ``first`` is the call's positional first argument: keys, or ids when it is integers (the
+    positional ids of every release before keys). ``keys`` is an explicit ``keys=`` argument and
+    is only ever keys: ids are global, so taking ``keys=[5]`` for id 5 would reach past the
+    namespace the caller named."""
+    if first is not None:
+        if keys is not None:
+            raise InvalidArgument(f"{op}: keys given twice (positionally and as keys=)")
+        if ids is None and looks_like_ids(first):
+            ids = first
+        else:
+            keys = first
     if (keys is None) == (ids is None):
         raise InvalidArgument(f"{op}: pass keys or ids (one of them), got {'both' if keys is not None else 'neither'}")
     if ids is not None:

@@ -36,6 +36,7 @@ raises an ImportError naming that extra.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import uuid
 import weakref
@@ -56,12 +57,17 @@ import numpy as np
 
 from kalos.client.aio import AsyncClient
 from kalos.client.client import Client, Hit, Item
-from kalos.errors import DimensionMismatch, InvalidArgument
+from kalos.client.embed import embed_queries
+from kalos.client.requests import as_matrix, to_timestamp
+from kalos.errors import DimensionMismatch, InvalidArgument, InvalidQuery
+from kalos.integrations._loops import LoopClients
+from kalos.validation import MAX_KEY_BYTES, row_scales
 
 __all__ = ["KalosRetriever", "KalosVectorStore", "KalosEmbeddings", "hit_to_document", "item_to_document"]
 
 # The search keywords every search method takes besides k and filter (Client.recall's own).
 _SEARCH_KEYWORDS = ("namespace", "since", "until")
+_LIST_PAGE = 1000  # Client.list's largest page
 
 
 def item_to_document(item: Item, score: float | None = None, *, kalos_metadata: bool = False) -> Document:
@@ -93,18 +99,42 @@ def _where(filter: Any) -> dict[str, Any]:
     return {"where": filter}
 
 
-_ASYNC_CLIENTS: "weakref.WeakKeyDictionary[Client, AsyncClient]" = weakref.WeakKeyDictionary()
+def _stored_ids(ids: Any, what: str) -> list[str]:
+    """The ids of ``ids`` that could be stored keys, in order, repeats kept. LangChain ids are
+    str: anything else, like an empty or over-long str, names no document (InMemoryVectorStore
+    finds none), and must never reach the client, which reads integers as global item ids."""
+    if isinstance(ids, str):
+        raise InvalidArgument(f"{what} takes a list of ids, got the str {ids!r:.80}")
+    return [i for i in ids if isinstance(i, str) and _fits_key(i)]
+
+
+def _fits_key(key: str) -> bool:
+    try:
+        return 0 < len(key.encode("utf-8")) <= MAX_KEY_BYTES
+    except UnicodeEncodeError:  # a lone surrogate: no stored key holds one
+        return False
+
+
+def _check_k(k: Any) -> int:
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 0:
+        raise InvalidArgument(f"k must be an int >= 0, got {k!r:.80}")
+    return int(k)
+
+
+_ASYNC_CLIENTS: "weakref.WeakKeyDictionary[Client, LoopClients]" = weakref.WeakKeyDictionary()
 _ASYNC_LOCK = threading.Lock()
 
 
 def _async_client(client: Client) -> AsyncClient:
-    """The one :class:`AsyncClient` of ``client``'s sidecar that this module's async methods share
-    (each one holds slots: one per Client, not one per store or retriever)."""
+    """The :class:`AsyncClient` of ``client``'s sidecar for the running event loop, shared by this
+    module's async methods (each one holds slots: one per Client and loop, not one per store or
+    retriever; an AsyncClient serves one loop at a time)."""
     with _ASYNC_LOCK:
-        aclient = _ASYNC_CLIENTS.get(client)
-        if aclient is None:
-            aclient = _ASYNC_CLIENTS[client] = AsyncClient(client.name, client.timeout)
-        return aclient
+        clients = _ASYNC_CLIENTS.get(client)
+        if clients is None:
+            name, timeout = client.name, client.timeout
+            clients = _ASYNC_CLIENTS[client] = LoopClients(lambda: AsyncClient(name, timeout))
+    return clients.get()
 
 
 class KalosRetriever(BaseRetriever):
@@ -145,7 +175,16 @@ class KalosRetriever(BaseRetriever):
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
         k, call = self._arguments(kwargs)
-        return self._documents(self.client.recall_text(query, k, **call))
+        embedder = self.client.embedder
+        if not hasattr(embedder, "embed_queries"):
+            return self._documents(self.client.recall_text(query, k, **call))
+        # Client.recall_text embeds with embed(), a LangChain Embeddings' embed_documents; a query
+        # is embed_query's (they differ for asymmetric models: E5, Cohere).
+        if not isinstance(query, str):
+            raise InvalidArgument(f"a retriever's query is one str, got {type(query).__name__}")
+        hits = self.client.recall(embed_queries(embedder, [query])[0], k, **call)
+        items = self.client.get(hits.ids) if len(hits) else []
+        return self._documents([Hit.from_item(item, score) for item, (_i, score) in zip(items, hits) if item is not None])
 
     async def _aget_relevant_documents(
         self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
@@ -153,7 +192,7 @@ class KalosRetriever(BaseRetriever):
         k, call = self._arguments(kwargs)
         if not isinstance(query, str):
             raise InvalidArgument(f"a retriever's query is one str, got {type(query).__name__}")
-        vector = (await asyncio.to_thread(self.client.embedder.embed, [query]))[0]
+        vector = (await asyncio.to_thread(embed_queries, self.client.embedder, [query]))[0]
         aclient = _async_client(self.client)
         hits = await aclient.recall(vector, k, **call)
         items = await aclient.get(hits.ids) if len(hits) else []
@@ -170,7 +209,7 @@ class KalosEmbeddings(Embeddings):
         return self.embedder.embed(texts).tolist()
 
     def embed_query(self, text: str) -> list[float]:
-        return self.embedder.embed([text])[0].tolist()
+        return embed_queries(self.embedder, [text])[0].tolist()
 
 
 class KalosVectorStore(VectorStore):
@@ -194,15 +233,25 @@ class KalosVectorStore(VectorStore):
 
             self._embedder = as_embedder(embedding)
 
-    def _embed(self, texts: list[str]) -> np.ndarray:
+    def _embedder_checked(self) -> Any:
         if self._embedder is None:
-            return self.client.embedder.embed(texts)
+            return self.client.embedder
         if self._embedder.dim != self.client.dim:
             raise DimensionMismatch(
                 f"embedding {self._embedder.name} makes {self._embedder.dim}-dimensional vectors but the store "
                 f"of sidecar {self.client.name!r} holds dimension {self.client.dim}"
             )
-        return self._embedder.embed(texts)
+        return self._embedder
+
+    def _embed(self, texts: list[str]) -> np.ndarray:
+        """The vectors of documents to store (``embed_documents`` of a LangChain Embeddings)."""
+        return self._embedder_checked().embed(texts)
+
+    def _embed_query(self, query: str) -> np.ndarray:
+        """The vector of a search query (``embed_query`` of a LangChain Embeddings)."""
+        if not isinstance(query, str):
+            raise InvalidArgument(f"a search query is one str, got {type(query).__name__}")
+        return embed_queries(self._embedder_checked(), [query])[0]
 
     @property
     def embeddings(self) -> Embeddings:
@@ -233,8 +282,21 @@ class KalosVectorStore(VectorStore):
             raise InvalidArgument(f"add_texts: {len(metadatas)} metadatas for {len(texts)} texts")
         # A document without an id gets a fresh UUID4, as LangChain's own stores do.
         keys = [str(uuid.uuid4()) if ids is None or ids[i] is None else ids[i] for i in range(len(texts))]
+        # An id given twice keeps its later document, as InMemoryVectorStore does (the client
+        # refuses a key twice in one add).
+        for i, key in enumerate(keys):
+            if not isinstance(key, str):
+                raise InvalidArgument(f"add_texts: ids[{i}] must be a str or None, got {type(key).__name__} {key!r:.80}")
+        last = {key: i for i, key in enumerate(keys)}
+        kept = [i for i, key in enumerate(keys) if last[key] == i]
+        if len(kept) < len(keys):
+            texts = [texts[i] for i in kept]
+            metadatas = None if metadatas is None else [metadatas[i] for i in kept]
+            stored = [keys[i] for i in kept]
+        else:
+            stored = keys
         step = batch_size or max(1, len(texts))
-        batches = [{"texts": texts[i : i + step], "keys": keys[i : i + step], "namespace": namespace,
+        batches = [{"texts": texts[i : i + step], "keys": stored[i : i + step], "namespace": namespace,
                     "metadata": None if metadatas is None else list(metadatas[i : i + step])}
                    for i in range(0, len(texts), step)]
         return keys, batches
@@ -264,9 +326,7 @@ class KalosVectorStore(VectorStore):
     def _delete_request(self, ids: Any, kwargs: dict[str, Any]) -> tuple[list[str] | None, str]:
         namespace = kwargs.pop("namespace", self.namespace)
         _refuse("delete", kwargs)
-        if isinstance(ids, str):
-            raise InvalidArgument(f"delete takes a list of ids, got the str {ids!r:.80}")
-        return None if ids is None else list(ids), namespace
+        return None if ids is None else _stored_ids(ids, "delete"), namespace
 
     def delete(self, ids: list[str] | None = None, **kwargs: Any) -> bool | None:
         """Deletes the documents of ``ids`` (ids not stored are ignored); ``ids=None``, as
@@ -293,11 +353,11 @@ class KalosVectorStore(VectorStore):
 
     def get_by_ids(self, ids: Sequence[str], /) -> list[Document]:
         """The documents of those ``ids`` that are stored, in the order of ``ids``."""
-        keys = list(ids)
+        keys = _stored_ids(ids, "get_by_ids")
         return self._documents_of(self.client.get(keys=keys, namespace=self.namespace)) if keys else []
 
     async def aget_by_ids(self, ids: Sequence[str], /) -> list[Document]:
-        keys = list(ids)
+        keys = _stored_ids(ids, "aget_by_ids")
         return self._documents_of(await self._aclient.get(keys=keys, namespace=self.namespace)) if keys else []
 
     def _search_request(self, filter: Any, kwargs: dict[str, Any], what: str) -> dict[str, Any]:
@@ -311,21 +371,68 @@ class KalosVectorStore(VectorStore):
         return [(item_to_document(item, float(score), kalos_metadata=self.kalos_metadata), float(score))
                 for item, (_id, score) in zip(items, hits) if item is not None]
 
+    def _nearest(self, embedding: Any, k: Any, call: dict[str, Any], *, with_vectors: bool = False
+                 ) -> tuple[Any, list[Item | None]]:
+        """The ``k`` nearest documents' ``(id, cosine)`` pairs, best first, and their items."""
+        if _check_k(k) == 0:
+            return [], []
+        query = np.asarray(embedding, np.float32)
+        if k > self.client.max_k:
+            return self._listed_nearest(query, k, call, with_vectors)
+        hits = self.client.recall(query, k, **call)
+        return hits, (self.client.get(hits.ids, with_vectors=with_vectors) if len(hits) else [])
+
+    async def _anearest(self, embedding: Any, k: Any, call: dict[str, Any], *, with_vectors: bool = False
+                        ) -> tuple[Any, list[Item | None]]:
+        if _check_k(k) == 0:
+            return [], []
+        query = np.asarray(embedding, np.float32)
+        if k > self.client.max_k:
+            return await asyncio.to_thread(self._listed_nearest, query, k, call, with_vectors)
+        hits = await self._aclient.recall(query, k, **call)
+        return hits, (await self._aclient.get(hits.ids, with_vectors=with_vectors) if len(hits) else [])
+
+    def _listed_nearest(self, query: np.ndarray, k: int, call: dict[str, Any], with_vectors: bool
+                        ) -> tuple[list[tuple[int, float]], list[Item | None]]:
+        """:meth:`_nearest` for a ``k`` past the sidecar's ``max_k``: every document passing the
+        filters is listed and scored here (as InMemoryVectorStore, all there are up to ``k``,
+        never cut short to ``max_k``)."""
+        row = as_matrix(query, self.client.dim, single=True)
+        unit = row[0].astype(np.float64) * row_scales(row, what="query", error=InvalidQuery)[0]
+        since, until = (None if call[b] is None else to_timestamp(call[b], b) for b in ("since", "until"))
+        listed: list[Item] = []
+        cursor = None
+        while True:
+            page = self.client.list(namespace=call["namespace"], where=call.get("where"), limit=_LIST_PAGE,
+                                    cursor=cursor)
+            listed += [item for item in page.items if (since is None or item.created_at >= since)
+                       and (until is None or item.created_at < until)]
+            cursor = page.next_cursor
+            if cursor is None:
+                break
+        items = [i for i in (self.client.get([i.id for i in listed], with_vectors=True) if listed else []) if i is not None]
+        if not items:
+            return [], []
+        scores = np.stack([item.vector for item in items]).astype(np.float64) @ unit
+        order = np.argsort(-scores, kind="stable")[:k]
+        chosen = [items[i] if with_vectors else dataclasses.replace(items[i], vector=None) for i in order]
+        return [(item.id, float(scores[i])) for item, i in zip(chosen, order)], chosen
+
     def similarity_search_with_score_by_vector(
         self, embedding: Sequence[float], k: int = 4, filter: dict[str, Any] | None = None, **kwargs: Any,
     ) -> list[tuple[Document, float]]:
         """``(Document, cosine)`` pairs, best first, among the documents that pass ``filter``.
-        ``namespace=`` (None: every namespace), ``since=`` and ``until=`` narrow it further."""
+        ``namespace=`` (None: every namespace), ``since=`` and ``until=`` narrow it further.
+        ``k=0`` finds nothing; a ``k`` past the sidecar's ``max_k`` scores every matching
+        document here, after listing them (slower, never incomplete)."""
         call = self._search_request(filter, kwargs, "similarity_search")
-        hits = self.client.recall(np.asarray(embedding, np.float32), k, **call)
-        return self._pairs(hits, self.client.get(hits.ids) if len(hits) else [])
+        return self._pairs(*self._nearest(embedding, k, call))
 
     async def _asearch_with_score_by_vector(
         self, embedding: Any, k: int, filter: Any, kwargs: dict[str, Any],
     ) -> list[tuple[Document, float]]:
         call = self._search_request(filter, kwargs, "asimilarity_search")
-        hits = await self._aclient.recall(np.asarray(embedding, np.float32), k, **call)
-        return self._pairs(hits, await self._aclient.get(hits.ids) if len(hits) else [])
+        return self._pairs(*(await self._anearest(embedding, k, call)))
 
     async def asimilarity_search_with_score_by_vector(
         self, embedding: Sequence[float], k: int = 4, filter: dict[str, Any] | None = None, **kwargs: Any,
@@ -333,14 +440,10 @@ class KalosVectorStore(VectorStore):
         return await self._asearch_with_score_by_vector(embedding, k, filter, kwargs)
 
     def _query_vector(self, query: str) -> np.ndarray:
-        if not isinstance(query, str):
-            raise InvalidArgument(f"a search query is one str, got {type(query).__name__}")
-        return self._embed([query])[0]
+        return self._embed_query(query)
 
     async def _aquery_vector(self, query: str) -> np.ndarray:
-        if not isinstance(query, str):
-            raise InvalidArgument(f"a search query is one str, got {type(query).__name__}")
-        return (await asyncio.to_thread(self._embed, [query]))[0]
+        return await asyncio.to_thread(self._embed_query, query)
 
     def similarity_search_with_score(
         self, query: str, k: int = 4, filter: dict[str, Any] | None = None, **kwargs: Any,
@@ -386,9 +489,9 @@ class KalosVectorStore(VectorStore):
         return [item_to_document(*present[i], kalos_metadata=self.kalos_metadata) for i in chosen]
 
     def _mmr_check(self, k: int, fetch_k: int) -> None:
-        for label, value in (("k", k), ("fetch_k", fetch_k)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidArgument(f"max_marginal_relevance_search: {label} must be an int >= 1, got {value!r}")
+        for label, value, least in (("k", k, 0), ("fetch_k", fetch_k, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise InvalidArgument(f"max_marginal_relevance_search: {label} must be an int >= {least}, got {value!r}")
 
     def max_marginal_relevance_search_by_vector(
         self, embedding: list[float], k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5,
@@ -398,8 +501,9 @@ class KalosVectorStore(VectorStore):
         pass ``filter`` (their vectors come from the store: nothing is embedded again)."""
         self._mmr_check(k, fetch_k)
         call = self._search_request(filter, kwargs, "max_marginal_relevance_search")
-        hits = self.client.recall(np.asarray(embedding, np.float32), fetch_k, **call)
-        items = self.client.get(hits.ids, with_vectors=True) if len(hits) else []
+        if k == 0:
+            return []
+        hits, items = self._nearest(embedding, fetch_k, call, with_vectors=True)
         return self._mmr(embedding, hits, items, k, lambda_mult)
 
     async def amax_marginal_relevance_search_by_vector(
@@ -408,8 +512,9 @@ class KalosVectorStore(VectorStore):
     ) -> list[Document]:
         self._mmr_check(k, fetch_k)
         call = self._search_request(filter, kwargs, "amax_marginal_relevance_search")
-        hits = await self._aclient.recall(np.asarray(embedding, np.float32), fetch_k, **call)
-        items = await self._aclient.get(hits.ids, with_vectors=True) if len(hits) else []
+        if k == 0:
+            return []
+        hits, items = await self._anearest(embedding, fetch_k, call, with_vectors=True)
         return self._mmr(embedding, hits, items, k, lambda_mult)
 
     def max_marginal_relevance_search(

@@ -35,7 +35,9 @@ after listing, exactly.
 
 TTL (``supports_ttl``): a put's ``ttl`` (minutes, LangGraph's unit) becomes the Kalos
 expiry; expired items are never returned and the sidecar sweeps them. ``refresh_on_read``
-(per call: ``refresh_ttl``) renews the expiry of the items a get or search returns.
+(per call: ``refresh_ttl``) renews the expiry of the items a get or search returns, by storing
+their rows again; a delete by another writer meanwhile is detected and redone at once (see
+``KalosStore._refresh`` for the narrow window that remains).
 
 ``abatch`` runs the same steps as ``batch`` on the event loop: recalls through
 :class:`kalos.AsyncClient` (waited for without blocking the loop), the index's ``aembed_query``
@@ -79,8 +81,10 @@ import numpy as np
 from kalos.client.aio import AsyncClient
 from kalos.client.client import Client
 from kalos.client.client import Item as KalosItem
-from kalos.errors import DimensionMismatch, InvalidArgument
-from kalos.validation import check_keys
+from kalos.client.requests import as_matrix
+from kalos.errors import DimensionMismatch, InvalidArgument, InvalidQuery
+from kalos.integrations._loops import LoopClients
+from kalos.validation import MAX_KEY_BYTES, check_namespace, encode_metadata, row_scales
 
 __all__ = ["KalosStore", "MAX_NAMESPACE_BYTES"]
 
@@ -92,6 +96,7 @@ _PREFIX, _KIND, _KEY, _DEPTH = _R + "prefix", _R + "kind", _R + "key", _R + "dep
 _PATHS, _NVEC, _PATH = _R + "paths", _R + "nvec", _R + "path"
 _CREATED, _UPDATED, _TTL = _R + "created", _R + "updated", _R + "ttl"
 _LIST_PAGE = 1000  # Client.list's largest page
+_DOC = "d:"  # the Kalos key of an item's document row is this + the item's key
 
 
 def _call(name: str, *args: Any, **kwargs: Any) -> tuple[str, str, tuple, dict]:
@@ -171,7 +176,9 @@ def _where_of(flt: dict[str, Any] | None) -> dict[str, Any] | None:
     objects or lists (JSON containment, evaluated after listing instead)."""
     parts: list[dict[str, Any]] = []
     for field, wanted in (flt or {}).items():
-        if not isinstance(field, str) or field.startswith(_R):
+        # The where compiler reads "$..." as an operator and refuses "" as a field name;
+        # InMemoryStore matches such value keys like any other: compared here after listing.
+        if not isinstance(field, str) or not field or field.startswith(("$", _R)):
             return None
         if _scalar(wanted):
             parts.append(_equal_where(field, wanted))
@@ -221,7 +228,8 @@ class KalosStore(BaseStore):
             self._fields = [(p, tokenize_path(p) if p != "$" else p) for p in (index.get("fields") or ["$"])]
         self._placeholder = np.zeros(self.client.dim, np.float32)
         self._placeholder[0] = 1.0  # documents need a vector; no recall of documents ever reads it
-        self._aclient: AsyncClient | None = None
+        name_, timeout_ = self.client.name, self.client.timeout
+        self._aclients = LoopClients(lambda: AsyncClient(name_, timeout_))
 
     # -- names -------------------------------------------------------------------------------
 
@@ -232,9 +240,17 @@ class KalosStore(BaseStore):
             if not isinstance(label, str) or not label or "." in label:
                 raise InvalidNamespaceError(f"namespace labels are non-empty str without '.', got {label!r} in {namespace!r}")
         joined = ".".join((self.prefix, *namespace))
-        if len(joined.encode("utf-8")) > MAX_NAMESPACE_BYTES:
+        try:
+            size = len(joined.encode("utf-8"))
+            check_namespace(joined)  # the client's own rules (valid Unicode, no control characters)
+        except UnicodeEncodeError:
+            raise InvalidNamespaceError(f"namespace {namespace!r} is not valid Unicode (a lone surrogate); "
+                                        f"Kalos namespaces are UTF-8") from None
+        except InvalidArgument as exc:
+            raise InvalidNamespaceError(f"namespace {namespace!r} cannot be a Kalos namespace: {exc}") from None
+        if size > MAX_NAMESPACE_BYTES:
             raise InvalidNamespaceError(
-                f"namespace {namespace!r} joined with prefix {self.prefix!r} is {len(joined.encode())} UTF-8 bytes; "
+                f"namespace {namespace!r} joined with prefix {self.prefix!r} is {size} UTF-8 bytes; "
                 f"Kalos namespaces hold at most {MAX_NAMESPACE_BYTES}")
         return joined
 
@@ -246,9 +262,17 @@ class KalosStore(BaseStore):
     def _doc_key(key: str) -> str:
         if not isinstance(key, str):
             raise InvalidArgument(f"a key is a str, got {type(key).__name__}")
-        doc = "d:" + key
-        check_keys([doc])  # at most 256 UTF-8 bytes, valid Unicode: named if not
-        return doc
+        if not key:
+            raise InvalidArgument("a key is a non-empty str, got ''")
+        try:
+            size = len(key.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise InvalidArgument(f"key {key!r:.80} is not valid Unicode (lone surrogate)") from None
+        # The document row's Kalos key is "d:" + key, so a key has two bytes less than a Kalos key.
+        if size > MAX_KEY_BYTES - len(_DOC):
+            raise InvalidArgument(f"key {key[:40]!r}... is {size} UTF-8 bytes; KalosStore keys hold at most "
+                                  f"{MAX_KEY_BYTES - len(_DOC)}")
+        return _DOC + key
 
     @staticmethod
     def _vec_key(key: str, path: str) -> str:
@@ -311,11 +335,23 @@ class KalosStore(BaseStore):
                 result = await getattr(self.embeddings, "a" + name)(*args, **kwargs)
 
     def _async_client(self) -> AsyncClient:
-        if self._aclient is None:
-            self._aclient = AsyncClient(self.client.name, self.client.timeout)
-        return self._aclient
+        """The running loop's AsyncClient (one serves one loop at a time; see ``_loops``)."""
+        return self._aclients.get()
 
     def _batch(self, ops: list[Op]) -> Any:
+        for op in ops:
+            # Every op is checked (a put as the client will check its rows) before anything
+            # runs: one refused after earlier puts, or a get's refresh, had written would leave
+            # the batch half applied.
+            if isinstance(op, (PutOp, GetOp)):
+                self._kalos_namespace(op.namespace)
+                self._doc_key(op.key)
+                if isinstance(op, PutOp) and op.value is not None:
+                    self._check_value(op)
+            elif isinstance(op, SearchOp):
+                self._check_search(op)
+            elif not isinstance(op, ListNamespacesOp):
+                raise InvalidArgument(f"unknown store operation {type(op).__name__}")
         results: list[Result] = [None] * len(ops)
         puts: dict[tuple[tuple[str, ...], str], PutOp] = {}
         for i, op in enumerate(ops):
@@ -325,12 +361,8 @@ class KalosStore(BaseStore):
                 results[i] = yield from self._search(op)
             elif isinstance(op, ListNamespacesOp):
                 results[i] = yield from self._list_namespaces(op)
-            elif isinstance(op, PutOp):
-                self._kalos_namespace(op.namespace)
-                self._doc_key(op.key)
-                puts[(op.namespace, op.key)] = op
             else:
-                raise InvalidArgument(f"unknown store operation {type(op).__name__}")
+                puts[(op.namespace, op.key)] = op
         if puts:
             yield from self._apply_puts(list(puts.values()))
         return results
@@ -372,9 +404,9 @@ class KalosStore(BaseStore):
             if k.startswith(_R):
                 raise InvalidArgument(f"put: value keys starting with {_R!r} are Kalos's own, got {k!r}")
         try:
-            json.dumps(value, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgument(f"put: the value of {op.key!r} is not JSON: {exc}") from None
+            encode_metadata([value], 1)  # the client's encoder: JSON, str keys throughout, valid Unicode
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"put: the value of {op.key!r} cannot be stored: {exc}") from None
         if op.ttl is not None and (not isinstance(op.ttl, (int, float)) or isinstance(op.ttl, bool)
                                    or not math.isfinite(op.ttl) or op.ttl <= 0):
             raise InvalidArgument(f"put: ttl is a positive number of minutes or None, got {op.ttl!r}")
@@ -446,7 +478,18 @@ class KalosStore(BaseStore):
     def _refresh(self, rows: Sequence[KalosItem]) -> Any:
         """Renews the expiry of the items of ``rows`` (those put with a ttl) by storing their rows again.
         Called when the op's ``refresh_ttl`` is true: BaseStore already resolved it from the call and
-        ``ttl_config["refresh_on_read"]`` (an explicit ``refresh_ttl=True`` wins over the config)."""
+        ``ttl_config["refresh_on_read"]`` (an explicit ``refresh_ttl=True`` wins over the config).
+
+        The sidecar has no operation that renews an expiry without creating what is missing, so
+        the rows are re-read and stored again by key (an upsert keeps a row's id). A delete by
+        another writer between that read and the add would be undone: the add would store the
+        rows afresh, under new ids. Those ids are how it is seen, and the rows are deleted again
+        at once. What remains: a reader may see the item between the two calls, a crash between
+        them leaves it stored, and a delete followed by a new put of the same key, both inside
+        that window, loses the new put (the add overwrote it with the old value, and the delete
+        removes it). Closing it needs a sidecar operation that renews the expiry of existing
+        keys only (e.g. ``update(key, ttl=...)``, or ``touch(keys, namespace, ttl)`` skipping
+        absent keys, in one transaction)."""
         for row in rows:
             meta = row.metadata or {}
             if _TTL not in meta:
@@ -461,10 +504,14 @@ class KalosStore(BaseStore):
                 keys = [self._doc_key(key)] + [self._vec_key(key, p) for p in doc.metadata.get(_PATHS, [])]
             fetched = yield _call("get", keys=keys, namespace=row.namespace, with_vectors=True)
             current = [r for r in fetched if r is not None]
-            if current:
-                yield _call("add", np.stack([r.vector for r in current]), texts=[r.text for r in current],
-                            metadata=[r.metadata for r in current], namespace=row.namespace,
-                            keys=[r.key for r in current], ttl=float(meta[_TTL]) * 60.0)
+            if not current:
+                continue
+            ids = yield _call("add", np.stack([r.vector for r in current]), texts=[r.text for r in current],
+                              metadata=[r.metadata for r in current], namespace=row.namespace,
+                              keys=[r.key for r in current], ttl=float(meta[_TTL]) * 60.0)
+            resurrected = [int(new) for new, r in zip(np.asarray(ids).tolist(), current) if int(new) != r.id]
+            if resurrected:
+                yield _call("delete", ids=resurrected)
 
     # -- search ----------------------------------------------------------------------------------
 
@@ -551,6 +598,10 @@ class KalosStore(BaseStore):
             k = min(self.client.max_k, 2 * k)
 
     def _scored_here(self, op: SearchOp, query: np.ndarray, clause: dict[str, Any]) -> Any:
+        # Refused as a recall refuses it: a NaN or zero query has no direction, and its scores
+        # (all NaN) ordered the items arbitrarily.
+        row = as_matrix(query, self.client.dim, single=True)
+        unit = row[0].astype(np.float64) * row_scales(row, what="query", error=InvalidQuery)[0]
         listed = yield from self._listed(clause)
         rows = [r for r in listed if _matches(op.filter, self._value(r.metadata or {}))]
         if not rows:
@@ -560,8 +611,7 @@ class KalosStore(BaseStore):
         if not with_vectors:
             return []
         matrix = np.stack([r.vector for r in with_vectors]).astype(np.float64)
-        q = query.astype(np.float64)
-        scores = matrix @ (q / np.linalg.norm(q))
+        scores = matrix @ unit
         best: dict[tuple[str, str], tuple[KalosItem, float]] = {}
         for i in np.argsort(-scores, kind="stable"):
             row = with_vectors[i]

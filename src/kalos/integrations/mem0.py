@@ -28,10 +28,19 @@ true top-k of that user's memories and never another user's. ``contains`` / ``ic
 them scores the matching memories of the collection here, exactly, after listing them (slower
 for a large collection, never incomplete); so does a ``top_k`` above the sidecar's ``max_k``.
 
+Dates: mem0 writes ``created_at`` / ``updated_at`` as ISO 8601 text and documents range filters
+on them (``{"created_at": {"gte": "2025-01-01T00:00:00"}}``). A range whose operands are all
+ISO dates compares instants, as Qdrant does (a date or datetime without a zone is UTC): each
+top-level payload value that is an ISO date is stored with its unix seconds beside it (a
+metadata key starting ``__kalos_mem0_date:``, never returned), and the range reads those. A
+memory stored before that (an older kalos-recall) gains them when it is next updated.
+
 Install with ``pip install 'kalos-recall[mem0]'``.
 """
 from __future__ import annotations
 
+import datetime as _dt
+import re
 import sys
 import types
 import uuid
@@ -46,7 +55,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError(f"kalos.integrations.mem0 needs mem0: pip install 'kalos-recall[mem0]' ({exc})") from None
 
 from kalos.client.client import Client, Item
-from kalos.errors import DimensionMismatch, InvalidArgument, UnknownKey
+from kalos.client.requests import as_matrix
+from kalos.errors import DimensionMismatch, InvalidArgument, InvalidQuery, UnknownKey
+from kalos.validation import row_scales
 from kalos.where import compile_where
 
 __all__ = ["KalosMem0", "KalosMem0Config", "OutputData", "mem0_where", "register", "PROVIDER"]
@@ -59,6 +70,38 @@ _OPERATORS = {"eq": "$eq", "ne": "$ne", "gt": "$gt", "gte": "$gte", "lt": "$lt",
 _SUBSTRING = ("contains", "icontains")
 _LOGICAL = {"AND": "AND", "$and": "AND", "OR": "OR", "$or": "OR", "NOT": "NOT", "$not": "NOT"}
 _LIST_PAGE = 1000  # Client.list's largest page
+_RANGES = ("gt", "gte", "lt", "lte")
+#: The metadata key of the unix seconds of an ISO-date payload field (added at insert and
+#: update, never returned): the scan compares numbers, and mem0 writes its dates as ISO text.
+_DATE = "__kalos_mem0_date:"
+# Qdrant's (mem0's default store) test for a datetime range operand, as in its _ISO_DATETIME_RE.
+_ISO_DATETIME = re.compile(r"^\d{4}-\d{2}-\d{2}([T ]\d{2}:\d{2}(:\d{2})?(\.\d+)?(Z|[+-]\d{2}:?\d{2})?)?$")
+
+
+def _iso_seconds(value: Any) -> float | None:
+    """Unix seconds of an ISO 8601 date or datetime string (naive ones read as UTC, as Qdrant
+    reads them), else None."""
+    if not isinstance(value, str) or not _ISO_DATETIME.match(value):
+        return None
+    try:
+        parsed = _dt.datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=_dt.timezone.utc)
+    return parsed.timestamp()
+
+
+def _with_dates(payload: Any) -> Any:
+    """``payload`` as stored: each top-level ISO date value gains its unix seconds beside it."""
+    if not isinstance(payload, dict):
+        return payload
+    dates = {_DATE + k: t for k, v in payload.items() if isinstance(k, str) and (t := _iso_seconds(v)) is not None}
+    return {**payload, **dates} if dates else payload
+
+
+def _without_dates(metadata: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in metadata.items() if not k.startswith(_DATE)}
 
 
 class KalosMem0Config(BaseModel):
@@ -124,6 +167,14 @@ def _field_where(key: str, value: Any) -> dict[str, Any]:
                 raise InvalidArgument(f"mem0 filter: unknown operator {op!r} for {key!r}; known: "
                                       f"{sorted(_OPERATORS) + list(_SUBSTRING)}")
             ops[_OPERATORS[name]] = operand
+        ranges = [(op, operand) for op, operand in value.items() if op.lstrip("$") in _RANGES]
+        seconds = [_iso_seconds(operand) for _, operand in ranges]
+        if ranges and all(t is not None for t in seconds):
+            # A range of ISO dates (mem0's documented form for created_at / updated_at), as
+            # Qdrant reads it: compared as instants, on the seconds stored beside the field.
+            dates = {_OPERATORS[op.lstrip("$")]: t for (op, _), t in zip(ranges, seconds)}
+            rest = {o: v for o, v in ops.items() if o not in dates}
+            return {_DATE + key: dates} if not rest else {"$and": [{key: rest}, {_DATE + key: dates}]}
         return {key: ops}
     if value == "*":
         return {key: {"$exists": True}}
@@ -192,7 +243,7 @@ def _matches(filters: dict[str, Any] | None, payload: dict[str, Any]) -> bool:
 
 
 def _row(item: Item, score: float | None = None) -> OutputData:
-    return OutputData(id=item.key, score=score, payload=dict(item.metadata or {}))
+    return OutputData(id=item.key, score=score, payload=_without_dates(item.metadata or {}))
 
 
 class KalosMem0(VectorStoreBase):
@@ -246,7 +297,7 @@ class KalosMem0(VectorStoreBase):
         if n == 0:
             return
         texts = [p.get("data") if isinstance(p, dict) and isinstance(p.get("data"), str) else None for p in payloads]
-        self.client.add(np.asarray(vectors, np.float32), texts=texts, metadata=list(payloads),
+        self.client.add(np.asarray(vectors, np.float32), texts=texts, metadata=[_with_dates(p) for p in payloads],
                         namespace=self.collection_name, keys=[str(i) for i in ids])
 
     def _query(self, vectors: Any) -> np.ndarray:
@@ -310,6 +361,10 @@ class KalosMem0(VectorStoreBase):
                 return out
 
     def _search_listed(self, query: np.ndarray, k: int, filters: dict | None) -> list[OutputData]:
+        # Refused as a recall refuses it: a NaN or zero query has no direction, and its scores
+        # (all NaN) ordered the rows arbitrarily.
+        row = as_matrix(query, self.client.dim, single=True)
+        unit = row[0].astype(np.float64) * row_scales(row, what="query", error=InvalidQuery)[0]
         items = self._listed(filters)
         if not items:
             return []
@@ -317,8 +372,7 @@ class KalosMem0(VectorStoreBase):
         if not with_vectors:
             return []
         matrix = np.stack([item.vector for item in with_vectors]).astype(np.float64)
-        q = query.astype(np.float64)
-        scores = matrix @ (q / np.linalg.norm(q))
+        scores = matrix @ unit
         order = np.argsort(-scores, kind="stable")[:k]
         return [_row(with_vectors[i], float(scores[i])) for i in order]
 
@@ -331,7 +385,7 @@ class KalosMem0(VectorStoreBase):
         if vector is not None:
             change["vector"] = self._query(vector)
         if payload is not None:
-            change["metadata"] = payload
+            change["metadata"] = _with_dates(payload)
             change["text"] = payload.get("data") if isinstance(payload.get("data"), str) else None
         if change:
             self.client.update(str(vector_id), namespace=self.collection_name, **change)
