@@ -282,3 +282,20 @@ def test_an_explicit_keys_argument_is_never_taken_for_ids():
     # The documented positional form: get([3, 4]) is by id, get(["a"]) by key.
     assert key_or_id_message("get", [3, 4], None, "public")["ids"] == [3, 4]
     assert key_or_id_message("delete", ["a"], None, "public")["keys"] == ["a"]
+
+
+def test_a_client_never_reads_or_deletes_another_namespace_through_keys_of_ints(keyed: Keyed):
+    """Client.get(keys=[id]) and delete(keys=[id]) with the id of another namespace's memory are
+    refused (a key is a str), not served by id; get([id]) and delete(ids=[id]) stay by id."""
+    secret = int(keyed.client.add(np.eye(DIM, dtype=np.float32)[:1], keys=["s"], texts=["the launch code"],
+                                  namespace="secret")[0])
+    for call in (lambda: keyed.client.get(keys=[secret], namespace="public"),
+                 lambda: keyed.client.delete(keys=[secret], namespace="public")):
+        with pytest.raises(InvalidArgument, match=r"keys\[0\] must be a str"):
+            call()
+    assert keyed.client.get(keys=["s"], namespace="secret")[0].text == "the launch code"
+    assert keyed.client.get([secret])[0].text == "the launch code"  # positional ints: ids, as documented
+    assert keyed.client.get(["s"], namespace="secret")[0].id == secret  # positional strs: keys
+    with pytest.raises(InvalidArgument, match="keys given twice"):
+        keyed.client.get(["s"], keys=["s"], namespace="secret")
+    assert keyed.client.delete(["s"], namespace="secret") == 1

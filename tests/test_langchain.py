@@ -31,7 +31,7 @@ from langchain_core.retrievers import BaseRetriever  # noqa: E402
 from langchain_core.vectorstores import InMemoryVectorStore, VectorStore, VectorStoreRetriever  # noqa: E402
 from test_text import FACTS, QUESTIONS, client, minilm, sidecar  # noqa: E402, F401 (shared fixtures)
 
-from kalos import Client, InvalidArgument  # noqa: E402
+from kalos import AsyncClient, Client, InvalidArgument  # noqa: E402
 from kalos.client.embed import DEFAULT_DIM  # noqa: E402
 from kalos.integrations.langchain import KalosRetriever, KalosVectorStore  # noqa: E402
 
@@ -447,6 +447,14 @@ def test_searches_embed_their_query_with_embed_query(sidecar, ns):  # noqa: F811
         retriever = KalosRetriever(client=c, k=1, namespace=ns)
         assert [d.id for d in retriever.invoke("atled")] == ["delta"]
         assert [d.id for d in asyncio.run(retriever.ainvoke("atled"))] == ["delta"]
+        # The client's own text API with that embedder: queries by embed_query too.
+        assert c.recall_text("ahpla", k=1, namespace=ns)[0].text == "alpha"
+
+        async def recall_async() -> str:
+            async with AsyncClient(sidecar.name, timeout=DEADLINE_S, embedder=asym) as ac:
+                return (await ac.recall_text("ammag", k=1, namespace=ns))[0].text
+
+        assert asyncio.run(recall_async()) == "gamma"
 
 
 def test_k_zero_k_past_max_k_and_a_repeated_id_as_in_memory_vector_store(fake_client, fake, ns, rng):

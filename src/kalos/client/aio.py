@@ -44,6 +44,7 @@ from kalos.client.client import (
     _SidecarEmbedder,
     _single_hits,
 )
+from kalos.client.embed import embed_queries
 from kalos.client.requests import TimeLike, check_k, filter_words, recall_request, where_clause, with_where
 from kalos.errors import InvalidArgument, KalosError, SidecarUnavailable, UnknownFilter, error_from_code
 from kalos.ipc.channel import SidecarExited
@@ -679,7 +680,7 @@ class AsyncClient:
                         if not work.cancelled():
                             work.exception()  # (retrieved: the caller hears of its cancellation)
                         raise cancel
-        vectors = await asyncio.to_thread(embedder.embed, texts)
+        vectors = await asyncio.to_thread(embed_queries, embedder, texts)
         batch = await self.recall_many(vectors, k=k, namespace=namespace, since=since, until=until, where=clause)
         hits = [batch[i] for i in range(len(texts))]
         wanted = np.concatenate([h.ids for h in hits])

@@ -531,26 +531,31 @@ class Client:
             ids, _ = blob_array(reply["ids"], reply_blob)
             return ids
 
-    def delete(self, keys: Any = None, ids: Any = None, *, namespace: str | None = "default",
-               where: dict[str, Any] | None = None) -> int:
+    def delete(self, keys_or_ids: Any = None, /, ids: Any = None, *, keys: Any = None,
+               namespace: str | None = "default", where: dict[str, Any] | None = None) -> int:
         """Deletes memories by key (in ``namespace``), by id (ids are global: ``namespace``
         does not apply), or every memory of ``namespace`` (None: of every namespace) whose
         metadata passes ``where`` (see :mod:`kalos.where`; ``{}`` passes every memory); returns
         how many went. Exactly one of keys, ids, where. Unknown keys and ids are ignored. A
         delete by ``where`` is one transaction: after a crash all of its memories are gone or none.
 
-        ``delete([3, 4])``, a first argument of integers, is by id, as before keys existed.
+        ``delete([3, 4])``, a first argument of integers, is by id, as before keys existed; an
+        explicit ``keys=`` is always keys (ids are global: ``keys=[5]`` taken for id 5 would reach
+        past the namespace named).
         """
+        if keys is None and keys_or_ids is not None and not looks_like_ids(keys_or_ids):
+            keys_or_ids, keys = None, keys_or_ids  # (strings: keys, checked as such below)
         if where is not None:
-            if keys is not None or ids is not None:
+            if keys is not None or ids is not None or keys_or_ids is not None:
                 raise InvalidArgument("delete: pass keys, ids or where (one of them), got where and "
                                       + ("keys" if keys is not None else "ids"))
             message: dict[str, Any] = {"op": "delete", "where": compile_where(where).to_dict(),
                                        "namespace": None if namespace is None else check_namespace(namespace)}
         else:
-            if namespace is None and keys is not None and not looks_like_ids(keys):
+            if namespace is None and keys is not None:
                 raise InvalidArgument("delete: keys live in one namespace; namespace=None is for where= only")
-            message = key_or_id_message("delete", keys, ids, "default" if namespace is None else namespace)
+            message = key_or_id_message("delete", keys_or_ids, ids, "default" if namespace is None else namespace,
+                                        keys=keys)
             message.pop("wanted")
         return int(self._control(message)[0]["deleted"])
 
@@ -586,7 +591,8 @@ class Client:
         return int(self._control(message)[0]["count"])
 
     def get(
-        self, keys: Any = None, ids: Any = None, *, namespace: str = "default", with_vectors: bool = False,
+        self, keys_or_ids: Any = None, /, ids: Any = None, *, keys: Any = None, namespace: str = "default",
+        with_vectors: bool = False,
     ) -> list[Item | None]:
         """The stored memories (text, metadata, namespace, created_at, key, updated_at) of ``keys``
         in ``namespace``, or of ``ids`` (global: ``namespace`` does not apply), aligned with
@@ -594,11 +600,13 @@ class Client:
         ``with_vectors=True`` also fills each item's ``vector`` (the stored float32 ``[dim]``,
         normalised at add).
 
-        ``get([3, 4])``, a first argument of integers, is by id, as before keys existed.
+        ``get([3, 4])``, a first argument of integers, is by id, as before keys existed; an
+        explicit ``keys=`` is always keys (ids are global: ``keys=[5]`` taken for id 5 would reach
+        past the namespace named).
         """
         if not isinstance(with_vectors, bool):
             raise InvalidArgument(f"get: with_vectors must be True or False, got {with_vectors!r}")
-        message = key_or_id_message("get", keys, ids, namespace)
+        message = key_or_id_message("get", keys_or_ids, ids, namespace, keys=keys)
         wanted = message.pop("wanted")
         # Each id travels once (the sidecar refuses repeats: each was a full copy in its reply)
         # and the answer is repeated here, where the caller asked for it.
@@ -852,7 +860,9 @@ class Client:
                 fused = _one_round_trip(conn, texts)
             if fused:
                 return self._recall_texts_in_sidecar(texts, int(k), namespace, since, until, clause)
-        vectors = self.embedder.embed(texts)
+        from kalos.client.embed import embed_queries
+
+        vectors = embed_queries(self.embedder, texts)  # (a model may embed queries unlike documents)
         batch = self.recall_many(vectors, k=k, namespace=namespace, since=since, until=until, where=clause)
         hits = [batch[i] for i in range(len(texts))]
         wanted = np.concatenate([h.ids for h in hits]) if hits else np.empty(0, np.int64)
