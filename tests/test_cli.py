@@ -288,3 +288,44 @@ def test_recall_vector_may_start_with_a_negative_number(sidecars, store_dir, run
     result = kalos("recall", "--name", name, "--vector", vector, "-k", "1", "--json")
     assert result.returncode == 0, result.stderr
     assert [h["id"] for h in json.loads(result.stdout)] == [int(ids[0])]
+
+
+# -- the environment and the version ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variable, value, command", [
+    ("KALOS_SLOTS", "abc", ["serve"]),
+    ("KALOS_MAX_K", "-3", ["doctor"]),
+    ("KALOS_CLIENT_SPIN_US", "fast", ["stats"]),
+])
+def test_a_bad_environment_variable_is_a_usage_error_naming_it(monkeypatch, runtime_dir, variable, value, command):
+    monkeypatch.setenv(variable, value)
+    result = kalos(*command)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert result.stderr.startswith("kalos: error:") and variable in result.stderr, result.stderr
+    # --help still works: it has nothing to do with the variable.
+    help_ = kalos(*command, "--help")
+    assert help_.returncode == 0 and help_.stdout.startswith("usage: kalos"), help_.stderr
+
+
+def test_version_is_the_installed_distributions():
+    from importlib.metadata import version
+
+    result = kalos("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"kalos {version('kalos-recall')}"
+
+
+def test_version_from_a_source_tree_that_is_not_installed(monkeypatch):
+    import importlib.metadata
+
+    from kalos import __version__
+    from kalos.tools import cli
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert cli.version().startswith(__version__) and "not installed" in cli.version()

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kalos.config import DEFAULT_GPU_WINDOW_US, GPU_POLLING, default_store_path, settings
+from kalos.config import DEFAULT_GPU_WINDOW_US, GPU_POLLING, Settings, default_store_path, settings
 from kalos.errors import InvalidArgument, KalosError
 from kalos.server.sidecar_embed import EMBED_RUNTIMES
 from kalos.validation import check_keys
@@ -23,13 +23,29 @@ def _add_name(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default="default", help="the sidecar's name on this host (default: %(default)s)")
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    s = settings()
+def version() -> str:
+    """The installed distribution's version; a source tree run without installing has only the
+    package's own ``__version__``, and says so."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("kalos-recall")
+    except PackageNotFoundError:
+        from kalos import __version__
+
+        return f"{__version__} (source tree, not installed)"
+
+
+def _build_parser(s: Settings | None = None) -> argparse.ArgumentParser:
+    """The parser; ``s`` gives the defaults the help shows (default: this process's settings)."""
+    s = settings() if s is None else s
     parser = argparse.ArgumentParser(
         prog="kalos",
         description="Kalos: microsecond memory recall for LLM agents. A sidecar keeps every memory "
         "embedding resident (GPU or CPU) and answers top-k cosine recalls through shared memory.",
     )
+    parser.add_argument("--version", action="version", version=f"kalos {version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser(
@@ -301,8 +317,18 @@ def _glue_negative_values(argv: list[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _build_parser()
+    # A bad KALOS_* variable is reported like any usage error, after parsing, so that --help and
+    # --version still work (their defaults are then the built-in ones).
+    try:
+        bad_env = None
+        parser = _build_parser()
+    except InvalidArgument as exc:
+        bad_env = exc
+        parser = _build_parser(Settings())
     args = parser.parse_args(_glue_negative_values(list(sys.argv[1:] if argv is None else argv)))
+    if bad_env is not None:
+        print(f"kalos: error: {bad_env}", file=sys.stderr)
+        return 2
     if args.command == "serve" and argv is None:
         from kalos.server.blas import settle_blas_threads
 
