@@ -8,6 +8,7 @@ removed); and user errors, which exit 2 with a one-line message and no traceback
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -329,3 +330,42 @@ def test_version_from_a_source_tree_that_is_not_installed(monkeypatch):
 
     monkeypatch.setattr(importlib.metadata, "version", missing)
     assert cli.version().startswith(__version__) and "not installed" in cli.version()
+
+
+# -- --store: a URL of another scheme --------------------------------------------------------------
+
+
+def _run_children_in(monkeypatch, directory):
+    """Child processes start in ``directory`` and still import this kalos (a relative PYTHONPATH
+    such as src would no longer find it there)."""
+    from pathlib import Path
+
+    import kalos as package
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(Path(package.__file__).resolve().parents[1])] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    monkeypatch.chdir(directory)
+
+
+
+@pytest.mark.parametrize("url", ["postgress://u:secret@h/db", "mysql://u@h/db", "sqlite:///tmp/x.db"])
+def test_a_store_url_of_another_scheme_is_refused_and_creates_nothing(monkeypatch, tmp_path, runtime_dir, url):
+    _run_children_in(monkeypatch, tmp_path)
+    for command in ("serve", "doctor"):
+        result = kalos(command, "--store", url, *(["--dim", "4"] if command == "serve" else []))
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"kalos {command}: error: argument --store:"), last
+        assert url.split("://")[0] in last and "postgresql://" in last and "secret" not in last, last
+    assert list(tmp_path.iterdir()) == [], "a store file was created from the URL"
+
+
+def test_open_store_refuses_a_url_of_another_scheme(tmp_path, monkeypatch):
+    from kalos.errors import InvalidArgument
+    from kalos.store.spec import open_store
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidArgument, match="postgresql://"):
+        open_store("postgress://u@h/db", dim=4)
+    assert list(tmp_path.iterdir()) == []

@@ -299,7 +299,11 @@ def _build_parser(s: Settings | None = None) -> argparse.ArgumentParser:
 def _store_arg(text: str) -> Any:
     from kalos.store.spec import store_spec
 
-    return store_spec(text)
+    try:
+        return store_spec(text)
+    except InvalidArgument as exc:
+        # argparse shows the message of this type only (of a ValueError, a generic one).
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _glue_negative_values(argv: list[str]) -> list[str]:
