@@ -369,3 +369,84 @@ def test_open_store_refuses_a_url_of_another_scheme(tmp_path, monkeypatch):
     with pytest.raises(InvalidArgument, match="postgresql://"):
         open_store("postgress://u@h/db", dim=4)
     assert list(tmp_path.iterdir()) == []
+
+
+# -- add: every row checked before anything is sent; what the summary says ------------------------
+
+
+def test_add_of_an_npy_with_a_bad_row_names_the_files_row_and_adds_nothing(sidecars, store_dir, runtime_dir, rng):
+    name = unique_name("nan")
+    sidecars.start(store_dir / "nan.db", name=name, dim=DIM)
+    matrix = rng.standard_normal((6, DIM)).astype(np.float32)
+    matrix[3, 2] = np.nan
+    np.save(store_dir / "nan.npy", matrix)
+    # --batch 2: the first batch would have gone out, and the error named row 1 of the second.
+    assert_user_error(kalos("add", store_dir / "nan.npy", "--name", name, "--batch", "2"), "add",
+                      "nan.npy", "row 3 ", "NaN")
+    matrix[3, 2] = 1.0
+    matrix[4] = 0.0
+    np.save(store_dir / "zero.npy", matrix)
+    assert_user_error(kalos("add", store_dir / "zero.npy", "--name", name, "--batch", "2"), "add",
+                      "zero.npy", "row 4 ", "all zeros")
+    good = json.dumps({"vector": [1.0] * DIM})
+    (store_dir / "nan.jsonl").write_text(good + "\n" + good + '\n{"vector": [NaN' + ", 1" * (DIM - 1) + "]}\n")
+    assert_user_error(kalos("add", store_dir / "nan.jsonl", "--name", name, "--batch", "1"), "add",
+                      "nan.jsonl:3:", "NaN")
+    with Client(name, timeout=10.0) as client:
+        assert client.stats()["count"] == 0, "a failed add stored something"
+
+
+def test_add_says_how_many_memories_it_updated(sidecars, store_dir, runtime_dir, rng):
+    name = unique_name("upd")
+    sidecars.start(store_dir / "upd.db", name=name, dim=DIM)
+    path = store_dir / "keyed.jsonl"
+
+    def write(keys):
+        path.write_text("".join(json.dumps({"vector": rng.standard_normal(DIM).tolist(), "key": k}) + "\n"
+                                for k in keys))
+
+    write(["a", "b", "c"])
+    result = kalos("add", path, "--name", name)
+    assert result.returncode == 0 and result.stdout.strip() == f"added 3 memories from {path}", result
+    write(["a", "b", "d"])
+    result = kalos("add", path, "--name", name)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().startswith("added 1 memories and updated 2 "), result.stdout
+    with Client(name, timeout=10.0) as client:
+        assert client.stats()["count"] == 4
+
+
+# -- arguments checked before any work -------------------------------------------------------------
+
+
+def test_recall_row_outside_the_npy_file(sidecars, store_dir, runtime_dir):
+    np.save(store_dir / "q.npy", np.ones((3, DIM), np.float32))
+    np.save(store_dir / "v.npy", np.ones(DIM, np.float32))
+    # No sidecar is needed to tell: the check comes first.
+    for row in ("7", "3", "-1"):
+        assert_user_error(kalos("recall", "--npy", store_dir / "q.npy", "--row", row), "recall",
+                          f"--row {row}", "3 rows")
+    assert_user_error(kalos("recall", "--npy", store_dir / "v.npy", "--row", "1"), "recall", "--row 1", "1-D")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--n", "0"], "--n must be >= 1"),
+    (["--dim", "-1"], "--dim must be >= 1"),
+    (["-k", "0"], "-k must be >= 1"),
+    (["--e2e-repeats", "5"], "--e2e-repeats must be >= 10"),
+    (["--crowd", "1,2", "--crowd-seconds", "0"], "--crowd-seconds"),
+    (["--crowd", "1,2", "--plot", "x.png"], "--plot"),
+    (["--device", "cuda", "--plot", "x.png"], "--plot"),
+    (["--device", "cuda", "--gpu-sizes", "1024,0"], "--gpu-sizes"),
+])
+def test_bench_refuses_bad_arguments_before_measuring(runtime_dir, args, fragment):
+    assert_user_error(kalos("bench", *args, timeout=20), "bench", fragment)
+
+
+def test_bench_on_cuda_without_a_gpu_says_so(runtime_dir):
+    from kalos.engine import cuda_available
+
+    if cuda_available():
+        pytest.skip("PyTorch sees a CUDA device here")
+    assert_user_error(kalos("bench", "--device", "cuda", timeout=20), "bench", "PyTorch sees no CUDA device")
+    assert_user_error(kalos("bench", "--device", "cuda:x", timeout=20), "bench", "cuda:N")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -415,6 +416,11 @@ def _read_jsonl(path: Path, default_namespace: str,
             if len(vector) != dim:
                 raise InvalidArgument(f"{path}:{number}: \"vector\" has {len(vector)} numbers; the sidecar's store "
                                       f"holds dimension {dim}")
+            # JSON as Python reads it allows NaN and Infinity; refused here, by line, before any add.
+            if not all(math.isfinite(x) for x in vector):
+                raise InvalidArgument(f"{path}:{number}: \"vector\" contains NaN or infinity")
+            if not any(vector):
+                raise InvalidArgument(f"{path}:{number}: \"vector\" is all zeros (no direction to compare by cosine)")
             text, metadata = row.get("text"), row.get("metadata")
             if text is not None and not isinstance(text, str):
                 raise InvalidArgument(f"{path}:{number}: \"text\" must be a string")
@@ -446,6 +452,28 @@ def _load_npy(path: Path) -> np.ndarray:
     return matrix
 
 
+def _check_rows(path: Path, matrix: np.ndarray, dim: int) -> np.ndarray:
+    """The whole matrix as float32, checked before anything is sent: a bad row found by the add
+    of a later batch would leave the earlier batches stored, and be named by its index in that
+    batch. InvalidArgument names the file's row (counting from 0)."""
+    if matrix.shape[1] != dim:
+        raise InvalidArgument(f"{path}: the vectors have dimension {matrix.shape[1]}; the sidecar's store holds "
+                              f"dimension {dim}")
+    if len(matrix) == 0:
+        raise InvalidArgument(f"{path} holds no rows")
+    with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf, reported below
+        matrix = np.ascontiguousarray(matrix, dtype=np.float32)
+    bad = np.flatnonzero(~np.isfinite(matrix).all(axis=1))
+    if len(bad):
+        raise InvalidArgument(f"{path}: row {bad[0]} (counting from 0) contains NaN or infinity"
+                              + (f", as do {len(bad) - 1} more rows" if len(bad) > 1 else "") + "; nothing was added")
+    zero = np.flatnonzero(~matrix.any(axis=1))
+    if len(zero):
+        raise InvalidArgument(f"{path}: row {zero[0]} (counting from 0) is all zeros (no direction to compare by "
+                              "cosine); nothing was added")
+    return matrix
+
+
 def _add(args: argparse.Namespace) -> int:
     from kalos.client.client import Client
 
@@ -458,13 +486,14 @@ def _add(args: argparse.Namespace) -> int:
     if not args.file.exists():
         raise InvalidArgument(f"{args.file} does not exist")
     with Client(args.name) as client:
-        total = 0
+        added = updated = 0
         if args.file.suffix == ".npy":
             matrix = _load_npy(args.file)
             if matrix.ndim == 1:
                 matrix = matrix[None, :]
+            matrix = _check_rows(args.file, matrix, client.dim)
             for start in range(0, len(matrix), args.batch):
-                total += len(client.add(matrix[start : start + args.batch], namespace=args.namespace, ttl=args.ttl))
+                added += len(client.add(matrix[start : start + args.batch], namespace=args.namespace, ttl=args.ttl))
         else:
             for namespace, all_rows in _read_jsonl(args.file, args.namespace, client.dim).items():
                 # One add carries keys for all its rows or none: keyed and unkeyed rows apart.
@@ -473,9 +502,15 @@ def _add(args: argparse.Namespace) -> int:
                         chunk = rows[start : start + args.batch]
                         vectors = np.asarray([r[0] for r in chunk], dtype=np.float32)  # rows checked by _read_jsonl
                         keys = None if chunk[0][3] is None else [r[3] for r in chunk]
-                        total += len(client.add(vectors, texts=[r[1] for r in chunk], metadata=[r[2] for r in chunk],
-                                                namespace=namespace, keys=keys, ttl=args.ttl))
-    print(f"added {total} memories from {args.file}")
+                        # An upsert keeps the id of the memory it replaces: only a look-up tells
+                        # "updated" from "added", for the summary.
+                        there = 0 if keys is None else sum(
+                            item is not None for item in client.get(keys=keys, namespace=namespace))
+                        n = len(client.add(vectors, texts=[r[1] for r in chunk], metadata=[r[2] for r in chunk],
+                                           namespace=namespace, keys=keys, ttl=args.ttl))
+                        added, updated = added + n - there, updated + there
+    print(f"added {added} memories" + (f" and updated {updated} (their keys were stored already)" if updated else "")
+          + f" from {args.file}")
     return 0
 
 
@@ -493,6 +528,10 @@ def _recall(args: argparse.Namespace) -> int:
             raise InvalidArgument(f"--vector must be comma-separated numbers, got {args.vector!r}") from None
     else:
         matrix = _load_npy(args.npy)
+        if matrix.ndim == 2 and not 0 <= args.row < len(matrix):
+            raise InvalidArgument(f"--row {args.row}: {args.npy} has {len(matrix)} rows (0 to {len(matrix) - 1})")
+        if matrix.ndim == 1 and args.row != 0:
+            raise InvalidArgument(f"--row {args.row}: {args.npy} holds one vector (1-D), not a matrix")
         vector = matrix if matrix.ndim == 1 else matrix[args.row]
     if args.store is not None:
         return _recall_on_server(args, vector)
@@ -668,7 +707,37 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _positive_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise InvalidArgument(f"{flag} takes comma-separated whole numbers >= 1, got {text!r}")
+    return values
+
+
+def _check_bench_args(args: argparse.Namespace) -> None:
+    """Refuses what would fail only after minutes of measuring (or be silently ignored)."""
+    for flag, value, least in (("--n", args.n, 1), ("--dim", args.dim, 1), ("-k", args.k, 1),
+                               ("--repeats", args.repeats, 1), ("--cold", args.cold, 1),
+                               ("--e2e-repeats", args.e2e_repeats, 10)):  # timed in 10 rounds of a tenth each
+        if value < least:
+            raise InvalidArgument(f"{flag} must be >= {least}, got {value}")
+    if args.crowd and args.crowd_seconds <= 0:
+        raise InvalidArgument(f"--crowd-seconds must be > 0, got {args.crowd_seconds:g}")
+    gpu = args.device.startswith("cuda")
+    if gpu and not args.crowd:
+        _positive_list(args.gpu_sizes, "--gpu-sizes")
+        _positive_list(args.batches, "--batches")
+    if args.plot is not None and (args.crowd or gpu):
+        raise InvalidArgument("--plot draws the CPU suite's latency CDFs only; "
+                              + ("--crowd" if args.crowd else "the GPU suite (--device cuda)")
+                              + " draws none: drop --plot (--json FILE keeps the figures)")
+
+
 def _bench(args: argparse.Namespace) -> int:
+    _check_bench_args(args)
     if args.crowd:
         from kalos.tools.crowd import run_crowd
 
