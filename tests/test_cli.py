@@ -242,6 +242,7 @@ def test_bad_recall_arguments(sidecars, store_dir, runtime_dir):
     # A namespace that never held a memory holds nothing: no hits, not an error (issue 22).
     empty = kalos("recall", "--name", name, "--vector", ",".join(["1"] * DIM), "--namespace", "zz")
     assert empty.returncode == 0 and "no memories matched" in empty.stdout and not empty.stderr, empty
+    assert "'zz' holds no memories" in empty.stdout and f"'default' ({DIM})" in empty.stdout, empty.stdout
 
 
 def test_recall_from_a_missing_npy_file(sidecars, store_dir, runtime_dir):
@@ -450,3 +451,29 @@ def test_bench_on_cuda_without_a_gpu_says_so(runtime_dir):
         pytest.skip("PyTorch sees a CUDA device here")
     assert_user_error(kalos("bench", "--device", "cuda", timeout=20), "bench", "PyTorch sees no CUDA device")
     assert_user_error(kalos("bench", "--device", "cuda:x", timeout=20), "bench", "cuda:N")
+
+
+def test_a_recall_of_an_empty_namespace_says_which_namespaces_hold_memories(sidecars, store_dir, runtime_dir, rng):
+    name = unique_name("ns")
+    sidecars.start(store_dir / "ns.db", name=name, dim=DIM)
+    vectors = rng.standard_normal((5, DIM)).astype(np.float32)
+    with Client(name, timeout=10.0) as client:
+        client.add(vectors[:3], namespace="kalos-demo-pydoc")
+        client.add(vectors[3:], namespace="notes")
+    query = ",".join(f"{x:.6f}" for x in vectors[0])
+    result = kalos("recall", "--name", name, f"--vector={query}")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.strip()
+    assert out.startswith("no memories matched: namespace 'default' holds no memories"), out
+    assert "'kalos-demo-pydoc' (3), 'notes' (2)" in out, out
+    assert "--namespace kalos-demo-pydoc" in out and "--all-namespaces" in out, out
+    # What the hint says works.
+    for flags in (["--namespace", "kalos-demo-pydoc"], ["--all-namespaces"]):
+        hits = kalos("recall", "--name", name, f"--vector={query}", "-k", "1", "--json", *flags)
+        assert hits.returncode == 0 and len(json.loads(hits.stdout)) == 1, hits
+    # JSON stays JSON: the hint goes to stderr.
+    result = kalos("recall", "--name", name, f"--vector={query}", "--json")
+    assert json.loads(result.stdout) == [] and "--all-namespaces" in result.stderr, result
+    # An empty time window in a namespace that holds memories: no hint, nothing to suggest.
+    result = kalos("recall", "--name", name, f"--vector={query}", "--namespace", "notes", "--until", "1")
+    assert result.stdout.strip() == "no memories matched", result.stdout

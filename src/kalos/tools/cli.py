@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -233,13 +234,15 @@ def _build_parser(s: Settings | None = None) -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo", help="start (or find) a sidecar on the default store and run a demo client",
         description="Start a sidecar on the default store (or use the running one), store Python's own help texts "
-        "(pydoc_data.topics, about 800 passages) once, embedded with the default embedder, then run an agent-style "
+        "(pydoc_data.topics, about 650 passages) once, into the namespace kalos-demo-pydoc, embedded with the default embedder, then run an agent-style "
         "loop of recall_text over questions, print what was recalled and the latency percentiles of the recall "
         "alone, the embedding alone and both together. A second run finds the passages in the store and skips the "
         "embedding. Without pip install 'kalos-recall[embed]' (or with --synthetic) it runs on synthetic vectors instead.",
     )
     _add_name(demo)
-    demo.add_argument("--store", type=Path, default=None, help=f"store to serve if no sidecar runs (default: {default_store_path()})")
+    demo.add_argument("--store", type=Path, default=None,
+                      help=f"store to serve if no sidecar runs (default: {default_store_path()}); refused if the "
+                      "running sidecar serves another (then pass --name too, for a sidecar of the demo's own)")
     demo.add_argument("--memories", type=int, default=20000,
                       help="synthetic demo: memories to add on first run (default: %(default)s)")
     demo.add_argument("--recalls", type=int, default=2000, help="vector recalls to time (default: %(default)s)")
@@ -540,11 +543,12 @@ def _recall(args: argparse.Namespace) -> int:
         hits = client.recall(vector, k=args.k, namespace=None if args.all_namespaces else args.namespace,
                              since=args.since, until=args.until, where=where)
         items = client.get(hits.ids) if len(hits) else []
+        hint = None if len(hits) else _empty_namespace_hint(args, client.stats()["namespaces"])
     rows = [
         {"id": int(i), "score": float(s), "namespace": it.namespace if it else None, "text": it.text if it else None}
         for (i, s), it in zip(hits, items)
     ]
-    return _print_hits(rows, as_json=args.json)
+    return _print_hits(rows, as_json=args.json, hint=hint)
 
 
 def _recall_on_server(args: argparse.Namespace, vector: np.ndarray) -> int:
@@ -561,22 +565,38 @@ def _recall_on_server(args: argparse.Namespace, vector: np.ndarray) -> int:
         hits = store.search(np.asarray(vector, dtype=np.float32), args.k,
                             None if args.all_namespaces else args.namespace)
         items = store.get([i for i, _ in hits]) if hits else []
+        hint = None if hits else _empty_namespace_hint(args, store.namespace_counts())
     rows = [
         {"id": i, "score": s, "namespace": it.namespace if it else None, "text": it.text if it else None}
         for (i, s), it in zip(hits, items)
     ]
-    return _print_hits(rows, as_json=args.json)
+    return _print_hits(rows, as_json=args.json, hint=hint)
 
 
-def _print_hits(rows: list[dict[str, Any]], *, as_json: bool) -> int:
+def _empty_namespace_hint(args: argparse.Namespace, counts: dict[str, int]) -> str | None:
+    """When a recall found nothing because its namespace is empty while others hold memories
+    (``kalos demo`` stores into its own), which ones do, and the flags that search them."""
+    if args.all_namespaces or counts.get(args.namespace, 0):
+        return None
+    held = sorted(((n, c) for n, c in counts.items() if c), key=lambda nc: (-nc[1], nc[0]))
+    if not held:
+        return None
+    shown = ", ".join(f"{n!r} ({c:,})" for n, c in held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+    return (f"namespace {args.namespace!r} holds no memories; these do: {shown}. Search one with "
+            f"--namespace {shlex.quote(held[0][0])}, or every one with --all-namespaces")
+
+
+def _print_hits(rows: list[dict[str, Any]], *, as_json: bool, hint: str | None = None) -> int:
     if as_json:
         print(json.dumps(rows, indent=2, ensure_ascii=False))
+        if hint:  # stdout stays JSON
+            print(hint, file=sys.stderr)
         return 0
     for row in rows:
         text = (row["text"] or "").replace("\n", " ")
         print(f"{row['id']:>10}  {row['score']:.4f}  [{row['namespace']}]  {text[:100]}")
     if not rows:
-        print("no memories matched")
+        print("no memories matched" + (f": {hint}" if hint else ""))
     return 0
 
 
@@ -588,9 +608,10 @@ def _recall_text(args: argparse.Namespace) -> int:
     with Client(args.name) as client, load_progress(sys.stderr):  # the model's load takes seconds: show it
         hits = client.recall_text(args.text, k=args.k, namespace=None if args.all_namespaces else args.namespace,
                                   since=args.since, until=args.until, where=where)
+        hint = None if hits else _empty_namespace_hint(args, client.stats()["namespaces"])
     rows = [{"id": h.id, "score": h.score, "namespace": h.namespace, "text": h.text, "metadata": h.metadata,
              "created_at": h.created_at} for h in hits]
-    return _print_hits(rows, as_json=args.json)
+    return _print_hits(rows, as_json=args.json, hint=hint)
 
 
 def _import(args: argparse.Namespace) -> int:
