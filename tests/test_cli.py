@@ -48,7 +48,7 @@ HELP = {
               "--spin-us", "--seed-compat", "--seed-compat-shm", "--log-level"],
     "add": ["file", "--name", "--namespace", "--batch"],
     "import": ["file", "--name", "--format", "--text-column", "--vector-column", "--metadata-column",
-               "--metadata-fields", "--namespace-column", "--namespace", "--batch", "--resume", "--restart",
+               "--metadata-fields", "--namespace-column", "--key-column", "--namespace", "--batch", "--resume", "--restart",
                "--validate-only", "--json"],
     "recall": ["--vector", "--npy", "--text", "--row", "--name", "-k", "--namespace", "--all-namespaces", "--since",
                "--until", "--json"],

@@ -139,7 +139,8 @@ def _build_parser(s: Settings | None = None) -> argparse.ArgumentParser:
         "resumable)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Import memories from FILE: one row per memory with a text column and, optionally, a vector, "
-        "a metadata object and a namespace column (the options below name them).\n"
+        "a metadata object, a namespace and a key column (the options below name them; other columns are "
+        "ignored unless --metadata-fields names them).\n"
         "A plain .txt file is one memory per line (blank lines skipped). CSV and JSONL may begin with a UTF-8 "
         "byte-order mark.\n"
         "Rows without a vector are embedded by the sidecar, in batches, with its embedder (all-MiniLM-L6-v2, "
@@ -167,6 +168,9 @@ def _build_parser(s: Settings | None = None) -> argparse.ArgumentParser:
                      help="comma-separated plain columns to fold into each row's metadata (default: none)")
     imp.add_argument("--namespace-column", default="namespace",
                      help="column naming the row's namespace (default: %(default)s)")
+    imp.add_argument("--key-column", default="key",
+                     help="column holding the row's key (its own id, unique in its namespace): a key the namespace "
+                     "already holds replaces that memory, as kalos add does (default: %(default)s)")
     imp.add_argument("--namespace", default="default", help="namespace for rows that name none (default: %(default)s)")
     imp.add_argument("--batch", type=int, default=1000, help="rows per transaction (default: %(default)s)")
     again = imp.add_mutually_exclusive_group()
@@ -622,7 +626,7 @@ def _import(args: argparse.Namespace) -> int:
         raise InvalidArgument("--batch must be >= 1")
     columns = Columns(
         text=args.text_column, vector=args.vector_column, metadata=args.metadata_column,
-        namespace=args.namespace_column,
+        namespace=args.namespace_column, key=args.key_column,
         metadata_fields=tuple(f.strip() for f in args.metadata_fields.split(",") if f.strip()),
     )
     with Client(args.name) as client:
