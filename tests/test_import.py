@@ -498,3 +498,28 @@ def test_an_interrupted_keyed_batch_is_added_again_on_resume(client, ns, tmp_pat
     summary = import_file(client, path, resume=True, progress=None)
     assert summary.imported == 3 and count(client, ns) == 3
     assert [it.text for it in client.get(keys=["k0", "k1", "k2"], namespace=ns)] == ["row 0", "row 1", "row 2"]
+
+
+def test_an_interrupted_import_says_how_far_it_got_and_how_to_resume(sidecar, client, ns, tmp_path, rng,
+                                                                      monkeypatch, capsys):
+    from kalos.tools import cli
+    from kalos.tools.importer import ImportInterrupted
+
+    vectors = unit(rng, 10)
+    path = write_jsonl(tmp_path / "ten.jsonl", [
+        {"text": f"row {i}", "vector": vectors[i].tolist(), "namespace": ns} for i in range(10)
+    ])
+    with pytest.raises(ImportInterrupted) as caught:
+        import_file(Interrupting(client, at=3, when="before"), path, batch=3, progress=None)
+    assert (caught.value.committed, caught.value.rows) == (6, 10)
+    assert caught.value.progress_file == progress_path(path) and count(client, ns) == 6
+
+    import kalos.tools.importer
+
+    def interrupted(*args, **kwargs):
+        raise ImportInterrupted(6, 10, progress_path(path))
+
+    monkeypatch.setattr(kalos.tools.importer, "import_file", interrupted)
+    assert cli.main(["import", str(path), "--name", sidecar.name, "--resume"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted after 6 of 10 rows" in err and "--resume" in err, err

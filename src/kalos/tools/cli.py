@@ -620,7 +620,7 @@ def _recall_text(args: argparse.Namespace) -> int:
 
 def _import(args: argparse.Namespace) -> int:
     from kalos.client.client import Client
-    from kalos.tools.importer import Columns, import_file, validate_file
+    from kalos.tools.importer import Columns, ImportInterrupted, import_file, validate_file
 
     if args.batch < 1:
         raise InvalidArgument("--batch must be >= 1")
@@ -636,11 +636,16 @@ def _import(args: argparse.Namespace) -> int:
             print(f"{args.file}: {report.rows:,} rows are valid ({report.to_embed:,} to embed); namespaces: "
                   + ", ".join(f"{k} {v:,}" for k, v in sorted(report.namespaces.items())))
             return 0
-        summary = import_file(
-            client, args.file, fmt=args.format, columns=columns, default_namespace=args.namespace,
-            batch=args.batch, resume=args.resume, restart=args.restart, progress_file=args.progress_file,
-            progress=None if args.quiet else sys.stderr, max_errors=args.max_errors,
-        )
+        try:
+            summary = import_file(
+                client, args.file, fmt=args.format, columns=columns, default_namespace=args.namespace,
+                batch=args.batch, resume=args.resume, restart=args.restart, progress_file=args.progress_file,
+                progress=None if args.quiet else sys.stderr, max_errors=args.max_errors,
+            )
+        except ImportInterrupted as exc:
+            print(f"kalos import: interrupted after {exc.committed:,} of {exc.rows:,} rows (recorded in "
+                  f"{exc.progress_file}); rerun with --resume to import the rest", file=sys.stderr)
+            return 130
     if args.json:
         import dataclasses
 

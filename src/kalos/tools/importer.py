@@ -46,6 +46,7 @@ from kalos.validation import check_keys, check_namespace  # the store's own rule
 
 __all__ = [
     "Columns",
+    "ImportInterrupted",
     "ImportSummary",
     "ImportValidationError",
     "ValidationReport",
@@ -78,6 +79,15 @@ class ImportValidationError(InvalidArgument):
         super().__init__(message)
         self.errors = errors
         self.total_errors = total_errors
+
+
+class ImportInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGINT) during the adds: ``committed`` of ``rows`` rows are stored and recorded
+    in ``progress_file``, so ``resume=True`` (``--resume``) imports the rest."""
+
+    def __init__(self, committed: int, rows: int, progress_file: Path) -> None:
+        super().__init__(f"interrupted after {committed:,} of {rows:,} rows")
+        self.committed, self.rows, self.progress_file = committed, rows, progress_file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -639,6 +649,10 @@ def import_file(
                     flush(bar)
             if pending_rows:
                 flush(bar)
+        except KeyboardInterrupt as exc:
+            # The caller is told how far it got (a batch interrupted mid-add is settled by the
+            # pending record on resume).
+            raise ImportInterrupted(committed, report.rows, where) from exc
         finally:
             bar.close()
     return ImportSummary(
