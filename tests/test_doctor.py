@@ -247,3 +247,56 @@ def test_an_install_without_the_native_scores_is_told_what_it_costs(monkeypatch)
     monkeypatch.setattr(numpy_engine, "_dots", None)
     finding = check_cpu_scores()
     assert finding.status == NOTE and "not built" in finding.message and "C compiler" in finding.fix
+
+
+# -- the fixes suggested for a store that is not one ---------------------------------------------
+
+
+def _store_and_sidecar(store) -> list:
+    from kalos.tools.doctor import check_all
+
+    findings = check_all("doc-none", store, smi=None, torch=None)
+    return [f for f in findings if f.area in ("store", "sidecar")]
+
+
+def _all_text(findings) -> str:
+    return "\n".join(f"{f.message} {f.fix or ''}" for f in findings)
+
+
+def test_a_directory_as_store_is_named_as_such_without_chmod_or_serve(runtime_dir, tmp_path):
+    directory = tmp_path / "stores"
+    directory.mkdir(mode=0o755)
+    findings = _store_and_sidecar(directory)
+    problems = [f for f in findings if f.status == PROBLEM]
+    assert len(problems) == 1 and "is a directory" in problems[0].message, findings
+    assert str(directory / "memories.db") in problems[0].fix
+    text = _all_text(findings)
+    assert "chmod" not in text and "kalos serve" not in text, text
+
+
+def test_a_foreign_file_is_not_offered_chmod_or_serve(runtime_dir, tmp_path):
+    bogus = tmp_path / "notes.txt"
+    bogus.write_text("hello\n")
+    os.chmod(bogus, 0o644)
+    findings = _store_and_sidecar(bogus)
+    problems = [f for f in findings if f.status == PROBLEM]
+    assert len(problems) == 1 and "not a Kalos store" in problems[0].message, findings
+    assert "--store NEW.db --dim 384" in problems[0].fix
+    text = _all_text(findings)
+    assert "chmod" not in text and f"--store {bogus}" not in text, text
+
+
+def test_a_missing_store_still_gets_the_serve_command(runtime_dir, tmp_path):
+    findings = _store_and_sidecar(tmp_path / "fresh.db")
+    [sidecar] = [f for f in findings if f.area == "sidecar"]
+    assert sidecar.fix is not None and "kalos serve" in sidecar.fix and "--dim 384" in sidecar.fix
+
+
+def test_a_postgres_store_without_the_driver_names_the_install(monkeypatch):
+    from kalos.store import postgres
+    from kalos.tools.doctor import check_pg_store
+
+    monkeypatch.setattr(postgres, "psycopg", None)
+    [finding], dim = check_pg_store("postgresql://u:secret@db.example/mem")
+    assert finding.status == PROBLEM and dim is None
+    assert finding.fix == "pip install 'kalos-recall[postgres]'" and "secret" not in finding.message

@@ -428,3 +428,98 @@ def test_resuming_a_finished_import_does_not_load_the_model(client, ns, tmp_path
     summary = import_file(NoEmbedder(client), path, resume=True, progress=None)
     assert (summary.imported, summary.skipped, summary.load_seconds) == (0, 3, 0.0)
     assert count(client, ns) == 3
+
+
+# -- keys: an upsert, as kalos add does ---------------------------------------------------------
+
+
+def test_a_key_column_upserts_by_key(client, ns, tmp_path, rng):
+    vectors = unit(rng, 4)
+    first = write_jsonl(tmp_path / "v1.jsonl", [
+        {"text": "lives in Paris", "vector": vectors[0].tolist(), "key": "home", "namespace": ns},
+        {"text": "prefers window seats", "vector": vectors[1].tolist(), "key": "seat", "namespace": ns},
+        {"text": "no key: a plain add", "vector": vectors[2].tolist(), "namespace": ns},
+    ])
+    summary = import_file(client, first, batch=2, progress=None)
+    assert summary.imported == 3 and count(client, ns) == 3
+    home_id = client.get(keys=["home"], namespace=ns)[0].id
+    second = write_jsonl(tmp_path / "v2.jsonl", [
+        {"text": "moved to Berlin", "vector": vectors[3].tolist(), "key": "home", "namespace": ns},
+    ])
+    import_file(client, second, progress=None)
+    home, seat = client.get(keys=["home", "seat"], namespace=ns)
+    assert home.text == "moved to Berlin" and home.id == home_id and home.updated_at is not None
+    assert seat.text == "prefers window seats"
+    assert count(client, ns) == 3, "the key's row was added beside the old one"
+
+
+def test_a_key_column_in_csv_with_a_custom_name(client, ns, tmp_path):
+    path = tmp_path / "keyed.csv"
+    path.write_text("id,text\nk1,The staging cluster runs in eu-west-1.\n,Backups are kept for thirty days.\n")
+    import_file(client, path, columns=Columns(key="id"), default_namespace=ns, progress=None)
+    [item] = client.get(keys=["k1"], namespace=ns)
+    assert item is not None and item.text.startswith("The staging cluster") and item.key == "k1"
+    assert count(client, ns) == 2
+
+
+def test_bad_and_repeated_keys_are_listed_by_line_and_nothing_is_imported(client, ns, tmp_path, rng):
+    vectors = unit(rng, 4)
+    path = write_jsonl(tmp_path / "badkeys.jsonl", [
+        {"text": "a", "vector": vectors[0].tolist(), "key": "a", "namespace": ns},
+        {"text": "b", "vector": vectors[1].tolist(), "key": 7, "namespace": ns},
+        {"text": "c", "vector": vectors[2].tolist(), "key": "", "namespace": ns},
+        {"text": "d", "vector": vectors[3].tolist(), "key": "a", "namespace": ns},
+        {"text": "e", "vector": vectors[3].tolist(), "key": "a", "namespace": ns + "-other"},  # another namespace: fine
+    ])
+    with pytest.raises(ImportValidationError) as caught:
+        import_file(client, path, progress=None)
+    where = [w for w, _ in caught.value.errors]
+    assert where == ["line 2", "line 3", "line 4"], caught.value.errors
+    assert "also on line 1" in caught.value.errors[2][1]
+    assert count(client, ns) == 0 and count(client, ns + "-other") == 0
+
+
+def test_an_interrupted_keyed_batch_is_added_again_on_resume(client, ns, tmp_path, rng):
+    """A keyed batch left pending (killed between the commit and the progress write) cannot be
+    told committed by the namespace's count (an upsert may not grow it): it is sent again."""
+    vectors = unit(rng, 3)
+    client.add(vectors[:1], keys=["k0"], namespace=ns, texts=["old"])
+    path = write_jsonl(tmp_path / "pending.jsonl", [
+        {"text": f"row {i}", "vector": vectors[i].tolist(), "key": f"k{i}", "namespace": ns} for i in range(3)
+    ])
+    import_file(client, path, progress=None)
+    where = progress_path(path)
+    document = json.loads(where.read_text())
+    record = document["imports"][client.stats()["store"]]
+    # As if killed after the add committed and before the progress said so.
+    record["committed"], record["pending"] = 0, {"start": 0, "stop": 3, "namespace": ns, "count_before": 1,
+                                                 "keyed": True}
+    where.write_text(json.dumps(document))
+    summary = import_file(client, path, resume=True, progress=None)
+    assert summary.imported == 3 and count(client, ns) == 3
+    assert [it.text for it in client.get(keys=["k0", "k1", "k2"], namespace=ns)] == ["row 0", "row 1", "row 2"]
+
+
+def test_an_interrupted_import_says_how_far_it_got_and_how_to_resume(sidecar, client, ns, tmp_path, rng,
+                                                                      monkeypatch, capsys):
+    from kalos.tools import cli
+    from kalos.tools.importer import ImportInterrupted
+
+    vectors = unit(rng, 10)
+    path = write_jsonl(tmp_path / "ten.jsonl", [
+        {"text": f"row {i}", "vector": vectors[i].tolist(), "namespace": ns} for i in range(10)
+    ])
+    with pytest.raises(ImportInterrupted) as caught:
+        import_file(Interrupting(client, at=3, when="before"), path, batch=3, progress=None)
+    assert (caught.value.committed, caught.value.rows) == (6, 10)
+    assert caught.value.progress_file == progress_path(path) and count(client, ns) == 6
+
+    import kalos.tools.importer
+
+    def interrupted(*args, **kwargs):
+        raise ImportInterrupted(6, 10, progress_path(path))
+
+    monkeypatch.setattr(kalos.tools.importer, "import_file", interrupted)
+    assert cli.main(["import", str(path), "--name", sidecar.name, "--resume"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted after 6 of 10 rows" in err and "--resume" in err, err

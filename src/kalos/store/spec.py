@@ -6,6 +6,7 @@ place that tells the two kinds apart, so the SQLite path stays free of PostgreSQ
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Union
 
@@ -24,8 +25,31 @@ def is_store_url(spec: Any) -> bool:
     return is_postgres_url(spec if isinstance(spec, str) else None)
 
 
+# Any URL scheme (RFC 3986: a letter, then letters, digits, + - .) followed by "://".
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_ACCEPTED_SCHEMES = ("postgresql", "postgres")
+
+
+def _refuse_other_schemes(spec: Any) -> None:
+    """InvalidArgument for a string that looks like a URL of another scheme: taken as a path it
+    would become a SQLite file named after the URL (``postgress://u@h/db`` -> ./postgress:/u@h/db)."""
+    if not isinstance(spec, str) or is_store_url(spec):
+        return
+    match = _SCHEME.match(spec)
+    if match:
+        from kalos.errors import InvalidArgument
+        from kalos.store.postgres import mask_url
+
+        raise InvalidArgument(
+            f"store {mask_url(spec)!r} has the URL scheme {match.group(1)!r}; a store is a SQLite file path or a "
+            f"URL of scheme {' or '.join(s + '://' for s in _ACCEPTED_SCHEMES)}"
+        )
+
+
 def store_spec(text: str) -> StoreSpec:
-    """The CLI's ``--store`` value: a URL stays a string (Path would fold its ``//``), else a Path."""
+    """The CLI's ``--store`` value: a URL stays a string (Path would fold its ``//``), else a Path.
+    InvalidArgument for a URL of a scheme other than postgresql/postgres."""
+    _refuse_other_schemes(text)
     return text if is_store_url(text) else Path(text)
 
 
@@ -39,7 +63,9 @@ def describe_store(spec: StoreSpec) -> str:
 
 
 def open_store(spec: StoreSpec, *, dim: int | None = None, readonly: bool = False) -> Any:
-    """A :class:`kalos.store.sqlite.Store` for a path, a :class:`kalos.store.postgres.PostgresStore` for a URL."""
+    """A :class:`kalos.store.sqlite.Store` for a path, a :class:`kalos.store.postgres.PostgresStore` for a URL.
+    InvalidArgument for a URL of another scheme (nothing is created)."""
+    _refuse_other_schemes(spec)
     if is_store_url(spec):
         from kalos.store.postgres import PostgresStore
 

@@ -103,7 +103,26 @@ def _row(rows: list[dict[str, Any]], path: str, n: int, batch: int, samples: lis
           + (f"  floor {floor_us:.0f} us" if floor_us else ""), flush=True)
 
 
+def check_gpu_device(device: str) -> None:
+    """InvalidArgument unless ``device`` is one CUDA device that PyTorch sees, in the words
+    ``kalos serve --device`` uses (the suite measures one GPU; a CPU-only torch has no
+    ``torch.cuda`` to set a device on)."""
+    from kalos.engine import cuda_available
+
+    if device != "cuda" and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise InvalidArgument(f"the GPU suite measures one device, cuda or cuda:N; got --device {device!r}")
+    try:
+        import torch
+    except ImportError:
+        raise InvalidArgument(f"device {device!r} needs PyTorch with CUDA (pip install 'kalos-recall[gpu]')") from None
+    if not cuda_available():
+        raise InvalidArgument(f"device {device!r}: PyTorch sees no CUDA device")
+    if device != "cuda" and int(device[5:]) >= torch.cuda.device_count():
+        raise InvalidArgument(f"device {device!r}: PyTorch sees {torch.cuda.device_count()} CUDA device(s)")
+
+
 def run_gpu_bench(args: argparse.Namespace) -> int:
+    check_gpu_device(args.device)
     import torch
 
     from kalos.engine.gpu import TorchEngine

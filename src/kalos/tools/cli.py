@@ -4,15 +4,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from kalos.config import DEFAULT_GPU_WINDOW_US, GPU_POLLING, default_store_path, settings
-from kalos.errors import InvalidArgument, KalosError
+from kalos.config import DEFAULT_GPU_WINDOW_US, GPU_POLLING, Settings, default_store_path, settings
+from kalos.errors import DimensionMismatch, EmbedderUnavailable, InvalidArgument, KalosError
 from kalos.server.sidecar_embed import EMBED_RUNTIMES
 from kalos.validation import check_keys
 
@@ -23,13 +25,29 @@ def _add_name(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default="default", help="the sidecar's name on this host (default: %(default)s)")
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    s = settings()
+def version() -> str:
+    """The installed distribution's version; a source tree run without installing has only the
+    package's own ``__version__``, and says so."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("kalos-recall")
+    except PackageNotFoundError:
+        from kalos import __version__
+
+        return f"{__version__} (source tree, not installed)"
+
+
+def _build_parser(s: Settings | None = None) -> argparse.ArgumentParser:
+    """The parser; ``s`` gives the defaults the help shows (default: this process's settings)."""
+    s = settings() if s is None else s
     parser = argparse.ArgumentParser(
         prog="kalos",
         description="Kalos: microsecond memory recall for LLM agents. A sidecar keeps every memory "
         "embedding resident (GPU or CPU) and answers top-k cosine recalls through shared memory.",
     )
+    parser.add_argument("--version", action="version", version=f"kalos {version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser(
@@ -121,7 +139,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "resumable)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Import memories from FILE: one row per memory with a text column and, optionally, a vector, "
-        "a metadata object and a namespace column (the options below name them).\n"
+        "a metadata object, a namespace and a key column (the options below name them; other columns are "
+        "ignored unless --metadata-fields names them).\n"
         "A plain .txt file is one memory per line (blank lines skipped). CSV and JSONL may begin with a UTF-8 "
         "byte-order mark.\n"
         "Rows without a vector are embedded by the sidecar, in batches, with its embedder (all-MiniLM-L6-v2, "
@@ -149,6 +168,9 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="comma-separated plain columns to fold into each row's metadata (default: none)")
     imp.add_argument("--namespace-column", default="namespace",
                      help="column naming the row's namespace (default: %(default)s)")
+    imp.add_argument("--key-column", default="key",
+                     help="column holding the row's key (its own id, unique in its namespace): a key the namespace "
+                     "already holds replaces that memory, as kalos add does (default: %(default)s)")
     imp.add_argument("--namespace", default="default", help="namespace for rows that name none (default: %(default)s)")
     imp.add_argument("--batch", type=int, default=1000, help="rows per transaction (default: %(default)s)")
     again = imp.add_mutually_exclusive_group()
@@ -216,13 +238,15 @@ def _build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo", help="start (or find) a sidecar on the default store and run a demo client",
         description="Start a sidecar on the default store (or use the running one), store Python's own help texts "
-        "(pydoc_data.topics, about 800 passages) once, embedded with the default embedder, then run an agent-style "
+        "(pydoc_data.topics, about 650 passages) once, into the namespace kalos-demo-pydoc, embedded with the default embedder, then run an agent-style "
         "loop of recall_text over questions, print what was recalled and the latency percentiles of the recall "
         "alone, the embedding alone and both together. A second run finds the passages in the store and skips the "
         "embedding. Without pip install 'kalos-recall[embed]' (or with --synthetic) it runs on synthetic vectors instead.",
     )
     _add_name(demo)
-    demo.add_argument("--store", type=Path, default=None, help=f"store to serve if no sidecar runs (default: {default_store_path()})")
+    demo.add_argument("--store", type=Path, default=None,
+                      help=f"store to serve if no sidecar runs (default: {default_store_path()}); refused if the "
+                      "running sidecar serves another (then pass --name too, for a sidecar of the demo's own)")
     demo.add_argument("--memories", type=int, default=20000,
                       help="synthetic demo: memories to add on first run (default: %(default)s)")
     demo.add_argument("--recalls", type=int, default=2000, help="vector recalls to time (default: %(default)s)")
@@ -283,7 +307,11 @@ def _build_parser() -> argparse.ArgumentParser:
 def _store_arg(text: str) -> Any:
     from kalos.store.spec import store_spec
 
-    return store_spec(text)
+    try:
+        return store_spec(text)
+    except InvalidArgument as exc:
+        # argparse shows the message of this type only (of a ValueError, a generic one).
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _glue_negative_values(argv: list[str]) -> list[str]:
@@ -301,8 +329,18 @@ def _glue_negative_values(argv: list[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _build_parser()
+    # A bad KALOS_* variable is reported like any usage error, after parsing, so that --help and
+    # --version still work (their defaults are then the built-in ones).
+    try:
+        bad_env = None
+        parser = _build_parser()
+    except InvalidArgument as exc:
+        bad_env = exc
+        parser = _build_parser(Settings())
     args = parser.parse_args(_glue_negative_values(list(sys.argv[1:] if argv is None else argv)))
+    if bad_env is not None:
+        print(f"kalos: error: {bad_env}", file=sys.stderr)
+        return 2
     if args.command == "serve" and argv is None:
         from kalos.server.blas import settle_blas_threads
 
@@ -385,6 +423,11 @@ def _read_jsonl(path: Path, default_namespace: str,
             if len(vector) != dim:
                 raise InvalidArgument(f"{path}:{number}: \"vector\" has {len(vector)} numbers; the sidecar's store "
                                       f"holds dimension {dim}")
+            # JSON as Python reads it allows NaN and Infinity; refused here, by line, before any add.
+            if not all(math.isfinite(x) for x in vector):
+                raise InvalidArgument(f"{path}:{number}: \"vector\" contains NaN or infinity")
+            if not any(vector):
+                raise InvalidArgument(f"{path}:{number}: \"vector\" is all zeros (no direction to compare by cosine)")
             text, metadata = row.get("text"), row.get("metadata")
             if text is not None and not isinstance(text, str):
                 raise InvalidArgument(f"{path}:{number}: \"text\" must be a string")
@@ -416,6 +459,28 @@ def _load_npy(path: Path) -> np.ndarray:
     return matrix
 
 
+def _check_rows(path: Path, matrix: np.ndarray, dim: int) -> np.ndarray:
+    """The whole matrix as float32, checked before anything is sent: a bad row found by the add
+    of a later batch would leave the earlier batches stored, and be named by its index in that
+    batch. InvalidArgument names the file's row (counting from 0)."""
+    if matrix.shape[1] != dim:
+        raise InvalidArgument(f"{path}: the vectors have dimension {matrix.shape[1]}; the sidecar's store holds "
+                              f"dimension {dim}")
+    if len(matrix) == 0:
+        raise InvalidArgument(f"{path} holds no rows")
+    with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf, reported below
+        matrix = np.ascontiguousarray(matrix, dtype=np.float32)
+    bad = np.flatnonzero(~np.isfinite(matrix).all(axis=1))
+    if len(bad):
+        raise InvalidArgument(f"{path}: row {bad[0]} (counting from 0) contains NaN or infinity"
+                              + (f", as do {len(bad) - 1} more rows" if len(bad) > 1 else "") + "; nothing was added")
+    zero = np.flatnonzero(~matrix.any(axis=1))
+    if len(zero):
+        raise InvalidArgument(f"{path}: row {zero[0]} (counting from 0) is all zeros (no direction to compare by "
+                              "cosine); nothing was added")
+    return matrix
+
+
 def _add(args: argparse.Namespace) -> int:
     from kalos.client.client import Client
 
@@ -428,13 +493,14 @@ def _add(args: argparse.Namespace) -> int:
     if not args.file.exists():
         raise InvalidArgument(f"{args.file} does not exist")
     with Client(args.name) as client:
-        total = 0
+        added = updated = 0
         if args.file.suffix == ".npy":
             matrix = _load_npy(args.file)
             if matrix.ndim == 1:
                 matrix = matrix[None, :]
+            matrix = _check_rows(args.file, matrix, client.dim)
             for start in range(0, len(matrix), args.batch):
-                total += len(client.add(matrix[start : start + args.batch], namespace=args.namespace, ttl=args.ttl))
+                added += len(client.add(matrix[start : start + args.batch], namespace=args.namespace, ttl=args.ttl))
         else:
             for namespace, all_rows in _read_jsonl(args.file, args.namespace, client.dim).items():
                 # One add carries keys for all its rows or none: keyed and unkeyed rows apart.
@@ -443,9 +509,15 @@ def _add(args: argparse.Namespace) -> int:
                         chunk = rows[start : start + args.batch]
                         vectors = np.asarray([r[0] for r in chunk], dtype=np.float32)  # rows checked by _read_jsonl
                         keys = None if chunk[0][3] is None else [r[3] for r in chunk]
-                        total += len(client.add(vectors, texts=[r[1] for r in chunk], metadata=[r[2] for r in chunk],
-                                                namespace=namespace, keys=keys, ttl=args.ttl))
-    print(f"added {total} memories from {args.file}")
+                        # An upsert keeps the id of the memory it replaces: only a look-up tells
+                        # "updated" from "added", for the summary.
+                        there = 0 if keys is None else sum(
+                            item is not None for item in client.get(keys=keys, namespace=namespace))
+                        n = len(client.add(vectors, texts=[r[1] for r in chunk], metadata=[r[2] for r in chunk],
+                                           namespace=namespace, keys=keys, ttl=args.ttl))
+                        added, updated = added + n - there, updated + there
+    print(f"added {added} memories" + (f" and updated {updated} (their keys were stored already)" if updated else "")
+          + f" from {args.file}")
     return 0
 
 
@@ -463,6 +535,10 @@ def _recall(args: argparse.Namespace) -> int:
             raise InvalidArgument(f"--vector must be comma-separated numbers, got {args.vector!r}") from None
     else:
         matrix = _load_npy(args.npy)
+        if matrix.ndim == 2 and not 0 <= args.row < len(matrix):
+            raise InvalidArgument(f"--row {args.row}: {args.npy} has {len(matrix)} rows (0 to {len(matrix) - 1})")
+        if matrix.ndim == 1 and args.row != 0:
+            raise InvalidArgument(f"--row {args.row}: {args.npy} holds one vector (1-D), not a matrix")
         vector = matrix if matrix.ndim == 1 else matrix[args.row]
     if args.store is not None:
         return _recall_on_server(args, vector)
@@ -471,11 +547,12 @@ def _recall(args: argparse.Namespace) -> int:
         hits = client.recall(vector, k=args.k, namespace=None if args.all_namespaces else args.namespace,
                              since=args.since, until=args.until, where=where)
         items = client.get(hits.ids) if len(hits) else []
+        hint = None if len(hits) else _empty_namespace_hint(args, client.stats()["namespaces"])
     rows = [
         {"id": int(i), "score": float(s), "namespace": it.namespace if it else None, "text": it.text if it else None}
         for (i, s), it in zip(hits, items)
     ]
-    return _print_hits(rows, as_json=args.json)
+    return _print_hits(rows, as_json=args.json, hint=hint)
 
 
 def _recall_on_server(args: argparse.Namespace, vector: np.ndarray) -> int:
@@ -492,23 +569,60 @@ def _recall_on_server(args: argparse.Namespace, vector: np.ndarray) -> int:
         hits = store.search(np.asarray(vector, dtype=np.float32), args.k,
                             None if args.all_namespaces else args.namespace)
         items = store.get([i for i, _ in hits]) if hits else []
+        hint = None if hits else _empty_namespace_hint(args, store.namespace_counts())
     rows = [
         {"id": i, "score": s, "namespace": it.namespace if it else None, "text": it.text if it else None}
         for (i, s), it in zip(hits, items)
     ]
-    return _print_hits(rows, as_json=args.json)
+    return _print_hits(rows, as_json=args.json, hint=hint)
 
 
-def _print_hits(rows: list[dict[str, Any]], *, as_json: bool) -> int:
+def _empty_namespace_hint(args: argparse.Namespace, counts: dict[str, int]) -> str | None:
+    """When a recall found nothing because its namespace is empty while others hold memories
+    (``kalos demo`` stores into its own), which ones do, and the flags that search them."""
+    if args.all_namespaces or counts.get(args.namespace, 0):
+        return None
+    held = sorted(((n, c) for n, c in counts.items() if c), key=lambda nc: (-nc[1], nc[0]))
+    if not held:
+        return None
+    shown = ", ".join(f"{n!r} ({c:,})" for n, c in held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+    return (f"namespace {args.namespace!r} holds no memories; these do: {shown}. Search one with "
+            f"--namespace {shlex.quote(held[0][0])}, or every one with --all-namespaces")
+
+
+def _print_hits(rows: list[dict[str, Any]], *, as_json: bool, hint: str | None = None) -> int:
     if as_json:
         print(json.dumps(rows, indent=2, ensure_ascii=False))
+        if hint:  # stdout stays JSON
+            print(hint, file=sys.stderr)
         return 0
     for row in rows:
         text = (row["text"] or "").replace("\n", " ")
         print(f"{row['id']:>10}  {row['score']:.4f}  [{row['namespace']}]  {text[:100]}")
     if not rows:
-        print("no memories matched")
+        print("no memories matched" + (f": {hint}" if hint else ""))
     return 0
+
+
+def _embed_error_for_the_cli(exc: KalosError, name: str, vectors: str) -> KalosError:
+    """``exc`` with the library's advice (``Client(embedder=...)``, which a command-line user
+    cannot follow) replaced by the command-line fix; ``vectors``: how this command takes
+    vectors instead of texts."""
+    from kalos.client.embed import DEFAULT_DIM
+
+    text = str(exc)
+    if "Client(embedder=" not in text:
+        return exc
+    if "--embed off" in text:
+        message = (f"sidecar {name!r} does not embed texts (it was started with kalos serve --embed off): restart "
+                   f"it without --embed off, or {vectors}")
+    elif isinstance(exc, DimensionMismatch):
+        message = (f"{text.split(': serve a store')[0]}: texts need a store of dimension {DEFAULT_DIM} (kalos serve "
+                   f"--store NEW.db --dim {DEFAULT_DIM} --name NAME), or {vectors}")
+    else:  # the embedder is not installed where the sidecar runs
+        message = (f"{text.split(' (or give the client')[0].rstrip('; ')}, and restart the sidecar {name!r}; "
+                   f"or {vectors}")
+    return type(exc)(message)
 
 
 def _recall_text(args: argparse.Namespace) -> int:
@@ -517,22 +631,26 @@ def _recall_text(args: argparse.Namespace) -> int:
 
     where = _where_arg(args.where)
     with Client(args.name) as client, load_progress(sys.stderr):  # the model's load takes seconds: show it
-        hits = client.recall_text(args.text, k=args.k, namespace=None if args.all_namespaces else args.namespace,
-                                  since=args.since, until=args.until, where=where)
+        try:
+            hits = client.recall_text(args.text, k=args.k, namespace=None if args.all_namespaces else args.namespace,
+                                      since=args.since, until=args.until, where=where)
+        except (EmbedderUnavailable, DimensionMismatch) as exc:
+            raise _embed_error_for_the_cli(exc, args.name, "recall by --vector or --npy") from None
+        hint = None if hits else _empty_namespace_hint(args, client.stats()["namespaces"])
     rows = [{"id": h.id, "score": h.score, "namespace": h.namespace, "text": h.text, "metadata": h.metadata,
              "created_at": h.created_at} for h in hits]
-    return _print_hits(rows, as_json=args.json)
+    return _print_hits(rows, as_json=args.json, hint=hint)
 
 
 def _import(args: argparse.Namespace) -> int:
     from kalos.client.client import Client
-    from kalos.tools.importer import Columns, import_file, validate_file
+    from kalos.tools.importer import Columns, ImportInterrupted, import_file, validate_file
 
     if args.batch < 1:
         raise InvalidArgument("--batch must be >= 1")
     columns = Columns(
         text=args.text_column, vector=args.vector_column, metadata=args.metadata_column,
-        namespace=args.namespace_column,
+        namespace=args.namespace_column, key=args.key_column,
         metadata_fields=tuple(f.strip() for f in args.metadata_fields.split(",") if f.strip()),
     )
     with Client(args.name) as client:
@@ -542,11 +660,18 @@ def _import(args: argparse.Namespace) -> int:
             print(f"{args.file}: {report.rows:,} rows are valid ({report.to_embed:,} to embed); namespaces: "
                   + ", ".join(f"{k} {v:,}" for k, v in sorted(report.namespaces.items())))
             return 0
-        summary = import_file(
-            client, args.file, fmt=args.format, columns=columns, default_namespace=args.namespace,
-            batch=args.batch, resume=args.resume, restart=args.restart, progress_file=args.progress_file,
-            progress=None if args.quiet else sys.stderr, max_errors=args.max_errors,
-        )
+        try:
+            summary = import_file(
+                client, args.file, fmt=args.format, columns=columns, default_namespace=args.namespace,
+                batch=args.batch, resume=args.resume, restart=args.restart, progress_file=args.progress_file,
+                progress=None if args.quiet else sys.stderr, max_errors=args.max_errors,
+            )
+        except (EmbedderUnavailable, DimensionMismatch) as exc:
+            raise _embed_error_for_the_cli(exc, args.name, "give every row a vector (--vector-column)") from None
+        except ImportInterrupted as exc:
+            print(f"kalos import: interrupted after {exc.committed:,} of {exc.rows:,} rows (recorded in "
+                  f"{exc.progress_file}); rerun with --resume to import the rest", file=sys.stderr)
+            return 130
     if args.json:
         import dataclasses
 
@@ -638,7 +763,37 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _positive_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise InvalidArgument(f"{flag} takes comma-separated whole numbers >= 1, got {text!r}")
+    return values
+
+
+def _check_bench_args(args: argparse.Namespace) -> None:
+    """Refuses what would fail only after minutes of measuring (or be silently ignored)."""
+    for flag, value, least in (("--n", args.n, 1), ("--dim", args.dim, 1), ("-k", args.k, 1),
+                               ("--repeats", args.repeats, 1), ("--cold", args.cold, 1),
+                               ("--e2e-repeats", args.e2e_repeats, 10)):  # timed in 10 rounds of a tenth each
+        if value < least:
+            raise InvalidArgument(f"{flag} must be >= {least}, got {value}")
+    if args.crowd and args.crowd_seconds <= 0:
+        raise InvalidArgument(f"--crowd-seconds must be > 0, got {args.crowd_seconds:g}")
+    gpu = args.device.startswith("cuda")
+    if gpu and not args.crowd:
+        _positive_list(args.gpu_sizes, "--gpu-sizes")
+        _positive_list(args.batches, "--batches")
+    if args.plot is not None and (args.crowd or gpu):
+        raise InvalidArgument("--plot draws the CPU suite's latency CDFs only; "
+                              + ("--crowd" if args.crowd else "the GPU suite (--device cuda)")
+                              + " draws none: drop --plot (--json FILE keeps the figures)")
+
+
 def _bench(args: argparse.Namespace) -> int:
+    _check_bench_args(args)
     if args.crowd:
         from kalos.tools.crowd import run_crowd
 

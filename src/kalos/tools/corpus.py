@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             if vectors is not None:
                 row["vector"] = [round(float(x), 7) for x in vectors[i % len(base)]]
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    print(f"wrote {n:,} rows ({len(base):,} distinct passages) to {args.out}", file=sys.stderr)
+    # Fewer rows than passages are the first n, each distinct.
+    print(f"wrote {n:,} rows ({min(n, len(base)):,} distinct passages) to {args.out}", file=sys.stderr)
     return 0
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -64,7 +65,6 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         try:
             client = Client(args.name)
-            print(f"using the running sidecar {args.name!r}")
         except SidecarUnavailable:
             store = args.store or default_store_path()
             print(f"no sidecar {args.name!r} is running: starting one on {store}")
@@ -72,18 +72,65 @@ def run_demo(args: argparse.Namespace) -> int:
                                      device=args.device)
             print(sidecar.ready_line)
             client = Client(args.name)
+        else:
+            with client:
+                _check_running_store(client, args)
+            client = Client(args.name)
+            print(f"using the running sidecar {args.name!r}")
         with client:
             if text_mode and client.dim != DEFAULT_DIM:
+                other = "kalos demo --store NEW.db" + ("" if sidecar is not None else " --name kalos-demo")
                 print(f"note: this store holds dimension {client.dim}, the text demo's embedder makes {DEFAULT_DIM}; "
-                      f"running the synthetic-vector demo (for the text demo: kalos demo --store NEW.db)")
+                      f"running the synthetic-vector demo (for the text demo: {other})")
                 text_mode = False
+            store, dim = client.stats()["store"], client.dim
             if text_mode:
-                return _text_loop(client, args.recalls, getattr(args, "rounds", 4))
-            return _agent_loop(client, args.memories, args.recalls)
+                code = _text_loop(client, args.recalls, getattr(args, "rounds", 4))
+            else:
+                code = _agent_loop(client, args.memories, args.recalls)
     finally:
         if sidecar is not None:
             sidecar.stop()
             print("stopped the demo's sidecar; the memories stay in the store")
+    print(_next_steps(args.name, store, dim, text_mode, started=sidecar is not None))
+    return code
+
+
+def _check_running_store(client: Client, args: argparse.Namespace) -> None:
+    """InvalidArgument when --store names another store than the running sidecar serves: the demo
+    would write its memories into a store the user did not name."""
+    from kalos.errors import InvalidArgument
+
+    if args.store is None:
+        return
+    serving = client.stats()["store"]
+    if Path(serving).resolve() != Path(args.store).resolve():
+        raise InvalidArgument(
+            f"the running sidecar {args.name!r} serves {serving}, not {args.store}; the demo writes into the store "
+            f"of the sidecar it uses. Run it on a sidecar of its own: kalos demo --store {args.store} --name "
+            "kalos-demo (or stop the running one first)"
+        )
+
+
+def _next_steps(name: str, store: str, dim: int, text_mode: bool, *, started: bool) -> str:
+    """The commands that recall what the demo stored: its memories are in a namespace of their
+    own, which a plain ``kalos recall`` (namespace 'default') does not search."""
+    import shlex
+
+    from kalos.store.spec import store_spec
+    from kalos.tools.doctor import serve_command
+
+    namespace = TEXT_NAMESPACE if text_mode else NAMESPACE
+    recall = ["kalos", "recall", *([] if name == "default" else ["--name", name]), "--namespace", namespace]
+    if text_mode:
+        recall += ["--text", "How do I catch several exceptions at once?"]
+    else:
+        recall += ["--npy", "QUERY.npy"]
+    lines = ["", f"the demo's memories are in namespace {namespace!r}; recall from them yourself:"]
+    if started:  # the demo's own sidecar has stopped
+        lines.append(f"  {serve_command(name, store_spec(store))} &")
+    lines.append("  " + shlex.join(recall) + ("" if text_mode else f"   (QUERY.npy: a vector of dimension {dim})"))
+    return "\n".join(lines)
 
 
 def _text_loop(client: Client, recalls: int, rounds: int) -> int:

@@ -374,9 +374,13 @@ def check_runtime(name: str) -> Iterator[Finding]:
 def check_pg_store(url: str) -> tuple[list[Finding], int | None]:
     """A PostgreSQL store, opened readonly: reachable, schema, counts, pgvector, change log."""
     from kalos.errors import KalosError
+    from kalos.store import postgres
     from kalos.store.postgres import PostgresStore, mask_url
 
     where = mask_url(url)
+    if postgres.psycopg is None:  # no server to check: "is it up?" would send the user the wrong way
+        return [Finding("store", PROBLEM, f"cannot check {where}: the PostgreSQL driver (psycopg 3) is not installed",
+                        "pip install 'kalos-recall[postgres]'")], None
     try:
         store = PostgresStore.open(url, readonly=True)
     except KalosError as exc:
@@ -411,7 +415,8 @@ def check_pg_store(url: str) -> tuple[list[Finding], int | None]:
 
 
 def check_store(path: Any) -> tuple[list[Finding], int | None]:
-    from kalos.errors import KalosError
+    from kalos.client.embed import DEFAULT_DIM
+    from kalos.errors import KalosError, NotAKalosStore
     from kalos.store.spec import is_store_url
     from kalos.store.sqlite import Store
 
@@ -421,15 +426,23 @@ def check_store(path: Any) -> tuple[list[Finding], int | None]:
         return [Finding("store", NOTE, f"no store at {path} yet: `kalos demo` or `{serve_command('default', path)}` "
                         "creates it (--dim 384 suits the default text embedder; give your vectors' dimension "
                         "otherwise)")], None
+    if path.is_dir():
+        return [Finding("store", PROBLEM, f"{path} is a directory, not a store file",
+                        f"name the store file inside it, e.g. --store {path / 'memories.db'}")], None
+    try:
+        store = Store.open(path, readonly=True)
+    except NotAKalosStore as exc:
+        # Not ours: neither its permissions nor serving it is the fix.
+        return [Finding("store", PROBLEM, f"cannot open {path}: {exc}",
+                        f"pass --store the file a sidecar created; `kalos serve --store NEW.db --dim {DEFAULT_DIM}` "
+                        "creates a new store")], None
+    except KalosError as exc:
+        return [Finding("store", PROBLEM, f"cannot open {path}: {exc}")], None
     findings = []
     st = path.stat()
     if st.st_mode & 0o077:
         findings.append(Finding("store", PROBLEM, f"{path} has mode {st.st_mode & 0o777:o}: other users can read "
                                 "the memories", f"chmod 600 {path}"))
-    try:
-        store = Store.open(path, readonly=True)
-    except KalosError as exc:
-        return findings + [Finding("store", PROBLEM, f"cannot open {path}: {exc}")], None
     try:
         check = store.integrity_check()
         count, size, dim = store.count(), store.size_bytes(), store.dim
@@ -494,7 +507,9 @@ def serve_command(name: str, store: Any) -> str:
     return shlex.join(words)
 
 
-def check_sidecar(name: str, store: Path) -> Iterator[Finding]:
+def check_sidecar(name: str, store: Path, *, servable: bool = True) -> Iterator[Finding]:
+    """``servable``: whether ``store`` is a store (or none yet) that ``kalos serve`` can start on;
+    when not, the store's own finding says what to do, and no serve command is suggested."""
     from kalos.client.client import Client
     from kalos.errors import KalosError, SidecarUnavailable
 
@@ -502,7 +517,11 @@ def check_sidecar(name: str, store: Path) -> Iterator[Finding]:
         with Client(name, timeout=2.0) as client:
             stats = client.stats()
     except SidecarUnavailable as exc:
-        yield Finding("sidecar", NOTE, str(exc).split("; start one")[0], f"start one: {serve_command(name, store)}")
+        message = str(exc).split("; start one")[0]
+        if servable:
+            yield Finding("sidecar", NOTE, message, f"start one: {serve_command(name, store)}")
+        else:
+            yield Finding("sidecar", NOTE, message + "; fix the store above before serving it")
         return
     except KalosError as exc:
         yield Finding("sidecar", PROBLEM, f"cannot talk to the sidecar {name!r}: {exc}",
@@ -561,7 +580,10 @@ def check_all(name: str, store: Path, *, smi: Any = "probe", torch: Any = "probe
     if any(f.status == PROBLEM for f in runtime):
         findings.append(Finding("sidecar", NOTE, "not looked for: the runtime directory above is unusable"))
     else:
-        findings += check_sidecar(name, store)
+        from kalos.store.spec import is_store_url
+
+        absent = not is_store_url(store) and not Path(store).exists()
+        findings += check_sidecar(name, store, servable=dim is not None or absent)
     findings += check_embedder(dim)
     return findings
 

@@ -1,7 +1,8 @@
 """``kalos import``: memories from a JSONL, CSV, plain-text or Parquet file, validated whole, then
 imported in batches that can be resumed.
 
-Each row has a text, and optionally a vector, a metadata object and a namespace; options name
+Each row has a text, and optionally a vector, a metadata object, a namespace and a key (a row whose
+key its namespace holds replaces that memory, as with ``Client.add(keys=)``); options name
 the columns. A plain ``.txt`` file is one memory per line (blank lines skipped). CSV and
 JSONL may start with a UTF-8 byte-order mark (Excel's "CSV UTF-8" writes one). A row without a vector is embedded with the client's embedder (the packaged
 MiniLM by default); a row with one is stored as given (its text, if any, is kept beside it).
@@ -41,10 +42,11 @@ import numpy as np
 
 from kalos.config import default_store_path
 from kalos.errors import InvalidArgument, KalosError
-from kalos.validation import check_namespace  # the store's own rule, so validation agrees with the add
+from kalos.validation import check_keys, check_namespace  # the store's own rules, so validation agrees with the add
 
 __all__ = [
     "Columns",
+    "ImportInterrupted",
     "ImportSummary",
     "ImportValidationError",
     "ValidationReport",
@@ -79,6 +81,15 @@ class ImportValidationError(InvalidArgument):
         self.total_errors = total_errors
 
 
+class ImportInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGINT) during the adds: ``committed`` of ``rows`` rows are stored and recorded
+    in ``progress_file``, so ``resume=True`` (``--resume``) imports the rest."""
+
+    def __init__(self, committed: int, rows: int, progress_file: Path) -> None:
+        super().__init__(f"interrupted after {committed:,} of {rows:,} rows")
+        self.committed, self.rows, self.progress_file = committed, rows, progress_file
+
+
 @dataclasses.dataclass(frozen=True)
 class Columns:
     """Which column holds what. ``metadata_fields`` are plain columns folded into the metadata."""
@@ -88,6 +99,9 @@ class Columns:
     metadata: str = "metadata"
     namespace: str = "namespace"
     metadata_fields: tuple[str, ...] = ()
+    #: The caller's own id of the memory: a row whose key its namespace already holds replaces
+    #: that memory (an upsert, as Client.add with keys=); rows without one are plain adds.
+    key: str = "key"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +291,7 @@ def _records(path: Path, fmt: str, columns: Columns) -> Iterator[tuple[str, dict
         return _read_csv(path, "," if fmt == "csv" else "\t")
     if fmt == "text":
         return _read_lines(path, columns.text)
-    wanted = [columns.text, columns.vector, columns.metadata, columns.namespace, *columns.metadata_fields]
+    wanted = [columns.text, columns.vector, columns.metadata, columns.namespace, columns.key, *columns.metadata_fields]
     return _read_parquet(path, wanted)
 
 
@@ -290,6 +304,7 @@ class _Row:
     vector: np.ndarray | None
     metadata: dict[str, Any] | None
     namespace: str
+    key: str | None = None
 
 
 def _coerce(raw: dict[str, Any], columns: Columns, default_namespace: str, dim: int) -> _Row:
@@ -352,7 +367,16 @@ def _coerce(raw: dict[str, Any], columns: Columns, default_namespace: str, dim: 
         check_namespace(namespace)
     except InvalidArgument as exc:
         raise ValueError(str(exc)) from None
-    return _Row(text, vector, metadata, namespace)
+
+    key = raw.get(columns.key)
+    if key is not None:
+        if not isinstance(key, str):
+            raise ValueError(f"{columns.key!r} must be a string, got {type(key).__name__}")
+        try:
+            check_keys([key])
+        except InvalidArgument as exc:
+            raise ValueError(f"{columns.key!r}: {str(exc).replace('keys[0] ', '')}") from None
+    return _Row(text, vector, metadata, namespace, key)
 
 
 def _check_columns(path: Path, fmt: str, columns: Columns) -> None:
@@ -384,6 +408,7 @@ def validate_file(
     total_errors = rows = to_embed = 0
     last_to_embed = -1
     namespaces: dict[str, int] = {}
+    key_rows: dict[tuple[str, str], str] = {}
     for where, raw in _records(path, fmt, columns):
         rows += 1
         if isinstance(raw, str):
@@ -391,6 +416,11 @@ def validate_file(
         else:
             try:
                 row = _coerce(raw, columns, default_namespace, dim)
+                if row.key is not None:
+                    # Two rows of one key would leave whichever came last: ambiguous, refused.
+                    first = key_rows.setdefault((row.namespace, row.key), where)
+                    if first != where:
+                        raise ValueError(f"key {row.key!r} is also on {first} (namespace {row.namespace!r})")
             except ValueError as exc:
                 problem = str(exc)
             else:
@@ -571,17 +601,21 @@ def import_file(
             if r.vector is not None:
                 vectors[i] = r.vector
         start = 0
-        while start < len(rows):  # one add per run of rows that share a namespace
-            ns = rows[start].namespace
+        # One add per run of rows that share a namespace and either all have keys or none
+        # does (an add takes keys for all its rows or for none).
+        while start < len(rows):
+            ns, keyed = rows[start].namespace, rows[start].key is not None
             stop = start
-            while stop < len(rows) and rows[stop].namespace == ns:
+            while stop < len(rows) and rows[stop].namespace == ns and (rows[stop].key is not None) == keyed:
                 stop += 1
             t = time.perf_counter()
             record["pending"] = {"start": committed, "stop": committed + stop - start, "namespace": ns,
-                                 "count_before": client.stats()["namespaces"].get(ns, 0)}
+                                 "count_before": client.stats()["namespaces"].get(ns, 0),
+                                 **({"keyed": True} if keyed else {})}
             _write_progress(where, records)
             client.add(vectors[start:stop], texts=[r.text for r in rows[start:stop]],
-                       metadata=[r.metadata for r in rows[start:stop]], namespace=ns)
+                       metadata=[r.metadata for r in rows[start:stop]], namespace=ns,
+                       keys=[r.key for r in rows[start:stop]] if keyed else None)
             committed += stop - start
             record["committed"], record["pending"] = committed, None
             _write_progress(where, records)
@@ -615,6 +649,10 @@ def import_file(
                     flush(bar)
             if pending_rows:
                 flush(bar)
+        except KeyboardInterrupt as exc:
+            # The caller is told how far it got (a batch interrupted mid-add is settled by the
+            # pending record on resume).
+            raise ImportInterrupted(committed, report.rows, where) from exc
         finally:
             bar.close()
     return ImportSummary(
@@ -630,6 +668,11 @@ def _settle_pending(client: Any, record: dict[str, Any]) -> int:
     pending = record.get("pending")
     committed = int(record.get("committed", 0))
     if not pending:
+        return committed
+    if pending.get("keyed"):
+        # Upserts replace rather than add, so the count cannot tell; adding the batch again is
+        # harmless (each key ends with the same row), so it is taken as not committed.
+        record["pending"] = None
         return committed
     now = client.stats()["namespaces"].get(pending["namespace"], 0)
     size = pending["stop"] - pending["start"]
