@@ -229,3 +229,31 @@ def test_the_clients_memo_tells_equal_looking_clauses_apart():
         where_clause({"a": {"$regex": "x"}})
     with pytest.raises(InvalidArgument, match="unknown operator"):
         where_clause({"a": {"$regex": "x"}})  # a refused clause is not remembered
+
+
+@pytest.mark.parametrize("dense_at", [None, 4], ids=["sparse", "dense"])
+def test_compaction_forgets_the_keys_and_strings_of_rows_that_are_gone(monkeypatch, dense_at):
+    """Memories that come and go with one-off keys or values (a run id, a session): once their
+    rows are compacted away, their columns and interned strings go too (they were kept for
+    ever, and every in-place write walked every column ever made). What stays answers as before."""
+    if dense_at is not None:
+        monkeypatch.setattr(MetaColumns, "_dense_at", lambda self: dense_at)
+    cols = MetaColumns(64)
+    kept_meta = [{"user": f"u{i % 3}", "year": 2020 + i} for i in range(8)]
+    cols.write(slice(0, 8), kept_meta)
+    size = 8
+    for round_ in range(20):
+        churn = [{"user": f"run-{round_}-{i}", f"once-{round_}-{i}": i} for i in range(8)]
+        cols.write(slice(size, size + 8), churn)
+        cols.compact(np.arange(8))  # the churn is deleted and compacted away
+        size = 8
+    assert sorted(cols.keys) == ["user", "year"]
+    assert sorted(cols._cols["user"].codes) == ["u0", "u1", "u2"]
+    for clause in ({"user": "u1"}, {"user": {"$in": ["u0", "u2"]}}, {"year": {"$gte": 2024}},
+                   {"user": {"$ne": "u0"}}, {"once-3-1": {"$exists": True}}):
+        where = compile_where(clause)
+        assert where.mask(cols, 8).tolist() == [where.matches(m) for m in kept_meta], clause
+    assert [cols.row(r) for r in range(8)] == [{"user": m["user"], "year": float(m["year"])} for m in kept_meta]
+    grown = cols.nbytes()
+    cols.write(slice(8, 16), [{"user": f"extra-{i}"} for i in range(8)])
+    assert cols.nbytes() > grown  # interned strings count

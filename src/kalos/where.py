@@ -313,7 +313,7 @@ class _Column:
         self.tag: np.ndarray | None = None  # dense arrays, or None while sparse
         self.num: np.ndarray | None = None
         self.code: np.ndarray | None = None
-        self.codes: dict[str, int] = {}  # interned strings of this key (never shrinks)
+        self.codes: dict[str, int] = {}  # interned strings of this key (pruned at compaction)
         self.sparse: dict[int, tuple[int, float, int]] = {}
 
     def densify(self, capacity: int) -> None:
@@ -354,7 +354,33 @@ class _Column:
 
     def nbytes(self) -> int:
         dense = 0 if self.tag is None else self.tag.nbytes + self.num.nbytes + self.code.nbytes
-        return dense + 100 * len(self.sparse)  # (a dict entry and its tuple: about 100 bytes)
+        # (a dict entry and its tuple: about 100 bytes; an interned string: about 80 and itself)
+        return dense + 100 * len(self.sparse) + sum(80 + len(s) for s in self.codes)
+
+    def prune(self, n: int) -> bool:
+        """Forgets the strings no row of ``[0, n)`` holds any more (their codes renumbered);
+        False when no row holds the key at all (the column can go)."""
+        if self.tag is not None:
+            tag, code = self.tag[:n], self.code[:n]
+            if not (tag != _MISSING).any():
+                return False
+            is_str = tag == _STR
+            used = np.unique(code[is_str])
+        else:
+            if not self.sparse:
+                return False
+            used = np.unique(np.fromiter((v[2] for v in self.sparse.values() if v[0] == _STR), dtype=np.int64))
+        if len(used) == len(self.codes):
+            return True
+        renumber = np.zeros(max(len(self.codes), 1), dtype=np.int32)
+        renumber[used] = np.arange(len(used), dtype=np.int32)
+        kept = set(used.tolist())
+        self.codes = {text: int(renumber[c]) for text, c in self.codes.items() if c in kept}
+        if self.tag is not None:
+            code[is_str] = renumber[code[is_str]]
+        else:
+            self.sparse = {r: (t, v, int(renumber[c]) if t == _STR else c) for r, (t, v, c) in self.sparse.items()}
+        return True
 
 
 class MetaColumns:
@@ -462,6 +488,10 @@ class MetaColumns:
                     new_of = mapping.tolist()
                 col.sparse = {new_of[r]: v for r, v in col.sparse.items() if new_of[r] >= 0}
         self.size = n
+        # Keys and strings of rows that are gone go too: a store whose memories come and go
+        # with one-off keys or values (a run id, a session) grew by every one ever written,
+        # and each write of rows in place walked every column ever made.
+        self._cols = {key: col for key, col in self._cols.items() if col.prune(n)}
 
     def row(self, row: int) -> dict[str, Any]:
         """The indexed scalar metadata of one row (strings, numbers as float, bools): tests."""
