@@ -187,7 +187,8 @@ class _Connection:
                 spin_s = (advised if ok else settings().client_spin_us) / 1e6
             naps = reply.get("client_naps", True)  # (a sidecar that does not say: as before, nap)
             self.channel = ClientChannel(
-                self.segment, self.layout, int(reply["slot"]), wake_fd=self.wake_fd, control=self.sock, epoch=self.epoch, timeout=timeout, spin_s=spin_s,
+                self.segment, self.layout, int(reply["slot"]), wake_fd=self.wake_fd, control=self.sock,
+                epoch=self.epoch, timeout=timeout, spin_s=spin_s,
                 naps=naps if isinstance(naps, bool) else True,
             )
             # The epoch only: the hello's reply has just shown the sidecar alive, while its
