@@ -12,11 +12,16 @@
 # keep coming, each within 10 us of the last, up to 80 us; a GPU-polling sidecar advises its
 # crowded clients, past two per core, to spin yielding instead of napping); n-gathernap: the
 # same rounds with napping clients (crowded_wait returning "nap"), to tell the two parts apart.
+# n-pre3: 978da6a, main before control protocol 3 (session 23: each client rings and is rung
+# through a socket pair of its own instead of the shared doorbell and its own eventfd), the
+# baseline of that change on the H200.
 set -e
 here=benchmarks/results/h200-s22
 commit=${1:-HEAD}
 rm -rf .snap/trees/n-base .snap/trees/n-rest20 .snap/trees/n-rest50 .snap/trees/n-sleep .snap/trees/n-watch \
-  .snap/trees/n-gather .snap/trees/n-gathernap
+  .snap/trees/n-gather .snap/trees/n-gathernap .snap/trees/n-pre3
+mkdir -p .snap/trees/n-pre3
+git archive 978da6a src | tar -x -C .snap/trees/n-pre3
 mkdir -p .snap/trees/n-base
 git archive "$commit" src tests | tar -x -C .snap/trees/n-base  # (tests: the patches change them too)
 for v in rest20 rest50 sleep; do

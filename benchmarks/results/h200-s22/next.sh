@@ -1,13 +1,15 @@
 #!/bin/bash
 # For the next device session: the GIL candidates for recall_text on the H200 (BENCHMARKS.md,
 # text recall on the H200), each beside main in one call. Make the trees first (make_trees.sh)
-# and carry .snap/model, .snap/trees/n-{base,rest20,rest50,sleep,watch} and this folder. Parts
-# (arguments, in order; about 360 s and 280 s, so two calls: `next.sh text crowd-a`, then
+# and carry .snap/model, .snap/trees/n-* (base, rest20, rest50, sleep, watch, gather, gathernap,
+# pre3) and this folder. Parts
+# (arguments, in order; about 360 s and 380 s, so two calls: `next.sh text crowd-a`, then
 # `next.sh crowd-b tests`):
 #   text     recall_text one round trip against three, 100 questions: n-base, n-watch, n-rest20,
 #            n-sleep (n-rest50 only if n-rest20 does not reach n-sleep's figure);
 #   crowd-a  the crowd 1-64 and beside the GEMMs at 1 and 16: n-watch, then n-base;
-#   crowd-b  the same: n-rest20, then n-sleep;
+#   crowd-b  the same: n-rest20, then n-sleep, then n-pre3 (main before control protocol 3:
+#            the baseline of session 23's bells; n-base is main after it);
 #   crowd-c  the gathering candidate (candidate-gather.patch): the crowd 1-64 and beside the
 #            GEMMs at 1, 16 and 64 for n-gather, then n-base; n-gathernap at 16-64 (beside the
 #            GEMMs at 64); n-gather in fast precision at 1, 16, 64 (about 330 s: a call of its own);
@@ -15,7 +17,7 @@
 #            (and every test of the patch's own on the CPU: apply it to a checkout, .ci/run).
 cd "$(dirname "$0")/../../.."
 ext=$(python3-config --extension-suffix); inc=$(python3-config --includes)
-for t in base rest20 rest50 sleep watch gather gathernap; do
+for t in base rest20 rest50 sleep watch gather gathernap pre3; do
   s=.snap/trees/n-$t/src; gcc -O2 -shared -fPIC $inc $s/kalos/ipc/_fence.c \
     -o $s/kalos/ipc/_fence$ext || exit 1; done
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -37,7 +39,7 @@ for part in ${*:-text crowd-a crowd-b tests}; do
     text) for v in base watch rest20 sleep; do text $v; done;;
     text-rest50) text rest50;;
     crowd-a) crowd watch; crowd base;;
-    crowd-b) crowd rest20; crowd sleep;;
+    crowd-b) crowd rest20; crowd sleep; crowd pre3;;
     crowd-c) crowd gather gather 1,2,4,8,16,32,48,64 1,16,64; crowd base base-c 1,2,4,8,16,32,48,64 1,16,64
              crowd gathernap gathernap 16,32,48,64 64
              crowd gather gather-fast 1,16,64 "" --serve-arg=--precision --serve-arg=fast;;
