@@ -1,4 +1,5 @@
-"""What waking C sleeping clients costs the waker: C eventfd writes (what the sweep does) against
+"""What waking C sleeping clients costs the waker: C eventfd writes (what the sweep did before
+control protocol 3; it now writes one byte to each sleeper's socket) against
 one FUTEX_WAKE on a shared word (tried for issue 18, and dropped: no cheaper, since the kernel's
 per-process wake-up, not the system calls, is the cost).
 

@@ -365,6 +365,36 @@ def test_a_cancelled_sender_hands_the_queue_over(served: Served) -> None:
     run(scenario)
 
 
+def test_a_batch_that_fails_unexpectedly_fails_every_caller_in_it(served: Served) -> None:
+    """Whatever a batch's request raises (here an OSError injected into the slot's round trip),
+    every caller in the batch hears of it: none is left waiting, and the client goes on."""
+    queries = served.queries(6)
+
+    async def scenario() -> None:
+        async with AsyncClient(served.name, timeout=30.0, max_spin_us=0.0) as client:
+            round_trip = client._round_trip
+
+            async def broken(conn: Any, rows: np.ndarray, *args: Any, **kwargs: Any) -> Any:
+                if len(rows) > 1:
+                    raise BrokenPipeError("injected")
+                return await round_trip(conn, rows, *args, **kwargs)
+
+            client._round_trip = broken  # type: ignore[method-assign]
+            with stopped(served.pid):
+                first = asyncio.ensure_future(client.recall(queries[0]))
+                await until_sleeping(client, first)
+                rest = [asyncio.ensure_future(client.recall(q)) for q in queries[1:]]
+                await asyncio.sleep(0.01)
+            served.model.check(await first, queries[0], 8, context="the first, alone")
+            results = await asyncio.gather(*rest, return_exceptions=True)
+            assert all(isinstance(r, BrokenPipeError) for r in results), results
+            client._round_trip = round_trip  # type: ignore[method-assign]
+            served.model.check(await client.recall(queries[1]), queries[1], 8, context="afterwards")
+            assert not client._sending and not client._queued
+
+    run(scenario)
+
+
 def test_one_client_serves_several_event_loops_in_turn(served: Served) -> None:
     client = AsyncClient(served.name, timeout=10.0)
     q = served.queries(1)[0]

@@ -241,7 +241,6 @@ class Harness:
         self.side.stamp_heartbeat()
         self.client_segment = _attach_copy(self.segment)  # a second mapping, as another process has
         self.clients: list[ClientChannel] = []
-        self._fds: list[int] = []
         self._socks: list[socket.socket] = []
         self.peers: list[socket.socket] = []
         self.stop = threading.Event()
@@ -255,13 +254,13 @@ class Harness:
     def add_client(self, *, timeout: float = 30.0, spin_s: float = 0.0, naps: bool = True) -> ClientChannel:
         slot = len(self.clients)
         theirs, wake = wake_pair()
-        self._fds.append(wake)
+        self._socks.append(wake)
         self.side.activate(slot, theirs)  # the sidecar closes its end when the slot is freed
         ours, theirs = socket.socketpair()
         self._socks.append(ours)
         self.peers.append(theirs)
         channel = ClientChannel(
-            self.client_segment, self.layout, slot, wake_fd=wake,
+            self.client_segment, self.layout, slot, wake=wake,
             control=ours, epoch=self.epoch, timeout=timeout, spin_s=spin_s, naps=naps,
         )
         self.clients.append(channel)
@@ -317,8 +316,6 @@ class Harness:
             thread.join(timeout=DEADLINE_S)
         self.clients.clear()
         self.side.close()
-        for fd in self._fds:
-            os.close(fd)
         for sock in self._socks + self.peers:
             sock.close()
         self.client_segment.close()
@@ -675,7 +672,8 @@ def test_a_client_rings_through_its_own_bell_and_a_closed_bell_is_no_longer_watc
     client closes its end, the sidecar's end reads EOF for ever, so the sidecar stops waiting on
     it (or its every sleep would return at once, a core burnt), and the slot stays the client's."""
     h = harness(n_slots=2)
-    theirs, ours = wake_pair()
+    theirs, ours_sock = wake_pair()
+    ours = ours_sock.detach()
     h.side.activate(0, theirs)
     woke = threading.Event()
 
@@ -805,7 +803,7 @@ def test_pending_and_publish_natively_as_in_numpy(shm_name, monkeypatch, native)
         wake_fds = []
         for slot in range(layout.n_slots):
             theirs, ours = wake_pair()
-            wake_fds.append(ours)
+            wake_fds.append(ours.detach())
             side.activate(slot, theirs)
         cols = side.columns
         for _round in range(40):

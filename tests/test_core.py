@@ -650,7 +650,7 @@ def _rogue_worker(name: str, seed: int, out: Any) -> None:
         client = Client(name, timeout=10.0)
         conn = client._conn  # the rogue needs to know which slot and bell are its own
         slot_index = conn.channel.slot.index
-        bell = conn.wake_fd  # (the rogue rings the sidecar through its own end of the pair)
+        bell = conn.wake.fileno()  # (the rogue rings the sidecar through its own end of the pair)
         path = f"segment of {name}"
         fd = conn.segment.fileno()  # the memfd the hello passed, mapped a second time
         buf = memoryview(mmap.mmap(fd, os.fstat(fd).st_size))
@@ -1027,6 +1027,28 @@ def _expect(out: Any, kind: str, count: int) -> list[tuple]:
         assert msg[0] == kind, f"expected {kind!r}, got {msg[:3]}"
         got.append(msg)
     return got
+
+
+def test_a_sidecar_killed_while_it_sleeps_is_noticed_and_the_next_one_found(sidecars, store_dir, rng):
+    """kill -9 while the sidecar sleeps leaves its sleeping word set, so the next request rings
+    its bell, whose other end died with it: SidecarUnavailable (it was a bare BrokenPipeError
+    that skipped the retry), then the client finds a sidecar that is back by itself."""
+    name = unique_name("sleepkill")
+    store = store_dir / "s.db"
+    proc = sidecars.start(store, name=name, dim=DIM)
+    vectors = rng.standard_normal((50, DIM)).astype(np.float32)
+    with Client(name, timeout=2.0) as client:
+        ids = client.add(vectors)
+        q = vectors[3]
+        assert client.recall(q, k=1).ids.tolist() == [int(ids[3])]
+        header = client._conn.channel.header
+        wait_until(lambda: header.sidecar_sleeping[0] == 1, "the sidecar to fall asleep")
+        proc.kill()
+        proc.process.wait(DEADLINE_S)
+        with pytest.raises(SidecarUnavailable):
+            client.recall(q, k=1)
+        sidecars.start(store, name=name)
+        assert client.recall(q, k=1).ids.tolist() == [int(ids[3])]
 
 
 def test_kill9_sidecar_clients_fail_fast_then_recover_and_acked_adds_survive(sidecars, children, store_dir, seed):

@@ -487,7 +487,7 @@ def hello_and_vanish(runtime: str, name: str) -> None:
     finally:
         sock.close()
         theirs.close()
-        os.close(wake)
+        wake.close()
 
 
 def ask(sock: socket.socket, message: dict, blob: bytes = b"") -> dict:

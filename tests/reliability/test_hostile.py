@@ -231,7 +231,7 @@ def test_rogue_slot_fuzz_changes_nothing_but_its_own_slot(sidecars, children, st
         expected = allowed_statuses(view, layout, known)
         resp_before = bytes(view.response_bytes)
         view.req_seq[0] = seq  # publishes the request (x86-64: stores stay in order)
-        ring(conn.wake_fd)
+        ring(conn.wake.fileno())
         if seq == answered:  # not a new request: the sidecar must not answer (again)
             state["not_pending"] += 1
             time.sleep(0.002)
@@ -313,7 +313,7 @@ def exchange(runtime: str, name: str, parts: list[tuple[str, Any]]) -> tuple[lis
     sock = raw_connection(runtime, name, timeout=30.0)
     wake_end, kept = wake_pair()
     wake = wake_end.detach()
-    os.close(kept)
+    kept.close()
     try:
         try:
             for kind, value in parts:
@@ -533,7 +533,7 @@ def test_scribbling_over_the_whole_slot_with_random_bytes(sidecars, children, st
             seq = int(view.req_seq[0])
             if seq == answered:
                 continue
-            ring(conn.wake_fd)
+            ring(conn.wake.fileno())
             deadline = time.monotonic() + 30
             while int(view.resp_seq[0]) != seq:
                 assert time.monotonic() < deadline, "no answer to a random slot"
@@ -644,7 +644,8 @@ def test_a_rogue_wake_socket_cannot_stop_or_stall_the_sweep(sidecars, children, 
     seed = _seed_value()
     print(f"random seed: {seed} (replay with KALOS_TEST_SEED={seed})")
     served = Served(sidecars, children, store_dir, seed)
-    theirs, ours = wake_pair()
+    theirs, ours_sock = wake_pair()
+    ours = ours_sock.detach()
     handed = theirs.detach()
     keep = [ours]
     if wake == "full-blocking":
@@ -715,7 +716,7 @@ def test_a_rogue_ringing_without_pause_does_not_break_honest_clients(sidecars, c
     print(f"random seed: {seed} (replay with KALOS_TEST_SEED={seed})")
     served = Served(sidecars, children, store_dir, seed)
     rogue = Client(served.name, timeout=30.0)
-    bell = rogue._conn.wake_fd
+    bell = rogue._conn.wake.fileno()
     stop = threading.Event()
     writes = [0]
 

@@ -8,7 +8,7 @@ for without blocking the event loop: a short, bounded spin on ``resp_seq`` (an a
 comes within tens of microseconds is read with no system call and no trip through the loop;
 a longer spin would hold every other coroutine of the loop), then the same
 Dekker handshake as :meth:`kalos.ipc.channel.ClientChannel._block` (``client_sleeping = 1``, full
-fence, re-read ``resp_seq``) and an await on the wake eventfd through ``loop.add_reader``. The
+fence, re-read ``resp_seq``) and an await on the wake socket through ``loop.add_reader``. The
 slot's control socket is watched the same way, so a sidecar that dies wakes the waiter at
 once (:class:`SidecarUnavailable`), and the heartbeat is checked every poll slice, so a hung
 one is noticed within ``timeout``, as with :class:`Client`.
@@ -54,7 +54,7 @@ from kalos.ipc.sync import full_fence
 __all__ = ["AsyncClient", "DEFAULT_MAX_SPIN_US"]
 
 #: The longest a recall busy-polls its slot on the event loop before it sleeps on the wake
-#: eventfd. Spinning holds the loop (no other coroutine runs meanwhile), so it stays far below
+#: socket. Spinning holds the loop (no other coroutine runs meanwhile), so it stays far below
 #: the sync client's 100 us (CPU sidecar) or 1 ms (GPU sidecar): only answers that are
 #: practically there already are caught by it.
 DEFAULT_MAX_SPIN_US = 50.0
@@ -429,6 +429,16 @@ class AsyncClient:
                 queued = self._queued.pop(key, None)
                 self._queued = {key: _Group(group.args, left + (queued.waiting if queued else [])), **self._queued}
             raise
+        except BaseException as exc:
+            # Anything else (an OSError of the loop, MemoryError) is the batch's answer: every
+            # caller in it hears of it, none is left waiting; the sender goes on with the
+            # others' groups (its own caller, if in this batch, hears of it through its future).
+            for waiting in batch:
+                if not waiting.future.done():
+                    waiting.future.set_exception(exc)
+            if not isinstance(exc, Exception):  # (KeyboardInterrupt, SystemExit: theirs too)
+                raise
+            return
         for waiting, answer in zip(batch, answers):
             if waiting.future.done():
                 continue
@@ -585,7 +595,7 @@ class AsyncClient:
     @staticmethod
     async def _sleep(conn: _Connection, seq: int) -> None:
         """:meth:`ClientChannel._block` on the event loop: the same Dekker handshake, then the
-        wake eventfd (rung by the sidecar) and the control socket (its death) awaited through
+        wake socket (rung by the sidecar) and the control socket (its death) awaited through
         ``loop.add_reader``, in slices after which the heartbeat is checked."""
         loop = asyncio.get_running_loop()
         channel = conn.channel
@@ -605,10 +615,14 @@ class AsyncClient:
                 loop.remove_reader(wake_fd)
                 loop.remove_reader(control_fd)
                 slot.client_sleeping[0] = 0
-            if event == _CONTROL:
-                raise SidecarExited("the sidecar closed the connection (it exited or was killed)")
-            if event == _WAKE:
-                channel.drain_wake()
+            try:
+                if event == _CONTROL:
+                    raise SidecarExited("the sidecar closed the connection (it exited or was killed)")
+                if event == _WAKE:
+                    channel.drain_wake()
+            except SidecarExited:
+                if int(slot.resp_seq[0]) != seq:  # (an answer published before it went is the answer)
+                    raise
             if int(slot.resp_seq[0]) == seq:
                 return
             channel.check_alive()

@@ -134,7 +134,7 @@ class _Connection:
     sock: socket.socket | None = None
     segment: Segment | None = None
     channel: ClientChannel | None = None
-    wake_fd = -1
+    wake: socket.socket | None = None  # this client's end of its bell (kalos.ipc.channel.wake_pair)
     max_message_bytes = 0
     ops: frozenset[str] = frozenset()  # the hello's optional operations (e.g. "recall_text")
 
@@ -167,7 +167,7 @@ class _Connection:
                         ) from None
                     time.sleep(0.005)
             directory.close()
-            theirs, self.wake_fd = wake_pair()
+            theirs, self.wake = wake_pair()
             try:
                 send_frame(self.sock, {"op": "hello", "protocol": PROTOCOL_VERSION, "pid": os.getpid()})
                 send_fd(self.sock, theirs.fileno())
@@ -187,7 +187,7 @@ class _Connection:
                 spin_s = (advised if ok else settings().client_spin_us) / 1e6
             naps = reply.get("client_naps", True)  # (a sidecar that does not say: as before, nap)
             self.channel = ClientChannel(
-                self.segment, self.layout, int(reply["slot"]), wake_fd=self.wake_fd, control=self.sock,
+                self.segment, self.layout, int(reply["slot"]), wake=self.wake, control=self.sock,
                 epoch=self.epoch, timeout=timeout, spin_s=spin_s,
                 naps=naps if isinstance(naps, bool) else True,
             )
@@ -221,9 +221,9 @@ class _Connection:
         if self.segment is not None:
             self.segment.close()
             self.segment = None
-        if self.wake_fd >= 0:
-            os.close(self.wake_fd)
-            self.wake_fd = -1
+        if self.wake is not None:
+            self.wake.close()
+            self.wake = None
         if self.sock is not None:
             self.sock.close()
             self.sock = None

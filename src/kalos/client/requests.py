@@ -227,6 +227,8 @@ def key_or_id_message(op: str, first: Any, ids: Any, namespace: str, *, keys: An
     namespace the caller named."""
     if first is not None:
         if keys is not None:
+            if looks_like_ids(first):
+                raise InvalidArgument(f"{op}: pass keys or ids (one of them), got ids (positionally) and keys=")
             raise InvalidArgument(f"{op}: keys given twice (positionally and as keys=)")
         if ids is None and looks_like_ids(first):
             ids = first

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import weakref
 from typing import Callable
 
 from kalos.client.aio import AsyncClient
@@ -21,14 +20,16 @@ __all__ = ["LoopClients"]
 class LoopClients:
     """``clients.get()``: the AsyncClient of the running loop, made by ``make()`` on first use.
 
-    A loop's client is closed when the loop is garbage-collected, or at the next ``get()`` from
-    any loop once that loop is closed (``asyncio.run`` closes its loop on return), so that a
-    finished loop does not keep holding slots, which are a host-wide resource.
+    A loop's client is closed at the next ``get()`` from any loop once that loop is closed
+    (``asyncio.run`` closes its loop on return), so that a finished loop does not keep holding
+    slots, which are a host-wide resource; :meth:`close` closes them all. (Not by a finalizer
+    of the loop: the client holds its loop, through its lock and tasks, so the loop would never
+    be collected, and each finalizer would pin a loop for the life of the process.)
     """
 
     def __init__(self, make: Callable[[], AsyncClient]) -> None:
         self._make = make
-        self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncClient] = weakref.WeakKeyDictionary()
+        self._by_loop: dict[asyncio.AbstractEventLoop, AsyncClient] = {}
         self._lock = threading.Lock()
 
     def get(self) -> AsyncClient:
@@ -37,13 +38,18 @@ class LoopClients:
             aclient = self._by_loop.get(loop)
             if aclient is not None:
                 return aclient
-            closed = [old for old in self._by_loop if old.is_closed()]
-            stale = [self._by_loop.pop(old) for old in closed]
+            stale = [self._by_loop.pop(old) for old in [old for old in self._by_loop if old.is_closed()]]
             aclient = self._by_loop[loop] = self._make()
-            weakref.finalize(loop, _close_now, aclient)
         for old_client in stale:
             _close_now(old_client)
         return aclient
+
+    def close(self) -> None:
+        """Closes every loop's client (their slots go back to the sidecar)."""
+        with self._lock:
+            clients, self._by_loop = list(self._by_loop.values()), {}
+        for aclient in clients:
+            _close_now(aclient)
 
     def __len__(self) -> int:
         with self._lock:
@@ -51,8 +57,8 @@ class LoopClients:
 
 
 def _close_now(aclient: AsyncClient) -> None:
-    """Frees the slots of an AsyncClient whose loop is gone. ``aclose`` needs a running loop,
-    and that loop is closed: its connections are plain sync Clients, closed directly (no call
+    """Frees the slots of an AsyncClient whose loop is gone (or not running here). ``aclose``
+    needs that loop running: its connections are plain sync Clients, closed directly (no call
     can be in flight on them, since their loop no longer runs)."""
     for name in ("_recaller", "_control"):
         client = getattr(aclient, name, None)

@@ -54,13 +54,19 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _RING = b"\x01"
 
 
-def wake_pair() -> tuple[socket.socket, int]:
-    """A client's bell: ``(the end to pass to the sidecar in the hello, the descriptor the
-    client keeps: written to ring the sidecar, polled to be woken)``, a connected pair of Unix
-    stream sockets, the client's end non-blocking."""
+def wake_pair() -> tuple[socket.socket, socket.socket]:
+    """A client's bell: ``(the end to pass to the sidecar in the hello, the end the client
+    keeps: written to ring the sidecar, polled to be woken)``, a connected pair of Unix stream
+    sockets, the client's end non-blocking."""
     theirs, ours = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     ours.setblocking(False)
-    return theirs, ours.detach()
+    return theirs, ours
+
+
+#: Flags of every write and read on a bell: never block, whatever flags the other side set on
+#: the file; never raise SIGPIPE (a process that restored its default would die of a dead peer).
+_BELL_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
+_GONE = "the sidecar closed the connection (it exited or was killed)"
 
 
 def wake_socket(fd: int) -> socket.socket:
@@ -263,7 +269,7 @@ class ClientChannel:
         layout: Layout,
         slot: int,
         *,
-        wake_fd: int,
+        wake: socket.socket,
         control: socket.socket,
         epoch: int,
         timeout: float,
@@ -273,7 +279,8 @@ class ClientChannel:
         self.layout = layout
         self.header = HeaderView(segment.buf)
         self.slot = SlotView(segment.buf, layout, slot)
-        self._wake_fd = wake_fd
+        self._wake = wake
+        self._wake_fd = wake.fileno()
         self._epoch = epoch
         self._timeout_ns = int(timeout * 1e9)
         self._spin_s = spin_s
@@ -292,7 +299,7 @@ class ClientChannel:
         self._nap_clients = 2 * cores
         self._seq = int(self.slot.req_seq[0])
         self._poller = select.poll()
-        self._poller.register(wake_fd, select.POLLIN)
+        self._poller.register(self._wake_fd, select.POLLIN)
         self._poller.register(control, select.POLLIN | select.POLLHUP | select.POLLERR)
         self._control_fd = control.fileno()
         # Poll in slices so that a hung (not dead) sidecar is noticed by its stale heartbeat.
@@ -305,9 +312,13 @@ class ClientChannel:
         self._seq = seq
         if _publish_request(self.header, slot, seq):
             try:
-                os.write(self._wake_fd, _RING)  # the sidecar hears it on its end of the pair
+                self._wake.send(_RING, _BELL_FLAGS)  # the sidecar hears it on its end of the pair
             except BlockingIOError:
                 pass  # the sidecar has not read the earlier rings yet: rung already
+            except (BrokenPipeError, ConnectionResetError):
+                # The sidecar's end is closed: it died (kill -9 leaves its sleeping word set)
+                # or stopped. Its clients retry once on a sidecar that is back (SidecarExited).
+                raise SidecarExited(_GONE) from None
         return seq
 
     def resync(self) -> None:
@@ -362,10 +373,14 @@ class ClientChannel:
                 return
             events = self._poller.poll(self._slice_ms)
             slot.client_sleeping[0] = 0
-            for fd, _event in events:
-                if fd == self._control_fd:
-                    raise SidecarExited("the sidecar closed the connection (it exited or was killed)")
-                self.drain_wake()
+            try:
+                for fd, _event in events:
+                    if fd == self._control_fd:
+                        raise SidecarExited(_GONE)
+                    self.drain_wake()
+            except SidecarExited:
+                if int(slot.resp_seq[0]) != seq:  # (an answer published before it went is the answer)
+                    raise
             if int(slot.resp_seq[0]) == seq:
                 return
             self.check_alive()
@@ -383,11 +398,17 @@ class ClientChannel:
         return False
 
     def drain_wake(self) -> None:
-        """Empties the wake socket after a wake-up (rung already: nothing to read is fine)."""
+        """Empties the wake socket after a wake-up (rung already: nothing to read is fine);
+        SidecarExited once the sidecar's end is closed (end of file for ever: a waiter that went
+        on polling would spin until the heartbeat went stale)."""
         try:
-            os.read(self._wake_fd, 4096)
+            heard = self._wake.recv(4096, _BELL_FLAGS)
         except BlockingIOError:
-            pass
+            return
+        except ConnectionResetError:
+            heard = b""
+        if not heard:
+            raise SidecarExited(_GONE)
 
     # -- for kalos.client.aio.AsyncClient, which waits with the same protocol as _block but on its
     # -- event loop (loop.add_reader on these descriptors) instead of in poll().
@@ -518,9 +539,9 @@ class SidecarChannel:
         view.req_seq[0] = rest  # the client starts counting from here
         self.answered[slot] = rest
         self._woken[slot] = rest
+        self._epoll.register(wake.fileno(), select.EPOLLIN)  # (first: a failure leaves no table entry)
         self.wake_socks[slot] = wake
         self._bell_socks[wake.fileno()] = wake
-        self._epoll.register(wake.fileno(), select.EPOLLIN)
         self.active[slot] = True
         if self.in_use is not None:
             self.in_use[slot] = 1  # (after the rest seqs: a GPU kernel polls it from now on)
@@ -546,7 +567,10 @@ class SidecarChannel:
         end, which keeps the file open, and epoll would go on reporting it under a number that
         the next socket of the sidecar reuses."""
         if self._bell_socks.pop(bell.fileno(), None) is not None:
-            self._epoll.unregister(bell.fileno())
+            try:
+                self._epoll.unregister(bell.fileno())
+            except (OSError, ValueError):  # the channel closed already (a late control thread at exit)
+                pass
 
     def free_slot(self) -> int | None:
         free = np.flatnonzero(~self.active)
@@ -755,7 +779,7 @@ class SidecarChannel:
             wake = self.wake_socks[slot]
             if wake is not None:
                 try:
-                    wake.send(_RING, socket.MSG_DONTWAIT)
+                    wake.send(_RING, _BELL_FLAGS)
                 except OSError:
                     # A wake socket that refuses the write (full: its client never drains it;
                     # closed at the other end) costs only its own client's wake-up; it must not
@@ -784,7 +808,7 @@ class SidecarChannel:
                     if bell is None:
                         continue
                     try:
-                        heard = bell.recv(4096, socket.MSG_DONTWAIT)  # the rings so far (never blocks)
+                        heard = bell.recv(4096, _BELL_FLAGS)  # the rings so far (never blocks)
                     except BlockingIOError:
                         continue
                     except OSError:

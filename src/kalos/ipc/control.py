@@ -182,7 +182,7 @@ def send_fd(sock: socket.socket, fd: int) -> None:
 
 
 def recv_fd(sock: socket.socket) -> int:
-    data, fds, _flags, _addr = socket.recv_fds(sock, 1, 1)
+    data, fds, _flags, _addr = socket.recv_fds(sock, 1, 1, socket.MSG_CMSG_CLOEXEC)  # (no child inherits it)
     if not data:
         raise ConnectionClosed("peer closed the connection before passing a file descriptor")
     if data != b"F" or len(fds) != 1:
