@@ -17,6 +17,14 @@ once clients outnumber the cores (see ``ClientChannel.wait``). ``--only-coroutin
 one-at-a-time lines:
 
     PYTHONPATH=src python3 benchmarks/async_client.py --sizes 50000 --coroutines 1,4,16,64 --only-coroutines
+
+``--text-coroutines 1,4,16``: instead, C coroutines each calling ``recall_text`` (one question
+after another, ``kalos.tools.corpus.QUESTIONS``) through one AsyncClient against a CPU sidecar
+that embeds (ONNX Runtime, ``--embed start``) over CPython's help topics
+(``kalos.tools.corpus.passages``); each answer's top-8 ids are checked against what the same
+question gets alone, before the crowd:
+
+    PYTHONPATH=src python3 benchmarks/async_client.py --text-coroutines 1,4,16 --recalls 400
 """
 from __future__ import annotations
 
@@ -114,6 +122,57 @@ def crowd(name: str, queries: np.ndarray, want: list[set[int]], coroutines: int,
     return asyncio.run(main())
 
 
+def text_crowd(name: str, questions: list[str], want: dict[str, list[int]], coroutines: int,
+               per: int) -> tuple[list[float], float, int]:
+    """C coroutines calling recall_text through one AsyncClient: latencies, recalls/s, wrong."""
+    async def main() -> tuple[list[float], float, int]:
+        async with AsyncClient(name, timeout=30.0) as client:
+            await asyncio.gather(*(client.recall_text(q, k=8) for q in questions[:coroutines]))  # warm
+            latencies: list[float] = []
+            wrong = 0
+
+            async def one(i: int) -> None:
+                nonlocal wrong
+                clock = time.perf_counter
+                for j in range(per):
+                    q = questions[(i * per + j) % len(questions)]
+                    t = clock()
+                    hits = await client.recall_text(q, k=8)
+                    latencies.append(clock() - t)
+                    wrong += [h.id for h in hits] != want[q]
+
+            start = time.perf_counter()
+            await asyncio.gather(*(one(i) for i in range(coroutines)))
+            return latencies, len(latencies) / (time.perf_counter() - start), wrong
+
+    return asyncio.run(main())
+
+
+def bench_text(coroutines: list[int], recalls: int) -> None:
+    from kalos.tools.corpus import QUESTIONS, passages
+
+    tmp = tempfile.mkdtemp(prefix="kat", dir="/tmp")
+    name = f"async-text-{os.getpid()}"
+    sidecar = SidecarProcess(os.path.join(tmp, "store.db"), name=name, dim=384, device="cpu",
+                             extra_args=["--embed", "start", "--embed-runtime", "onnx"])
+    try:
+        with Client(name, timeout=120.0) as client:
+            texts = [p.text for p in passages()]
+            for start in range(0, len(texts), 256):
+                client.remember(texts[start:start + 256])
+            questions = list(dict.fromkeys(QUESTIONS))
+            want = {q: [h.id for h in client.recall_text(q, k=8)] for q in questions}
+        print(f"\n{len(texts):,} passages x dim 384 (the sidecar embeds: ONNX Runtime), k=8, CPU sidecar, "
+              f"{os.cpu_count()} cores, {len(questions)} questions")
+        for c in coroutines:
+            latencies, rate, wrong = text_crowd(name, questions, want, c, max(1, recalls // c))
+            print(f"  {f'recall_text, {c} coroutines at once':<38} {percentiles(latencies)}   {rate:,.0f} recalls/s, "
+                  f"{wrong} wrong of {len(latencies)}")
+    finally:
+        sidecar.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def bench_size(n_items: int, dim: int, recalls: int, rng: np.random.Generator, coroutines: list[int],
                only_coroutines: bool) -> None:
     tmp = tempfile.mkdtemp(prefix="kab", dir="/tmp")
@@ -164,12 +223,17 @@ def main() -> int:
     parser.add_argument("--recalls", type=int, default=3000, help="timed recalls per line")
     parser.add_argument("--coroutines", default="16", help="coroutine counts of the last lines, comma-separated")
     parser.add_argument("--only-coroutines", action="store_true", help="only the coroutines' lines")
+    parser.add_argument("--text-coroutines", default="", metavar="C1,C2,...",
+                        help="instead: C coroutines calling recall_text against a CPU sidecar that embeds")
     args = parser.parse_args()
     runtime = tempfile.mkdtemp(prefix="kabr", dir="/tmp")
     os.chmod(runtime, 0o700)
     os.environ.setdefault("KALOS_RUNTIME_DIR", runtime)
     rng = np.random.default_rng(0)
     try:
+        if args.text_coroutines:
+            bench_text([int(c) for c in args.text_coroutines.split(",")], args.recalls)
+            return 0
         for size in (int(s) for s in args.sizes.split(",")):
             bench_size(size, args.dim, args.recalls, rng, [int(c) for c in args.coroutines.split(",")],
                        args.only_coroutines)

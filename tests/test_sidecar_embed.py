@@ -397,6 +397,35 @@ async def test_the_async_client_recalls_text_in_one_round_trip(sidecar, ns, monk
         assert "embed" not in on_control and "get" not in on_control
 
 
+async def test_concurrent_async_recall_texts_go_together(sidecar, ns, monkeypatch):
+    """Coroutines of one AsyncClient calling recall_text at once: the first goes alone, the
+    ones that arrive while it is in flight go in one round trip (one embedding batch, one recall
+    batch); each gets what it would alone; another group (k) goes in a request of its own."""
+    import asyncio
+
+    with Client(sidecar.name, timeout=DEADLINE_S) as c:
+        c.remember(FACTS, namespace=ns)
+        alone = {q: [h.id for h in c.recall_text(q, k=2, namespace=ns)] for q, _ in QUESTIONS}
+    async with AsyncClient(sidecar.name, timeout=DEADLINE_S) as client:
+        await client.recall_text("warm", k=1, namespace=ns)
+        batches: list[int] = []
+        control = client._recaller._control
+
+        def recording(message, blob=b""):
+            if message["op"] == "recall_text":
+                batches.append(len(message["texts"]))
+            return control(message, blob)
+
+        monkeypatch.setattr(client._recaller, "_control", recording)
+        questions = [q for q, _ in QUESTIONS]
+        got = await asyncio.gather(*(client.recall_text(q, k=2, namespace=ns) for q in questions),
+                                   client.recall_text(questions[0], k=1, namespace=ns))
+        for q, hits in zip(questions, got):
+            assert [h.id for h in hits] == alone[q], q
+        assert [h.id for h in got[-1]] == alone[questions[0]][:1]
+        assert batches == [1, len(questions) - 1, 1], batches
+
+
 async def test_a_cancelled_async_recall_text_keeps_the_slot_until_the_sidecar_replies(sidecar, ns):
     """Cancelled twice while the sidecar embeds and recalls in the slot: the coroutine ends
     cancelled, and the next recalls on the slot still get their own answers."""

@@ -50,6 +50,7 @@ from kalos.errors import InvalidArgument, KalosError, SidecarUnavailable, Unknow
 from kalos.ipc.channel import SidecarExited
 from kalos.ipc.protocol import Layout, Op
 from kalos.ipc.sync import full_fence
+from kalos.validation import check_embed_texts
 
 __all__ = ["AsyncClient", "DEFAULT_MAX_SPIN_US"]
 
@@ -360,13 +361,13 @@ class AsyncClient:
         clause = where_clause(where)
         # Checked here, in the caller's own task: a bad argument is this caller's error alone.
         rows, k, request = recall_request(vector, k, namespace, since, until, layout, single=True)
-        key = (request, None if clause is None else clause.key)
-        return await self._together(rows, key, (k, namespace, since, until, clause))
+        key = ("vector", request, None if clause is None else clause.key)
+        return await self._together(rows, key, ("vector", k, namespace, since, until, clause))
 
-    async def _together(self, row: np.ndarray, key: Any, args: tuple[Any, ...]) -> Recall:
-        """A single recall through the queue of its filter group ``key``: sent with the others
-        of that group that wait for the slot meanwhile. If nobody is sending, this caller sends,
-        group after group, until its own answer is in, then hands what is left to a task."""
+    async def _together(self, row: Any, key: Any, args: tuple[Any, ...]) -> Any:
+        """A single recall (a query row, or a text) through the queue of its group ``key``: sent
+        with the others of that group that wait meanwhile. If nobody is sending, this caller
+        sends, group after group, until its own answer is in, then hands what is left to a task."""
         future = asyncio.get_running_loop().create_future()
         group = self._queued.get(key)
         if group is None:
@@ -450,7 +451,9 @@ class AsyncClient:
     async def _answers(self, batch: list["_Queued"], args: tuple[Any, ...]) -> list[Any]:
         """Each recall's answer (or its error) from one request, or one request each where the
         batch failed on something that may be one query's fault."""
-        k, namespace, since, until, clause = args
+        kind, k, namespace, since, until, clause = args
+        if kind == "text":
+            return await self._text_answers([w.row for w in batch], k, namespace, since, until, clause)
         if len(batch) > 1:
             try:
                 answers = await self._recall(np.concatenate([w.row for w in batch]), k, namespace, since, until,
@@ -465,6 +468,25 @@ class AsyncClient:
         for waiting in batch:
             try:
                 out.append(await self._recall(waiting.row[0], k, namespace, since, until, single=True, where=clause))
+            except KalosError as exc:
+                out.append(exc)
+        return out
+
+    async def _text_answers(self, texts: list[str], k: int, namespace: str | None, since: Any, until: Any,
+                            clause: Any) -> list[Any]:
+        """:meth:`_answers` for texts: one :meth:`recall_texts` (one embedding batch, one recall
+        batch, one fetch), or one each where it failed on something that may be one text's fault."""
+        if len(texts) > 1:
+            try:
+                return await self.recall_texts(texts, k, namespace, since, until, where=clause)
+            except SidecarUnavailable as exc:
+                return [exc] * len(texts)
+            except KalosError:
+                pass
+        out: list[Any] = []
+        for text in texts:
+            try:
+                out.append((await self.recall_texts([text], k, namespace, since, until, where=clause))[0])
             except KalosError as exc:
                 out.append(exc)
         return out
@@ -642,12 +664,27 @@ class AsyncClient:
         """:meth:`Client.recall_text`: when the sidecar embeds, its one control round trip in a
         worker thread (the recall connection's slot is the sidecar's meanwhile); with an embedder
         of the client's own, embeds in a worker thread, recalls natively, then fetches the hits'
-        texts in one control round trip."""
+        texts in one control round trip. Concurrent calls of one group (k, namespace, time window,
+        ``where``) go together, as :meth:`recall`'s do: one :meth:`recall_texts` for all of them."""
         if kwargs:
             return await self._in_thread("recall_text", text, k, namespace, since, until, where=where, **kwargs)
         if not isinstance(text, str):
             raise InvalidArgument(f"recall_text takes one str, got {type(text).__name__}; use recall_texts for several")
-        return (await self.recall_texts([text], k, namespace, since, until, where=where))[0]
+        self._slot_lock()  # (binds the queue to the running loop)
+        layout = self._layout
+        if layout is None:
+            async with self._slot_lock():
+                layout = (await self._slot_connection()).layout
+        # Checked here, in the caller's own task: a bad argument is this caller's error alone.
+        check_embed_texts([text])
+        check_k(k, layout.max_k)
+        words = filter_words(namespace, since, until)
+        clause = where_clause(where)
+        # Concurrent recall_text calls of one group go together: one embedding batch and one
+        # recall batch for all of them (the sidecar's model, or this client's, embeds a batch
+        # of short texts in little more than one), as concurrent recalls do.
+        key = ("text", int(k), words, None if clause is None else clause.key)
+        return await self._together(text, key, ("text", int(k), namespace, since, until, clause))
 
     async def recall_texts(
         self, texts: Sequence[str], k: int = 8, namespace: str | None = "default",
