@@ -12,6 +12,7 @@ Conventions (see also tests/reference.py):
 """
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 import multiprocessing
@@ -21,10 +22,11 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Awaitable, Callable, Iterator
 
 import numpy as np
 import pytest
@@ -262,3 +264,29 @@ def long_run(request: pytest.FixtureRequest) -> bool:
 def scale(long_run: bool) -> Callable[[Any, Any], Any]:
     """``scale(short, long)``: the CI value, or the --long one."""
     return lambda short, long: long if long_run else short
+
+
+def in_two_event_loops(step: Callable[[int], Awaitable[Any]], rounds: int) -> list[str]:
+    """``step(i)`` (a coroutine) ``rounds`` times in each of two threads, each thread running its
+    own event loop by asyncio.run at the same time; returns the errors. A thread still running
+    at DEADLINE_S is a hang (a hang guard, not a timing assertion)."""
+    errors: list[str] = []
+    started = threading.Barrier(2)
+
+    def worker(offset: int) -> None:
+        async def run() -> None:
+            started.wait()
+            for r in range(rounds):
+                try:
+                    await step(offset + r)
+                except Exception as exc:  # noqa: BLE001 - reported by the test
+                    errors.append(f"{type(exc).__name__}: {exc}")
+        asyncio.run(run())
+
+    threads = [threading.Thread(target=worker, args=(k * 7,), daemon=True) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE_S)
+    assert not any(t.is_alive() for t in threads), "an async call hung with two event loops"
+    return errors

@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("langchain_core")
 
-from conftest import DEADLINE_S  # noqa: E402
+from conftest import DEADLINE_S, in_two_event_loops  # noqa: E402
 from langchain_core.documents import Document  # noqa: E402
 from langchain_core.embeddings import DeterministicFakeEmbedding, Embeddings  # noqa: E402
 from langchain_core.indexing import InMemoryRecordManager, index  # noqa: E402
@@ -348,34 +348,6 @@ def test_langchain_embeddings_as_the_embedder(sidecar, ns):  # noqa: F811
         assert store.similarity_search("elephants", k=1)[0].page_content == "purple elephants dance"
 
 
-def _in_two_loops(step, rounds: int) -> list[str]:
-    """``step(i)`` (a coroutine) ``rounds`` times in each of two threads, each thread running its
-    own event loop by asyncio.run at the same time; returns the errors. A thread still running
-    at DEADLINE_S is a hang (a hang guard, not a timing assertion)."""
-    import threading
-
-    errors: list[str] = []
-    started = threading.Barrier(2)
-
-    def worker(offset: int) -> None:
-        async def run() -> None:
-            started.wait()
-            for r in range(rounds):
-                try:
-                    await step(offset + r)
-                except Exception as exc:  # noqa: BLE001 - reported by the test
-                    errors.append(f"{type(exc).__name__}: {exc}")
-        asyncio.run(run())
-
-    threads = [threading.Thread(target=worker, args=(k * 7,), daemon=True) for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(DEADLINE_S)
-    assert not any(t.is_alive() for t in threads), "an async call hung with two event loops"
-    return errors
-
-
 def test_async_calls_from_two_event_loops_each_get_their_own_client(fake_client, fake, ns, rng):
     """One AsyncClient binds its lock and futures to one loop: shared by two threads each running
     asyncio.run, their calls hung. Each loop now has its own; a closed loop's one is closed."""
@@ -388,7 +360,7 @@ def test_async_calls_from_two_event_loops_each_get_their_own_client(fake_client,
         [doc] = await store.asimilarity_search_by_vector(vectors[i % 20].tolist(), k=1)
         assert doc.id == keys[i % 20]
 
-    assert _in_two_loops(step, 60) == []
+    assert in_two_event_loops(step, 60) == []
 
     async def both_loops() -> tuple[object, object]:
         inner: list[object] = []

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("langgraph")
 
-from conftest import DEADLINE_S  # noqa: E402
+from conftest import DEADLINE_S, in_two_event_loops  # noqa: E402
 from langchain_core.embeddings import DeterministicFakeEmbedding  # noqa: E402
 from langgraph.store.base import GetOp, InvalidNamespaceError, ListNamespacesOp, MatchCondition, PutOp, SearchOp  # noqa: E402
 from langgraph.store.memory import InMemoryStore  # noqa: E402
@@ -311,33 +311,16 @@ def test_a_put_replaces_the_vectors_of_the_previous_one(client8: Client):
 def test_abatch_from_two_event_loops_each_gets_its_own_client(client8: Client):
     """KalosStore shared one AsyncClient by every loop: two threads each running asyncio.run
     hung. Each loop now has its own (a hang guard, not a timing assertion, bounds the threads)."""
-    import threading
-
     kalos, _ = stores(client8)
     for i in range(10):
         kalos.put(("loops",), f"k{i}", {"text": f"item {i}"})
-    errors: list[str] = []
-    started = threading.Barrier(2)
 
-    def worker(offset: int) -> None:
-        async def run() -> None:
-            started.wait()
-            for r in range(40):
-                try:
-                    found = await kalos.asearch(("loops",), query=f"item {(offset + r) % 10}", limit=1)
-                    assert len(found) == 1
-                    assert (await kalos.aget(("loops",), f"k{(offset + r) % 10}")) is not None
-                except Exception as exc:  # noqa: BLE001 - reported below
-                    errors.append(f"{type(exc).__name__}: {exc}")
-        asyncio.run(run())
+    async def step(i: int) -> None:
+        found = await kalos.asearch(("loops",), query=f"item {i % 10}", limit=1)
+        assert len(found) == 1
+        assert (await kalos.aget(("loops",), f"k{i % 10}")) is not None
 
-    threads = [threading.Thread(target=worker, args=(k * 3,), daemon=True) for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(DEADLINE_S)
-    assert not any(t.is_alive() for t in threads), "abatch hung with two event loops"
-    assert errors == []
+    assert in_two_event_loops(step, 40) == []
 
     async def mine() -> object:
         return kalos._async_client()
