@@ -782,6 +782,40 @@ def test_a_vector_update_racing_the_expiry_does_not_bring_the_row_back(rng, expi
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def test_deletes_do_not_count_memories_that_had_expired(rng):
+    """Delete by ids, keys, where, and drop_namespace count only what get and count showed: a
+    memory past its expiry that the expirer has not deleted from the store yet is gone already
+    (they counted it). The expirer's thread is not running here, so such rows wait in the store."""
+    import os
+
+    from kalos.ipc.control import array_blob
+    from kalos.server.sidecar import Sidecar, SidecarConfig
+
+    directory = short_tempdir("ttld")
+    sidecar = Sidecar(SidecarConfig(store=os.path.join(directory, "s.db"), name=unique_name("ttld"), dim=DIM,
+                                    device="cpu", slots=4))
+    control = sidecar._control
+    try:
+        def add(namespace: str, keys: list[str], ttl: list[float | None]) -> list[int]:
+            spec, blob = array_blob(rng.standard_normal((len(keys), DIM)).astype(np.float32), "float32")
+            _, out = control._op_add({"vectors": spec, "namespace": namespace, "keys": keys, "ttl": ttl,
+                                      "metadata": [{"g": 1}] * len(keys)}, bytearray(blob))
+            return np.frombuffer(out, np.int64).tolist()
+
+        added = {ns: add(ns, ["x", "y"], [0.2, None]) for ns in "abcd"}
+        by_id = added["a"]
+        _wait_past(max(sidecar._expirer.schedule.expires_at(ids[0]) for ids in added.values()))
+        assert control._op_count({"namespace": "a"}, bytearray())[0]["count"] == 1
+        assert control._op_delete({"ids": by_id}, bytearray())[0]["deleted"] == 1
+        assert control._op_delete({"keys": ["x", "y"], "namespace": "b"}, bytearray())[0]["deleted"] == 1
+        assert control._op_delete({"where": {"g": 1}, "namespace": "c"}, bytearray())[0]["deleted"] == 1
+        assert control._op_drop_namespace({"namespace": "d"}, bytearray())[0]["deleted"] == 1
+        assert control._op_count({"namespace": None}, bytearray())[0]["count"] == 0
+    finally:
+        sidecar.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def test_expiry_survives_a_restart(sidecars, store_dir):
     name = unique_name("ttlr")
     path = store_dir / "r.db"

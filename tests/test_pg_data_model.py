@@ -62,6 +62,32 @@ def test_update_list_count_delete_where_and_expiry_match_the_sqlite_store(url: s
     assert answers[0][0] == (5, 2, 0) and answers[0][1:3] == (2, 1)
 
 
+def test_deletes_name_the_rows_that_had_expired_as_the_sqlite_store(url: str, store_dir: Path,
+                                                                    rng: np.random.Generator) -> None:
+    """``expired_out`` of delete, delete_keys and delete_where: the deleted rows that had expired
+    (the sidecar does not count them as deleted), the same in both stores."""
+    vectors = _unit(rng, 4)
+    answers = []
+    with PostgresStore.open(url, dim=DIM) as pg_store, Store.open(store_dir / "e.db", dim=DIM) as sqlite_store:
+        for store in (pg_store, sqlite_store):
+            got = []
+            for ns in ("ids", "keys", "where"):
+                ids, _, _, _ = store.upsert(vectors, keys=[f"k{i}" for i in range(4)], namespace=ns,
+                                            metadata=[{"g": 1}] * 4,
+                                            expires_at=np.array([time.time() - 1, np.nan, time.time() + 60, np.nan]))
+                expired: list[int] = []
+                if ns == "ids":
+                    deleted = store.delete(ids, expired_out=expired)
+                elif ns == "keys":
+                    deleted = store.delete_keys(["k0", "k1", "k2"], ns, expired_out=expired)
+                else:
+                    deleted = store.delete_where(namespace=ns, where=compile_where({"g": 1}), expired_out=expired)
+                got.append((len(deleted), [ids.tolist().index(i) for i in expired]))
+            answers.append(got)
+            store.delete_where(namespace=None)
+    assert answers[0] == answers[1] == [(4, [0]), (3, [0]), (4, [0])], answers
+
+
 def test_followers_apply_updates_scoped_deletes_and_expiries(url: str, sidecars: SidecarPool,
                                                              rng: np.random.Generator) -> None:
     a = Host(sidecars, url, unique_name("a"))

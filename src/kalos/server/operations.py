@@ -393,17 +393,20 @@ class ControlServer:
         keys, where = message.get("keys"), message.get("where")
         if sum(value is not None for value in (keys, message.get("ids"), where)) > 1:
             raise InvalidArgument("delete: give keys, ids or where (exactly one)")
+        expired: list[int] = []
         if keys is not None:
             namespace = check_namespace(message.get("namespace", "default"))
-            delete = lambda: self.store.delete_keys(keys, namespace)  # noqa: E731
+            delete = lambda: self.store.delete_keys(keys, namespace, expired_out=expired)  # noqa: E731
         elif where is not None:
             clause = compile_where(where)
             namespace = _optional_namespace(message.get("namespace", "default"))
-            delete = lambda: self.store.delete_where(namespace=namespace, where=clause)  # noqa: E731
+            delete = lambda: self.store.delete_where(namespace=namespace, where=clause, expired_out=expired)  # noqa: E731
         else:
             ids = _int_list(message.get("ids"), "ids")
-            delete = lambda: self.store.delete(ids)  # noqa: E731
-        return ok_reply(deleted=len(self._delete_committed(delete))), b""
+            delete = lambda: self.store.delete(ids, expired_out=expired)  # noqa: E731
+        deleted = self._delete_committed(delete)
+        # Rows that had expired were gone for get, list and count already: not deleted now.
+        return ok_reply(deleted=len(deleted) - len(expired)), b""
 
     def _delete_committed(self, delete: Callable[[], np.ndarray]) -> np.ndarray:
         """Runs a store delete, then tombstones what it deleted in the engine (``_write_lock``
@@ -414,6 +417,9 @@ class ControlServer:
                 self._polling.pause()
                 self.engine.delete(deleted)
                 self._expirer.schedule.forget(deleted)
+                if self.quarantined:  # (a deleted damaged row is no longer one to report)
+                    gone = set(deleted.tolist())
+                    self.quarantined[:] = [i for i in self.quarantined if i not in gone]
             self._wrote.set()
         return deleted
 
@@ -422,8 +428,10 @@ class ControlServer:
         with its id, so no other namespace can ever take that id (an engine row or a follower's
         map that still names it could then leak one namespace's memories into another's)."""
         namespace = check_namespace(message.get("namespace"))
-        deleted = self._delete_committed(lambda: self.store.delete_where(namespace=namespace, where=None))
-        return ok_reply(deleted=len(deleted)), b""
+        expired: list[int] = []
+        deleted = self._delete_committed(
+            lambda: self.store.delete_where(namespace=namespace, where=None, expired_out=expired))
+        return ok_reply(deleted=len(deleted) - len(expired)), b""
 
     def _op_list(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
         """One page of items in id order after ``after``: ``items`` and ``next`` (the id to page

@@ -879,7 +879,8 @@ class PostgresStore:
 
         return self._run("count", body)
 
-    def delete_where(self, *, namespace: str | None, where: Any = None) -> np.ndarray:
+    def delete_where(self, *, namespace: str | None, where: Any = None,
+                     expired_out: list[int] | None = None) -> np.ndarray:
         """As :meth:`kalos.store.sqlite.Store.delete_where`: one transaction, one 'delete' change-log
         entry (the followers drop the rows)."""
         ns = None if namespace is None else check_namespace(namespace)
@@ -891,10 +892,11 @@ class PostgresStore:
                     () if ns is None else (ns,)).fetchall()]
             else:
                 ids = self._matching(conn, ns, where, None)
-            if ids:
-                conn.execute("DELETE FROM kalos_items WHERE id = ANY(%s)", (ids,))
-                _log_change(conn, "delete", sorted(ids))
-            return np.sort(np.asarray(ids, dtype=np.int64))
+            if not ids:
+                return np.empty(0, dtype=np.int64)
+            rows = conn.execute(f"DELETE FROM kalos_items WHERE id = ANY(%s) RETURNING id, {self._expiry_column()}",
+                                (ids,)).fetchall()
+            return self._deleted(conn, rows, expired_out)
 
         return self._run("delete_where", body, write=True)
 
@@ -915,7 +917,7 @@ class PostgresStore:
     def _live_params(self, now: float) -> tuple[float, ...]:
         return (now,) if self._expiring else ()
 
-    def delete_keys(self, keys: Sequence[str], namespace: str) -> np.ndarray:
+    def delete_keys(self, keys: Sequence[str], namespace: str, *, expired_out: list[int] | None = None) -> np.ndarray:
         """As :meth:`kalos.store.sqlite.Store.delete_keys` (logged as a delete: followers drop the rows)."""
         wanted = list(dict.fromkeys(keys_for_lookup(keys)))
         ns = check_namespace(namespace)
@@ -925,12 +927,11 @@ class PostgresStore:
             return np.empty(0, dtype=np.int64)
 
         def body(conn: Any) -> np.ndarray:
-            found = [r[0] for r in conn.execute(
+            expiry = "i.expires_at" if self._expiring else "NULL"
+            rows = conn.execute(
                 "DELETE FROM kalos_items AS i USING kalos_namespaces AS n WHERE n.id = i.namespace_id"
-                " AND n.name = %s AND i.key = ANY(%s) RETURNING i.id", (ns, wanted)).fetchall()]
-            if found:
-                _log_change(conn, "delete", sorted(found))
-            return np.sort(np.asarray(found, dtype=np.int64))
+                f" AND n.name = %s AND i.key = ANY(%s) RETURNING i.id, {expiry}", (ns, wanted)).fetchall()
+            return self._deleted(conn, rows, expired_out)
 
         return self._run("delete_keys", body, write=True)
 
@@ -961,8 +962,9 @@ class PostgresStore:
 
         self._run("undo_add", body, write=True)
 
-    def delete(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Deletes items in one transaction; returns the ids actually deleted (int64, ascending)."""
+    def delete(self, ids: Sequence[int] | np.ndarray, *, expired_out: list[int] | None = None) -> np.ndarray:
+        """Deletes items in one transaction; returns the ids actually deleted (int64, ascending);
+        ``expired_out`` as :meth:`kalos.store.sqlite.Store.delete`."""
         wanted = np.unique(check_ids(ids, "delete"))
         if len(wanted) == 0:
             with self._lock:
@@ -970,13 +972,27 @@ class PostgresStore:
             return np.empty(0, dtype=np.int64)
 
         def body(conn: Any) -> np.ndarray:
-            found = [r[0] for r in conn.execute(
-                "DELETE FROM kalos_items WHERE id = ANY(%s) RETURNING id", (wanted.tolist(),)).fetchall()]
-            if found:
-                _log_change(conn, "delete", sorted(found))
-            return np.sort(np.asarray(found, dtype=np.int64))
+            rows = conn.execute(
+                f"DELETE FROM kalos_items WHERE id = ANY(%s) RETURNING id, {self._expiry_column()}",
+                (wanted.tolist(),)).fetchall()
+            return self._deleted(conn, rows, expired_out)
 
         return self._run("delete", body, write=True)
+
+    def _expiry_column(self) -> str:
+        return "expires_at" if self._expiring else "NULL"
+
+    @staticmethod
+    def _deleted(conn: Any, rows: list[tuple[int, Any]], expired_out: list[int] | None) -> np.ndarray:
+        """The ids of ``rows`` (id, expires_at) a delete returned, logged for the followers; those
+        already expired go to ``expired_out`` when given."""
+        found = [r[0] for r in rows]
+        if found:
+            _log_change(conn, "delete", sorted(found))
+        if expired_out is not None:
+            now = time.time()
+            expired_out += [r[0] for r in rows if r[1] is not None and r[1] <= now]
+        return np.sort(np.asarray(found, dtype=np.int64))
 
     # -- reads -------------------------------------------------------------------------------
 

@@ -875,9 +875,10 @@ class Store:
         by_id = {item.id: item for item in items if item is not None}
         return [None if i is None else by_id.get(i) for i in ids]
 
-    def delete_keys(self, keys: Sequence[str], namespace: str) -> np.ndarray:
+    def delete_keys(self, keys: Sequence[str], namespace: str, *, expired_out: list[int] | None = None) -> np.ndarray:
         """Deletes the items of ``keys`` in ``namespace`` in one transaction; returns their ids.
-        Keys not in ``namespace`` (absent, or only in another namespace) are ignored."""
+        Keys not in ``namespace`` (absent, or only in another namespace) are ignored.
+        ``expired_out``: gets the ids among them that had expired already (see :meth:`delete`)."""
         key_list = list(dict.fromkeys(keys_for_lookup(keys)))
         ns = check_namespace(namespace)
         if not key_list:  # no transaction (and no write_seq) for nothing, as delete([])
@@ -895,6 +896,7 @@ class Store:
                     f" WHERE n.name = ? AND i.key IN ({','.join('?' * len(chunk))})", (ns, *chunk),
                 )]
                 if ids:
+                    self._note_expired(conn, ids, expired_out)
                     conn.execute(f"DELETE FROM items WHERE id IN ({','.join('?' * len(ids))})", ids)
                 found += ids
         return np.sort(np.asarray(found, dtype=np.int64))
@@ -1025,10 +1027,12 @@ class Store:
             except sqlite3.Error as e:
                 raise _wrap(e, "count", self.path) from None
 
-    def delete_where(self, *, namespace: str | None, where: Any = None) -> np.ndarray:
+    def delete_where(self, *, namespace: str | None, where: Any = None,
+                     expired_out: list[int] | None = None) -> np.ndarray:
         """Deletes, in one transaction, every item of ``namespace`` (None: of all) whose metadata
         passes ``where`` (None: every item); returns their ids (int64, ascending). The rows are
-        chosen and deleted inside the transaction: a crash leaves all of them or none."""
+        chosen and deleted inside the transaction: a crash leaves all of them or none.
+        ``expired_out``: gets the ids among them that had expired already (see :meth:`delete`)."""
         ns = None if namespace is None else check_namespace(namespace)
         with self._write_transaction("delete_where") as conn:
             if where is None:
@@ -1037,8 +1041,18 @@ class Store:
             else:
                 ids = self._matching(conn, ns, where, None)
             for chunk in _chunks(np.asarray(ids, dtype=np.int64)):
+                self._note_expired(conn, chunk, expired_out)
                 conn.execute(f"DELETE FROM items WHERE id IN ({','.join('?' * len(chunk))})", chunk)
         return np.sort(np.asarray(ids, dtype=np.int64))
+
+    def _note_expired(self, conn: sqlite3.Connection, ids: Sequence[int], expired_out: list[int] | None) -> None:
+        """Appends to ``expired_out`` (when given) which of ``ids`` have expired by now: rows that
+        get, list and count no longer show, though the expirer has not deleted them yet."""
+        if expired_out is None or not self._expiring or not len(ids):
+            return
+        expired_out += [r[0] for r in conn.execute(
+            f"SELECT id FROM items WHERE id IN ({','.join('?' * len(ids))}) AND expires_at <= ?",
+            (*[int(i) for i in ids], time.time()))]
 
     @staticmethod
     def _namespace_clause(ns: str | None) -> str:
@@ -1110,10 +1124,12 @@ class Store:
             raise StoreError(f"store {self.path}: namespace ids are exhausted")
         return ns_id
 
-    def delete(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    def delete(self, ids: Sequence[int] | np.ndarray, *, expired_out: list[int] | None = None) -> np.ndarray:
         """Deletes items in one transaction; returns the ids actually deleted (int64, ascending).
 
-        Unknown (or already deleted) ids are ignored.
+        Unknown (or already deleted) ids are ignored. ``expired_out`` (a list) gets the ids among
+        them that had expired already: gone for get, list and count, though not yet deleted by
+        the expirer, so a caller counting what it deleted leaves them out.
         """
         wanted = np.unique(check_ids(ids, "delete"))
         if len(wanted) == 0:
@@ -1127,6 +1143,7 @@ class Store:
                 # SELECT then DELETE rather than DELETE ... RETURNING, which needs SQLite 3.35;
                 # the IMMEDIATE transaction makes the pair atomic.
                 found += [r[0] for r in conn.execute(f"SELECT id FROM items WHERE id IN ({marks})", chunk)]
+                self._note_expired(conn, chunk, expired_out)
                 conn.execute(f"DELETE FROM items WHERE id IN ({marks})", chunk)
         return np.sort(np.asarray(found, dtype=np.int64))
 
