@@ -360,7 +360,7 @@ def test_a_cancelled_sender_hands_the_queue_over(served: Served) -> None:
                     served.model.check(await task, queries[i], 3, context=f"queued {i}")
             hit = await client.recall(queries[0], k=4)
             served.model.check(hit, queries[0], 4, context="after the hand-over")
-            assert not client._sending and not client._queued
+            assert all(queue.idle for queue in client._queues.values())
 
     run(scenario)
 
@@ -390,7 +390,39 @@ def test_a_batch_that_fails_unexpectedly_fails_every_caller_in_it(served: Served
             assert all(isinstance(r, BrokenPipeError) for r in results), results
             client._round_trip = round_trip  # type: ignore[method-assign]
             served.model.check(await client.recall(queries[1]), queries[1], 8, context="afterwards")
-            assert not client._sending and not client._queued
+            assert all(queue.idle for queue in client._queues.values())
+
+    run(scenario)
+
+
+def test_a_text_batch_embedding_in_a_thread_holds_back_no_recall_by_vector(served: Served) -> None:
+    """Concurrent recall_text calls with an embedder of the client's own embed in a worker
+    thread, off the slot: recalls by vector meanwhile are sent and answered (each kind has its
+    queue), and the texts' answers come once the embedding is done."""
+    import threading
+
+    from kalos.client.embed import CallableEmbedder
+
+    gate = threading.Event()
+    rng = np.random.default_rng(7)
+
+    def slow(texts: list[str]) -> np.ndarray:  # waits for the test, then embeds at random
+        assert gate.wait(DEADLINE_S)
+        return rng.standard_normal((len(texts), DIM)).astype(np.float32)
+
+    q = served.queries(1)[0]
+
+    async def scenario() -> None:
+        embedder = CallableEmbedder(slow, dim=DIM)
+        async with AsyncClient(served.name, timeout=30.0, embedder=embedder) as client:
+            texts = [asyncio.ensure_future(client.recall_text(f"question {i}", k=3)) for i in range(4)]
+            for _ in range(5):
+                await asyncio.sleep(0.01)
+            served.model.check(await client.recall(q, k=5), q, 5, context="beside an embedding text batch")
+            assert not any(t.done() for t in texts)
+            gate.set()
+            for hits in await asyncio.gather(*texts):
+                assert len(hits) == 3
 
     run(scenario)
 

@@ -22,6 +22,7 @@ as they are) and the same errors.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import inspect
 import math
@@ -81,8 +82,22 @@ class _Queued(NamedTuple):
 class _Group(NamedTuple):
     """The recalls of one filter group waiting for the slot, and the filter's arguments."""
 
-    args: tuple[Any, ...]  # k, namespace, since, until, where clause
+    args: tuple[Any, ...]  # kind ("vector" or "text"), k, namespace, since, until, where clause
     waiting: list[_Queued]
+
+
+@dataclasses.dataclass
+class _Queue:
+    """The groups of one kind of single recall waiting to be sent together, oldest first, and
+    whether a coroutine (or the task it handed over to) is sending them."""
+
+    groups: dict[Any, _Group] = dataclasses.field(default_factory=dict)
+    sending: bool = False
+    sender: asyncio.Task | None = None
+
+    @property
+    def idle(self) -> bool:
+        return not self.sending and not self.groups
 
 
 def _retrieve(task: asyncio.Future) -> None:
@@ -160,11 +175,9 @@ class AsyncClient:
         self._opening: dict[str, asyncio.Task] = {}
         self._locks_loop: asyncio.AbstractEventLoop | None = None
         self._slot_lock_: asyncio.Lock | None = None
-        # Single recalls waiting for the slot, by filter group, oldest group first (:meth:`recall`),
-        # and whether a coroutine (or the task it handed over to) is sending them.
-        self._queued: dict[Any, _Group] = {}
-        self._sending = False
-        self._sender: asyncio.Task | None = None
+        # Single recalls waiting to be sent together (:meth:`recall`, :meth:`recall_text`), one
+        # queue each: a text batch that embeds in a worker thread holds back no recall by vector.
+        self._queues: dict[str, _Queue] = {}
 
     # -- connection ------------------------------------------------------------------------
 
@@ -176,7 +189,7 @@ class AsyncClient:
             self._locks_loop = loop
             self._slot_lock_ = asyncio.Lock()
             # What waited on a loop that is gone went with it.
-            self._queued, self._sending, self._sender = {}, False, None
+            self._queues = {}
         return self._slot_lock_  # type: ignore[return-value]
 
     async def _opened(self, key: str, open_: Callable[[], _T]) -> _T:
@@ -365,52 +378,54 @@ class AsyncClient:
         return await self._together(rows, key, ("vector", k, namespace, since, until, clause))
 
     async def _together(self, row: Any, key: Any, args: tuple[Any, ...]) -> Any:
-        """A single recall (a query row, or a text) through the queue of its group ``key``: sent
-        with the others of that group that wait meanwhile. If nobody is sending, this caller
-        sends, group after group, until its own answer is in, then hands what is left to a task."""
+        """A single recall (a query row, or a text: ``args[0]`` says which) through the queue of
+        its group ``key``: sent with the others of that group that wait meanwhile. If nobody is
+        sending that kind, this caller sends, group after group, until its own answer is in,
+        then hands what is left to a task."""
+        queue = self._queues.setdefault(args[0], _Queue())
         future = asyncio.get_running_loop().create_future()
-        group = self._queued.get(key)
+        group = queue.groups.get(key)
         if group is None:
-            group = self._queued[key] = _Group(args, [])
+            group = queue.groups[key] = _Group(args, [])
         group.waiting.append(_Queued(row, future))
-        if self._sending:
+        if queue.sending:
             return await future
-        self._sending = True
+        queue.sending = True
         try:
             while not future.done():
-                await self._send_next()
+                await self._send_next(queue)
         finally:
             if not future.done():  # cancelled: nobody waits for this one any more
                 future.cancel()
-            self._hand_over()
+            self._hand_over(queue)
         return future.result()
 
-    def _hand_over(self) -> None:
+    def _hand_over(self, queue: "_Queue") -> None:
         """The sender leaves: a task sends what still waits (nothing: nobody is sending)."""
-        if self._queued:
-            self._sender = asyncio.get_running_loop().create_task(self._send_all())
-            self._sender.add_done_callback(_retrieve)
+        if queue.groups:
+            queue.sender = asyncio.get_running_loop().create_task(self._send_all(queue))
+            queue.sender.add_done_callback(_retrieve)
         else:
-            self._sending, self._sender = False, None
+            queue.sending, queue.sender = False, None
 
-    async def _send_all(self) -> None:
+    async def _send_all(self, queue: "_Queue") -> None:
         try:
-            while self._queued:
-                await self._send_next()
+            while queue.groups:
+                await self._send_next(queue)
         except asyncio.CancelledError:
             # The loop is shutting down: the recalls still queued cannot be sent any more.
-            for group in self._queued.values():
+            for group in queue.groups.values():
                 for waiting in group.waiting:
                     waiting.future.cancel()
-            self._queued.clear()
+            queue.groups.clear()
             raise
         finally:
-            self._sending, self._sender = False, None
+            queue.sending, queue.sender = False, None
 
-    async def _send_next(self) -> None:
+    async def _send_next(self, queue: "_Queue") -> None:
         """One request: the waiting recalls of the oldest group, up to the slot's max_batch."""
-        key, group = next(iter(self._queued.items()))
-        del self._queued[key]
+        key, group = next(iter(queue.groups.items()))
+        del queue.groups[key]
         step = self._layout.max_batch if self._layout is not None else 1
         batch: list[_Queued] = []
         while group.waiting and len(batch) < step:
@@ -418,7 +433,7 @@ class AsyncClient:
             if not waiting.future.done():  # (its caller was cancelled)
                 batch.append(waiting)
         if group.waiting:  # the rest after the other groups (a busy group does not starve them)
-            self._queued[key] = group
+            queue.groups[key] = group
         if not batch:
             return
         try:
@@ -427,8 +442,8 @@ class AsyncClient:
             # This sender was cancelled: the batch goes first again, for the next one.
             left = [waiting for waiting in batch if not waiting.future.done()]
             if left:
-                queued = self._queued.pop(key, None)
-                self._queued = {key: _Group(group.args, left + (queued.waiting if queued else [])), **self._queued}
+                queued = queue.groups.pop(key, None)
+                queue.groups = {key: _Group(group.args, left + (queued.waiting if queued else [])), **queue.groups}
             raise
         except BaseException as exc:
             # Anything else (an OSError of the loop, MemoryError) is the batch's answer: every
