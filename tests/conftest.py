@@ -100,20 +100,20 @@ def run_guarded(cmd: list[str], timeout: float = DEADLINE_S) -> subprocess.Compl
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def as_nobody(action: Callable[[], Any]) -> Any:
-    """Runs ``action()`` in a forked child with uid/gid NOBODY; returns its JSON-able result.
-
-    An exception in the child fails the calling test with the child's message.
-    """
+def in_forked_child(action: Callable[[], Any], *, prepare: Callable[[], None] = lambda: None,
+                    meanwhile: Callable[[], None] = lambda: None) -> Any:
+    """Runs ``action()`` in a forked child, after ``prepare()`` there; returns its JSON-able
+    result. ``meanwhile()`` runs in the parent right after the fork. An exception in the child
+    fails the calling test with the child's message; a child that hangs is killed by its alarm
+    at DEADLINE_S, and says so (a hang guard, not a timing assertion)."""
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
             os.close(read_fd)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
+            signal.alarm(int(DEADLINE_S))
+            prepare()
             os.write(write_fd, json.dumps({"result": action()}).encode())
             code = 0
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
@@ -121,16 +121,30 @@ def as_nobody(action: Callable[[], Any]) -> Any:
         finally:
             os._exit(code)
     os.close(write_fd)
-    data = b""
-    deadline = time.monotonic() + DEADLINE_S
-    while chunk := os.read(read_fd, 65536):
-        data += chunk
-        assert time.monotonic() < deadline, "the child running as nobody hung"
-    os.close(read_fd)
-    os.waitpid(pid, 0)
+    try:
+        meanwhile()
+        with os.fdopen(read_fd, "rb") as pipe:
+            data = pipe.read()
+    finally:
+        _, status = os.waitpid(pid, 0)
+    assert data, f"the forked child hung or died (wait status {status})"
     reply = json.loads(data)
     assert "child_error" not in reply, reply["child_error"]
     return reply["result"]
+
+
+def _become_nobody() -> None:
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+
+
+def as_nobody(action: Callable[[], Any]) -> Any:
+    """Runs ``action()`` in a forked child with uid/gid NOBODY; returns its JSON-able result.
+
+    An exception in the child fails the calling test with the child's message.
+    """
+    return in_forked_child(action, prepare=_become_nobody)
 
 
 def _seed_value() -> int:

@@ -15,7 +15,6 @@ import json
 import os
 import queue as queue_mod
 import shutil
-import signal
 import socket
 import sqlite3
 import stat
@@ -35,6 +34,7 @@ from conftest import (
     SidecarPool,
     _seed_value,
     as_nobody,
+    in_forked_child,
     run_guarded,
     segment_path,
     short_tempdir,
@@ -485,32 +485,13 @@ def test_a_child_forked_while_another_thread_holds_the_client_is_not_stuck(serve
     holder = threading.Thread(target=hold, daemon=True)
     holder.start()
     assert held.wait(DEADLINE_S)
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(read_fd)
-            signal.alarm(int(DEADLINE_S))  # a child stuck on the inherited lock dies, and says so
-            hits = served.client.recall(q, k=3)
-            os.write(write_fd, json.dumps({"ids": hits.ids.tolist()}).encode())
-            code = 0
-        except BaseException as exc:  # noqa: BLE001
-            os.write(write_fd, json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
-        finally:
-            os._exit(code)
-    release.set()
-    holder.join(DEADLINE_S)
-    os.close(write_fd)
-    try:
-        with os.fdopen(read_fd, "rb") as pipe:
-            payload = pipe.read()
-    finally:
-        _, status = os.waitpid(pid, 0)
-    assert os.WIFEXITED(status), "the forked child hung on the client's lock (killed by its alarm)"
-    result = json.loads(payload)
-    assert "error" not in result, result.get("error")
-    assert result["ids"] == served.client.recall(q, k=3).ids.tolist()
+    def release_the_lock() -> None:
+        release.set()
+        holder.join(DEADLINE_S)
+
+    # (A child stuck on the inherited lock is killed by the helper's alarm, and the test says so.)
+    ids = in_forked_child(lambda: served.client.recall(q, k=3).ids.tolist(), meanwhile=release_the_lock)
+    assert ids == served.client.recall(q, k=3).ids.tolist()
     gc.collect()
 
 

@@ -6,11 +6,12 @@ Every random test prints its seed (KALOS_TEST_SEED replays it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -737,6 +738,24 @@ def test_gpu_polling_stops_before_an_expiry_and_stays_off_until_it_passed(runtim
         shutil.rmtree(directory, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def in_process_sidecar(prefix: str) -> Iterator[Any]:
+    """A CPU sidecar in this process that does not serve (no threads run): its control
+    operations, expirer and engine are called directly, in the order a test needs."""
+    import os
+
+    from kalos.server.sidecar import Sidecar, SidecarConfig
+
+    directory = short_tempdir(prefix)
+    sidecar = Sidecar(SidecarConfig(store=os.path.join(directory, "s.db"), name=unique_name(prefix), dim=DIM,
+                                    device="cpu", slots=4))
+    try:
+        yield sidecar
+    finally:
+        sidecar.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 @pytest.mark.parametrize("expired", ["before the update reads the row back", "after it read the row back"])
 def test_a_vector_update_racing_the_expiry_does_not_bring_the_row_back(rng, expired):
     """An update of a row's vector commits while the row is live; the expirer tombstones it
@@ -744,15 +763,9 @@ def test_a_vector_update_racing_the_expiry_does_not_bring_the_row_back(rng, expi
     not be served from then on: the update leaves out a row already gone, and schedules the
     expiry of one it read live again (an adversarial review found it recallable until the
     store's sweep deleted it)."""
-    import os
-
     from kalos.ipc.control import array_blob
-    from kalos.server.sidecar import Sidecar, SidecarConfig
 
-    directory = short_tempdir("ttlu")
-    sidecar = Sidecar(SidecarConfig(store=os.path.join(directory, "s.db"), name=unique_name("ttlu"), dim=DIM,
-                                    device="cpu", slots=4))
-    try:
+    with in_process_sidecar("ttlu") as sidecar:
         vectors = rng.standard_normal((2, DIM)).astype(np.float32)
         spec, blob = array_blob(vectors, "float32")
         _, out = sidecar._control._op_add({"vectors": spec, "namespace": "t", "ttl": [0.4, None]}, bytearray(blob))
@@ -777,25 +790,17 @@ def test_a_vector_update_racing_the_expiry_does_not_bring_the_row_back(rng, expi
         assert doomed not in sidecar.engine, "the expired row is served again"
         ids, _ = sidecar.engine.search((new / np.linalg.norm(new))[None], 2)
         assert ids[0].tolist() == [kept, -1]
-    finally:
-        sidecar.close()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_deletes_do_not_count_memories_that_had_expired(rng):
     """Delete by ids, keys, where, and drop_namespace count only what get and count showed: a
     memory past its expiry that the expirer has not deleted from the store yet is gone already
     (they counted it). The expirer's thread is not running here, so such rows wait in the store."""
-    import os
-
     from kalos.ipc.control import array_blob
-    from kalos.server.sidecar import Sidecar, SidecarConfig
 
-    directory = short_tempdir("ttld")
-    sidecar = Sidecar(SidecarConfig(store=os.path.join(directory, "s.db"), name=unique_name("ttld"), dim=DIM,
-                                    device="cpu", slots=4))
-    control = sidecar._control
-    try:
+    with in_process_sidecar("ttld") as sidecar:
+        control = sidecar._control
+
         def add(namespace: str, keys: list[str], ttl: list[float | None]) -> list[int]:
             spec, blob = array_blob(rng.standard_normal((len(keys), DIM)).astype(np.float32), "float32")
             _, out = control._op_add({"vectors": spec, "namespace": namespace, "keys": keys, "ttl": ttl,
@@ -811,9 +816,6 @@ def test_deletes_do_not_count_memories_that_had_expired(rng):
         assert control._op_delete({"where": {"g": 1}, "namespace": "c"}, bytearray())[0]["deleted"] == 1
         assert control._op_drop_namespace({"namespace": "d"}, bytearray())[0]["deleted"] == 1
         assert control._op_count({"namespace": None}, bytearray())[0]["count"] == 0
-    finally:
-        sidecar.close()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_expiry_survives_a_restart(sidecars, store_dir):

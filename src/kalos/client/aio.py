@@ -366,16 +366,21 @@ class AsyncClient:
         """
         if kwargs:
             return await self._in_thread("recall", vector, k, namespace, since, until, where=where, **kwargs)
-        self._slot_lock()  # (binds the queue to the running loop)
-        layout = self._layout
-        if layout is None:  # the first call connects, as every call does after aclose()
-            async with self._slot_lock():
-                layout = (await self._slot_connection()).layout
+        layout = await self._queue_layout()
         clause = where_clause(where)
         # Checked here, in the caller's own task: a bad argument is this caller's error alone.
         rows, k, request = recall_request(vector, k, namespace, since, until, layout, single=True)
         key = ("vector", request, None if clause is None else clause.key)
         return await self._together(rows, key, ("vector", k, namespace, since, until, clause))
+
+    async def _queue_layout(self) -> Layout:
+        """The slot's layout, to check a call before it queues (the first call connects, as every
+        call does after aclose()); binds the queues to the running loop."""
+        self._slot_lock()
+        if self._layout is None:
+            async with self._slot_lock():
+                await self._slot_connection()
+        return self._layout  # type: ignore[return-value]
 
     async def _together(self, row: Any, key: Any, args: tuple[Any, ...]) -> Any:
         """A single recall (a query row, or a text: ``args[0]`` says which) through the queue of
@@ -652,17 +657,8 @@ class AsyncClient:
                 loop.remove_reader(wake_fd)
                 loop.remove_reader(control_fd)
                 slot.client_sleeping[0] = 0
-            try:
-                if event == _CONTROL:
-                    raise SidecarExited("the sidecar closed the connection (it exited or was killed)")
-                if event == _WAKE:
-                    channel.drain_wake()
-            except SidecarExited:
-                if int(slot.resp_seq[0]) != seq:  # (an answer published before it went is the answer)
-                    raise
-            if int(slot.resp_seq[0]) == seq:
+            if channel.woken(seq, control=event == _CONTROL, rung=event == _WAKE):
                 return
-            channel.check_alive()
 
     # -- text memories ----------------------------------------------------------------------
 
@@ -685,11 +681,7 @@ class AsyncClient:
             return await self._in_thread("recall_text", text, k, namespace, since, until, where=where, **kwargs)
         if not isinstance(text, str):
             raise InvalidArgument(f"recall_text takes one str, got {type(text).__name__}; use recall_texts for several")
-        self._slot_lock()  # (binds the queue to the running loop)
-        layout = self._layout
-        if layout is None:
-            async with self._slot_lock():
-                layout = (await self._slot_connection()).layout
+        layout = await self._queue_layout()
         # Checked here, in the caller's own task: a bad argument is this caller's error alone.
         check_embed_texts([text])
         check_k(k, layout.max_k)

@@ -20,8 +20,8 @@ make the sidecar block: with eventfds (one doorbell that every client wrote, one
 client chose), a client could clear ``O_NONBLOCK`` on the shared file, saturate it and freeze
 the sweep for everyone, or eat the doorbell's rings and stall it. A client spins only while
 every client can have a core; past two clients per core it first naps (timed sleeps of 100 us,
-re-reading its sequence number, for up to 2 ms) so that the sidecar need not write its wake-up. A client's poll also
-watches its control socket: when the sidecar dies the kernel closes that socket and the client
+re-reading its sequence number, for up to 2 ms) so that the sidecar need not write its wake-up.
+A client's poll also watches its control socket: when the sidecar dies the kernel closes that socket and the client
 wakes at once; a sidecar that hangs is noticed through its heartbeat stamp going stale.
 """
 from __future__ import annotations
@@ -52,6 +52,10 @@ __all__ = ["Endpoint", "Segment", "ClientChannel", "SidecarChannel", "SidecarExi
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _RING = b"\x01"
+#: Flags of every write and read on a bell: never block, whatever flags the other side set on
+#: the file; never raise SIGPIPE (a process that restored its default would die of a dead peer).
+_BELL_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
+_GONE = "the sidecar closed the connection (it exited or was killed)"
 
 
 def wake_pair() -> tuple[socket.socket, socket.socket]:
@@ -61,12 +65,6 @@ def wake_pair() -> tuple[socket.socket, socket.socket]:
     theirs, ours = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     ours.setblocking(False)
     return theirs, ours
-
-
-#: Flags of every write and read on a bell: never block, whatever flags the other side set on
-#: the file; never raise SIGPIPE (a process that restored its default would die of a dead peer).
-_BELL_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
-_GONE = "the sidecar closed the connection (it exited or was killed)"
 
 
 def wake_socket(fd: int) -> socket.socket:
@@ -373,17 +371,30 @@ class ClientChannel:
                 return
             events = self._poller.poll(self._slice_ms)
             slot.client_sleeping[0] = 0
-            try:
-                for fd, _event in events:
-                    if fd == self._control_fd:
-                        raise SidecarExited(_GONE)
-                    self.drain_wake()
-            except SidecarExited:
-                if int(slot.resp_seq[0]) != seq:  # (an answer published before it went is the answer)
-                    raise
-            if int(slot.resp_seq[0]) == seq:
+            fds = {fd for fd, _event in events}
+            if self.woken(seq, control=self._control_fd in fds, rung=self._wake_fd in fds):
                 return
-            self.check_alive()
+
+    def woken(self, seq: int, *, control: bool, rung: bool) -> bool:
+        """After a sleep (``client_sleeping`` cleared): True once ``seq`` is answered; else
+        SidecarExited when the sidecar's end of the control socket (``control``) or of the bell
+        read end of file, and a check of its heartbeat. ``rung``: the bell was readable, and is
+        drained. An answer published before the sidecar went is the answer."""
+        gone = control
+        if rung and not gone:
+            try:
+                heard = self._wake.recv(4096, _BELL_FLAGS)
+            except BlockingIOError:
+                heard = _RING  # (read by nobody else: a spurious wake-up)
+            except ConnectionResetError:
+                heard = b""
+            gone = not heard
+        if int(self.slot.resp_seq[0]) == seq:
+            return True
+        if gone:
+            raise SidecarExited(_GONE)
+        self.check_alive()
+        return False
 
     def going_to_sleep(self, seq: int) -> bool:
         """Announces a sleep in ``client_sleeping``, then looks at ``resp_seq`` once more (Dekker:
@@ -396,19 +407,6 @@ class ClientChannel:
             slot.client_sleeping[0] = 0
             return True
         return False
-
-    def drain_wake(self) -> None:
-        """Empties the wake socket after a wake-up (rung already: nothing to read is fine);
-        SidecarExited once the sidecar's end is closed (end of file for ever: a waiter that went
-        on polling would spin until the heartbeat went stale)."""
-        try:
-            heard = self._wake.recv(4096, _BELL_FLAGS)
-        except BlockingIOError:
-            return
-        except ConnectionResetError:
-            heard = b""
-        if not heard:
-            raise SidecarExited(_GONE)
 
     # -- for kalos.client.aio.AsyncClient, which waits with the same protocol as _block but on its
     # -- event loop (loop.add_reader on these descriptors) instead of in poll().
@@ -676,26 +674,26 @@ class SidecarChannel:
         seq = answered + 1
         if _publish_request(self.header, view, seq):
             self.ring()
-        started = clock()
-        deadline = started + timeout_s
         rung = threading.Event()
         with self._lock:
             self._rung[slot] = rung
         try:
-            self._wait_answered(view, slot, seq, generation, rung, started, deadline, timeout_s, spin_s, stopping)
+            self._wait_answered(slot, seq, generation, rung, timeout_s, spin_s, stopping)
         finally:
             with self._lock:
                 self._rung[slot] = None
         full_fence()  # acquire: the answer was recorded before its fields and rows are read
         return view
 
-    def _wait_answered(self, view: SlotView, slot: int, seq: int, generation: int, rung: threading.Event,
-                       started: float, deadline: float, timeout_s: float, spin_s: float,
-                       stopping: threading.Event) -> None:
+    def _wait_answered(self, slot: int, seq: int, generation: int, rung: threading.Event, timeout_s: float,
+                       spin_s: float, stopping: threading.Event) -> None:
         """:meth:`recall_for_client`'s wait: spins, then sleeps on ``rung``, which the
         publisher sets where it would wake the slot's client (the client's own wake socket is
         rung too; the client drains it at its next wait)."""
+        view = self.slots[slot]
         clock = time.monotonic
+        started = clock()
+        deadline = started + timeout_s
         while int(self.answered[slot]) != seq:
             now = clock()
             if stopping.is_set() or int(self.generation[slot]) != generation:
@@ -797,30 +795,33 @@ class SidecarChannel:
             if len(self.pending()[0]):
                 return
             for fd, _events in self._epoll.poll(timeout_s):
-                if fd == self._bell:
-                    try:
-                        os.eventfd_read(fd)
-                    except BlockingIOError:
-                        pass
-                    continue
-                with self._lock:  # (a slot freed meanwhile: its number may be another file's now)
-                    bell = self._bell_socks.get(fd)
-                    if bell is None:
-                        continue
-                    try:
-                        heard = bell.recv(4096, _BELL_FLAGS)  # the rings so far (never blocks)
-                    except BlockingIOError:
-                        continue
-                    except OSError:
-                        heard = b""
-                    if not heard:
-                        # The client closed its end (or broke it): it cannot ring any more, and
-                        # an end at EOF would wake this wait at once for ever. Its requests are
-                        # still seen at the sweep's next look; its slot is freed when its
-                        # control connection goes.
-                        self._unwatch(bell)
+                self._hear(fd)
         finally:
             self.header.sidecar_sleeping[0] = 0
+
+    def _hear(self, fd: int) -> None:
+        """Drains the bell ``fd`` that woke :meth:`sleep` (the sidecar's own, or a client's)."""
+        if fd == self._bell:
+            try:
+                os.eventfd_read(fd)
+            except BlockingIOError:
+                pass
+            return
+        with self._lock:  # (a slot freed meanwhile: its number may be another file's now)
+            bell = self._bell_socks.get(fd)
+            if bell is None:
+                return
+            try:
+                heard = bell.recv(4096, _BELL_FLAGS)  # the rings so far (never blocks)
+            except BlockingIOError:
+                return
+            except OSError:
+                heard = b""
+            if not heard:
+                # The client closed its end (or broke it): it cannot ring any more, and an end at
+                # EOF would wake this wait at once for ever. Its requests are still seen at the
+                # sweep's next look; its slot is freed when its control connection goes.
+                self._unwatch(bell)
 
     @property
     def closed(self) -> bool:
