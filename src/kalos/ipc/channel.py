@@ -21,8 +21,9 @@ client chose), a client could clear ``O_NONBLOCK`` on the shared file, saturate 
 the sweep for everyone, or eat the doorbell's rings and stall it. A client spins only while
 every client can have a core; past two clients per core it first naps (timed sleeps of 100 us,
 re-reading its sequence number, for up to 2 ms) so that the sidecar need not write its wake-up.
-A client's poll also watches its control socket: when the sidecar dies the kernel closes that socket and the client
-wakes at once; a sidecar that hangs is noticed through its heartbeat stamp going stale.
+A client's poll also watches its control socket: when the sidecar dies the kernel closes that
+socket and the client wakes at once; a sidecar that hangs is noticed through its heartbeat stamp
+going stale.
 """
 from __future__ import annotations
 
