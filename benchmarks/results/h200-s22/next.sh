@@ -13,12 +13,14 @@
 #   crowd-c  the gathering candidate (candidate-gather.patch): the crowd 1-64 and beside the
 #            GEMMs at 1, 16 and 64 for n-gather, then n-base; n-gathernap at 16-64 (beside the
 #            GEMMs at 64); n-gather in fast precision at 1, 16, 64 (about 330 s: a call of its own);
+#   text3, crowd-gil, crowd-pre3  (session 24, the tree folder over 64 MiB with every tree: the
+#            carry split in two calls) text for n-base, n-watch, n-rest20; their crowds; n-pre3's;
 #   tests    the CUDA tests of a sidecar with GPU polling under clients, on n-watch and n-rest20
 #            (and every test of the patch's own on the CPU: apply it to a checkout, .ci/run).
 cd "$(dirname "$0")/../../.."
 ext=$(python3-config --extension-suffix); inc=$(python3-config --includes)
 for t in base rest20 rest50 sleep watch gather gathernap pre3; do
-  s=.snap/trees/n-$t/src; gcc -O2 -shared -fPIC $inc $s/kalos/ipc/_fence.c \
+  s=.snap/trees/n-$t/src; [ -d $s ] || continue; gcc -O2 -shared -fPIC $inc $s/kalos/ipc/_fence.c \
     -o $s/kalos/ipc/_fence$ext || exit 1; done
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 text() { # variant
@@ -38,6 +40,9 @@ for part in ${*:-text crowd-a crowd-b tests}; do
   case $part in
     text) for v in base watch rest20 sleep; do text $v; done;;
     text-rest50) text rest50;;
+    text3) for v in base watch rest20; do text $v; done;;
+    crowd-gil) crowd watch; crowd rest20; crowd base;;
+    crowd-pre3) crowd pre3;;
     crowd-a) crowd watch; crowd base;;
     crowd-b) crowd rest20; crowd sleep; crowd pre3;;
     crowd-c) crowd gather gather 1,2,4,8,16,32,48,64 1,16,64; crowd base base-c 1,2,4,8,16,32,48,64 1,16,64
