@@ -792,6 +792,73 @@ def test_a_vector_update_racing_the_expiry_does_not_bring_the_row_back(rng, expi
         assert ids[0].tolist() == [kept, -1]
 
 
+def test_update_renews_or_removes_an_expiry_in_place(memory):
+    """update(key, ttl=...) re-times a memory where it is (same id, nothing created): a later
+    expiry keeps it served past its old one, ttl=None keeps it for ever, a shorter one ends it
+    sooner; an absent key is UnknownKey and bad ttls are refused, changing nothing."""
+    ids = memory.add(3, "retime", keys=["later", "never", "sooner"], ttl=[0.8, 0.8, None])
+    client = memory.client
+    before = client.get(ids=ids.tolist())
+    assert client.update("later", namespace="retime", ttl=2.5) == ids[0]
+    assert client.update(int(ids[1]), ttl=None) == ids[1]
+    assert client.update("sooner", namespace="retime", ttl=0.8) == ids[2]
+    after = client.get(ids=ids.tolist())
+    assert after[0].expires_at > before[0].expires_at + 1.0
+    assert after[1].expires_at is None and after[2].expires_at is not None
+    assert [a.text for a in after] == [b.text for b in before]
+    _wait_past(max(before[0].expires_at, after[2].expires_at))
+    del memory.model[int(ids[2])]
+    memory.check("retime", context="past the old expiry and the new short one")
+    assert [it is None for it in client.get(ids=ids.tolist())] == [False, False, True]
+    with pytest.raises(UnknownKey):
+        client.update("absent", namespace="retime", ttl=5)
+    with pytest.raises(UnknownKey):  # expired: gone, not brought back
+        client.update("sooner", namespace="retime", ttl=5)
+    for ttl, message in [(0, "> 0"), (-1, "> 0"), (float("nan"), "> 0"), (float("inf"), "> 0"),
+                         ("5", "seconds"), ([5], "seconds"), (True, "seconds")]:
+        with pytest.raises(InvalidArgument, match=message):
+            client.update("later", namespace="retime", ttl=ttl)
+    with pytest.raises(InvalidArgument, match="> 0"):  # the sidecar checks too
+        client._control({"op": "update", "key": "later", "namespace": "retime", "ttl": -1})
+    assert client.get(keys=["later", "absent"], namespace="retime")[0].expires_at == after[0].expires_at
+    assert client.get(keys=["absent"], namespace="retime") == [None]
+    _wait_past(after[0].expires_at)
+    del memory.model[int(ids[0])]
+    memory.check("retime", context="past the renewed expiry")
+
+
+def test_a_ttl_update_racing_the_old_expiry_keeps_the_row_served(rng):
+    """update(ttl=) commits a later expiry while the row is live; the expirer tombstones the
+    row at its old time before the update re-times it in the engine. The store keeps the row
+    (it has the new expiry), so the engine must serve it again, not lose it until a restart."""
+    from kalos.ipc.control import array_blob
+
+    with in_process_sidecar("ttlt") as sidecar:
+        vectors = rng.standard_normal((2, DIM)).astype(np.float32)
+        spec, blob = array_blob(vectors, "float32")
+        _, out = sidecar._control._op_add({"vectors": spec, "namespace": "t", "ttl": [0.3, None]}, bytearray(blob))
+        renewed, kept = np.frombuffer(out, np.int64).tolist()
+        expires_at = sidecar._expirer.schedule.expires_at(renewed)
+        original = sidecar.store.update
+
+        def then_expired(*args):  # the sweep's expire_due runs right after the commit
+            result = original(*args)
+            sidecar.store.update = original
+            _wait_past(expires_at)
+            sidecar._expirer.expire_due()
+            assert renewed not in sidecar.engine
+            return result
+
+        sidecar.store.update = then_expired
+        sidecar._control._op_update({"id": renewed, "ttl": 60}, bytearray())
+        sidecar._expirer.expire_due()
+        assert renewed in sidecar.engine, "a memory the store keeps is no longer served"
+        assert sidecar._expirer.schedule.expires_at(renewed) > time.time() + 50
+        unit = vectors[0] / np.linalg.norm(vectors[0])
+        ids, _ = sidecar.engine.search(unit[None], 2)
+        assert ids[0].tolist() == [renewed, kept]
+
+
 def test_deletes_do_not_count_memories_that_had_expired(rng):
     """Delete by ids, keys, where, and drop_namespace count only what get and count showed: a
     memory past its expiry that the expirer has not deleted from the store yet is gone already

@@ -14,7 +14,7 @@ import asyncio
 import random
 import time
 import uuid
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
@@ -332,36 +332,51 @@ def test_abatch_from_two_event_loops_each_gets_its_own_client(client8: Client):
     assert here is not there
 
 
-def test_a_refresh_on_read_does_not_undo_a_delete_made_meanwhile(sidecar8: TextSidecar):
-    """refresh_ttl stores the item's rows again; another writer's delete between the refresh's
-    read and its add was undone (the deleted memory came back). The delete is run inside that
-    window deterministically, from the add itself."""
+def test_a_refresh_on_read_does_not_undo_a_delete_or_a_put_made_meanwhile(sidecar8: TextSidecar):
+    """refresh_ttl renewed an item's expiry by storing the rows it had read again: another
+    writer's delete between that read and the add was undone (the deleted memory came back),
+    and a delete and a new put of the same key there lost the put. Now each row is re-timed in
+    place. Another writer's changes are run inside the window deterministically, from the
+    refresh's first call."""
     prefix = f"lg{uuid.uuid4().hex[:10]}"
     index = {"dims": DIM, "embed": DeterministicFakeEmbedding(size=DIM), "fields": ["text"]}
     with Client(sidecar8.name, timeout=DEADLINE_S) as mine, Client(sidecar8.name, timeout=DEADLINE_S) as theirs:
         reader = KalosStore(index=index, client=mine, prefix=prefix)
         other = KalosStore(index=index, client=theirs, prefix=prefix)
         reader.put(("u",), "m", {"text": "secret to forget"}, ttl=60)
+        reader.put(("u",), "p", {"text": "old value"}, ttl=60)
         reader.put(("u",), "kept", {"text": "still here"}, ttl=60)
-        real_add = mine.add
+        real_update = mine.update
 
-        def add_after_a_delete(*args: Any, **kwargs: Any) -> Any:
-            other.delete(("u",), "m")
-            return real_add(*args, **kwargs)
+        def meanwhile(change: Callable[[], None]) -> None:
+            done: list[bool] = []
 
-        mine.add = add_after_a_delete  # type: ignore[method-assign]
+            def update_after_the_change(*args: Any, **kwargs: Any) -> Any:
+                if not done:
+                    done.append(True)
+                    change()
+                return real_update(*args, **kwargs)
+
+            mine.update = update_after_the_change  # type: ignore[method-assign]
+
         try:
+            meanwhile(lambda: other.delete(("u",), "m"))
             assert reader.get(("u",), "m", refresh_ttl=True).value == {"text": "secret to forget"}
+            meanwhile(lambda: other.put(("u",), "p", {"text": "new value"}, ttl=60))
+            assert reader.get(("u",), "p", refresh_ttl=True).value == {"text": "old value"}
         finally:
-            mine.add = real_add  # type: ignore[method-assign]
+            mine.update = real_update  # type: ignore[method-assign]
         assert other.get(("u",), "m") is None
-        assert other.search(("u",), query="secret to forget", limit=5)[0].key == "kept"
-        assert [i.key for i in other.search(("u",))] == ["kept"]
-        # An undisturbed refresh keeps the item and its vectors (same rows, same ids).
-        before = mine.get(keys=["d:kept"], namespace=f"{prefix}.u")[0]
+        assert other.get(("u",), "p").value == {"text": "new value"}
+        assert other.search(("u",), query="secret to forget", limit=5)[0].key != "m"
+        assert [i.key for i in other.search(("u",))] == ["p", "kept"]
+        # An undisturbed refresh keeps the item and its vectors (same rows, same ids), later expiry.
+        rows = [KalosStore._doc_key("kept"), KalosStore._vec_key("kept", "text")]
+        before = mine.get(keys=rows, namespace=f"{prefix}.u")
         assert reader.get(("u",), "kept", refresh_ttl=True) is not None
-        after = mine.get(keys=["d:kept"], namespace=f"{prefix}.u")[0]
-        assert after.id == before.id and after.expires_at >= before.expires_at
+        after = mine.get(keys=rows, namespace=f"{prefix}.u")
+        for old, new in zip(before, after):
+            assert new.id == old.id and new.expires_at > old.expires_at
         assert other.search(("u",), query="still here", limit=1)[0].key == "kept"
 
 

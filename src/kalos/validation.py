@@ -110,7 +110,8 @@ class Update:
     """One checked update: which item (by ``key`` in ``namespace``, or by ``id``) and what to set.
 
     ``text``/``metadata`` are UNSET when not given; ``metadata`` is a dict or None, merged into
-    the stored one when ``merge``; ``vector`` is float32 ``[dim]`` or None (not given).
+    the stored one when ``merge``; ``vector`` is float32 ``[dim]`` or None (not given); ``ttl``
+    is UNSET (the expiry kept), None (never expires) or seconds > 0 from the update's commit.
     """
 
     key: str | None
@@ -120,6 +121,7 @@ class Update:
     metadata: Any
     vector: np.ndarray | None
     merge: bool
+    ttl: Any = UNSET
 
     def describe(self) -> str:
         return f"key {self.key!r} in namespace {self.namespace!r}" if self.key is not None else f"id {self.id}"
@@ -364,12 +366,14 @@ def check_keys(keys: Any, n: int | None = None) -> list[str]:
 
 
 def check_update(item: Any, dim: int, *, namespace: Any = DEFAULT_NAMESPACE, text: Any = UNSET,
-                 metadata: Any = UNSET, vector: Any = UNSET, merge: Any = False) -> Update:
+                 metadata: Any = UNSET, vector: Any = UNSET, merge: Any = False, ttl: Any = UNSET) -> Update:
     """An update's arguments checked (InvalidArgument naming the bad one) before anything is written.
 
     ``item`` is a key (str, looked up in ``namespace``) or an item id (int, global like get's
-    ids). At least one of text, metadata, vector must be given; None clears text or metadata,
-    a vector cannot be cleared. ``merge=True`` merges ``metadata`` (a dict) into the stored one.
+    ids). At least one of text, metadata, vector, ttl must be given; None clears text or
+    metadata (or, for ttl, the expiry: the memory never expires), a vector cannot be cleared.
+    ``merge=True`` merges ``metadata`` (a dict) into the stored one. ``ttl``: seconds from the
+    update, as an add's.
     """
     if not isinstance(merge, bool):
         raise InvalidArgument(f"merge must be True or False, got {merge!r:.80}")
@@ -384,8 +388,12 @@ def check_update(item: Any, dim: int, *, namespace: Any = DEFAULT_NAMESPACE, tex
         namespace = check_namespace(namespace)  # checked although an id is global: a typo still says so
     else:
         raise InvalidArgument(f"update takes a key (str) or an id (int), got {type(item).__name__} {item!r:.80}")
-    if text is UNSET and metadata is UNSET and vector is UNSET:
-        raise InvalidArgument("update: nothing to change; give text=, metadata= or vector=")
+    if text is UNSET and metadata is UNSET and vector is UNSET and ttl is UNSET:
+        raise InvalidArgument("update: nothing to change; give text=, metadata=, vector= or ttl=")
+    if ttl is not UNSET and ttl is not None:
+        if hasattr(ttl, "__len__"):
+            raise InvalidArgument(f"update: ttl is seconds (a number) or None, got {type(ttl).__name__}")
+        ttl = float(check_ttl(ttl, 1)[0])
     if text is not UNSET:
         text = check_texts([text], 1)[0]
     if metadata is not UNSET:
@@ -404,7 +412,7 @@ def check_update(item: Any, dim: int, *, namespace: Any = DEFAULT_NAMESPACE, tex
         if len(unit) != 1:
             raise InvalidArgument(f"update takes one vector of shape ({dim},), got {len(unit)} rows")
         unit = unit[0]
-    return Update(key, item_id, namespace, text, metadata, unit, merge)
+    return Update(key, item_id, namespace, text, metadata, unit, merge, ttl)
 
 
 #: The most items one page of :meth:`Store.list_items` (and ``Client.list``) holds.

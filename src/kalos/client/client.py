@@ -635,12 +635,14 @@ class Client:
     def update(
         self, key_or_id: str | int, *, namespace: str = "default", text: str | None = UNSET,
         metadata: dict[str, Any] | None = UNSET, vector: Any = UNSET, merge: bool = False,
+        ttl: float | None = UNSET,
     ) -> int:
         """Changes one memory in place; returns its id. Only what is given changes: ``text``
         (None clears it), ``metadata`` (replaced; with ``merge=True`` the dict's entries are
         merged into the stored ones; None clears it), ``vector`` (``[dim]``; a recall sees the
-        old vector or the new, never both or neither). ``updated_at`` is set; the id, the key,
-        the namespace and ``created_at`` stay.
+        old vector or the new, never both or neither), ``ttl`` (seconds from now, by the
+        sidecar's clock, after which the memory is gone; None: it never expires).
+        ``updated_at`` is set; the id, the key, the namespace and ``created_at`` stay.
 
         ``key_or_id``: a key (str) in ``namespace``, or an item id (int; ids are global, so
         ``namespace`` does not apply). A key that no memory of ``namespace`` holds (absent,
@@ -655,13 +657,20 @@ class Client:
                 raise InvalidArgument(f"update takes one vector of shape ({dim},), got {len(vector)} rows")
             vector = vector[0]
         change = check_update(key_or_id, dim, namespace=namespace, text=text, metadata=metadata,
-                              vector=vector, merge=merge)
+                              vector=vector, merge=merge, ttl=ttl)
         message: dict[str, Any] = {"op": "update", "namespace": change.namespace, "merge": change.merge}
         message["key" if change.key is not None else "id"] = change.key if change.key is not None else change.id
         if change.text is not UNSET:  # absent from the message: kept
             message["text"] = change.text
         if change.metadata is not UNSET:
             message["metadata"] = change.metadata
+        if change.ttl is not UNSET:
+            with self._lock:
+                ops = self._connection().ops
+            if "update_ttl" not in ops:  # (an older sidecar would ignore the field and answer ok)
+                raise InvalidArgument("update: this sidecar cannot change a memory's ttl (it is older than "
+                                      "this client): restart it with this version of kalos")
+            message["ttl"] = change.ttl
         blob: bytes | memoryview = b""
         if change.vector is not None:
             message["vector"], blob = array_blob(change.vector, "float32")

@@ -35,9 +35,8 @@ after listing, exactly.
 
 TTL (``supports_ttl``): a put's ``ttl`` (minutes, LangGraph's unit) becomes the Kalos
 expiry; expired items are never returned and the sidecar sweeps them. ``refresh_on_read``
-(per call: ``refresh_ttl``) renews the expiry of the items a get or search returns, by storing
-their rows again; a delete by another writer meanwhile is detected and redone at once (see
-``KalosStore._refresh`` for the narrow window that remains).
+(per call: ``refresh_ttl``) renews the expiry of the items a get or search returns, in place
+(``Client.update(key, ttl=...)``: an item deleted meanwhile stays deleted).
 
 ``abatch`` runs the same steps as ``batch`` on the event loop: recalls through
 :class:`kalos.AsyncClient` (waited for without blocking the loop), the index's ``aembed_query``
@@ -82,7 +81,7 @@ from kalos.client.aio import AsyncClient
 from kalos.client.client import Client
 from kalos.client.client import Item as KalosItem
 from kalos.client.requests import as_matrix
-from kalos.errors import DimensionMismatch, InvalidArgument, InvalidQuery
+from kalos.errors import DimensionMismatch, InvalidArgument, InvalidQuery, KalosError, UnknownKey
 from kalos.integrations._loops import LoopClients
 from kalos.validation import MAX_KEY_BYTES, check_namespace, encode_metadata, row_scales
 
@@ -311,28 +310,39 @@ class KalosStore(BaseStore):
         return await self._adrive(self._batch(list(ops)))
 
     # The operations are written once, as generators that yield each call they need (a Client
-    # method or an Embeddings one) and receive its result; the two drivers below run them.
+    # method or an Embeddings one) and receive its result, or its KalosError raised where it
+    # yielded (a step may expect one); the two drivers below run them.
 
     def _drive(self, steps: Any) -> Any:
-        result = None
+        result: Any = None
+        failure: KalosError | None = None
         while True:
             try:
-                target, name, args, kwargs = steps.send(result)
+                target, name, args, kwargs = steps.throw(failure) if failure is not None else steps.send(result)
             except StopIteration as done:
                 return done.value
-            result = getattr(self.client if target == "kalos" else self.embeddings, name)(*args, **kwargs)
+            failure = None
+            try:
+                result = getattr(self.client if target == "kalos" else self.embeddings, name)(*args, **kwargs)
+            except KalosError as exc:
+                failure = exc
 
     async def _adrive(self, steps: Any) -> Any:
-        result = None
+        result: Any = None
+        failure: KalosError | None = None
         while True:
             try:
-                target, name, args, kwargs = steps.send(result)
+                target, name, args, kwargs = steps.throw(failure) if failure is not None else steps.send(result)
             except StopIteration as done:
                 return done.value
-            if target == "kalos":
-                result = await getattr(self._async_client(), name)(*args, **kwargs)
-            else:
-                result = await getattr(self.embeddings, "a" + name)(*args, **kwargs)
+            failure = None
+            try:
+                if target == "kalos":
+                    result = await getattr(self._async_client(), name)(*args, **kwargs)
+                else:
+                    result = await getattr(self.embeddings, "a" + name)(*args, **kwargs)
+            except KalosError as exc:
+                failure = exc
 
     def _async_client(self) -> AsyncClient:
         """The running loop's AsyncClient (one serves one loop at a time; see ``_loops``)."""
@@ -476,42 +486,27 @@ class KalosStore(BaseStore):
         return stale
 
     def _refresh(self, rows: Sequence[KalosItem]) -> Any:
-        """Renews the expiry of the items of ``rows`` (those put with a ttl) by storing their rows again.
-        Called when the op's ``refresh_ttl`` is true: BaseStore already resolved it from the call and
-        ``ttl_config["refresh_on_read"]`` (an explicit ``refresh_ttl=True`` wins over the config).
-
-        The sidecar has no operation that renews an expiry without creating what is missing, so
-        the rows are re-read and stored again by key (an upsert keeps a row's id). A delete by
-        another writer between that read and the add would be undone: the add would store the
-        rows afresh, under new ids. Those ids are how it is seen, and the rows are deleted again
-        at once. What remains: a reader may see the item between the two calls, a crash between
-        them leaves it stored, and a delete followed by a new put of the same key, both inside
-        that window, loses the new put (the add overwrote it with the old value, and the delete
-        removes it). Closing it needs a sidecar operation that renews the expiry of existing
-        keys only (e.g. ``update(key, ttl=...)``, or ``touch(keys, namespace, ttl)`` skipping
-        absent keys, in one transaction)."""
+        """Renews the expiry of the items of ``rows`` (those put with a ttl): each of an item's
+        rows (its document and its vectors) re-timed in place by key, so that an item deleted
+        by another writer meanwhile is not brought back. Called when the op's ``refresh_ttl``
+        is true: BaseStore already resolved it from the call and ``ttl_config["refresh_on_read"]``
+        (an explicit ``refresh_ttl=True`` wins over the config)."""
         for row in rows:
             meta = row.metadata or {}
             if _TTL not in meta:
                 continue
             key = meta[_KEY]
-            keys = [self._doc_key(key)] + [self._vec_key(key, p) for p in meta.get(_PATHS, [])] \
-                if meta.get(_KIND) == "doc" else None
-            if keys is None:
+            paths = meta.get(_PATHS, []) if meta.get(_KIND) == "doc" else None
+            if paths is None:  # a vector row: its document names the item's other vectors
                 [doc] = yield _call("get", keys=[self._doc_key(key)], namespace=row.namespace)
                 if doc is None:
                     continue
-                keys = [self._doc_key(key)] + [self._vec_key(key, p) for p in doc.metadata.get(_PATHS, [])]
-            fetched = yield _call("get", keys=keys, namespace=row.namespace, with_vectors=True)
-            current = [r for r in fetched if r is not None]
-            if not current:
-                continue
-            ids = yield _call("add", np.stack([r.vector for r in current]), texts=[r.text for r in current],
-                              metadata=[r.metadata for r in current], namespace=row.namespace,
-                              keys=[r.key for r in current], ttl=float(meta[_TTL]) * 60.0)
-            resurrected = [int(new) for new, r in zip(np.asarray(ids).tolist(), current) if int(new) != r.id]
-            if resurrected:
-                yield _call("delete", ids=resurrected)
+                paths = doc.metadata.get(_PATHS, [])
+            for row_key in [self._doc_key(key)] + [self._vec_key(key, p) for p in paths]:
+                try:
+                    yield _call("update", row_key, namespace=row.namespace, ttl=float(meta[_TTL]) * 60.0)
+                except UnknownKey:
+                    pass  # deleted (or expired) meanwhile: it stays so
 
     # -- search ----------------------------------------------------------------------------------
 

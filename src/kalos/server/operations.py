@@ -268,7 +268,7 @@ class ControlServer:
                 max_k=self.layout.max_k, max_batch=self.layout.max_batch, n_slots=self.layout.n_slots,
                 client_spin_us=self.client_spin_us, client_naps=self.client_naps, max_message_bytes=settings().max_message_bytes,
                 # Operations added since the protocol's version: a client uses them only when named.
-                ops=["recall_text"],
+                ops=["recall_text", "update_ttl"],
             ))
             send_fd(conn, self._sidecar.segment.fileno())  # the segment has no name (protocol 2 on)
         except BaseException:
@@ -457,9 +457,11 @@ class ControlServer:
 
     def _op_update(self, message: dict[str, Any], blob: bytearray) -> tuple[dict[str, Any], bytes]:
         """Changes what the message carries of one memory (``text``, ``metadata``, a vector in the
-        blob; a field absent from the message is kept). A new vector replaces the engine's row
-        under one ``_state_lock`` hold, after the store's commit, as an upsert does: a recall
-        sees the old vector or the new, never both or neither."""
+        blob, ``ttl``; a field absent from the message is kept). A new vector replaces the
+        engine's row under one ``_state_lock`` hold, after the store's commit, as an upsert does:
+        a recall sees the old vector or the new, never both or neither. A new ttl re-times the
+        row where it is: nothing is created, and the row keeps its id (LangGraph's refresh of an
+        item's expiry on read)."""
         if ("key" in message) == ("id" in message):
             raise InvalidArgument("update: the message names a key or an id (exactly one)")
         item = message["key"] if "key" in message else message["id"]
@@ -472,7 +474,7 @@ class ControlServer:
             item, self.store.dim, namespace=message.get("namespace", "default"),
             text=message["text"] if "text" in message else UNSET,
             metadata=message["metadata"] if "metadata" in message else UNSET,
-            vector=vector, merge=message.get("merge", False),
+            vector=vector, merge=message.get("merge", False), ttl=message["ttl"] if "ttl" in message else UNSET,
         )
         if change.vector is not None:
             unit = normalise_rows(change.vector[None].copy(), what="vector", error=InvalidArgument)
@@ -483,9 +485,10 @@ class ControlServer:
                     self._polling.pause()
                     self.engine.reserve(1)
             item_id, namespace_id, created_at = self.store.update(change)
-            indexed = None
-            if change.vector is not None or change.metadata is not UNSET:
-                # What where filters see from now on: the stored metadata (merged or replaced).
+            indexed = stored = None
+            if change.vector is not None or change.metadata is not UNSET or change.ttl is not UNSET:
+                # What where filters see from now on (the stored metadata, merged or replaced),
+                # and when the row expires.
                 stored = self.store.get([item_id])[0]
                 indexed = [stored.metadata if stored is not None else None]
                 if change.vector is None:
@@ -513,8 +516,34 @@ class ControlServer:
                         f"update of id {item_id} committed but the engine failed ({type(exc).__name__}: {exc}): "
                         "the new vector is stored and is served after the sidecar restarts"
                     ) from exc
+            elif change.ttl is not UNSET:
+                self._retime(item_id, stored, namespace_id, created_at)
             self._wrote.set()
         return ok_reply(id=item_id), b""
+
+    def _retime(self, item_id: int, stored: Item | None, namespace_id: int, created_at: float) -> None:
+        """The expiry of a row an update re-timed (its vector unchanged), as the store has it."""
+        if stored is None:  # deleted since the commit: nothing to serve
+            return
+        ids = np.array([item_id], dtype=np.int64)
+        expires = np.array([np.nan if stored.expires_at is None else stored.expires_at], dtype=np.float64)
+        with self._state_lock:
+            self._polling.pause()
+            if item_id not in self.engine and item_id not in self.quarantined:
+                # Its old expiry passed between the commit and here: the expirer tombstoned the
+                # row, which the store keeps (it has the new expiry). Served again.
+                vector = self.store.vectors(ids).get(item_id)
+                if vector is not None:
+                    try:
+                        self.engine.reserve(1)
+                        self.engine.add(ids, vector[None], np.int32(namespace_id), np.array([created_at]),
+                                        [stored.metadata])
+                    except BaseException as exc:
+                        log.exception("update of id %d committed but the engine failed", item_id)
+                        raise ServerError(
+                            f"update of id {item_id} committed but the engine failed ({type(exc).__name__}: "
+                            f"{exc}): the memory is stored and is served after the sidecar restarts") from exc
+            self._expirer.note(ids, expires)
 
     def _op_get(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
         keys = message.get("keys")

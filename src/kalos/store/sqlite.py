@@ -198,8 +198,10 @@ def _merged_metadata(update: Update, stored: str | None) -> str | None:
 def _update_columns(update: Update, stored_metadata: str | None, now: float) -> list[tuple[str, Any]]:
     """``(column, value)`` of what ``update`` writes, as both stores name their columns:
     ``updated_at``, then only what it carries (text, metadata merged or replaced, the float32
-    bytes of the vector)."""
+    bytes of the vector, the expiry ``now`` + ttl or none)."""
     columns: list[tuple[str, Any]] = [("updated_at", now)]
+    if update.ttl is not UNSET:
+        columns.append(("expires_at", None if update.ttl is None else now + update.ttl))
     if update.text is not UNSET:
         columns.append(("text", update.text))
     if update.metadata is not UNSET:
