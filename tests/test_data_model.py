@@ -822,6 +822,14 @@ def test_update_renews_or_removes_an_expiry_in_place(memory):
         client._control({"op": "update", "key": "later", "namespace": "retime", "ttl": -1})
     assert client.get(keys=["later", "absent"], namespace="retime")[0].expires_at == after[0].expires_at
     assert client.get(keys=["absent"], namespace="retime") == [None]
+    # A sidecar from before update_ttl would ignore the field and answer ok: refused here.
+    connection = client._connection()
+    connection.ops, ops = connection.ops - {"update_ttl"}, connection.ops
+    try:
+        with pytest.raises(InvalidArgument, match="older"):
+            client.update("later", namespace="retime", ttl=60)
+    finally:
+        connection.ops = ops
     _wait_past(after[0].expires_at)
     del memory.model[int(ids[0])]
     memory.check("retime", context="past the renewed expiry")
