@@ -835,6 +835,53 @@ def test_update_renews_or_removes_an_expiry_in_place(memory):
     memory.check("retime", context="past the renewed expiry")
 
 
+def test_renew_renews_only_memories_that_expire(memory):
+    """renew(keys, ttl): the expiring memories of keys get ttl from now, together; memories
+    that never expire keep none; absent and expired keys are skipped (nothing created); the
+    count says how many were renewed; bad input is refused and changes nothing."""
+    client = memory.client
+    ids = memory.add(4, "renew", keys=["a", "b", "forever", "short"], ttl=[0.8, 0.8, None, 0.2])
+    _wait_past(client.get(keys=["short"], namespace="renew")[0].expires_at)
+    del memory.model[int(ids[3])]
+    assert client.renew(["a", "b", "forever", "short", "absent", "a"], 2.0, namespace="renew") == 2
+    a, b, forever = client.get(ids=ids[:3].tolist())
+    assert a.expires_at == b.expires_at and a.expires_at > time.time() + 1.5
+    assert forever.expires_at is None
+    assert client.get(keys=["short", "absent"], namespace="renew") == [None, None]
+    assert client.renew(["a"], 2.0, namespace="nowhere") == 0
+    for keys, ttl, message in [("a", 1, "keys"), (["a"], 0, "> 0"), (["a"], [1], "seconds"),
+                               (["a"], None, "seconds"), ([""], 1, "key")]:
+        with pytest.raises(InvalidArgument, match=message):
+            client.renew(keys, ttl, namespace="renew")
+    with pytest.raises(InvalidArgument, match="> 0"):  # the sidecar checks too
+        client._control({"op": "renew", "keys": ["a"], "namespace": "renew", "ttl": -1})
+    assert client.get(ids=[int(ids[0])])[0].expires_at == a.expires_at
+    _wait_past(a.expires_at - 1.0)
+    memory.check("renew", context="past the old expiries")
+    _wait_past(a.expires_at)
+    del memory.model[int(ids[0])], memory.model[int(ids[1])]
+    memory.check("renew", context="past the renewed expiries")
+
+
+def test_an_update_whose_ttl_ends_before_the_sidecar_re_reads_the_row_is_not_served(rng):
+    """A ttl shorter than the way from the commit to the re-time (1e-9 s): the store has the
+    row expired when the sidecar reads it back. It must leave the engine, not keep its old
+    (here: no) expiry and be recalled for ever."""
+    from kalos.ipc.control import array_blob
+
+    with in_process_sidecar("ttls") as sidecar:
+        vectors = rng.standard_normal((2, DIM)).astype(np.float32)
+        spec, blob = array_blob(vectors, "float32")
+        _, out = sidecar._control._op_add({"vectors": spec, "namespace": "t"}, bytearray(blob))
+        fleeting, kept = np.frombuffer(out, np.int64).tolist()
+        sidecar._control._op_update({"id": fleeting, "ttl": 1e-9, "metadata": {"m": 1}}, bytearray())
+        sidecar._expirer.expire_due()
+        assert fleeting not in sidecar.engine
+        unit = vectors[0] / np.linalg.norm(vectors[0])
+        ids, _ = sidecar.engine.search(unit[None], 2)
+        assert ids[0].tolist() == [kept, -1]
+
+
 def test_a_ttl_update_racing_the_old_expiry_keeps_the_row_served(rng):
     """update(ttl=) commits a later expiry while the row is live; the expirer tombstones the
     row at its old time before the update re-times it in the engine. The store keeps the row

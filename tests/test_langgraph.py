@@ -334,49 +334,49 @@ def test_abatch_from_two_event_loops_each_gets_its_own_client(client8: Client):
 
 def test_a_refresh_on_read_does_not_undo_a_delete_or_a_put_made_meanwhile(sidecar8: TextSidecar):
     """refresh_ttl renewed an item's expiry by storing the rows it had read again: another
-    writer's delete between that read and the add was undone (the deleted memory came back),
-    and a delete and a new put of the same key there lost the put. Now each row is re-timed in
-    place. Another writer's changes are run inside the window deterministically, from the
-    refresh's first call."""
+    writer's delete between that read and the add was undone (the deleted memory came back), a
+    delete and a new put of the same key there lost the put, and a put without a ttl got one.
+    Now the item's rows are renewed in place, together, and only where they expire. Another
+    writer's changes are run inside the window deterministically, from the refresh's call."""
     prefix = f"lg{uuid.uuid4().hex[:10]}"
     index = {"dims": DIM, "embed": DeterministicFakeEmbedding(size=DIM), "fields": ["text"]}
     with Client(sidecar8.name, timeout=DEADLINE_S) as mine, Client(sidecar8.name, timeout=DEADLINE_S) as theirs:
         reader = KalosStore(index=index, client=mine, prefix=prefix)
         other = KalosStore(index=index, client=theirs, prefix=prefix)
-        reader.put(("u",), "m", {"text": "secret to forget"}, ttl=60)
-        reader.put(("u",), "p", {"text": "old value"}, ttl=60)
-        reader.put(("u",), "kept", {"text": "still here"}, ttl=60)
-        real_update = mine.update
+        for key, text in [("m", "secret to forget"), ("p", "old value"), ("f", "old forever"), ("kept", "still here")]:
+            reader.put(("u",), key, {"text": text}, ttl=60)
+        real_renew = mine.renew
 
         def meanwhile(change: Callable[[], None]) -> None:
-            done: list[bool] = []
+            def renew_after_the_change(*args: Any, **kwargs: Any) -> Any:
+                mine.renew = real_renew  # type: ignore[method-assign]
+                change()
+                return real_renew(*args, **kwargs)
 
-            def update_after_the_change(*args: Any, **kwargs: Any) -> Any:
-                if not done:
-                    done.append(True)
-                    change()
-                return real_update(*args, **kwargs)
-
-            mine.update = update_after_the_change  # type: ignore[method-assign]
+            mine.renew = renew_after_the_change  # type: ignore[method-assign]
 
         try:
             meanwhile(lambda: other.delete(("u",), "m"))
             assert reader.get(("u",), "m", refresh_ttl=True).value == {"text": "secret to forget"}
             meanwhile(lambda: other.put(("u",), "p", {"text": "new value"}, ttl=60))
             assert reader.get(("u",), "p", refresh_ttl=True).value == {"text": "old value"}
+            meanwhile(lambda: other.put(("u",), "f", {"text": "new forever"}, ttl=None))
+            assert reader.get(("u",), "f", refresh_ttl=True).value == {"text": "old forever"}
         finally:
-            mine.update = real_update  # type: ignore[method-assign]
+            mine.renew = real_renew  # type: ignore[method-assign]
         assert other.get(("u",), "m") is None
         assert other.get(("u",), "p").value == {"text": "new value"}
-        assert other.search(("u",), query="secret to forget", limit=5)[0].key != "m"
-        assert [i.key for i in other.search(("u",))] == ["p", "kept"]
-        # An undisturbed refresh keeps the item and its vectors (same rows, same ids), later expiry.
+        forever = mine.get(keys=[KalosStore._doc_key("f"), KalosStore._vec_key("f", "text")], namespace=f"{prefix}.u")
+        assert [row.expires_at for row in forever] == [None, None]
+        assert "m" not in [i.key for i in other.search(("u",), query="secret to forget", limit=5)]
+        assert [i.key for i in other.search(("u",))] == ["p", "f", "kept"]
+        # An undisturbed refresh keeps the item's rows (same ids) and renews them together.
         rows = [KalosStore._doc_key("kept"), KalosStore._vec_key("kept", "text")]
         before = mine.get(keys=rows, namespace=f"{prefix}.u")
         assert reader.get(("u",), "kept", refresh_ttl=True) is not None
         after = mine.get(keys=rows, namespace=f"{prefix}.u")
-        for old, new in zip(before, after):
-            assert new.id == old.id and new.expires_at > old.expires_at
+        assert [r.id for r in after] == [r.id for r in before]
+        assert after[0].expires_at == after[1].expires_at > before[0].expires_at
         assert other.search(("u",), query="still here", limit=1)[0].key == "kept"
 
 

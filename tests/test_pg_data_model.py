@@ -62,6 +62,29 @@ def test_update_list_count_delete_where_and_expiry_match_the_sqlite_store(url: s
     assert answers[0][0] == (5, 2, 0) and answers[0][1:3] == (2, 1)
 
 
+def test_renew_and_update_ttl_match_the_sqlite_store(url: str, store_dir: Path, rng: np.random.Generator) -> None:
+    """Store.renew renews the live expiring rows of the keys only; update(ttl=) sets or removes
+    an expiry; both stores alike."""
+    vectors = _unit(rng, 4)
+    answers = []
+    with PostgresStore.open(url, dim=DIM) as pg_store, Store.open(store_dir / "r.db", dim=DIM) as sqlite_store:
+        for store in (pg_store, sqlite_store):
+            now = time.time()
+            ids, _, _, _ = store.upsert(vectors, keys=["a", "b", "forever", "gone"], namespace="r",
+                                        expires_at=np.array([now + 60, now + 60, np.nan, now - 1]))
+            renewed, ns_id = store.renew(["a", "forever", "gone", "absent"], "r", 600.0)
+            assert renewed.tolist() == [ids[0]] and ns_id is not None
+            assert store.renew(["a"], "nowhere", 600.0)[0].tolist() == []
+            store.update(check_update("b", DIM, namespace="r", ttl=None))
+            store.update(check_update("forever", DIM, namespace="r", ttl=5.0))
+            with pytest.raises(UnknownKey):
+                store.update(check_update("gone", DIM, namespace="r", ttl=5.0))
+            a, b, forever = store.get(ids[:3])
+            assert a.expires_at > now + 590 and b.expires_at is None and now + 4 < forever.expires_at < now + 60
+            answers.append([it.key for it in store.list_items(namespace="r", limit=10)[0]])
+    assert answers[0] == answers[1] == ["a", "b", "forever"]
+
+
 def test_deletes_name_the_rows_that_had_expired_as_the_sqlite_store(url: str, store_dir: Path,
                                                                     rng: np.random.Generator) -> None:
     """``expired_out`` of delete, delete_keys and delete_where: the deleted rows that had expired

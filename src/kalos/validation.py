@@ -40,6 +40,7 @@ __all__ = [
     "check_keys",
     "check_update",
     "check_ttl",
+    "check_ttl_seconds",
     "check_request_id",
     "check_embed_texts",
     "normalise_rows",
@@ -320,9 +321,16 @@ def check_ttl(ttl: Any, n: int) -> np.ndarray | None:
             seconds = math.inf
         if not (math.isfinite(seconds) and seconds > 0):
             where = "ttl" if scalar else f"ttl[{i}]"
-            raise InvalidArgument(f"{where} must be a finite number of seconds > 0, got {value!r}")
+            raise InvalidArgument(f"{where} must be a finite number of seconds > 0, got {value!r:.80}")
         out[i] = seconds
     return None if np.isnan(out).all() else out
+
+
+def check_ttl_seconds(ttl: Any) -> float:
+    """One ttl (of an update or a renewal) as float seconds: finite and > 0 (InvalidArgument)."""
+    if ttl is None or hasattr(ttl, "__len__"):
+        raise InvalidArgument(f"ttl must be seconds (a number), got {type(ttl).__name__}")
+    return float(check_ttl(ttl, 1)[0])  # type: ignore[index]
 
 
 def expiry_column(expires_at: Any, n: int) -> list[float | None]:
@@ -391,9 +399,7 @@ def check_update(item: Any, dim: int, *, namespace: Any = DEFAULT_NAMESPACE, tex
     if text is UNSET and metadata is UNSET and vector is UNSET and ttl is UNSET:
         raise InvalidArgument("update: nothing to change; give text=, metadata=, vector= or ttl=")
     if ttl is not UNSET and ttl is not None:
-        if hasattr(ttl, "__len__"):
-            raise InvalidArgument(f"update: ttl is seconds (a number) or None, got {type(ttl).__name__}")
-        ttl = float(check_ttl(ttl, 1)[0])
+        ttl = check_ttl_seconds(ttl)
     if text is not UNSET:
         text = check_texts([text], 1)[0]
     if metadata is not UNSET:

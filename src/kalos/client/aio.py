@@ -782,6 +782,10 @@ class AsyncClient:
         """:meth:`Client.update`: changes one memory in place; its id."""
         return await self._in_thread("update", *args, **kwargs)
 
+    async def renew(self, *args: Any, **kwargs: Any) -> int:
+        """:meth:`Client.renew`: renews the expiry of the memories of keys that expire; how many."""
+        return await self._in_thread("renew", *args, **kwargs)
+
     async def stats(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """:meth:`Client.stats`: the sidecar's live counts and percentiles."""
         return await self._in_thread("stats", *args, **kwargs)

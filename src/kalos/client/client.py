@@ -75,9 +75,11 @@ from kalos.validation import (
     check_request_id,
     check_texts,
     check_ttl,
+    check_ttl_seconds,
     check_update,
     check_vectors,
     encode_metadata,
+    keys_for_lookup,
 )
 from kalos.where import Where, compile_where
 
@@ -560,6 +562,26 @@ class Client:
             message.pop("wanted")
         return int(self._control(message)[0]["deleted"])
 
+    def renew(self, keys: Sequence[str], ttl: float, *, namespace: str = "default") -> int:
+        """Renews the expiry of the memories of ``keys`` (in ``namespace``) that expire: each
+        gets ``ttl`` seconds from now (the sidecar's clock), all in one transaction; returns how
+        many were renewed. Nothing is created: absent or expired keys, and memories that never
+        expire, are left as they are (to give one an expiry, ``update(key, ttl=...)``). The
+        refresh-on-read of a cache, or of LangGraph's store."""
+        message = {"op": "renew", "keys": keys_for_lookup(keys), "namespace": check_namespace(namespace),
+                   "ttl": check_ttl_seconds(ttl)}
+        self._require_op("renew", "renew")
+        return int(self._control(message)[0]["renewed"])
+
+    def _require_op(self, op: str, what: str) -> None:
+        """InvalidArgument unless the sidecar named ``op`` in its hello (a sidecar from before
+        it would refuse the operation, or ignore a field of it and answer ok)."""
+        with self._lock:
+            ops = self._connection().ops
+        if op not in ops:
+            raise InvalidArgument(f"{what}: this sidecar is older than this client and cannot do it; "
+                                  "restart it with this version of kalos")
+
     def drop_namespace(self, name: str) -> int:
         """Deletes every memory of namespace ``name`` in one transaction; returns how many went.
         The name stays known (stats lists it with 0); adding to it again is allowed."""
@@ -641,13 +663,14 @@ class Client:
         (None clears it), ``metadata`` (replaced; with ``merge=True`` the dict's entries are
         merged into the stored ones; None clears it), ``vector`` (``[dim]``; a recall sees the
         old vector or the new, never both or neither), ``ttl`` (seconds from now, by the
-        sidecar's clock, after which the memory is gone; None: it never expires).
+        sidecar's clock, after which the memory is gone, whether it expired before or not;
+        None: it never expires; :meth:`renew` renews only what expires).
         ``updated_at`` is set; the id, the key, the namespace and ``created_at`` stay.
 
         ``key_or_id``: a key (str) in ``namespace``, or an item id (int; ids are global, so
         ``namespace`` does not apply). A key that no memory of ``namespace`` holds (absent,
-        or only in another namespace) raises :class:`~kalos.errors.UnknownKey` (a KeyError),
-        and nothing changes.
+        expired, or only in another namespace) raises :class:`~kalos.errors.UnknownKey` (a
+        KeyError), and nothing changes.
         """
         with self._lock:
             dim = self._connection().layout.dim
@@ -665,11 +688,7 @@ class Client:
         if change.metadata is not UNSET:
             message["metadata"] = change.metadata
         if change.ttl is not UNSET:
-            with self._lock:
-                ops = self._connection().ops
-            if "update_ttl" not in ops:  # (an older sidecar would ignore the field and answer ok)
-                raise InvalidArgument("update: this sidecar cannot change a memory's ttl (it is older than "
-                                      "this client): restart it with this version of kalos")
+            self._require_op("update_ttl", "update(ttl=)")
             message["ttl"] = change.ttl
         blob: bytes | memoryview = b""
         if change.vector is not None:

@@ -81,7 +81,7 @@ from kalos.client.aio import AsyncClient
 from kalos.client.client import Client
 from kalos.client.client import Item as KalosItem
 from kalos.client.requests import as_matrix
-from kalos.errors import DimensionMismatch, InvalidArgument, InvalidQuery, KalosError, UnknownKey
+from kalos.errors import DimensionMismatch, InvalidArgument, InvalidQuery
 from kalos.integrations._loops import LoopClients
 from kalos.validation import MAX_KEY_BYTES, check_namespace, encode_metadata, row_scales
 
@@ -310,39 +310,28 @@ class KalosStore(BaseStore):
         return await self._adrive(self._batch(list(ops)))
 
     # The operations are written once, as generators that yield each call they need (a Client
-    # method or an Embeddings one) and receive its result, or its KalosError raised where it
-    # yielded (a step may expect one); the two drivers below run them.
+    # method or an Embeddings one) and receive its result; the two drivers below run them.
 
     def _drive(self, steps: Any) -> Any:
-        result: Any = None
-        failure: KalosError | None = None
+        result = None
         while True:
             try:
-                target, name, args, kwargs = steps.throw(failure) if failure is not None else steps.send(result)
+                target, name, args, kwargs = steps.send(result)
             except StopIteration as done:
                 return done.value
-            failure = None
-            try:
-                result = getattr(self.client if target == "kalos" else self.embeddings, name)(*args, **kwargs)
-            except KalosError as exc:
-                failure = exc
+            result = getattr(self.client if target == "kalos" else self.embeddings, name)(*args, **kwargs)
 
     async def _adrive(self, steps: Any) -> Any:
-        result: Any = None
-        failure: KalosError | None = None
+        result = None
         while True:
             try:
-                target, name, args, kwargs = steps.throw(failure) if failure is not None else steps.send(result)
+                target, name, args, kwargs = steps.send(result)
             except StopIteration as done:
                 return done.value
-            failure = None
-            try:
-                if target == "kalos":
-                    result = await getattr(self._async_client(), name)(*args, **kwargs)
-                else:
-                    result = await getattr(self.embeddings, "a" + name)(*args, **kwargs)
-            except KalosError as exc:
-                failure = exc
+            if target == "kalos":
+                result = await getattr(self._async_client(), name)(*args, **kwargs)
+            else:
+                result = await getattr(self.embeddings, "a" + name)(*args, **kwargs)
 
     def _async_client(self) -> AsyncClient:
         """The running loop's AsyncClient (one serves one loop at a time; see ``_loops``)."""
@@ -486,11 +475,13 @@ class KalosStore(BaseStore):
         return stale
 
     def _refresh(self, rows: Sequence[KalosItem]) -> Any:
-        """Renews the expiry of the items of ``rows`` (those put with a ttl): each of an item's
-        rows (its document and its vectors) re-timed in place by key, so that an item deleted
-        by another writer meanwhile is not brought back. Called when the op's ``refresh_ttl``
-        is true: BaseStore already resolved it from the call and ``ttl_config["refresh_on_read"]``
-        (an explicit ``refresh_ttl=True`` wins over the config)."""
+        """Renews the expiry of the items of ``rows`` (those put with a ttl), each item's rows
+        (its document and its vectors) together in one transaction (``Client.renew``): nothing
+        is created, so an item another writer deleted meanwhile stays deleted, and one it put
+        again without a ttl keeps none. Called when the op's ``refresh_ttl`` is true: BaseStore
+        already resolved it from the call and ``ttl_config["refresh_on_read"]`` (an explicit
+        ``refresh_ttl=True`` wins over the config)."""
+        renewals: dict[tuple[str, float], list[str]] = {}
         for row in rows:
             meta = row.metadata or {}
             if _TTL not in meta:
@@ -502,11 +493,10 @@ class KalosStore(BaseStore):
                 if doc is None:
                     continue
                 paths = doc.metadata.get(_PATHS, [])
-            for row_key in [self._doc_key(key)] + [self._vec_key(key, p) for p in paths]:
-                try:
-                    yield _call("update", row_key, namespace=row.namespace, ttl=float(meta[_TTL]) * 60.0)
-                except UnknownKey:
-                    pass  # deleted (or expired) meanwhile: it stays so
+            keys = renewals.setdefault((row.namespace, float(meta[_TTL]) * 60.0), [])
+            keys += [self._doc_key(key)] + [self._vec_key(key, p) for p in paths]
+        for (namespace, seconds), keys in renewals.items():
+            yield _call("renew", list(dict.fromkeys(keys)), seconds, namespace=namespace)
 
     # -- search ----------------------------------------------------------------------------------
 

@@ -65,8 +65,10 @@ from kalos.validation import (
     check_namespace,
     check_request_id,
     check_ttl,
+    check_ttl_seconds,
     check_update,
     check_vectors,
+    keys_for_lookup,
     normalise_rows,
 )
 from kalos.where import Where, compile_where
@@ -268,7 +270,7 @@ class ControlServer:
                 max_k=self.layout.max_k, max_batch=self.layout.max_batch, n_slots=self.layout.n_slots,
                 client_spin_us=self.client_spin_us, client_naps=self.client_naps, max_message_bytes=settings().max_message_bytes,
                 # Operations added since the protocol's version: a client uses them only when named.
-                ops=["recall_text", "update_ttl"],
+                ops=["recall_text", "update_ttl", "renew"],
             ))
             send_fd(conn, self._sidecar.segment.fileno())  # the segment has no name (protocol 2 on)
         except BaseException:
@@ -517,33 +519,56 @@ class ControlServer:
                         "the new vector is stored and is served after the sidecar restarts"
                     ) from exc
             elif change.ttl is not UNSET:
-                self._retime(item_id, stored, namespace_id, created_at)
+                self._retime(np.array([item_id], dtype=np.int64), namespace_id)
             self._wrote.set()
         return ok_reply(id=item_id), b""
 
-    def _retime(self, item_id: int, stored: Item | None, namespace_id: int, created_at: float) -> None:
-        """The expiry of a row an update re-timed (its vector unchanged), as the store has it."""
-        if stored is None:  # deleted since the commit: nothing to serve
-            return
-        ids = np.array([item_id], dtype=np.int64)
-        expires = np.array([np.nan if stored.expires_at is None else stored.expires_at], dtype=np.float64)
+    def _op_renew(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
+        """Renews the expiry of the memories of ``keys`` in ``namespace`` that expire, to now +
+        ``ttl`` seconds, in one transaction (kalos.store.sqlite.Store.renew): the refresh of
+        what an agent framework read (LangGraph's refresh_ttl). Nothing is created; memories
+        that never expire, and absent or expired keys, stay as they are."""
+        keys = keys_for_lookup(message.get("keys"))
+        namespace = check_namespace(message.get("namespace", "default"))
+        ttl = check_ttl_seconds(message.get("ttl"))
+        with self._write_lock:
+            ids, namespace_id = self.store.renew(keys, namespace, ttl)
+            if len(ids):
+                self._retime(ids, namespace_id)
+            self._wrote.set()
+        return ok_reply(renewed=len(ids)), b""
+
+    def _retime(self, ids: np.ndarray, namespace_id: int) -> None:
+        """The engine's rows and expiry schedule of ``ids`` (of one namespace), whose expiry a
+        committed write changed and whose vectors it did not, as the store has them now."""
+        items = self.store.get(ids)
+        gone = np.array([i for i, item in zip(ids.tolist(), items) if item is None], dtype=np.int64)
+        live = [item for item in items if item is not None]
+        live_ids = np.array([item.id for item in live], dtype=np.int64)
+        expires = np.array([np.nan if item.expires_at is None else item.expires_at for item in live], dtype=np.float64)
         with self._state_lock:
             self._polling.pause()
-            if item_id not in self.engine and item_id not in self.quarantined:
-                # Its old expiry passed between the commit and here: the expirer tombstoned the
-                # row, which the store keeps (it has the new expiry). Served again.
-                vector = self.store.vectors(ids).get(item_id)
-                if vector is not None:
-                    try:
-                        self.engine.reserve(1)
-                        self.engine.add(ids, vector[None], np.int32(namespace_id), np.array([created_at]),
-                                        [stored.metadata])
-                    except BaseException as exc:
-                        log.exception("update of id %d committed but the engine failed", item_id)
-                        raise ServerError(
-                            f"update of id {item_id} committed but the engine failed ({type(exc).__name__}: "
-                            f"{exc}): the memory is stored and is served after the sidecar restarts") from exc
-            self._expirer.note(ids, expires)
+            if len(gone):  # expired since the commit (a ttl shorter than the way here): not served
+                self.engine.delete(gone)
+                self._expirer.schedule.forget(gone)
+            # Rows whose old expiry passed between the commit and here: the expirer tombstoned
+            # them, and the store keeps them (with the new expiry). Served again.
+            lost = [item for item in live if item.id not in self.engine and item.id not in self.quarantined]
+            vectors = self.store.vectors([item.id for item in lost]) if lost else {}
+            lost = [item for item in lost if item.id in vectors]
+            if lost:
+                lost_ids = np.array([item.id for item in lost], dtype=np.int64)
+                try:
+                    self.engine.reserve(len(lost))
+                    self.engine.add(lost_ids, np.stack([vectors[item.id] for item in lost]), np.int32(namespace_id),
+                                    np.array([item.created_at for item in lost]), [item.metadata for item in lost])
+                except BaseException as exc:
+                    log.exception("a change of expiry of ids %s committed but the engine failed", lost_ids.tolist())
+                    raise ServerError(
+                        f"the new expiry of ids {lost_ids.tolist()[:8]} is committed but the engine failed "
+                        f"({type(exc).__name__}: {exc}): they are stored and served after the sidecar restarts"
+                    ) from exc
+            self._expirer.note(live_ids, expires)
 
     def _op_get(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
         keys = message.get("keys")
@@ -727,6 +752,7 @@ class ControlServer:
         "delete": _op_delete,
         "get": _op_get,
         "update": _op_update,
+        "renew": _op_renew,
         "list": _op_list,
         "count": _op_count,
         "drop_namespace": _op_drop_namespace,

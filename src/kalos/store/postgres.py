@@ -770,9 +770,8 @@ class PostgresStore:
                 raise InvalidArgument(f"update: {label} contains a NUL character, which PostgreSQL text cannot store")
         if change.metadata is not UNSET and "\x00" in json.dumps(change.metadata):
             raise InvalidArgument("update: metadata contains a NUL character, which PostgreSQL text cannot store")
-        now = time.time()
-
         def body(conn: Any) -> tuple[int, int, float]:
+            now = time.time()  # (in the transaction, which may wait and be retried)
             live, live_params = self._live_clause("i"), self._live_params(now)
             if change.key is not None:
                 row = conn.execute(
@@ -916,6 +915,26 @@ class PostgresStore:
 
     def _live_params(self, now: float) -> tuple[float, ...]:
         return (now,) if self._expiring else ()
+
+    def renew(self, keys: Sequence[str], namespace: str, ttl: float) -> tuple[np.ndarray, int | None]:
+        """As :meth:`kalos.store.sqlite.Store.renew` (logged as an update: followers read the rows'
+        expiries again)."""
+        wanted = list(dict.fromkeys(keys_for_lookup(keys)))
+        ns = check_namespace(namespace)
+
+        def body(conn: Any) -> tuple[np.ndarray, int | None]:
+            row = conn.execute("SELECT id FROM kalos_namespaces WHERE name = %s", (ns,)).fetchone()
+            if row is None or not self._keyed or not self._expiring or not wanted:
+                return np.empty(0, dtype=np.int64), None if row is None else int(row[0])
+            now = time.time()
+            ids = [r[0] for r in conn.execute(
+                "UPDATE kalos_items SET expires_at = %s WHERE namespace_id = %s AND key = ANY(%s)"
+                " AND expires_at > %s RETURNING id", (now + ttl, row[0], wanted, now)).fetchall()]
+            if ids:
+                _log_change(conn, "update", sorted(int(i) for i in ids))
+            return np.sort(np.asarray(ids, dtype=np.int64)), int(row[0])
+
+        return self._run("renew", body, write=True)
 
     def delete_keys(self, keys: Sequence[str], namespace: str, *, expired_out: list[int] | None = None) -> np.ndarray:
         """As :meth:`kalos.store.sqlite.Store.delete_keys` (logged as a delete: followers drop the rows)."""

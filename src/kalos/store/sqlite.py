@@ -903,6 +903,31 @@ class Store:
                 found += ids
         return np.sort(np.asarray(found, dtype=np.int64))
 
+    def renew(self, keys: Sequence[str], namespace: str, ttl: float) -> tuple[np.ndarray, int | None]:
+        """Renews the expiry of the items of ``keys`` in ``namespace`` that expire (now + ``ttl``
+        seconds, ``ttl`` > 0 checked by the caller) in one transaction: items that never expire,
+        and absent or expired keys, are left as they are. Returns the renewed ids (ascending)
+        and the namespace's id (None if it does not exist). ``updated_at`` is kept: the item
+        did not change."""
+        key_list = list(dict.fromkeys(keys_for_lookup(keys)))
+        ns = check_namespace(namespace)
+        found: list[int] = []
+        with self._write_transaction("renew") as conn:
+            row = conn.execute("SELECT id FROM namespaces WHERE name = ?", (ns,)).fetchone()
+            if row is None or not self._keyed or not self._expiring or not key_list:
+                return np.empty(0, dtype=np.int64), None if row is None else int(row[0])
+            now = time.time()
+            for start in range(0, len(key_list), _IDS_PER_QUERY):
+                chunk = key_list[start : start + _IDS_PER_QUERY]
+                ids = [r[0] for r in conn.execute(
+                    f"SELECT id FROM items WHERE namespace_id = ? AND key IN ({','.join('?' * len(chunk))})"
+                    " AND expires_at > ?", (row[0], *chunk, now))]
+                if ids:
+                    conn.execute(f"UPDATE items SET expires_at = ? WHERE id IN ({','.join('?' * len(ids))})",
+                                 (now + ttl, *ids))
+                found += ids
+        return np.sort(np.asarray(found, dtype=np.int64)), int(row[0])
+
     def update(self, change: Update) -> tuple[int, int, float]:
         """Applies one checked :class:`Update` (:func:`check_update`) in one transaction; returns
         ``(id, namespace_id, created_at)`` of the item. Only what was given changes;
@@ -911,8 +936,8 @@ class Store:
         """
         if change.key is not None and not self._keyed:
             raise StoreError(f"store {self.path} has no key columns (open it writable once to migrate it)")
-        now = time.time()
         with self._write_transaction("update") as conn:
+            now = time.time()  # (after the lock's wait: the live check and the new expiry use it)
             if change.key is not None:
                 row = conn.execute(
                     "SELECT i.id, i.namespace_id, i.created_at, i.metadata FROM items AS i JOIN namespaces AS n"
