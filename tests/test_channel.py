@@ -251,7 +251,7 @@ class Harness:
         self.errors: list[BaseException] = []
         self.threads: list[threading.Thread] = []
 
-    def add_client(self, *, timeout: float = 30.0, spin_s: float = 0.0, naps: bool = True) -> ClientChannel:
+    def add_client(self, *, timeout: float = 30.0, spin_s: float = 0.0, crowded: str = "nap") -> ClientChannel:
         slot = len(self.clients)
         theirs, wake = wake_pair()
         self._socks.append(wake)
@@ -261,7 +261,7 @@ class Harness:
         self.peers.append(theirs)
         channel = ClientChannel(
             self.client_segment, self.layout, slot, wake=wake,
-            control=ours, epoch=self.epoch, timeout=timeout, spin_s=spin_s, naps=naps,
+            control=ours, epoch=self.epoch, timeout=timeout, spin_s=spin_s, crowded=crowded,
         )
         self.clients.append(channel)
         return channel
@@ -450,13 +450,13 @@ def test_napping_clients_need_no_wake_up_and_fall_back_to_sleep(harness):
 
 
 def test_crowded_clients_told_not_to_nap_sleep_at_once_and_lose_no_wake_up(harness, monkeypatch):
-    """A CPU sidecar's clients (naps=False), past two per core, neither spin nor nap: each
+    """A CPU sidecar's clients (crowded "sleep"), past two per core, neither spin nor nap: each
     announces its sleep at once and is woken by the sidecar's ring; no answer is lost."""
     naps = []
     monkeypatch.setattr(ClientChannel, "_nap", lambda self, seq: naps.append(seq) or False)
     h = harness(n_slots=3, max_batch=2)
     for _ in range(3):
-        h.add_client(spin_s=0.05, naps=False)
+        h.add_client(spin_s=0.05, crowded="sleep")
     rings: list[int] = []
     ring = h.side._ring
 
@@ -516,15 +516,20 @@ def test_clients_past_the_cores_spin_yielding_and_need_no_wake_up(harness, monke
 
 def test_wait_policy_by_clients_per_core(harness):
     """Up to cores - 1 clients spin and keep their core; up to two per core they spin yielding
-    it (AsyncClient does not spin then); past that they nap, then sleep, or, told not to nap (a
-    CPU sidecar's clients), sleep at once."""
-    h = harness(n_slots=2)
+    it (AsyncClient does not spin then); past that they wait as the sidecar advised: nap, then
+    sleep (a sweep on a GPU), sleep at once (a CPU sidecar), or go on spinning and yielding
+    (the GPU's polling). An advice that is not one of those is refused."""
+    h = harness(n_slots=4)
     channel = h.add_client(spin_s=0.25)
-    sleeper = h.add_client(spin_s=0.25, naps=False)
+    sleeper = h.add_client(spin_s=0.25, crowded="sleep")
+    yielder = h.add_client(spin_s=0.25, crowded="yield")
     cores = len(os.sched_getaffinity(0))
     for clients in (1, cores - 1, cores, 2 * cores):
-        assert sleeper._budgets(clients) == channel._budgets(clients)
+        assert sleeper._budgets(clients) == channel._budgets(clients) == yielder._budgets(clients)
     assert sleeper._budgets(2 * cores + 1) == (0.0, False, False)
+    assert yielder._budgets(2 * cores + 1) == yielder._budgets(1000) == (0.25, False, True)
+    with pytest.raises(InvalidArgument, match="crowded must be one of yield, nap, sleep"):
+        h.add_client(crowded="naps")
     assert channel._budgets(1) == (0.25, False, False)
     assert channel._budgets(cores - 1) == (0.25, False, False)
     assert channel._budgets(cores) == (0.25, False, True)
@@ -780,6 +785,75 @@ def test_the_sweeps_spin_sees_free_requests_only_and_releases_the_gil():
                 (req_seq, answered.astype(np.uint32), active, busy)):
         with pytest.raises(ValueError, match="req_seq|answered|active|busy"):
             spin_pending(*bad, 1)
+
+
+def test_the_sweeps_wait_for_a_kernels_word_ends_at_a_change_and_releases_the_gil():
+    """kalos.ipc._fence.spin_changed: True once a word differs from what was seen; False at its
+    timeout otherwise; and the GIL is free while it looks (the sweep's wait while the GPU polls)."""
+    from kalos.ipc.sync import spin_changed
+
+    if spin_changed is None:
+        pytest.skip("the native extension is not built here (the sweep then yields its core)")
+    host = np.zeros(12, np.int64)
+    words = host[::2]  # strided: any 1-d view of 8-byte words
+    seen = words.copy()
+    assert spin_changed(words, seen, 1_000_000) is False
+    seen[4] = -1
+    assert spin_changed(words, seen, 10_000_000_000) is True
+    seen[4] = 0
+
+    # A word written while it looks ends the look. Writing it takes the GIL: held by the look,
+    # the write would wait for its 30 s timeout, and the look would answer False.
+    said: list[bool] = []
+    looker = threading.Thread(target=lambda: said.append(spin_changed(words, seen, 30_000_000_000)))
+    looker.start()
+    time.sleep(0.2)
+    host[6] = 1 << 62  # words[3]
+    looker.join(DEADLINE_S)
+    assert said == [True]
+
+    for bad in ((words, seen[:3]), (words.astype(np.int32), seen), (words, [0] * len(seen))):
+        with pytest.raises((ValueError, TypeError), match="words|seen|bytes-like"):
+            spin_changed(*bad, 1)
+
+
+def test_the_sweep_waits_for_the_kernels_news_without_the_gil(monkeypatch):
+    """SlotPolling.wait_for_kernel: returns once the kernel writes a host word (a round began,
+    answered...) with the GIL free meanwhile, at its timeout otherwise; after one yield once the
+    kernel has stopped (its queued rounds write nothing more), and with no kernel, no words seen
+    or no native helper."""
+    import types
+
+    from kalos.ipc import sync
+    from kalos.server.slot_polling import SlotPolling
+    from kalos.server.state_lock import StateLock
+
+    polling = SlotPolling(StateLock())
+    assert polling.kernel_words() is None
+    started = time.perf_counter()
+    polling.wait_for_kernel(None, 30.0)  # (no kernel)
+    assert time.perf_counter() - started < 10.0, "no kernel: one yield, not the 30 s timeout"
+    polling.server = types.SimpleNamespace(host_words=np.zeros(40, np.int64), stopped=False)
+    seen = polling.kernel_words()
+    assert seen is not None and seen is not polling.server.host_words
+    if sync.spin_changed is not None:
+        started = time.perf_counter()
+        polling.wait_for_kernel(seen, 0.05)
+        assert time.perf_counter() - started >= 0.05, "nothing was written: it waits its timeout"
+        threading.Timer(0.2, lambda: polling.server.host_words.__setitem__(33, 7)).start()
+        started = time.perf_counter()
+        polling.wait_for_kernel(seen, 30.0)
+        assert time.perf_counter() - started < 10.0, "the kernel's word ended the wait, not the timeout"
+        seen = polling.kernel_words()
+    polling.server.stopped = True
+    started = time.perf_counter()
+    polling.wait_for_kernel(seen, 30.0)
+    assert time.perf_counter() - started < 10.0, "a stopped kernel: one yield, not the timeout"
+    polling.server.stopped = False
+    monkeypatch.setattr(sync, "spin_changed", None)
+    started = time.perf_counter()
+    polling.wait_for_kernel(seen, 30.0)
+    assert time.perf_counter() - started < 10.0, "no native helper: one yield, not the timeout"
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])

@@ -1234,12 +1234,13 @@ def test_a_cpu_sidecar_without_the_native_scores_says_what_it_costs(tmp_path, ru
 def test_clients_spin_as_the_sidecar_advises_unless_told(runtime_dir, tmp_path, monkeypatch):
     """A GPU sidecar answers in ~100-200 us: its clients poll up to 1 ms before sleeping (a
     wake-up costs tens of us); a CPU sidecar's keep the default; spin_us / the env var win.
-    Crowded clients of a GPU sidecar nap, a CPU sidecar's sleep at once (client_naps)."""
+    Crowded clients of a GPU sidecar whose sweep answers nap, a CPU sidecar's sleep at once
+    (client_crowded; the GPU's polling's spin yielding: crowded_wait)."""
     import threading
 
     from kalos.config import settings
     from kalos.engine import NumpyEngine
-    from kalos.server.sidecar import CPU_CLIENTS_NAP, GPU_CLIENT_SPIN_US, GPU_CLIENTS_NAP, Sidecar, SidecarConfig
+    from kalos.server.sidecar import GPU_CLIENT_SPIN_US, Sidecar, SidecarConfig, crowded_wait
 
     class LooksLikeAGpu(NumpyEngine):
         device = "cuda:0"
@@ -1247,8 +1248,9 @@ def test_clients_spin_as_the_sidecar_advises_unless_told(runtime_dir, tmp_path, 
     def spin_of(client: Client) -> float:
         return client._conn.channel._spin_s
 
-    for engine_cls, advised, naps in ((NumpyEngine, settings().client_spin_us, CPU_CLIENTS_NAP),
-                                      (LooksLikeAGpu, GPU_CLIENT_SPIN_US, GPU_CLIENTS_NAP)):
+    assert (crowded_wait(False, False), crowded_wait(True, False), crowded_wait(True, True)) == ("sleep", "nap", "yield")
+    for engine_cls, advised, crowded in ((NumpyEngine, settings().client_spin_us, "sleep"),
+                                         (LooksLikeAGpu, GPU_CLIENT_SPIN_US, "nap")):
         name = unique_name()
         sidecar = Sidecar(SidecarConfig(store=tmp_path / f"{name}.db", name=name, dim=4, slots=4),
                           engine_factory=lambda _device, dim, cap, cls=engine_cls: cls(dim, capacity=cap))
@@ -1257,17 +1259,17 @@ def test_clients_spin_as_the_sidecar_advises_unless_told(runtime_dir, tmp_path, 
         try:
             with Client(name) as client:
                 assert spin_of(client) == pytest.approx(advised / 1e6)
-                assert client._conn.channel._naps is naps
+                assert client._conn.channel._crowded == crowded
                 client.add(np.eye(4, dtype=np.float32))
                 assert client.recall(np.ones(4, np.float32), k=2).ids.shape == (2,)
             with Client(name, spin_us=5) as client:
                 assert spin_of(client) == pytest.approx(5e-6)
-            # A hello whose nap advice is not a bool (or, from an older sidecar, absent: the
-            # same path): the clients nap as they did before the advice existed.
-            sidecar._control.client_naps = "no"
+            # A hello whose advice is not one of the waits (or, from an older sidecar, absent:
+            # the same path): the clients nap as they did before the advice existed.
+            sidecar._control.client_crowded = "naps"
             with Client(name) as client:
-                assert client._conn.channel._naps is True
-            sidecar._control.client_naps = naps
+                assert client._conn.channel._crowded == "nap"
+            sidecar._control.client_crowded = crowded
             monkeypatch.setenv("KALOS_CLIENT_SPIN_US", "7")
             settings.cache_clear()  # settings are read once per process
             try:

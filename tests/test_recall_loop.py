@@ -302,16 +302,23 @@ class FakeKernel:
     serving until the test stops it; then its queued rounds drain for ``drain_s``."""
 
     def __init__(self, n_slots: int) -> None:
-        self.handed = np.zeros(n_slots, np.uint64)  # the seqs the kernel handed to the host
-        self.in_use = np.zeros(n_slots, np.int64)
-        self.taken = np.zeros(n_slots, np.int64)
+        # The words it writes for the host, as the real one's: handed, in use, taken, stopped.
+        self.host_words = np.zeros(3 * n_slots + 1, np.int64)
+        self.handed = self.host_words[:n_slots].view(np.uint64)  # the seqs the kernel handed to the host
+        self.in_use = self.host_words[n_slots: 2 * n_slots]
+        self.taken = self.host_words[2 * n_slots: 3 * n_slots]
         self.drained_at: float | None = None
         self.starts = 0
+
+    @property
+    def stopped(self) -> bool:
+        return bool(self.host_words[-1])
 
     def running(self) -> bool:
         return self.drained_at is None or time.perf_counter() < self.drained_at
 
     def stop_by_itself(self, drain_s: float) -> None:  # (idle_s without a request)
+        self.host_words[-1] = 1  # (its queued rounds then write nothing more)
         self.drained_at = time.perf_counter() + drain_s
 
     def set_namespaces(self, namespaces) -> None:
@@ -319,9 +326,11 @@ class FakeKernel:
 
     def start(self, active) -> None:
         self.starts += 1
+        self.host_words[-1] = 0
         self.drained_at = None
 
     def stop(self) -> None:
+        self.host_words[-1] = 1
         self.drained_at = 0.0
 
 

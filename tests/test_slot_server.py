@@ -496,6 +496,9 @@ def test_needs_the_triton_engine_with_the_segment_attached(rng):
             SlotGraphServer(engine, layout, np.zeros(2, np.uint64), max_k=0)
         with pytest.raises(InvalidArgument, match="entries"):
             SlotGraphServer(engine, layout, np.zeros(3, np.uint64))
+        for bad in ("window_s", "gap_s", "window_max_s", "resize_s"):
+            with pytest.raises(InvalidArgument, match="window_s, window_polls, gap_s, window_max_s, resize_s and k_resize_s"):
+                SlotGraphServer(engine, layout, np.zeros(2, np.uint64), **{bad: -1e-6})
         server = SlotGraphServer(engine, layout, np.zeros(2, np.uint64))
         assert server.start(np.ones(2, bool)) is False  # no rows: nothing to serve
         with pytest.raises(InvalidArgument, match="namespace ids"):

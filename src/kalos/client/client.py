@@ -50,7 +50,7 @@ from kalos.errors import (
     UnknownFilter,
     error_from_code,
 )
-from kalos.ipc.channel import ClientChannel, Endpoint, Segment, SidecarExited, wake_pair
+from kalos.ipc.channel import CROWDED_WAITS, ClientChannel, Endpoint, Segment, SidecarExited, wake_pair
 from kalos.ipc.control import (
     PROTOCOL_VERSION,
     ConnectionClosed,
@@ -187,11 +187,12 @@ class _Connection:
                 advised = reply.get("client_spin_us")
                 ok = isinstance(advised, (int, float)) and not isinstance(advised, bool) and 0 <= advised <= 1e5
                 spin_s = (advised if ok else settings().client_spin_us) / 1e6
-            naps = reply.get("client_naps", True)  # (a sidecar that does not say: as before, nap)
+            crowded = reply.get("client_crowded")
+            if crowded not in CROWDED_WAITS:  # a sidecar from before the advice: nap unless it said not to
+                crowded = "sleep" if reply.get("client_naps") is False else "nap"
             self.channel = ClientChannel(
                 self.segment, self.layout, int(reply["slot"]), wake=self.wake, control=self.sock,
-                epoch=self.epoch, timeout=timeout, spin_s=spin_s,
-                naps=naps if isinstance(naps, bool) else True,
+                epoch=self.epoch, timeout=timeout, spin_s=spin_s, crowded=crowded,
             )
             # The epoch only: the hello's reply has just shown the sidecar alive, while its
             # heartbeat stamp may still be stale (a sidecar resumed after SIGSTOP answers the hello

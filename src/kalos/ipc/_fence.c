@@ -11,6 +11,10 @@
  * the sweep takes the lock back before the waiting thread wakes. Here the looks run with the
  * lock released.
  *
+ * spin_changed(): the same for the sweep while a GPU kernel serves the slots: it waits, without
+ * the GIL, for the kernel's next word in the host control block (a round began, took, answered,
+ * stopped).
+ *
  * same_rows(), pending_slots(), publish_slots(): the sweep's per-pass reads and writes of the
  * slots' words, which in NumPy are a dozen calls on arrays of a few dozen items, each costing
  * more in the call than in the work (issue 18: the sweep's share of a crowd's pass). The
@@ -148,6 +152,50 @@ fence_spin_pending(PyObject *self, PyObject *args)
     if (found < 0)
         return NULL;
     return PyBool_FromLong(found);
+}
+
+static PyObject *
+fence_spin_changed(PyObject *self, PyObject *args)
+{
+    PyObject *words_obj, *seen_obj;
+    long long timeout_ns;
+    Py_buffer words, seen;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOL", &words_obj, &seen_obj, &timeout_ns))
+        return NULL;
+    if (get_column(words_obj, &words, 8, "words") < 0)
+        return NULL;
+    if (get_column(seen_obj, &seen, 8, "seen") < 0) {
+        PyBuffer_Release(&words);
+        return NULL;
+    }
+    int changed = 0;
+    if (words.shape[0] != seen.shape[0]) {
+        PyErr_SetString(PyExc_ValueError, "words and seen must have as many items");
+        changed = -1;
+    } else {
+        const Py_ssize_t n = words.shape[0], words_step = words.strides[0], seen_step = seen.strides[0];
+        const char *words_at = words.buf, *seen_at = seen.buf;
+        Py_BEGIN_ALLOW_THREADS
+        const int64_t until = monotonic_ns() + (timeout_ns < 0 ? 0 : timeout_ns > 3155760000000000000LL
+                                                                   ? 3155760000000000000LL : timeout_ns);
+        for (;;) {
+            /* words: written by another agent (a GPU kernel over the bus): one atomic 8-byte load each. */
+            for (Py_ssize_t i = 0; i < n && !changed; i++)
+                if (__atomic_load_n((const uint64_t *)(words_at + i * words_step), __ATOMIC_RELAXED)
+                    != *(const uint64_t *)(seen_at + i * seen_step))
+                    changed = 1;
+            if (changed || monotonic_ns() >= until)
+                break;
+            sched_yield();
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&words);
+    PyBuffer_Release(&seen);
+    if (changed < 0)
+        return NULL;
+    return PyBool_FromLong(changed);
 }
 
 /* ``view`` of ``obj``: a 1-d buffer of ``itemsize``-byte items, or a 2-d one whose rows are
@@ -396,6 +444,11 @@ static PyMethodDef fence_methods[] = {
      "Looks at the slots' words, the GIL released, until a slot that is active and not busy has\n"
      "a req_seq other than what was answered (True) or timeout_ns have passed (False); yields\n"
      "the core between looks."},
+    {"spin_changed", fence_spin_changed, METH_VARARGS,
+     "spin_changed(words, seen, timeout_ns)\n--\n\n"
+     "Looks at words (1-d, 8-byte items, written by another agent), the GIL released, until one\n"
+     "differs from its item of seen (True) or timeout_ns have passed (False); yields the core\n"
+     "between looks."},
     {"same_rows", fence_same_rows, METH_VARARGS,
      "same_rows(column, slots, out=None)\n--\n\n"
      "Whether the rows of column (a 1-d array, or 2-d with contiguous rows) at slots (int64) are\n"

@@ -18,12 +18,11 @@ every client's end at once (epoll), and a byte the sidecar writes with ``MSG_DON
 the client. No descriptor is shared between clients, and no flag a client sets on its own can
 make the sidecar block: with eventfds (one doorbell that every client wrote, one wake fd a
 client chose), a client could clear ``O_NONBLOCK`` on the shared file, saturate it and freeze
-the sweep for everyone, or eat the doorbell's rings and stall it. A client spins only while
-every client can have a core; past two clients per core it first naps (timed sleeps of 100 us,
-re-reading its sequence number, for up to 2 ms) so that the sidecar need not write its wake-up.
-A client's poll also watches its control socket: when the sidecar dies the kernel closes that
-socket and the client wakes at once; a sidecar that hangs is noticed through its heartbeat stamp
-going stale.
+the sweep for everyone, or eat the doorbell's rings and stall it. A client keeps its core while
+spinning only while every client can have one; past that it yields its core at every look; past
+two clients per core it waits as the sidecar advises (:data:`CROWDED_WAITS`). A client's poll also
+watches its control socket: when the sidecar dies the kernel closes that socket and the client
+wakes at once; a sidecar that hangs is noticed through its heartbeat stamp going stale.
 """
 from __future__ import annotations
 
@@ -49,7 +48,15 @@ from kalos.ipc.control import ConnectionClosed
 from kalos.ipc.protocol import HEADER_DTYPE, HeaderView, Layout, SlotColumns, SlotView, rest_seq
 from kalos.ipc.sync import full_fence
 
-__all__ = ["Endpoint", "Segment", "ClientChannel", "SidecarChannel", "SidecarExited", "wake_pair", "wake_socket"]
+__all__ = ["Endpoint", "Segment", "ClientChannel", "SidecarChannel", "SidecarExited", "wake_pair", "wake_socket",
+           "CROWDED_WAITS"]
+
+#: How a client waits for an answer once the clients outnumber the cores twice over (the sidecar
+#: advises one in the hello): "yield" spins yielding its core at every look, as between one
+#: and two clients per core; "nap" polls between timed sleeps of ClientChannel.NAP_S for up to
+#: NAP_WINDOW_S, then sleeps; "sleep" sleeps at once until the sidecar rings. Each ends in the
+#: announced sleep once its budget is spent.
+CROWDED_WAITS = ("yield", "nap", "sleep")
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _RING = b"\x01"
@@ -273,8 +280,10 @@ class ClientChannel:
         epoch: int,
         timeout: float,
         spin_s: float,
-        naps: bool = True,
+        crowded: str = "nap",
     ) -> None:
+        if crowded not in CROWDED_WAITS:
+            raise InvalidArgument(f"crowded must be one of {', '.join(CROWDED_WAITS)}, got {crowded!r}")
         self.layout = layout
         self.header = HeaderView(segment.buf)
         self.slot = SlotView(segment.buf, layout, slot)
@@ -283,15 +292,15 @@ class ClientChannel:
         self._epoch = epoch
         self._timeout_ns = int(timeout * 1e9)
         self._spin_s = spin_s
-        self._naps = naps
+        self._crowded = crowded
         # Spinning alone pays only while every waiting client and the sidecar's sweep have a
         # core. Past that, up to two clients per core, a spinner yields its core at every look
         # (the sweep and the clients it answered run first), which beat sleeping on the card
-        # (issue 18; BENCHMARKS.md). Past two per core, the wake-ups the sweep writes at the end
-        # of each pass (one per sleeper, one after another) cost it more than a nap costs each
-        # client, and spinners that yield leave the sweep waiting for them to come back. That
-        # holds where passes are short (a GPU's); the sidecar says whether to nap (``naps``):
-        # a CPU sidecar's clients sleep at once instead (kalos.server.sidecar.CPU_CLIENTS_NAP).
+        # (issue 18; BENCHMARKS.md). Past two per core the sidecar advises (``crowded``, see
+        # kalos.server.sidecar.crowded_wait): where the GPU's polling answers, yielding spinners
+        # see their answers soonest; where the sweep answers on the GPU, the wake-ups it would
+        # write at the end of each pass cost it more than naps cost the clients, and spinners
+        # would take the cores it runs on; a CPU sidecar's clients sleep at once.
         # (Every connected client counts, idle ones too: on the safe side.)
         cores = len(os.sched_getaffinity(0))
         self._spin_clients = cores - 1
@@ -352,7 +361,7 @@ class ClientChannel:
     def _nap(self, seq: int) -> bool:
         """Polls ``resp_seq`` between short timed sleeps (``NAP_S``) for up to ``NAP_WINDOW_S``;
         True once ``seq`` is answered. Used while clients outnumber the cores twice over, when
-        the sidecar says to (``naps``: a GPU sidecar's short passes): a napping client is woken
+        the sidecar says to (``crowded`` "nap": a sweep's short passes on a GPU): a napping client is woken
         by its own core's timer, not by the sidecar, whose wake-ups are written one after
         another at the end of each pass, several microseconds each, so that with many sleepers
         they took a third of the sweep (issue 18; BENCHMARKS.md)."""
@@ -440,9 +449,9 @@ class ClientChannel:
         each look while it spins."""
         if clients <= self._spin_clients:
             return self._spin_s, False, False
-        if clients <= self._nap_clients:
+        if clients <= self._nap_clients or self._crowded == "yield":
             return self._spin_s, False, True
-        return 0.0, self._naps, False
+        return 0.0, self._crowded == "nap", False
 
     def check_epoch(self) -> None:
         """SidecarUnavailable unless the segment is still the one this client's sidecar made."""

@@ -39,7 +39,8 @@ from typing import Callable
 
 from kalos.errors import KalosError
 
-__all__ = ["full_fence", "FENCE_IMPLEMENTATION", "pending_slots", "publish_slots", "same_rows", "spin_pending"]
+__all__ = ["full_fence", "FENCE_IMPLEMENTATION", "pending_slots", "publish_slots", "same_rows", "spin_changed",
+           "spin_pending"]
 
 
 def _lock_fence_factory() -> Callable[[], None]:
@@ -68,10 +69,16 @@ except ImportError:  # pragma: no cover - depends on how the package was built
     FENCE_IMPLEMENTATION = "lock (x86-64 fallback)"
 
 
+# The sweep's native helpers (see _fence.c): its waits for a request or for a GPU kernel's word
+# with the GIL released, and its per-pass reads and writes of the slots' words. None without
+# the extension, where the sweep does the same in Python and NumPy; each by its own name, so
+# that an extension built from an older _fence.c keeps the helpers it has.
 try:
-    # The sweep's native helpers (see _fence.c): its wait for a request with the GIL released,
-    # and its per-pass reads and writes of the slots' words. None without the extension, where
-    # the sweep does the same in Python and NumPy.
-    from kalos.ipc._fence import pending_slots, publish_slots, same_rows, spin_pending  # type: ignore[attr-defined]
+    from kalos.ipc import _fence as _native  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - depends on how the package was built
-    pending_slots = publish_slots = same_rows = spin_pending = None
+    _native = None
+pending_slots = getattr(_native, "pending_slots", None)
+publish_slots = getattr(_native, "publish_slots", None)
+same_rows = getattr(_native, "same_rows", None)
+spin_changed = getattr(_native, "spin_changed", None)
+spin_pending = getattr(_native, "spin_pending", None)

@@ -99,7 +99,7 @@ class ControlServer:
                  engine: Engine, store: Any, metrics: Metrics, cohort: Cohort, embedding: EmbedService,
                  seed: Any, quarantined: list[int], namespaces: dict[bytes, int], filters: FilterCache,
                  polling: SlotPolling, expirer: Expirer, state_lock: StateLock, write_lock: threading.Lock,
-                 wrote: threading.Event, stopping: threading.Event, client_spin_us: float, client_naps: bool,
+                 wrote: threading.Event, stopping: threading.Event, client_spin_us: float, client_crowded: str,
                  start_thread: Callable[..., None]) -> None:
         self._sidecar = sidecar
         self._name = name
@@ -122,7 +122,7 @@ class ControlServer:
         self._wrote = wrote
         self._stopping = stopping
         self.client_spin_us = client_spin_us
-        self.client_naps = client_naps
+        self.client_crowded = client_crowded
         self._start_thread = start_thread
         self.connections: set[socket.socket] = set()
         self._refused = 0
@@ -268,7 +268,8 @@ class ControlServer:
             send_frame(conn, ok_reply(
                 slot=slot, segment=self.endpoint.segment_name, epoch=self.epoch, dim=self.layout.dim,
                 max_k=self.layout.max_k, max_batch=self.layout.max_batch, n_slots=self.layout.n_slots,
-                client_spin_us=self.client_spin_us, client_naps=self.client_naps, max_message_bytes=settings().max_message_bytes,
+                client_spin_us=self.client_spin_us, client_crowded=self.client_crowded,
+                max_message_bytes=settings().max_message_bytes,
                 # Operations added since the protocol's version: a client uses them only when named.
                 ops=["recall_text", "update_ttl", "renew"],
             ))

@@ -55,6 +55,9 @@ _PING = int(Op.PING)
 # The longest the idle sweep looks at the slots before it checks again whether it must stop
 # (a long --spin-us is looked through in slices of this).
 _LOOK_S = 0.005
+# While the GPU polls the slots, the longest the sweep waits for the kernel's news before it
+# looks anyway (expiries, a stop).
+_KERNEL_WAIT_S = 0.001
 
 _NO_FILTER = Filter()
 _NO_ROWS = np.empty((0, 0), np.float32)
@@ -236,6 +239,8 @@ class RecallLoop:
         while not self._stopping.is_set():
             with self._state_lock.for_sweep():  # (a writer waiting now goes first)
                 server = polling.server
+                # (Before this look: what the kernel writes during it ends the wait after it.)
+                kernel_seen = polling.kernel_words()
                 # While the GPU polls, it answers single recalls itself; the sweep takes what it
                 # hands over, and wakes the clients of its answers that slept.
                 serving = polling.running()
@@ -261,12 +266,15 @@ class RecallLoop:
                     polling.start(self._namespaces)
             if len(slots):
                 last_work = clock()
-            elif flights or serving:
-                # A pass in flight, or the GPU answering by itself: look again soon (land the
-                # pass; top up the GPU's rounds, take what it hands over, wake its answers'
-                # sleepers), the core to the clients meanwhile.
+            elif flights:
+                # A pass in flight: look again soon to land it, the core to the clients meanwhile.
                 last_work = clock()
                 os.sched_yield()
+            elif serving:
+                # The GPU answering by itself: look again once it has news (top up its rounds,
+                # take what it hands over, wake its answers' sleepers), without the GIL meanwhile.
+                last_work = clock()
+                polling.wait_for_kernel(kernel_seen, _KERNEL_WAIT_S)
             elif clock() - last_work < spin_s:
                 # Hot: watch the slots until the spin window ends, with the GIL released, so
                 # that a control thread (a hello, an embed, a get) runs at once instead of after

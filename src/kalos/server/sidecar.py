@@ -70,14 +70,21 @@ _SOCKET_CHECK_S = 1.0  # how often the heartbeat checks that the control socket'
 #: How long the clients of a GPU sidecar busy-poll for an answer before sleeping (advised in
 #: the hello reply; a client's own spin_us or KALOS_CLIENT_SPIN_US wins).
 GPU_CLIENT_SPIN_US = 1000.0
-#: Whether a sidecar's clients nap once they outnumber the cores twice over (advised in the
-#: hello reply; see kalos.ipc.channel.ClientChannel). A GPU sidecar's passes take ~100 us: the
-#: wake-ups it would write at the end of each would cost it more than the naps cost the
-#: clients. A CPU sidecar's passes take milliseconds on the very cores the clients run on, and
-#: a client waking every 100 us preempts the threads the pass runs on: its clients sleep until
-#: they are woken (BENCHMARKS.md, the crowd on the CPU).
-GPU_CLIENTS_NAP = True
-CPU_CLIENTS_NAP = False
+
+
+def crowded_wait(on_gpu: bool, gpu_polling: bool) -> str:
+    """How this sidecar's clients wait once they outnumber the cores twice over (advised in the
+    hello reply; kalos.ipc.channel.CROWDED_WAITS). Where the GPU's polling answers, no host
+    thread needs the cores the clients spin on, and spinners that yield see their answers
+    sooner than nappers, whose 100 us naps scatter a crowd's next requests over several rounds.
+    Where the sweep answers on a GPU (passes of ~100 us), the wake-ups it would write at the end
+    of each would cost it more than naps cost the clients. A CPU sidecar's passes take
+    milliseconds on the very cores the clients run on, and a client waking every 100 us
+    preempts the threads the pass runs on: its clients sleep until they are woken.
+    (BENCHMARKS.md, the crowd: each measured.)"""
+    if not on_gpu:
+        return "sleep"
+    return "yield" if gpu_polling else "nap"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,7 +342,6 @@ class Sidecar:
                 # (Otherwise silent: a crowd's passes would just be slower, and only doctor says why.)
                 log.warning("%s; %s", numpy_engine.NATIVE_SCORES_MISSING, numpy_engine.NATIVE_SCORES_FIX)
             self.client_spin_us = GPU_CLIENT_SPIN_US if on_gpu else settings().client_spin_us
-            self.client_naps = GPU_CLIENTS_NAP if on_gpu else CPU_CLIENTS_NAP
             # Name -> id of every namespace (the writers and the follower add to it in place).
             self._namespaces = {name.encode(): ns for name, ns in self.store.namespaces().items()}
             # The engine filter of each request's words, and the where clauses registered for them.
@@ -365,6 +371,7 @@ class Sidecar:
             server = self._make_slot_server()
             if server is not None:
                 self._polling.install(server, self.channel)
+            self.client_crowded = crowded_wait(on_gpu, server is not None)
             self.channel.stamp_heartbeat()  # compiling the slot server's kernel may take seconds
             self.listener = self._listen(self._rundir, self.endpoint.socket_name)
             self._socket_id = self._socket_identity()
@@ -381,7 +388,8 @@ class Sidecar:
                 embedding=self.embedding, seed=self._seed, quarantined=self.quarantined,
                 namespaces=self._namespaces, filters=self._filter_cache, polling=self._polling,
                 expirer=self._expirer, state_lock=self._state_lock, write_lock=self._write_lock,
-                wrote=self._wrote, stopping=self._stopping, client_spin_us=self.client_spin_us, client_naps=self.client_naps,
+                wrote=self._wrote, stopping=self._stopping, client_spin_us=self.client_spin_us,
+                client_crowded=self.client_crowded,
                 start_thread=self._start_thread,
             )
         except BaseException:

@@ -12,9 +12,13 @@ others.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from typing import Any
 
+import numpy as np
+
+from kalos.ipc import sync
 from kalos.ipc.channel import SidecarChannel
 from kalos.server.state_lock import StateLock
 
@@ -79,6 +83,29 @@ class SlotPolling:
         except Exception:  # a kernel fault, or programs that could not all be resident
             self.failed("failed")
             return False
+
+    def kernel_words(self) -> np.ndarray | None:
+        """A copy of the words the kernel writes for the host (None without a kernel): what
+        :meth:`wait_for_kernel` compares them with."""
+        server = self.server
+        return None if server is None else server.host_words.copy()
+
+    def wait_for_kernel(self, seen: np.ndarray | None, timeout_s: float) -> None:
+        """Waits until the kernel writes a word other than in ``seen`` (from :meth:`kernel_words`:
+        a round began, took requests, handed one over, answered or stopped) or ``timeout_s``, the
+        GIL released (kalos.ipc._fence.spin_changed), yielding the core between looks. A loop of
+        plain yields would hand the GIL back to itself before a waiting control thread (an
+        embed, a get) woke, which then waited for the interpreter's switch interval (5 ms) at
+        each of its GIL releases. Once the kernel has stopped, one yield: the rounds still queued
+        write nothing more, and the sweep must see the next request as soon as they end. Without
+        the extension, or the words, one yield too. (Needs no lock: a kernel replaced meanwhile
+        is looked at once more.)"""
+        server = self.server
+        if (server is None or seen is None or sync.spin_changed is None or len(seen) != len(server.host_words)
+                or server.stopped):
+            os.sched_yield()
+            return
+        sync.spin_changed(server.host_words, seen, int(timeout_s * 1e9))
 
     def start(self, namespaces: dict[bytes, int]) -> None:
         """Launches the resident kernel once traffic has arrived; it exits by itself after the

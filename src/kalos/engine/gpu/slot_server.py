@@ -18,7 +18,8 @@ every figure it recorded, BENCHMARKS.md.)
 Rounds. While one request at a time is pending a round takes one and runs the single-query
 kernels (:func:`~kalos.engine.gpu.kernels.poll.await_request_kernel`). With more, a round is
 a batch (:func:`~kalos.engine.gpu.kernels.poll.await_requests_kernel`): once a request is
-pending the kernel waits up to ``window_s`` for the others (no longer once as many have
+pending the kernel waits ``window_s`` for the others, longer while more keep coming (each
+within ``gap_s`` of the last, up to ``window_max_s``), no longer once as many have
 asked as the recent rounds found, or every connected client), then takes every pending
 request of the first one's kind (k, namespace), up to the round's size: a crowd of C agents
 is one pass over the rows, not C. Each size is its own graph, captured at
@@ -88,7 +89,8 @@ from kalos.engine.gpu.planner import Plan, k_bucket, next_pow2
 from kalos.errors import InvalidArgument
 from kalos.ipc.protocol import NAMESPACE_BYTES, Layout, Op, RequestFlag, SlotWords
 
-__all__ = ["SlotGraphServer", "DEFAULT_MAX_K", "SMALL_K", "DEFAULT_BATCH", "DEFAULT_WINDOW_S", "waiting_warps"]
+__all__ = ["SlotGraphServer", "DEFAULT_MAX_K", "SMALL_K", "DEFAULT_BATCH", "DEFAULT_WINDOW_S", "DEFAULT_GAP_S",
+           "DEFAULT_WINDOW_MAX_S", "waiting_warps"]
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +103,12 @@ SMALL_K = 8
 DEFAULT_BATCH = 64
 #: How long a round, once a request is pending, waits for the rest of the crowd.
 DEFAULT_WINDOW_S = 20e-6
+#: Past the window, how long a round goes on waiting for the next request of a crowd that keeps
+#: coming, and the most it waits in all (from its first request). More clients than cores come
+#: back from one round over tens of microseconds: without it, a crowd of 64 on 16 cores
+#: settled into two cohorts of about 32, each round's waiting on the other's (BENCHMARKS.md).
+DEFAULT_GAP_S = 10e-6
+DEFAULT_WINDOW_MAX_S = 80e-6
 #: How long the rounds must find fewer requests before they are queued smaller.
 DEFAULT_RESIZE_S = 2e-3
 #: How long rounds keep the larger k bucket after the last request that needed it: a switch
@@ -176,8 +184,10 @@ class SlotGraphServer:
     two). ``depth``: replays queued ahead. ``warps``: the waiting kernels' (default: by the
     slot count, :func:`waiting_warps`). ``batch``: most
     requests a round takes (rounded down to a power of two). ``window_s``: how long a batch
-    round, once a request is pending, waits for the other connected clients' (``window_polls``
-    polls on the CPU device). ``resize_s``: how long the rounds must find fewer requests before
+    round, once a request is pending, waits for the other connected clients'; ``gap_s``, then,
+    how long it waits for the next one while they keep coming, up to ``window_max_s`` from the
+    first (on the CPU device: ``window_polls`` polls, then one quiet poll, four windows at
+    most). ``resize_s``: how long the rounds must find fewer requests before
     smaller ones are queued; ``k_resize_s``: how long they keep the larger k bucket after the
     last request past the smaller. On PyTorch's CPU device (tests) :meth:`start` runs rounds
     synchronously, without a graph, until the waiting kernel stops (``idle_polls`` polls
@@ -187,11 +197,12 @@ class SlotGraphServer:
     def __init__(self, engine: TorchEngine, layout: Layout, answered: np.ndarray, *, idle_s: float = 0.002,
                  max_k: int = DEFAULT_MAX_K, depth: int = 3, idle_polls: int = 2, warps: int | None = None,
                  batch: int = DEFAULT_BATCH, window_s: float = DEFAULT_WINDOW_S, window_polls: int = 2,
+                 gap_s: float = DEFAULT_GAP_S, window_max_s: float = DEFAULT_WINDOW_MAX_S,
                  resize_s: float = DEFAULT_RESIZE_S, k_resize_s: float = DEFAULT_K_RESIZE_S) -> None:
         if batch < 1:
             raise InvalidArgument(f"batch must be >= 1, got {batch}")
-        if min(window_s, window_polls, resize_s, k_resize_s) < 0:
-            raise InvalidArgument("window_s, window_polls, resize_s and k_resize_s must be >= 0")
+        if min(window_s, window_polls, gap_s, window_max_s, resize_s, k_resize_s) < 0:
+            raise InvalidArgument("window_s, window_polls, gap_s, window_max_s, resize_s and k_resize_s must be >= 0")
         if depth < 1:
             raise InvalidArgument(f"depth must be >= 1, got {depth}")
         if warps is not None and warps not in (1, 2, 4, 8):
@@ -219,6 +230,8 @@ class SlotGraphServer:
         self.idle_polls = int(idle_polls)
         self.window_s = float(window_s)
         self.window_polls = int(window_polls)
+        self.gap_s = float(gap_s)
+        self.window_max_s = max(float(window_max_s), self.window_s)
         self.resize_s = float(resize_s)
         self.k_resize_s = float(k_resize_s)
         self.ns = next_pow2(layout.n_slots)
@@ -247,6 +260,9 @@ class SlotGraphServer:
         self._t_in_use = self._host[2 * self.ns : 3 * self.ns]
         self._t_taken = self._host[3 * self.ns : 4 * self.ns]
         self._t_hctl = self._host[4 * self.ns :]
+        #: Every word above: what the kernels write there is their news (a round began, took
+        #: requests, handed one over, answered, stopped), which the sweep waits for.
+        self.host_words = host
 
         base = np.array([layout.slot_offset(s) for s in range(layout.n_slots)], np.int64)
         self._slot_words = base // 8
@@ -486,7 +502,7 @@ class SlotGraphServer:
 
         A graph keeps the launch arguments it was captured with: what may change between
         starts (the rows in use, the largest row norm, the namespace table) is read from device
-        memory instead; ``idle_s``, ``window_s`` and the engine's tuning are those of the capture."""
+        memory instead; ``idle_s``, the gathering's times and the engine's tuning are those of the capture."""
         eng = self.engine
         att = eng.attached
         w = self.words
@@ -503,13 +519,17 @@ class SlotGraphServer:
                 E_IDS=w.ids, E_SC=w.scores, num_warps=self.warps,
             )
         else:
-            window = int(self.window_s * 1e9) if self.on_gpu else self.window_polls
+            if self.on_gpu:
+                window, gap, window_max = (int(s * 1e9) for s in (self.window_s, self.gap_s, self.window_max_s))
+            else:  # (polls: the window's, one quiet poll, and four windows at most)
+                window, gap, window_max = self.window_polls, 1, 4 * self.window_polls
             constexprs = self._request_constexprs()
             del constexprs["D"], constexprs["BLOCK_DQ"]
             eng.kernels.await_requests_kernel[(1,)](
                 att.i64, self._slot_at, self._t_in_use, self._t_taken, self._seen, self._t_handed, self._t_hctl,
                 self._ctl, dh, self._agree, self._ns_tab, self._ns_ids, self.layout.n_slots, *k_limits, idle, window,
-                int(Op.RECALL), int(RequestFlag.ALL_NAMESPACES), **constexprs, E_IDS=w.ids, E_SC=w.scores, QB=qb,
+                gap, window_max, int(Op.RECALL), int(RequestFlag.ALL_NAMESPACES), **constexprs, E_IDS=w.ids, E_SC=w.scores,
+                QB=qb,
                 num_warps=self.warps,
             )
             # The queries, straight from the slots the table names, normalised (the scale
@@ -694,6 +714,12 @@ class SlotGraphServer:
         finally:
             hctl[stop_at] = stop
         self._rounds[(qb, kout)].graph = graph
+
+    @property
+    def stopped(self) -> bool:
+        """Whether a round found the server stopped (a stop, or ``idle_s`` without a request):
+        the rounds still queued do nothing, and write nothing more."""
+        return bool(self._hctl[HOST_CONTROL.stopped])
 
     def stop(self) -> None:
         """Asks the waiting round to stop and waits for every queued round (a round with a

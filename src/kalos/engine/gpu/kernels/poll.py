@@ -435,7 +435,7 @@ def _idle_again(first_seen, AGREE, clock_at, ON_GPU: tl.constexpr):
 @triton.jit
 def _take_requests(
     SEG, SLOT_AT, IN_USE, TAKEN, DSEEN, HHOF, HCTL, RR, DH, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, k_report, k_most,
-    idle, window, op_recall, flags_all, W_REQ: tl.constexpr, W_OPK: tl.constexpr, W_NQF: tl.constexpr,
+    idle, window, gap, window_max, op_recall, flags_all, W_REQ: tl.constexpr, W_OPK: tl.constexpr, W_NQF: tl.constexpr,
     W_NSLEN: tl.constexpr,
     W_NSB: tl.constexpr, REQ_WORDS: tl.constexpr, E_Q: tl.constexpr, E_IDS: tl.constexpr, E_SC: tl.constexpr,
     NS: tl.constexpr, NSMAX: tl.constexpr, QB: tl.constexpr, ON_GPU: tl.constexpr,
@@ -445,9 +445,12 @@ def _take_requests(
 
     Gathering: once a request is pending, the poll goes on until every slot in use has one
     (at most QB, and at most the host's ``expect`` word: how many the recent rounds found, so
-    that connected clients that are not asking hold no round) or ``window`` has passed since
-    the first (ns; the interpreter counts polls), so that clients answered by the same pass
-    and asking again a few microseconds apart share the next. Then, in one round trip, every
+    that connected clients that are not asking hold no round), or ``window`` has passed since
+    the first and none came for ``gap``, or ``window_max`` has passed (ns; the interpreter
+    counts polls): clients answered by the same pass and asking again a few microseconds
+    apart share the next, and while a crowd's requests keep coming (more clients than cores
+    come back over tens of microseconds) the round waits for them rather than leave them
+    to a round of their own, which would cost the GPU nearly as much. Then, in one round trip, every
     pending request's words (as in :func:`_take_request`, the same fence and ``.cg`` loads).
     Those the kernels must not answer are handed to the host at once. Of the others, the first in round-robin turn
     picks the batch's kind (k, flags, namespace: one header serves the batch) and the pending
@@ -467,6 +470,9 @@ def _take_requests(
     first_seen = tl.full([], -1, tl.int64)
     polls = tl.zeros([], tl.int64)
     waited = tl.zeros([], tl.int64)
+    quiet = tl.zeros([], tl.int64)
+    last_arrival = tl.zeros([], tl.int64)
+    last_pend = tl.zeros([], tl.int32)
     state = 0
     expect_at = clock_at + 1
     use_at = stop_at + 16
@@ -490,12 +496,18 @@ def _take_requests(
             now = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
             if first_seen < 0:
                 first_seen = now
+            if n_pend > last_pend:
+                last_arrival = now
+                quiet = quiet * 0
+            last_pend = n_pend
             if ON_GPU:
                 waited = now - first_seen
+                quiet = now - last_arrival
             else:
                 waited += 1
+                quiet += 1
             polls = polls * 0
-            if (n_pend >= enough) | (waited >= window):
+            if (n_pend >= enough) | ((waited >= window) & (quiet >= gap)) | (waited >= window_max):
                 tl.store(HCTL + HCTL_T_SEEN, first_seen)  # diagnostics: when a request was first seen
                 start = tl.load(RR)
                 turn = (sl - start + NS) % NS
@@ -525,10 +537,12 @@ def _take_requests(
                         state = 1
                 if state == 0:
                     first_seen, waited, quiet_since = _idle_again(first_seen, AGREE, clock_at, ON_GPU)
+                last_pend = last_pend * 0
         else:
             polls += 1
             if first_seen >= 0:  # what was pending is gone (its client took it back): idle again
                 first_seen, waited, quiet_since = _idle_again(first_seen, AGREE, clock_at, ON_GPU)
+                last_pend = last_pend * 0
         if state == 0:  # (no idle exit while gathering)
             if _time_to_exit(host_now, polls, quiet_since, idle, first_seen < 0, AGREE, stop_at, clock_at, sl,
                              ON_GPU):
@@ -555,7 +569,9 @@ def await_requests_kernel(
     k_report,  # a pending single recall with a larger k is reported in HCTL's k_wanted
     k_most,  # largest k the server's rounds serve (of its largest k bucket)
     idle,  # ns without a request before the server stops (interpreter: polls)
-    window,  # ns the gathering waits, from the first request, for the rest of the crowd (interpreter: polls)
+    window,  # ns the gathering waits at least, from the first request, for the rest of the crowd (interpreter: polls)
+    gap,  # then it goes on while requests keep coming, until none came for this long
+    window_max,  # and at most this long from the first
     op_recall,
     flags_all,
     W_REQ: tl.constexpr,
@@ -583,7 +599,7 @@ def await_requests_kernel(
         state = _take_requests(
             SEG, SLOT_AT, IN_USE, TAKEN, DSEEN, HHOF, HCTL, CTL + CTL_TURN, DH, AGREE, NS_TAB, NS_IDS, n_slots, k_limit,
             k_report, k_most, idle,
-            window, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, E_Q, E_IDS, E_SC, NS,
+            window, gap, window_max, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, E_Q, E_IDS, E_SC, NS,
             NSMAX, QB, ON_GPU,
         )
     if state == 1:
