@@ -2,7 +2,7 @@
 # Session 24, the second call: main with the sweep's wait for the kernel's news (issue 20's GIL
 # fix, candidate-watch.patch) and the gathering rounds with yielding crowded clients
 # (candidate-gather.patch) landed, beside the baseline .snap/trees/n-base (main before them) in
-# one call: recall_text on main, then the crowd 1-64 and beside the GEMMs at 1, 16, 64, main first.
+# one call: the crowd 1-64 and beside the GEMMs at 1, 16, 64, main first; recall_text on main if time is left.
 # Carry .snap/model, .snap/trees/n-base and this folder. Budget from BUDGET_S.
 cd "$(dirname "$0")/../../.."
 ext=$(python3-config --extension-suffix); inc=$(python3-config --includes)
@@ -11,10 +11,6 @@ for s in src .snap/trees/n-base/src; do
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 budget=${BUDGET_S:-585}
 nvidia-smi --query-gpu=name --format=csv,noheader
-echo "=== text main $(date +%T) (${SECONDS}s)"
-PYTHONPATH=.snap/model:src timeout 80 python3 benchmarks/text_recall.py --device cuda \
-  --filler random --rounds 100 --embed-runtime triton > $OUT/text-main.txt 2>&1
-grep -E "one round trip|three round|embed op|Error|Traceback" $OUT/text-main.txt | head -4
 crowd() { # tree label
   echo "=== crowd $2 $(date +%T) (${SECONDS}s)"
   PYTHONPATH=$1 timeout $(( budget - SECONDS )) python3 $1/kalos/tools/crowd.py --device cuda \
@@ -23,6 +19,12 @@ crowd() { # tree label
 }
 crowd src main
 crowd .snap/trees/n-base/src base
+if (( SECONDS + 45 < budget )); then
+  echo "=== text main $(date +%T) (${SECONDS}s)"
+  PYTHONPATH=.snap/model:src timeout $(( budget - SECONDS )) python3 benchmarks/text_recall.py --device cuda \
+    --filler random --rounds 100 --embed-runtime triton > $OUT/text-main.txt 2>&1
+  grep -E "one round trip|three round|embed op|Error|Traceback" $OUT/text-main.txt | head -4
+fi
 echo; echo "=== crowds, p50 us / p99 us / recalls/s (failed, errors, wrong), ${SECONDS}s"
 for f in $OUT/crowd-*.txt; do
   echo "--- $(basename $f .txt)"
