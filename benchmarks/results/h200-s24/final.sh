@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 crowd() { # tree label
   echo "=== crowd $2 $(date +%T) (${SECONDS}s)"
   PYTHONPATH=$1 timeout $(( budget - SECONDS )) python3 $1/kalos/tools/crowd.py --device cuda \
-    --crowd 1,2,4,8,16,32,64 --crowd-seconds 2 --colocated 1,16,64 > $OUT/crowd-$2.txt 2>&1
+    --crowd ${CROWD_SIZES:-1,2,4,8,16,32,64} --crowd-seconds 2 --colocated ${COLOCATED:-1,16,64} > $OUT/crowd-$2.txt 2>&1
   grep -E "GEMMs|first error|Traceback|Error" $OUT/crowd-$2.txt | head -6
 }
 crowd src main
