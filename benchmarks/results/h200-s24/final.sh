@@ -3,6 +3,7 @@
 # fix, candidate-watch.patch) and the gathering rounds with yielding crowded clients
 # (candidate-gather.patch) landed, beside the baseline .snap/trees/n-base (main before them) in
 # one call: the crowd 1-64 and beside the GEMMs at 1, 16, 64, main first; recall_text on main if time is left.
+# n-base: mkdir -p .snap/trees/n-base && git archive 5468e60 src | tar -x -C .snap/trees/n-base.
 # Carry .snap/model, .snap/trees/n-base and this folder. Budget from BUDGET_S.
 cd "$(dirname "$0")/../../.."
 ext=$(python3-config --extension-suffix); inc=$(python3-config --includes)
