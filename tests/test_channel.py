@@ -27,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kalos.errors import InvalidArgument, ProtocolMismatch, SidecarUnavailable
-from kalos.ipc.channel import ClientChannel, Endpoint, Segment, SidecarChannel, wake_pair
+from kalos.ipc.channel import ClientChannel, SidecarChannel, wake_pair
 from kalos.ipc.protocol import (
     HEADER_DTYPE,
     MAGIC,
@@ -42,6 +42,7 @@ from kalos.ipc.protocol import (
     SlotView,
     rest_seq,
 )
+from kalos.ipc.segment import Endpoint, Segment
 
 DEADLINE_S = 60.0  # hang guard only
 PAGE = mmap.PAGESIZE

@@ -813,7 +813,7 @@ def _good_segment_bytes(layout: Layout) -> bytearray:
 
 
 def _attach(name: str) -> Layout:
-    from kalos.ipc.channel import Segment
+    from kalos.ipc.segment import Segment
 
     seg = Segment.attach(os.dup(_FAKE_SEGMENTS[name]), source=f"memfd:{name}")
     try:

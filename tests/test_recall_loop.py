@@ -15,8 +15,9 @@ from conftest import unique_name
 
 from kalos.engine import Filter
 from kalos.errors import ErrorCode, InvalidArgument
-from kalos.ipc.channel import Segment, SidecarChannel, wake_pair
+from kalos.ipc.channel import SidecarChannel, wake_pair
 from kalos.ipc.protocol import Layout, Op, RequestFlag, rest_seq
+from kalos.ipc.segment import Segment
 from kalos.server.cohort import Cohort
 from kalos.server.metrics import Metrics
 from kalos.server.filters import FilterCache

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from conftest import unique_name
 
-from kalos.ipc.channel import Segment, SidecarChannel, wake_pair
+from kalos.ipc.channel import SidecarChannel, wake_pair
 from kalos.ipc.protocol import Layout, rest_seq
+from kalos.ipc.segment import Segment
 from kalos.server.slot_polling import SlotPolling
 from kalos.server.state_lock import StateLock
 

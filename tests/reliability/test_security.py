@@ -42,9 +42,9 @@ from conftest import DEADLINE_S, NOBODY, as_nobody, short_tempdir, unique_name, 
 import kalos
 from kalos import Client
 from kalos.errors import ErrorCode, ProtocolMismatch, SidecarUnavailable
-from kalos.ipc.channel import Segment
 from kalos.ipc.control import PROTOCOL_VERSION, ok_reply, recv_frame, send_fd, send_frame
 from kalos.ipc.protocol import HEADER_DTYPE, MAGIC, VERSION, Layout
+from kalos.ipc.segment import Segment
 from kalos.server.launcher import SidecarProcess
 from reliability._support import raw_connection, rss_bytes, tracebacks
 

@@ -50,7 +50,7 @@ from kalos.errors import (
     UnknownFilter,
     error_from_code,
 )
-from kalos.ipc.channel import CROWDED_WAITS, ClientChannel, Endpoint, Segment, SidecarExited, wake_pair
+from kalos.ipc.channel import CROWDED_WAITS, ClientChannel, SidecarExited, wake_pair
 from kalos.ipc.control import (
     PROTOCOL_VERSION,
     ConnectionClosed,
@@ -65,6 +65,7 @@ from kalos.ipc.control import (
     send_frame,
 )
 from kalos.ipc.protocol import Layout, Op, SlotView
+from kalos.ipc.segment import Endpoint, Segment
 from kalos.validation import (
     UNSET,
     Item,

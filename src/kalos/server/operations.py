@@ -37,7 +37,7 @@ from kalos.errors import (
     ServerError,
     error_from_code,
 )
-from kalos.ipc.channel import Endpoint, wake_socket
+from kalos.ipc.channel import wake_socket
 from kalos.ipc.control import (
     PROTOCOL_VERSION,
     ConnectionClosed,
@@ -52,6 +52,7 @@ from kalos.ipc.control import (
     send_frame,
 )
 from kalos.ipc.protocol import NAMESPACE_BYTES, REQUEST_DTYPE, Layout, Op
+from kalos.ipc.segment import Endpoint
 from kalos.server.cohort import Cohort
 from kalos.server.expirer import Expirer
 from kalos.server.metrics import Metrics

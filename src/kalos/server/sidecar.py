@@ -46,9 +46,10 @@ import numpy as np
 from kalos.config import DEFAULT_GPU_WINDOW_US, GPU_POLLING, RuntimeDir, open_runtime_dir, settings
 from kalos.engine import Engine, make_engine, numpy_engine
 from kalos.errors import InvalidArgument, KalosError, SidecarAlreadyRunning
-from kalos.ipc.channel import Endpoint, Segment, SidecarChannel
+from kalos.ipc.channel import SidecarChannel
 from kalos.ipc.control import peer_credentials
 from kalos.ipc.protocol import Layout
+from kalos.ipc.segment import Endpoint, Segment
 from kalos.server.cohort import Cohort
 from kalos.server.expirer import Expirer
 from kalos.server.metrics import Metrics

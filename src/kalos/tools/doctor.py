@@ -339,7 +339,7 @@ def _check_dev_shm() -> Iterator[Finding]:
 def check_runtime(name: str) -> Iterator[Finding]:
     from kalos.config import runtime_dir
     from kalos.errors import KalosError
-    from kalos.ipc.channel import Endpoint
+    from kalos.ipc.segment import Endpoint
 
     try:
         directory = runtime_dir()
