@@ -651,12 +651,17 @@ class _PollingKernel:
         self.handed = np.zeros(n_slots, np.uint64)  # nothing handed to the host
         self.in_use = np.zeros(n_slots, np.int64)  # (the channel mirrors its slot table here)
         self.taken = np.zeros(n_slots, np.int64)  # (no round holds a slot)
+        self.host_words = np.zeros(8, np.int64)  # (it writes no news: the sweep looks once a wait)
         self.on = True
         self.stops: list[float] = []
         self.starts: list[float] = []
 
     def running(self) -> bool:
         return self.on
+
+    @property
+    def stopped(self) -> bool:
+        return not self.on
 
     def stop(self) -> None:
         if self.on:
