@@ -761,6 +761,36 @@ def in_process_sidecar(prefix: str) -> Iterator[Any]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def _add_two_rows(sidecar: Any, rng: np.random.Generator, ttl: list[float | None] | None = None
+                  ) -> tuple[np.ndarray, list[int]]:
+    """Two random rows added through the in-process sidecar's add operation (``ttl``: the add's);
+    their vectors and ids."""
+    from kalos.ipc.control import array_blob
+
+    vectors = rng.standard_normal((2, DIM)).astype(np.float32)
+    spec, blob = array_blob(vectors, "float32")
+    message = {"vectors": spec, "namespace": "t", **({} if ttl is None else {"ttl": ttl})}
+    _, out = sidecar._control._op_add(message, bytearray(blob))
+    return vectors, np.frombuffer(out, np.int64).tolist()
+
+
+def _expire_right_after(sidecar: Any, step: str, row: int) -> None:
+    """The store's ``step`` (once) followed at once by ``row``'s expiry and the expirer's
+    tombstoning of it, as the sweep would do between that step and the next."""
+    original = getattr(sidecar.store, step)
+    expires_at = sidecar._expirer.schedule.expires_at(row)
+
+    def then_expired(*args: Any) -> Any:
+        result = original(*args)
+        setattr(sidecar.store, step, original)
+        _wait_past(expires_at)
+        sidecar._expirer.expire_due()
+        assert row not in sidecar.engine
+        return result
+
+    setattr(sidecar.store, step, then_expired)
+
+
 @pytest.mark.parametrize("expired", ["before the update reads the row back", "after it read the row back"])
 def test_a_vector_update_racing_the_expiry_does_not_bring_the_row_back(rng, expired):
     """An update of a row's vector commits while the row is live; the expirer tombstones it
@@ -771,23 +801,8 @@ def test_a_vector_update_racing_the_expiry_does_not_bring_the_row_back(rng, expi
     from kalos.ipc.control import array_blob
 
     with in_process_sidecar("ttlu") as sidecar:
-        vectors = rng.standard_normal((2, DIM)).astype(np.float32)
-        spec, blob = array_blob(vectors, "float32")
-        _, out = sidecar._control._op_add({"vectors": spec, "namespace": "t", "ttl": [0.4, None]}, bytearray(blob))
-        doomed, kept = np.frombuffer(out, np.int64).tolist()
-        expires_at = sidecar._expirer.schedule.expires_at(doomed)
-        step = "update" if expired.startswith("before") else "get"
-        original = getattr(sidecar.store, step)
-
-        def then_expired(*args):  # the sweep's expire_due runs right after this step
-            result = original(*args)
-            setattr(sidecar.store, step, original)
-            _wait_past(expires_at)
-            sidecar._expirer.expire_due()
-            assert doomed not in sidecar.engine
-            return result
-
-        setattr(sidecar.store, step, then_expired)
+        _, (doomed, kept) = _add_two_rows(sidecar, rng, ttl=[0.4, None])
+        _expire_right_after(sidecar, "update" if expired.startswith("before") else "get", doomed)
         new = rng.standard_normal(DIM).astype(np.float32)
         spec, blob = array_blob(new, "float32")
         sidecar._control._op_update({"id": doomed, "vector": spec}, bytearray(blob))
@@ -872,13 +887,8 @@ def test_an_update_whose_ttl_ends_before_the_sidecar_re_reads_the_row_is_not_ser
     """A ttl shorter than the way from the commit to the re-time (1e-9 s): the store has the
     row expired when the sidecar reads it back. It must leave the engine, not keep its old
     (here: no) expiry and be recalled for ever."""
-    from kalos.ipc.control import array_blob
-
     with in_process_sidecar("ttls") as sidecar:
-        vectors = rng.standard_normal((2, DIM)).astype(np.float32)
-        spec, blob = array_blob(vectors, "float32")
-        _, out = sidecar._control._op_add({"vectors": spec, "namespace": "t"}, bytearray(blob))
-        fleeting, kept = np.frombuffer(out, np.int64).tolist()
+        vectors, (fleeting, kept) = _add_two_rows(sidecar, rng)
         sidecar._control._op_update({"id": fleeting, "ttl": 1e-9, "metadata": {"m": 1}}, bytearray())
         sidecar._expirer.expire_due()
         assert fleeting not in sidecar.engine
@@ -891,25 +901,9 @@ def test_a_ttl_update_racing_the_old_expiry_keeps_the_row_served(rng):
     """update(ttl=) commits a later expiry while the row is live; the expirer tombstones the
     row at its old time before the update re-times it in the engine. The store keeps the row
     (it has the new expiry), so the engine must serve it again, not lose it until a restart."""
-    from kalos.ipc.control import array_blob
-
     with in_process_sidecar("ttlt") as sidecar:
-        vectors = rng.standard_normal((2, DIM)).astype(np.float32)
-        spec, blob = array_blob(vectors, "float32")
-        _, out = sidecar._control._op_add({"vectors": spec, "namespace": "t", "ttl": [0.3, None]}, bytearray(blob))
-        renewed, kept = np.frombuffer(out, np.int64).tolist()
-        expires_at = sidecar._expirer.schedule.expires_at(renewed)
-        original = sidecar.store.update
-
-        def then_expired(*args):  # the sweep's expire_due runs right after the commit
-            result = original(*args)
-            sidecar.store.update = original
-            _wait_past(expires_at)
-            sidecar._expirer.expire_due()
-            assert renewed not in sidecar.engine
-            return result
-
-        sidecar.store.update = then_expired
+        vectors, (renewed, kept) = _add_two_rows(sidecar, rng, ttl=[0.3, None])
+        _expire_right_after(sidecar, "update", renewed)
         sidecar._control._op_update({"id": renewed, "ttl": 60}, bytearray())
         sidecar._expirer.expire_due()
         assert renewed in sidecar.engine, "a memory the store keeps is no longer served"
