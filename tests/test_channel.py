@@ -813,7 +813,8 @@ def test_the_sweeps_wait_for_a_kernels_word_ends_at_a_change_and_releases_the_gi
     looker.join(DEADLINE_S)
     assert said == [True]
 
-    for bad in ((words, seen[:3]), (words.astype(np.int32), seen), (words, [0] * len(seen))):
+    misaligned = np.frombuffer(bytearray(8 * len(seen) + 1), np.int64, count=len(seen), offset=1)
+    for bad in ((words, seen[:3]), (words.astype(np.int32), seen), (words, [0] * len(seen)), (misaligned, seen)):
         with pytest.raises((ValueError, TypeError), match="words|seen|bytes-like"):
             spin_changed(*bad, 1)
 

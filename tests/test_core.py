@@ -55,7 +55,8 @@ from kalos.errors import (
     SidecarUnavailable,
     StoreLocked,
 )
-from kalos.ipc.control import PROTOCOL_VERSION, array_blob, recv_frame, send_frame
+from kalos.ipc.channel import wake_pair
+from kalos.ipc.control import PROTOCOL_VERSION, array_blob, recv_fd, recv_frame, send_fd, send_frame
 from kalos.ipc.protocol import HEADER_DTYPE, MAGIC, VERSION, Layout, Op, RequestFlag
 
 DIM = 16
@@ -1260,6 +1261,23 @@ def test_clients_spin_as_the_sidecar_advises_unless_told(runtime_dir, tmp_path, 
             with Client(name) as client:
                 assert spin_of(client) == pytest.approx(advised / 1e6)
                 assert client._conn.channel._crowded == crowded
+            # A client from before client_crowded reads client_naps: the same advice.
+            with socket.socket(socket.AF_UNIX) as raw:
+                raw.connect(str(sidecar.endpoint.socket_path))
+                ours, theirs = wake_pair()
+                send_frame(raw, {"op": "hello", "protocol": PROTOCOL_VERSION})
+                send_fd(raw, theirs.fileno())
+                theirs.close()
+                reply = recv_frame(raw, max_bytes=1 << 20)[0]
+                os.close(recv_fd(raw))
+                ours.close()
+                assert reply["client_crowded"] == crowded and reply["client_naps"] == (crowded != "sleep")
+            # "yield" is advised only while the GPU polls (the sweep answers once it failed).
+            sidecar._control.client_crowded = "yield"
+            with Client(name) as client:
+                assert client._conn.channel._crowded == "nap"
+            sidecar._control.client_crowded = crowded
+            with Client(name) as client:
                 client.add(np.eye(4, dtype=np.float32))
                 assert client.recall(np.ones(4, np.float32), k=2).ids.shape == (2,)
             with Client(name, spin_us=5) as client:

@@ -29,6 +29,8 @@ from kalos.engine.gpu import TorchEngine  # noqa: E402
 from kalos.engine.gpu.layout import HOST_CONTROL  # noqa: E402
 from kalos.engine.gpu.slot_server import (  # noqa: E402
     _NAME_PROBE,
+    DEFAULT_GAP_S,
+    DEFAULT_WINDOW_MAX_S,
     SMALL_K,
     SlotGraphServer,
     name_home,
@@ -499,7 +501,10 @@ def test_needs_the_triton_engine_with_the_segment_attached(rng):
         for bad in ("window_s", "gap_s", "window_max_s", "resize_s"):
             with pytest.raises(InvalidArgument, match="window_s, window_polls, gap_s, window_max_s, resize_s and k_resize_s"):
                 SlotGraphServer(engine, layout, np.zeros(2, np.uint64), **{bad: -1e-6})
+        # --gpu-window-us 0 takes what is pending at once: no gap to wait for either.
+        assert SlotGraphServer(engine, layout, np.zeros(2, np.uint64), window_s=0).gap_s == 0
         server = SlotGraphServer(engine, layout, np.zeros(2, np.uint64))
+        assert (server.gap_s, server.window_max_s) == (DEFAULT_GAP_S, DEFAULT_WINDOW_MAX_S)
         assert server.start(np.ones(2, bool)) is False  # no rows: nothing to serve
         with pytest.raises(InvalidArgument, match="namespace ids"):
             server.set_namespaces({b"x": -1})

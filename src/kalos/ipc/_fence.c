@@ -12,8 +12,8 @@
  * lock released.
  *
  * spin_changed(): the same for the sweep while a GPU kernel serves the slots: it waits, without
- * the GIL, for the kernel's next word in the host control block (a round began, took, answered,
- * stopped).
+ * the GIL, until one of the words the kernel writes for the host changes (a round began, took,
+ * handed over, answered, stopped).
  *
  * same_rows(), pending_slots(), publish_slots(): the sweep's per-pass reads and writes of the
  * slots' words, which in NumPy are a dozen calls on arrays of a few dozen items, each costing
@@ -53,6 +53,12 @@ get_column_for(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *
         return -1;
     if (view->ndim != 1 || view->itemsize != itemsize) {
         PyErr_Format(PyExc_ValueError, "%s must be a 1-d array of %zd-byte items", what, itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    /* Items are read (some atomically) in one access each: they must sit at their size's alignment. */
+    if ((uintptr_t)view->buf % (uintptr_t)itemsize != 0 || view->strides[0] % itemsize != 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be aligned to its %zd-byte items", what, itemsize);
         PyBuffer_Release(view);
         return -1;
     }
@@ -180,9 +186,10 @@ fence_spin_changed(PyObject *self, PyObject *args)
         const int64_t until = monotonic_ns() + (timeout_ns < 0 ? 0 : timeout_ns > 3155760000000000000LL
                                                                    ? 3155760000000000000LL : timeout_ns);
         for (;;) {
-            /* words: written by another agent (a GPU kernel over the bus): one atomic 8-byte load each. */
+            /* words: written by another agent (a GPU kernel over the bus): one atomic 8-byte load each,
+             * acquire, so that what the caller reads next is not older than the change it saw. */
             for (Py_ssize_t i = 0; i < n && !changed; i++)
-                if (__atomic_load_n((const uint64_t *)(words_at + i * words_step), __ATOMIC_RELAXED)
+                if (__atomic_load_n((const uint64_t *)(words_at + i * words_step), __ATOMIC_ACQUIRE)
                     != *(const uint64_t *)(seen_at + i * seen_step))
                     changed = 1;
             if (changed || monotonic_ns() >= until)

@@ -265,11 +265,16 @@ class ControlServer:
             wake.close()
             raise InvalidArgument(f"all {self.layout.n_slots} slots are in use; restart the sidecar with more --slots")
         self.cohort.forget(slot)  # a new client: quick until it shows otherwise
+        crowded = self.client_crowded
+        if crowded == "yield" and self._polling.server is None:  # the GPU's polling failed: the sweep answers
+            crowded = "nap"
         try:
             send_frame(conn, ok_reply(
                 slot=slot, segment=self.endpoint.segment_name, epoch=self.epoch, dim=self.layout.dim,
                 max_k=self.layout.max_k, max_batch=self.layout.max_batch, n_slots=self.layout.n_slots,
-                client_spin_us=self.client_spin_us, client_crowded=self.client_crowded,
+                client_spin_us=self.client_spin_us, client_crowded=crowded,
+                # (A client from before client_crowded reads this: it sleeps at once where told not to nap.)
+                client_naps=crowded != "sleep",
                 max_message_bytes=settings().max_message_bytes,
                 # Operations added since the protocol's version: a client uses them only when named.
                 ops=["recall_text", "update_ttl", "renew"],

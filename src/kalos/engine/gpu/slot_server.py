@@ -184,10 +184,10 @@ class SlotGraphServer:
     two). ``depth``: replays queued ahead. ``warps``: the waiting kernels' (default: by the
     slot count, :func:`waiting_warps`). ``batch``: most
     requests a round takes (rounded down to a power of two). ``window_s``: how long a batch
-    round, once a request is pending, waits for the other connected clients'; ``gap_s``, then,
-    how long it waits for the next one while they keep coming, up to ``window_max_s`` from the
-    first (on the CPU device: ``window_polls`` polls, then one quiet poll, four windows at
-    most). ``resize_s``: how long the rounds must find fewer requests before
+    round, once a request is pending, waits for the other connected clients'; ``gap_s`` (at
+    most the window), then, how long it waits for the next one while they keep coming, up to
+    ``window_max_s`` from the first (on the CPU device: ``window_polls`` polls, then one poll
+    without a new request, four windows at most). ``resize_s``: how long the rounds must find fewer requests before
     smaller ones are queued; ``k_resize_s``: how long they keep the larger k bucket after the
     last request past the smaller. On PyTorch's CPU device (tests) :meth:`start` runs rounds
     synchronously, without a graph, until the waiting kernel stops (``idle_polls`` polls
@@ -230,7 +230,7 @@ class SlotGraphServer:
         self.idle_polls = int(idle_polls)
         self.window_s = float(window_s)
         self.window_polls = int(window_polls)
-        self.gap_s = float(gap_s)
+        self.gap_s = min(float(gap_s), self.window_s)  # (no window: a round takes what is pending at once)
         self.window_max_s = max(float(window_max_s), self.window_s)
         self.resize_s = float(resize_s)
         self.k_resize_s = float(k_resize_s)
@@ -521,8 +521,8 @@ class SlotGraphServer:
         else:
             if self.on_gpu:
                 window, gap, window_max = (int(s * 1e9) for s in (self.window_s, self.gap_s, self.window_max_s))
-            else:  # (polls: the window's, one quiet poll, and four windows at most)
-                window, gap, window_max = self.window_polls, 1, 4 * self.window_polls
+            else:  # (polls: the window's, one quiet poll (none with no window), four windows at most)
+                window, gap, window_max = self.window_polls, min(1, self.window_polls), 4 * self.window_polls
             constexprs = self._request_constexprs()
             del constexprs["D"], constexprs["BLOCK_DQ"]
             eng.kernels.await_requests_kernel[(1,)](

@@ -496,16 +496,17 @@ def _take_requests(
             now = _agree(_clock_ns(ON_GPU), AGREE, clock_at, True)
             if first_seen < 0:
                 first_seen = now
-            if n_pend > last_pend:
+            arrived = n_pend > last_pend
+            if arrived:
                 last_arrival = now
                 quiet = quiet * 0
             last_pend = n_pend
             if ON_GPU:
                 waited = now - first_seen
                 quiet = now - last_arrival
-            else:
+            else:  # (polls: a poll that saw a new request leaves quiet at 0)
                 waited += 1
-                quiet += 1
+                quiet += tl.where(arrived, 0, 1).to(tl.int64)
             polls = polls * 0
             if (n_pend >= enough) | ((waited >= window) & (quiet >= gap)) | (waited >= window_max):
                 tl.store(HCTL + HCTL_T_SEEN, first_seen)  # diagnostics: when a request was first seen
