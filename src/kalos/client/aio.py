@@ -469,44 +469,31 @@ class AsyncClient:
                 waiting.future.set_result(answer)
 
     async def _answers(self, batch: list["_Queued"], args: tuple[Any, ...]) -> list[Any]:
-        """Each recall's answer (or its error) from one request, or one request each where the
-        batch failed on something that may be one query's fault."""
+        """Each recall's answer (or its error) from one request (for texts one recall_texts: one
+        embedding batch, one recall batch, one fetch), or one request each where the batch
+        failed on something that may be one query's fault."""
         kind, k, namespace, since, until, clause = args
-        if kind == "text":
-            return await self._text_answers([w.row for w in batch], k, namespace, since, until, clause)
-        if len(batch) > 1:
+        rows = [waiting.row for waiting in batch]
+
+        async def send(rows: list[Any]) -> list[Any]:
+            if kind == "text":
+                return await self.recall_texts(rows, k, namespace, since, until, where=clause)
+            if len(rows) == 1:
+                return [await self._recall(rows[0][0], k, namespace, since, until, single=True, where=clause)]
+            answers = await self._recall(np.concatenate(rows), k, namespace, since, until, single=False, where=clause)
+            return [Recall(hits.ids.copy(), hits.scores.copy()) for hits in answers]
+
+        if len(rows) > 1:
             try:
-                answers = await self._recall(np.concatenate([w.row for w in batch]), k, namespace, since, until,
-                                             single=False, where=clause)
+                return await send(rows)
             except SidecarUnavailable as exc:
-                return [exc] * len(batch)
+                return [exc] * len(rows)
             except KalosError:
                 pass  # one at a time below: each caller hears only of its own query's error
-            else:
-                return [Recall(hits.ids.copy(), hits.scores.copy()) for hits in answers]
         out: list[Any] = []
-        for waiting in batch:
+        for row in rows:
             try:
-                out.append(await self._recall(waiting.row[0], k, namespace, since, until, single=True, where=clause))
-            except KalosError as exc:
-                out.append(exc)
-        return out
-
-    async def _text_answers(self, texts: list[str], k: int, namespace: str | None, since: Any, until: Any,
-                            clause: Any) -> list[Any]:
-        """:meth:`_answers` for texts: one :meth:`recall_texts` (one embedding batch, one recall
-        batch, one fetch), or one each where it failed on something that may be one text's fault."""
-        if len(texts) > 1:
-            try:
-                return await self.recall_texts(texts, k, namespace, since, until, where=clause)
-            except SidecarUnavailable as exc:
-                return [exc] * len(texts)
-            except KalosError:
-                pass
-        out: list[Any] = []
-        for text in texts:
-            try:
-                out.append((await self.recall_texts([text], k, namespace, since, until, where=clause))[0])
+                out.append((await send([row]))[0])
             except KalosError as exc:
                 out.append(exc)
         return out

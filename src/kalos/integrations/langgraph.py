@@ -36,7 +36,7 @@ after listing, exactly.
 TTL (``supports_ttl``): a put's ``ttl`` (minutes, LangGraph's unit) becomes the Kalos
 expiry; expired items are never returned and the sidecar sweeps them. ``refresh_on_read``
 (per call: ``refresh_ttl``) renews the expiry of the items a get or search returns, in place
-(``Client.update(key, ttl=...)``: an item deleted meanwhile stays deleted).
+(``Client.renew``: an item deleted meanwhile stays deleted).
 
 ``abatch`` runs the same steps as ``batch`` on the event loop: recalls through
 :class:`kalos.AsyncClient` (waited for without blocking the loop), the index's ``aembed_query``

@@ -526,7 +526,7 @@ class ControlServer:
                         "the new vector is stored and is served after the sidecar restarts"
                     ) from exc
             elif change.ttl is not UNSET:
-                self._retime(np.array([item_id], dtype=np.int64), namespace_id)
+                self._retime(np.array([item_id], dtype=np.int64), namespace_id, [stored])
             self._wrote.set()
         return ok_reply(id=item_id), b""
 
@@ -545,10 +545,12 @@ class ControlServer:
             self._wrote.set()
         return ok_reply(renewed=len(ids)), b""
 
-    def _retime(self, ids: np.ndarray, namespace_id: int) -> None:
+    def _retime(self, ids: np.ndarray, namespace_id: int, items: list[Item | None] | None = None) -> None:
         """The engine's rows and expiry schedule of ``ids`` (of one namespace), whose expiry a
-        committed write changed and whose vectors it did not, as the store has them now."""
-        items = self.store.get(ids)
+        committed write changed and whose vectors it did not, as the store has them now
+        (``items``: ``store.get(ids)`` when the caller read it already)."""
+        if items is None:
+            items = self.store.get(ids)
         gone = np.array([i for i, item in zip(ids.tolist(), items) if item is None], dtype=np.int64)
         live = [item for item in items if item is not None]
         live_ids = np.array([item.id for item in live], dtype=np.int64)

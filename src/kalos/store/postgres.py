@@ -946,10 +946,10 @@ class PostgresStore:
             return np.empty(0, dtype=np.int64)
 
         def body(conn: Any) -> np.ndarray:
-            expiry = "i.expires_at" if self._expiring else "NULL"
             rows = conn.execute(
                 "DELETE FROM kalos_items AS i USING kalos_namespaces AS n WHERE n.id = i.namespace_id"
-                f" AND n.name = %s AND i.key = ANY(%s) RETURNING i.id, {expiry}", (ns, wanted)).fetchall()
+                f" AND n.name = %s AND i.key = ANY(%s) RETURNING i.id, {self._expiry_column('i.')}",
+                (ns, wanted)).fetchall()
             return self._deleted(conn, rows, expired_out)
 
         return self._run("delete_keys", body, write=True)
@@ -998,8 +998,9 @@ class PostgresStore:
 
         return self._run("delete", body, write=True)
 
-    def _expiry_column(self) -> str:
-        return "expires_at" if self._expiring else "NULL"
+    def _expiry_column(self, alias: str = "") -> str:
+        """The expiry column (of table ``alias``) for a select list; NULL where there is none."""
+        return f"{alias}expires_at" if self._expiring else "NULL"
 
     @staticmethod
     def _deleted(conn: Any, rows: list[tuple[int, Any]], expired_out: list[int] | None) -> np.ndarray:
@@ -1052,8 +1053,7 @@ class PostgresStore:
 
     def _item_columns(self) -> str:
         keyed = "i.key, i.updated_at" if self._keyed else "NULL, NULL"
-        expiry = "i.expires_at" if self._expiring else "NULL"
-        return f"i.id, n.name, i.text, i.metadata, i.created_at, {keyed}, {expiry}"
+        return f"i.id, n.name, i.text, i.metadata, i.created_at, {keyed}, {self._expiry_column('i.')}"
 
     def ids_of_keys(self, keys: Sequence[str], namespace: str) -> list[int | None]:
         """As :meth:`kalos.store.sqlite.Store.ids_of_keys`."""
