@@ -1,0 +1,6 @@
+"""`kalos serve` with the probe's timers installed first (session 25)."""
+import runpy, sys
+import kalos_probe_timers
+kalos_probe_timers.install()
+sys.argv = ["kalos", *sys.argv[1:]]
+runpy.run_module("kalos", run_name="__main__")
