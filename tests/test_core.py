@@ -1299,3 +1299,51 @@ def test_clients_spin_as_the_sidecar_advises_unless_told(runtime_dir, tmp_path, 
         finally:
             sidecar.stop()
             thread.join(timeout=30)
+
+
+def test_a_control_reply_is_looked_for_before_the_read_blocks(runtime_dir, tmp_path, monkeypatch):
+    """While a client may spin (the sidecar's advice, or spin_us), a control operation looks
+    at its socket for the reply, without waiting, until it is there, instead of blocking in
+    the read at once (a blocked reader waits to be woken by the reply); a client told not to
+    spin (spin_us=0), or crowded past the cores, reads at once. The replies are the same."""
+    import threading
+
+    from kalos.ipc.channel import ClientChannel
+    from kalos.server.sidecar import Sidecar, SidecarConfig
+
+    class Looks:
+        """The connection's poll of its control socket, counted."""
+
+        def __init__(self, inner: Any) -> None:
+            self.inner, self.looks, self.saw_reply = inner, 0, False
+
+        def poll(self, timeout: int) -> list:
+            assert timeout == 0  # a look never waits
+            self.looks += 1
+            events = self.inner.poll(timeout)
+            self.saw_reply = bool(events)
+            return events
+
+    def looked(client: Client, operate: Any) -> Looks:
+        conn = client._connection()
+        conn._replies = looks = Looks(conn._replies)
+        operate(client)
+        return looks
+
+    name = unique_name()
+    sidecar = Sidecar(SidecarConfig(store=tmp_path / f"{name}.db", name=name, dim=4, slots=4, device="cpu"))
+    threading.Thread(target=sidecar.serve_forever, daemon=True).start()
+    try:
+        with Client(name, spin_us=50_000) as client:  # (a spin far longer than the operation)
+            looks = looked(client, lambda c: c.add(np.eye(4, dtype=np.float32)))
+            assert looks.looks >= 1 and looks.saw_reply  # it looked until the reply was there
+            looks = looked(client, lambda c: c.count())
+            assert looks.saw_reply and client.count() == 4
+        with Client(name, spin_us=0) as client:
+            assert looked(client, lambda c: c.count()).looks == 0 and client.count() == 4
+        monkeypatch.setattr(ClientChannel, "spin_budget_s", lambda _self: 0.0)  # as when crowded
+        with Client(name, spin_us=50_000) as client:
+            assert looked(client, lambda c: c.get([1, 2])).looks == 0
+            assert [item.id for item in client.get([1, 2])] == [1, 2]
+    finally:
+        sidecar.stop()

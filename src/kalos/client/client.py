@@ -15,6 +15,7 @@ import dataclasses
 import math
 import os
 import secrets
+import select
 import socket
 import threading
 import time
@@ -140,6 +141,7 @@ class _Connection:
     wake: socket.socket | None = None  # this client's end of its bell (kalos.ipc.channel.wake_pair)
     max_message_bytes = 0
     ops: frozenset[str] = frozenset()  # the hello's optional operations (e.g. "recall_text")
+    _replies: select.poll | None = None  # readable: the control socket holds (part of) a reply
 
     def __init__(self, endpoint: Endpoint, timeout: float, spin_s: float | None) -> None:
         directory = None
@@ -203,6 +205,8 @@ class _Connection:
             # _CONTROL_POLL_S and checks the sidecar's heartbeat between them (_control), so a
             # stopped sidecar cannot hold a send or a receive past the client's timeout.
             self.sock.settimeout(_CONTROL_POLL_S)
+            self._replies = select.poll()
+            self._replies.register(self.sock, select.POLLIN | select.POLLHUP | select.POLLERR)
             ops = reply.get("ops")
             self.ops = frozenset(op for op in ops if isinstance(op, str)) if isinstance(ops, list) else frozenset()
             limit = reply.get("max_message_bytes")
@@ -219,6 +223,22 @@ class _Connection:
         finally:
             if directory is not None:
                 directory.close()
+
+    def await_reply(self) -> None:
+        """Looks at the control socket until a reply can be read, for as long as a wait for a
+        recall would spin (:meth:`ClientChannel.spin_budget_s`: none once the clients outnumber
+        the cores), before the read that blocks: a reader that blocked waits for the reply to
+        wake it, a large share of a short operation's round trip (BENCHMARKS.md,
+        ``benchmarks/control_round_trip.py``). A reply, an error or a hang-up ends the look; the
+        read then takes it as before."""
+        channel, replies = self.channel, self._replies
+        spin_s = channel.spin_budget_s() if channel is not None else 0.0
+        if spin_s <= 0 or replies is None:
+            return
+        clock = time.perf_counter
+        until = clock() + spin_s
+        while not replies.poll(0) and clock() < until:
+            pass
 
     def close(self) -> None:
         self.channel = None  # drop the slot's numpy views before unmapping
@@ -265,9 +285,10 @@ class Client:
 
     ``timeout`` bounds how long a call waits without a sign of life from the sidecar before
     it raises :class:`SidecarUnavailable` (a slow but live sidecar is waited for). ``spin_us``
-    is how long a recall busy-polls for its answer before it sleeps on its doorbell (default:
-    ``KALOS_CLIENT_SPIN_US`` if set, else what the sidecar advises: 1000 for a GPU sidecar,
-    100 for a CPU one).
+    is how long a recall busy-polls for its answer before it sleeps on its doorbell, and a
+    control operation (add, get, ``recall_text``...) its socket for the reply before it blocks in
+    the read (default: ``KALOS_CLIENT_SPIN_US`` if set, else what the sidecar advises: 1000 for
+    a GPU sidecar, 100 for a CPU one; none while the clients outnumber the cores).
     ``embedder`` turns text into vectors for :meth:`remember` and :meth:`recall_text`: None (the
     default: the sidecar embeds, with its one all-MiniLM-L6-v2 for every client of the host,
     so this process needs NumPy only; the sidecar needs the ``embed`` extra), or an embedder of
@@ -727,6 +748,7 @@ class Client:
                 try:
                     send_frame(conn.sock, message, blob, on_wait=self._waiter(conn))
                     sent = True
+                    conn.await_reply()
                     reply, reply_blob = recv_frame(
                         conn.sock, max_bytes=settings().max_message_bytes, on_wait=self._waiter(conn)
                     )
