@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -43,6 +44,7 @@ def main() -> None:
         ops = {"get 1": lambda c: c.get(one), "get 8": lambda c: c.get(eight), "count": lambda c: c.count()}
         clients = {"spin": {}, "block": {"spin_us": 0}}
         times: dict[tuple[str, str], list[float]] = {}
+        cpu: dict[tuple[str, str], list[float]] = {}  # the client process's CPU time per call
         per_block = max(1, args.rounds // args.blocks)
         looked_us = 0.0
         for block in range(args.blocks):
@@ -54,22 +56,29 @@ def main() -> None:
                         for _ in range(200 if block == 0 else 20):  # warm-up
                             op(client)
                         out = times.setdefault((label, name), [])
+                        used = cpu.setdefault((label, name), [])
                         for _ in range(per_block):
+                            c = time.process_time()
                             t = time.perf_counter()
                             op(client)
                             out.append(time.perf_counter() - t)
+                            used.append(time.process_time() - c)
         print(f"control round trips, sidecar on {args.device} ({os.cpu_count()} CPUs), {per_block * args.blocks} calls "
               f"per operation and client in {args.blocks} alternating blocks; the spinning client looks for up to "
               f"{looked_us:g} us")
-        print("| operation | looks, then reads: p50 / p99 us | reads at once: p50 / p99 us | ratio of p50 |")
-        print("| --- | ---: | ---: | ---: |")
+        print("| operation | looks, then reads: p50 / p99 us | reads at once: p50 / p99 us | ratio of p50 | "
+              "client CPU per call, mean us: looks / reads at once |")
+        print("| --- | ---: | ---: | ---: | ---: |")
         for label in ops:
             a = np.asarray(times[(label, "spin")]) * 1e6
             b = np.asarray(times[(label, "block")]) * 1e6
+            ca, cb = (np.mean(cpu[(label, name)]) * 1e6 for name in ("spin", "block"))
             print(f"| {label} | {np.percentile(a, 50):.1f} / {np.percentile(a, 99):.1f} | "
-                  f"{np.percentile(b, 50):.1f} / {np.percentile(b, 99):.1f} | {np.median(a) / np.median(b):.2f} |")
+                  f"{np.percentile(b, 50):.1f} / {np.percentile(b, 99):.1f} | {np.median(a) / np.median(b):.2f} | "
+                  f"{ca:.1f} / {cb:.1f} |")
     finally:
         sidecar.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1302,12 +1302,15 @@ def test_clients_spin_as_the_sidecar_advises_unless_told(runtime_dir, tmp_path, 
 
 
 def test_a_control_reply_is_looked_for_before_the_read_blocks(runtime_dir, tmp_path, monkeypatch):
-    """While a client may spin (the sidecar's advice, or spin_us), a control operation looks
-    at its socket for the reply, without waiting, until it is there, instead of blocking in
-    the read at once (a blocked reader waits to be woken by the reply); a client told not to
-    spin (spin_us=0), or crowded past the cores, reads at once. The replies are the same."""
+    """While a plain spin pays (fewer clients than cores), a control operation looks at its
+    socket for the reply, without waiting, until it is there and no longer, instead of blocking
+    in the read at once (a blocked reader waits for the reply to wake it); a client told not to
+    spin (spin_us=0), or as crowded as the cores, reads at once; AsyncClient's sync clients look
+    no longer than its max_spin_us. The replies are the same."""
+    import asyncio
     import threading
 
+    from kalos.client.aio import AsyncClient
     from kalos.ipc.channel import ClientChannel
     from kalos.server.sidecar import Sidecar, SidecarConfig
 
@@ -1315,34 +1318,48 @@ def test_a_control_reply_is_looked_for_before_the_read_blocks(runtime_dir, tmp_p
         """The connection's poll of its control socket, counted."""
 
         def __init__(self, inner: Any) -> None:
-            self.inner, self.looks, self.saw_reply = inner, 0, False
+            self.inner, self.looks, self.replied_at = inner, 0, []
 
         def poll(self, timeout: int) -> list:
             assert timeout == 0  # a look never waits
             self.looks += 1
             events = self.inner.poll(timeout)
-            self.saw_reply = bool(events)
+            if events:
+                self.replied_at.append(self.looks)
             return events
 
     def looked(client: Client, operate: Any) -> Looks:
         conn = client._connection()
         conn._replies = looks = Looks(conn._replies)
         operate(client)
+        conn._replies = looks.inner
         return looks
 
+    # The budget as with a core to spare, whatever the machine's count (one core: always crowded).
+    monkeypatch.setattr(ClientChannel, "spin_budget_s", lambda channel: channel._spin_s)
     name = unique_name()
     sidecar = Sidecar(SidecarConfig(store=tmp_path / f"{name}.db", name=name, dim=4, slots=4, device="cpu"))
     threading.Thread(target=sidecar.serve_forever, daemon=True).start()
     try:
-        with Client(name, spin_us=50_000) as client:  # (a spin far longer than the operation)
-            looks = looked(client, lambda c: c.add(np.eye(4, dtype=np.float32)))
-            assert looks.looks >= 1 and looks.saw_reply  # it looked until the reply was there
-            looks = looked(client, lambda c: c.count())
-            assert looks.saw_reply and client.count() == 4
+        with Client(name, spin_us=2_000_000) as client:  # (a look far longer than the operation)
+            for operate in (lambda c: c.add(np.eye(4, dtype=np.float32)), lambda c: c.count()):
+                began = time.perf_counter()
+                looks = looked(client, operate)
+                assert looks.looks >= 1 and looks.replied_at == [looks.looks]  # the reply ended it
+                assert time.perf_counter() - began < 1.0
+            assert client.count() == 4
         with Client(name, spin_us=0) as client:
             assert looked(client, lambda c: c.count()).looks == 0 and client.count() == 4
-        monkeypatch.setattr(ClientChannel, "spin_budget_s", lambda _self: 0.0)  # as when crowded
-        with Client(name, spin_us=50_000) as client:
+
+        async def capped() -> tuple[float | None, float | None]:
+            async with AsyncClient(name, spin_us=2_000_000, max_spin_us=30) as memory:
+                assert await memory.count() == 4
+                await memory.recall(np.ones(4, np.float32), k=1)
+                return memory._control._look_cap_s, memory._recaller._look_cap_s
+        assert asyncio.run(capped()) == (30e-6, 30e-6)
+
+        monkeypatch.setattr(ClientChannel, "spin_budget_s", lambda _channel: 0.0)  # as when crowded
+        with Client(name, spin_us=2_000_000) as client:
             assert looked(client, lambda c: c.get([1, 2])).looks == 0
             assert [item.id for item in client.get([1, 2])] == [1, 2]
     finally:

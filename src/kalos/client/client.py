@@ -141,7 +141,7 @@ class _Connection:
     wake: socket.socket | None = None  # this client's end of its bell (kalos.ipc.channel.wake_pair)
     max_message_bytes = 0
     ops: frozenset[str] = frozenset()  # the hello's optional operations (e.g. "recall_text")
-    _replies: select.poll | None = None  # readable: the control socket holds (part of) a reply
+    _replies: Any = None  # a select.poll of the control socket: readable once (part of) a reply is in
 
     def __init__(self, endpoint: Endpoint, timeout: float, spin_s: float | None) -> None:
         directory = None
@@ -224,15 +224,17 @@ class _Connection:
             if directory is not None:
                 directory.close()
 
-    def await_reply(self) -> None:
-        """Looks at the control socket until a reply can be read, for as long as a wait for a
-        recall would spin (:meth:`ClientChannel.spin_budget_s`: none once the clients outnumber
-        the cores), before the read that blocks: a reader that blocked waits for the reply to
-        wake it, a large share of a short operation's round trip (BENCHMARKS.md,
-        ``benchmarks/control_round_trip.py``). A reply, an error or a hang-up ends the look; the
-        read then takes it as before."""
+    def look_for_reply(self, cap_s: float | None = None) -> None:
+        """Looks at the control socket until a reply can be read, without waiting, for as long
+        as a plain spin pays (:meth:`ClientChannel.spin_budget_s`: the recall's spin while fewer
+        clients than cores are connected, else none), at most ``cap_s``, before the read that
+        blocks: a reader that blocked waits for the reply to wake it, a large share of a short
+        operation's round trip (BENCHMARKS.md, ``benchmarks/control_round_trip.py``). A reply,
+        an error or a hang-up ends the look; the read then takes it as before."""
         channel, replies = self.channel, self._replies
         spin_s = channel.spin_budget_s() if channel is not None else 0.0
+        if cap_s is not None:
+            spin_s = min(spin_s, cap_s)
         if spin_s <= 0 or replies is None:
             return
         clock = time.perf_counter
@@ -242,6 +244,7 @@ class _Connection:
 
     def close(self) -> None:
         self.channel = None  # drop the slot's numpy views before unmapping
+        self._replies = None
         if self.segment is not None:
             self.segment.close()
             self.segment = None
@@ -285,10 +288,11 @@ class Client:
 
     ``timeout`` bounds how long a call waits without a sign of life from the sidecar before
     it raises :class:`SidecarUnavailable` (a slow but live sidecar is waited for). ``spin_us``
-    is how long a recall busy-polls for its answer before it sleeps on its doorbell, and a
-    control operation (add, get, ``recall_text``...) its socket for the reply before it blocks in
-    the read (default: ``KALOS_CLIENT_SPIN_US`` if set, else what the sidecar advises: 1000 for
-    a GPU sidecar, 100 for a CPU one; none while the clients outnumber the cores).
+    is how long a recall busy-polls for its answer before it sleeps on its doorbell (default:
+    ``KALOS_CLIENT_SPIN_US`` if set, else what the sidecar advises: 1000 for a GPU sidecar, 100
+    for a CPU one; past cores - 1 connected clients the poll yields its core at each look).
+    While fewer clients than cores are connected, a control operation (add, get,
+    ``recall_text``...) looks at its socket for the reply as long before its read blocks.
     ``embedder`` turns text into vectors for :meth:`remember` and :meth:`recall_text`: None (the
     default: the sidecar embeds, with its one all-MiniLM-L6-v2 for every client of the host,
     so this process needs NumPy only; the sidecar needs the ``embed`` extra), or an embedder of
@@ -313,6 +317,10 @@ class Client:
         self.timeout = float(timeout)
         # None: as the sidecar advises in its hello (1 ms for a GPU sidecar, else the default).
         self._spin_s = None if spin_us is None else spin_us / 1e6
+        # The most a control operation looks for its reply (None: as long as a recall spins).
+        # AsyncClient caps it for the clients its worker threads use: a look holds the GIL
+        # between its polls, and the event loop's thread needs it meanwhile.
+        self._look_cap_s: float | None = None
         self._endpoint = Endpoint(name)
         self._lock = threading.RLock()
         self._conn: _Connection | None = None
@@ -748,7 +756,7 @@ class Client:
                 try:
                     send_frame(conn.sock, message, blob, on_wait=self._waiter(conn))
                     sent = True
-                    conn.await_reply()
+                    conn.look_for_reply(self._look_cap_s)
                     reply, reply_blob = recv_frame(
                         conn.sock, max_bytes=settings().max_message_bytes, on_wait=self._waiter(conn)
                     )

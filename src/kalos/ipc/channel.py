@@ -284,9 +284,10 @@ class ClientChannel:
         return self._slice_ms / 1000
 
     def spin_budget_s(self) -> float:
-        """How long a plain spin (one that keeps its core) pays right now: none once the clients
-        outnumber the cores. (AsyncClient spins only then: past the cores it waits on its event
-        loop at once, as a spin would hold the loop and take a core the crowd needs.)"""
+        """How long a plain spin (one that keeps its core) pays right now: none once as many
+        clients as cores are connected (one core is the sidecar's). (AsyncClient spins only
+        then: past the cores it waits on its event loop at once, as a spin would hold the loop
+        and take a core the crowd needs. A control operation looks for its reply as long.)"""
         spin_s, _nap, give_way = self._budgets(int(self.header.clients[0]))
         return 0.0 if give_way else spin_s
 
