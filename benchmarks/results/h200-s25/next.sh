@@ -8,9 +8,9 @@
 # 1-64; a control operation's round trip with and without the client's look for the reply
 # (benchmarks/control_round_trip.py); in order of what matters most, each while BUDGET_S leaves room.
 # Carry .snap/model, .snap/bin (py-spy), .snap/trees/n-{yieldnap,gap0} and this folder.
-# Trees (main's src at the time of the run, one change each): n-gap0 sets DEFAULT_GAP_S = 0.0
-# in kalos/engine/gpu/slot_server.py; n-yieldnap makes ClientChannel._budgets (kalos/ipc/channel.py)
-# return (self._spin_s, True, True) for a client that yields. .snap/bin/py-spy: the venv's binary.
+# Trees (main's src at the time of the run, one change each) and .snap/bin/py-spy: make_trees.sh
+# beside this script (n-gap0 sets DEFAULT_GAP_S = 0.0 in kalos/engine/gpu/slot_server.py;
+# n-yieldnap makes ClientChannel._budgets return (self._spin_s, True, True) for a yielding client).
 cd "$(dirname "$0")/../../.."
 ext=$(python3-config --extension-suffix); inc=$(python3-config --includes)
 for s in src .snap/trees/n-yieldnap/src .snap/trees/n-gap0/src; do
