@@ -1329,10 +1329,10 @@ def test_a_control_reply_is_looked_for_before_the_read_blocks(runtime_dir, tmp_p
             return events
 
     def looked(client: Client, operate: Any) -> Looks:
-        conn = client._connection()
-        conn._replies = looks = Looks(conn._replies)
+        channel = client._connection().channel
+        channel._replies = looks = Looks(channel._replies)
         operate(client)
-        conn._replies = looks.inner
+        channel._replies = looks.inner
         return looks
 
     # The budget as with a core to spare, whatever the machine's count (one core: always crowded).

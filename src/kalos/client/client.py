@@ -15,7 +15,6 @@ import dataclasses
 import math
 import os
 import secrets
-import select
 import socket
 import threading
 import time
@@ -141,7 +140,6 @@ class _Connection:
     wake: socket.socket | None = None  # this client's end of its bell (kalos.ipc.channel.wake_pair)
     max_message_bytes = 0
     ops: frozenset[str] = frozenset()  # the hello's optional operations (e.g. "recall_text")
-    _replies: Any = None  # a select.poll of the control socket: readable once (part of) a reply is in
 
     def __init__(self, endpoint: Endpoint, timeout: float, spin_s: float | None) -> None:
         directory = None
@@ -205,8 +203,6 @@ class _Connection:
             # _CONTROL_POLL_S and checks the sidecar's heartbeat between them (_control), so a
             # stopped sidecar cannot hold a send or a receive past the client's timeout.
             self.sock.settimeout(_CONTROL_POLL_S)
-            self._replies = select.poll()
-            self._replies.register(self.sock, select.POLLIN | select.POLLHUP | select.POLLERR)
             ops = reply.get("ops")
             self.ops = frozenset(op for op in ops if isinstance(op, str)) if isinstance(ops, list) else frozenset()
             limit = reply.get("max_message_bytes")
@@ -224,27 +220,8 @@ class _Connection:
             if directory is not None:
                 directory.close()
 
-    def look_for_reply(self, cap_s: float | None = None) -> None:
-        """Looks at the control socket until a reply can be read, without waiting, for as long
-        as a plain spin pays (:meth:`ClientChannel.spin_budget_s`: the recall's spin while fewer
-        clients than cores are connected, else none), at most ``cap_s``, before the read that
-        blocks: a reader that blocked waits for the reply to wake it, a large share of a short
-        operation's round trip (BENCHMARKS.md, ``benchmarks/control_round_trip.py``). A reply,
-        an error or a hang-up ends the look; the read then takes it as before."""
-        channel, replies = self.channel, self._replies
-        spin_s = channel.spin_budget_s() if channel is not None else 0.0
-        if cap_s is not None:
-            spin_s = min(spin_s, cap_s)
-        if spin_s <= 0 or replies is None:
-            return
-        clock = time.perf_counter
-        until = clock() + spin_s
-        while not replies.poll(0) and clock() < until:
-            pass
-
     def close(self) -> None:
         self.channel = None  # drop the slot's numpy views before unmapping
-        self._replies = None
         if self.segment is not None:
             self.segment.close()
             self.segment = None
@@ -756,7 +733,7 @@ class Client:
                 try:
                     send_frame(conn.sock, message, blob, on_wait=self._waiter(conn))
                     sent = True
-                    conn.look_for_reply(self._look_cap_s)
+                    conn.channel.look_for_reply(self._look_cap_s)
                     reply, reply_blob = recv_frame(
                         conn.sock, max_bytes=settings().max_message_bytes, on_wait=self._waiter(conn)
                     )
