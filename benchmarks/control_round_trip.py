@@ -1,5 +1,5 @@
 """A control operation's round trip, with the client looking at its socket until the reply
-comes (``_Connection.await_reply``, for as long as the sidecar advises its clients to spin)
+comes (``ClientChannel.look_for_reply``, for as long as the sidecar advises its clients to spin)
 against reading at once, which blocks until the reply wakes the reader (``Client(spin_us=0)``:
 no spin anywhere, as every control operation waited before). One sidecar, both clients in one
 process, connected one at a time (the sidecar's advice counts the connected clients), the
