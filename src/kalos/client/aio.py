@@ -114,8 +114,7 @@ class AsyncClient:
     Every method of :class:`Client` is a coroutine here, with the same arguments, results and
     errors. ``timeout`` and the other keyword arguments (``spin_us``, ``embedder``, ...) are
     :class:`Client`'s, passed on as they are. ``max_spin_us`` caps the busy-poll on the event
-    loop before a recall sleeps (:data:`DEFAULT_MAX_SPIN_US`), and a control operation's look
-    for its reply in its worker thread.
+    loop before a recall sleeps (:data:`DEFAULT_MAX_SPIN_US`).
 
     Constructing one does not connect: ``async with``, :meth:`connect` or the first call does,
     in a worker thread (the hello is a blocking socket exchange).
@@ -224,17 +223,10 @@ class AsyncClient:
         self._opening.pop(key, None)
         return result
 
-    def _sync_client(self) -> Client:
-        """(worker thread) A connected sync client whose control operations look for their
-        reply no longer than this client spins on its loop (``max_spin_us``)."""
-        client = Client(self.name, self.timeout, **self._client_kwargs)
-        client._look_cap_s = self._max_spin_s
-        return client
-
     def _open_recaller(self, recaller: Client | None) -> Client:
         """(worker thread) A connected client for the recall slot."""
         if recaller is None:
-            return self._sync_client()
+            return Client(self.name, self.timeout, **self._client_kwargs)
         with recaller._lock:
             recaller._connection()  # reconnects (or, after a fork, drops the parent's slot first)
         return recaller
@@ -267,7 +259,9 @@ class AsyncClient:
 
     async def _control_client(self) -> Client:
         if self._control is None:
-            control = await self._opened("control", self._sync_client)
+            control = await self._opened(
+                "control", functools.partial(Client, self.name, self.timeout, **self._client_kwargs)
+            )
             if self._control is None:
                 self._control = control
             elif control is not self._control:

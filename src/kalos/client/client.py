@@ -268,8 +268,6 @@ class Client:
     is how long a recall busy-polls for its answer before it sleeps on its doorbell (default:
     ``KALOS_CLIENT_SPIN_US`` if set, else what the sidecar advises: 1000 for a GPU sidecar, 100
     for a CPU one; past cores - 1 connected clients the poll yields its core at each look).
-    While fewer clients than cores are connected, a control operation (add, get,
-    ``recall_text``...) looks at its socket for the reply as long before its read blocks.
     ``embedder`` turns text into vectors for :meth:`remember` and :meth:`recall_text`: None (the
     default: the sidecar embeds, with its one all-MiniLM-L6-v2 for every client of the host,
     so this process needs NumPy only; the sidecar needs the ``embed`` extra), or an embedder of
@@ -294,10 +292,6 @@ class Client:
         self.timeout = float(timeout)
         # None: as the sidecar advises in its hello (1 ms for a GPU sidecar, else the default).
         self._spin_s = None if spin_us is None else spin_us / 1e6
-        # The most a control operation looks for its reply (None: as long as a recall spins).
-        # AsyncClient caps it for the clients its worker threads use: a look holds the GIL
-        # between its polls, and the event loop's thread needs it meanwhile.
-        self._look_cap_s: float | None = None
         self._endpoint = Endpoint(name)
         self._lock = threading.RLock()
         self._conn: _Connection | None = None
@@ -733,7 +727,6 @@ class Client:
                 try:
                     send_frame(conn.sock, message, blob, on_wait=self._waiter(conn))
                     sent = True
-                    conn.channel.look_for_reply(self._look_cap_s)
                     reply, reply_blob = recv_frame(
                         conn.sock, max_bytes=settings().max_message_bytes, on_wait=self._waiter(conn)
                     )

@@ -157,8 +157,6 @@ class ClientChannel:
         self._poller.register(self._wake_fd, select.POLLIN)
         self._poller.register(control, select.POLLIN | select.POLLHUP | select.POLLERR)
         self._control_fd = control.fileno()
-        self._replies = select.poll()  # the control socket alone: readable once (part of) a reply is in
-        self._replies.register(control, select.POLLIN | select.POLLHUP | select.POLLERR)
         # Poll in slices so that a hung (not dead) sidecar is noticed by its stale heartbeat.
         self._slice_ms = max(1, min(100, int(timeout * 1000) // 4))
 
@@ -289,24 +287,9 @@ class ClientChannel:
         """How long a plain spin (one that keeps its core) pays right now: none once as many
         clients as cores are connected (one core is the sidecar's). (AsyncClient spins only
         then: past the cores it waits on its event loop at once, as a spin would hold the loop
-        and take a core the crowd needs. A control operation looks for its reply as long.)"""
+        and take a core the crowd needs.)"""
         spin_s, _nap, give_way = self._budgets(int(self.header.clients[0]))
         return 0.0 if give_way else spin_s
-
-    def look_for_reply(self, cap_s: float | None = None) -> None:
-        """Looks at the control socket until a reply can be read, without waiting, for as long
-        as a plain spin pays (:meth:`spin_budget_s`), at most ``cap_s``, before the client's
-        read that blocks: a reader that blocked waits for the reply to wake it, a large share
-        of a short operation's round trip (BENCHMARKS.md, ``benchmarks/control_round_trip.py``).
-        A reply, an error or a hang-up ends the look; the read then takes it as before."""
-        spin_s = self.spin_budget_s() if cap_s is None else min(self.spin_budget_s(), cap_s)
-        if spin_s <= 0:
-            return
-        clock = time.perf_counter
-        until = clock() + spin_s
-        poll = self._replies.poll
-        while not poll(0) and clock() < until:
-            pass
 
     def _budgets(self, clients: int) -> tuple[float, bool, bool]:
         """How a wait goes with ``clients`` connected: how long it spins, whether it then
