@@ -10,6 +10,10 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 H=benchmarks/results/h200-s26
 nvidia-smi --query-gpu=name --format=csv,noheader
 lscpu | grep -E "Model name|Thread|Core|Socket|MHz|NUMA node\(s\)" > $OUT/lscpu.txt; cat $OUT/lscpu.txt
+{ echo "siblings of cpu0: $(cat /sys/devices/system/cpu/cpu0/topology/thread_siblings_list 2>&1)"
+  echo "governor: $(cat /sys/devices/system/cpu/cpu0/cpufreq/scaling_governor 2>&1)"
+  for d in /sys/devices/system/cpu/cpu0/cpuidle/state*; do echo "idle $(cat $d/name 2>/dev/null) latency $(cat $d/latency 2>/dev/null) us"; done
+  nproc; } >> $OUT/lscpu.txt 2>&1; tail -8 $OUT/lscpu.txt
 echo "=== inproc $(date +%T) (${SECONDS}s)"
 PYTHONPATH=.snap/model:src timeout 150 python3 $H/inproc.py > $OUT/inproc.txt 2>&1; tail -22 $OUT/inproc.txt
 mkdir -p /tmp/extra
