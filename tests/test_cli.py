@@ -516,3 +516,42 @@ def test_an_embedder_missing_where_the_sidecar_runs_is_told_as_an_install(monkey
     text = str(reworded)
     assert "pip install 'kalos-recall[embed]'" in text and "restart the sidecar 'default'" in text, text
     assert "Client(embedder" not in text and "--vector or --npy" in text, text
+
+
+@pytest.mark.parametrize("env, expected_s", [(None, 50e-6), ("20", 20e-6), ("0", None)])
+def test_serve_sets_its_switch_interval(monkeypatch, tmp_path, env, expected_s):
+    """`kalos serve` shortens its interpreter's switch interval (KALOS_SIDECAR_SWITCH_US, 50 us
+    by default; 0 keeps Python's): a control thread that wants the GIL back from the sweep
+    waits that long at most, not 5 ms."""
+    import kalos.server.sidecar as sidecar_module
+    from kalos.config import settings
+    from kalos.tools.cli import main
+
+    seen: list[float] = []
+
+    class Recording:
+        def __init__(self, config) -> None:
+            self.config = config
+
+        def stop_on_signals(self) -> None:
+            pass
+
+        def ready_message(self) -> str:
+            return "ready"
+
+        def serve_forever(self) -> None:
+            seen.append(sys.getswitchinterval())
+
+    before = sys.getswitchinterval()
+    if env is None:
+        monkeypatch.delenv("KALOS_SIDECAR_SWITCH_US", raising=False)
+    else:
+        monkeypatch.setenv("KALOS_SIDECAR_SWITCH_US", env)
+    settings.cache_clear()
+    monkeypatch.setattr(sidecar_module, "Sidecar", Recording)
+    try:
+        assert main(["serve", "--store", str(tmp_path / "s.db"), "--dim", "4", "--name", unique_name()]) == 0
+    finally:
+        sys.setswitchinterval(before)
+        settings.cache_clear()
+    assert seen == [pytest.approx(before if expected_s is None else expected_s)]

@@ -551,6 +551,12 @@ def test_the_graph_buckets_equal_sentence_transformers_on_real_text():
     assert max(tokens_per_bucket) == graphed.max_tokens  # the long passages: truncated, not refused
     with pytest.raises(InvalidArgument, match="empty"):
         graphed.embed(["fine", "  "])
+    # A text alone after a longer one of the same bucket: none of the longer one's tokens stay.
+    short, longer = "What does the global statement do?", "What does the global statement do inside a nested function body?"
+    assert len(graphed.tokenizer.encode(short).ids) < len(graphed.tokenizer.encode(longer).ids) <= MIN_TOKENS
+    first = graphed.embed([short])
+    assert _cosines(graphed.embed([longer]), first).max() < 0.999
+    np.testing.assert_allclose(graphed.embed([short]), first, atol=1e-6)
 
 
 @pytest.mark.cuda

@@ -32,6 +32,11 @@ class Settings:
     client_spin_us: float = 100.0
     # How long the sidecar keeps sweeping the slots after the last request before it sleeps.
     sidecar_spin_us: float = 2000.0
+    # The sidecar process's interpreter switch interval (sys.setswitchinterval): how long a
+    # thread that wants the GIL waits before the holder must hand it over. Python's 5 ms let
+    # the sweep's bookkeeping after each GPU round hold a control thread (recall_text's embed,
+    # get and reply) for its whole length at every GIL release; 0 keeps Python's default.
+    sidecar_switch_us: float = 50.0
     # How long after a pass the next one may wait for that pass's clients to send their next
     # request (kalos.server.cohort: only clients that came back quickly before are waited for). A crowd
     # recalling back to back then shares one pass instead of splitting into cohorts that take
@@ -85,6 +90,7 @@ def settings() -> Settings:
         client_spin_us=_env_number("KALOS_CLIENT_SPIN_US", d.client_spin_us, float),
         sidecar_spin_us=_env_number("KALOS_SIDECAR_SPIN_US", d.sidecar_spin_us, float),
         sidecar_gather_us=_env_number("KALOS_SIDECAR_GATHER_US", d.sidecar_gather_us, float),
+        sidecar_switch_us=_env_number("KALOS_SIDECAR_SWITCH_US", d.sidecar_switch_us, float),
         max_k=int(_env_number("KALOS_MAX_K", d.max_k, int)),
         max_batch=int(_env_number("KALOS_MAX_BATCH", d.max_batch, int)),
         slots=int(_env_number("KALOS_SLOTS", d.slots, int)),

@@ -64,9 +64,12 @@ Waiter = Callable[[bool, float], None]
 
 
 def send_frame(
-    sock: socket.socket, message: dict[str, Any], blob: bytes | memoryview = b"", *, on_wait: Waiter | None = None,
+    sock: socket.socket, message: dict[str, Any] | bytes, blob: bytes | memoryview = b"", *,
+    on_wait: Waiter | None = None,
 ) -> None:
-    body = encode_message(message)
+    """Sends one frame: ``message`` (a dict, or its :func:`encode_message` already made, as a
+    sender that checked the encoded size passes it) and ``blob``."""
+    body = message if isinstance(message, bytes) else encode_message(message)
     head = _PREFIX.pack(len(body), len(blob)) + body
     if len(blob) and len(blob) <= _JOINED_BLOB_BYTES:
         # One send, so the peer wakes once: a second send for the blob cost each small reply (an

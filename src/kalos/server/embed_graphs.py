@@ -54,11 +54,12 @@ class _Bucket:
     """One padded shape: its input buffer (ids, attention mask, token types), its output, and
     the graph that maps one to the other (None on the CPU device)."""
 
-    __slots__ = ("texts", "tokens", "host", "device_in", "host_out", "out", "graph")
+    __slots__ = ("texts", "tokens", "host", "host_view", "device_in", "host_out", "out", "graph")
 
     def __init__(self, texts: int, tokens: int, torch: Any, device: Any, pinned: bool) -> None:
         self.texts, self.tokens = texts, tokens
         self.host = torch.zeros((3, texts, tokens), dtype=torch.int64, pin_memory=pinned)
+        self.host_view = self.host.numpy()  # (the embedder fills the input through it)
         self.device_in = torch.zeros((3, texts, tokens), dtype=torch.int64, device=device)
         self.host_out = torch.empty((texts, DEFAULT_DIM), dtype=torch.float32, pin_memory=pinned)
         self.out: Any = None
@@ -156,8 +157,12 @@ class GraphedEmbedder:
                 stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: the sweep's own CUDA calls in other threads do not spoil the capture.
+                # The copies from and to the page-locked host buffers are part of the graph: a
+                # replay is then one launch, not three calls through PyTorch's dispatcher.
                 with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+                    bucket.device_in.copy_(bucket.host, non_blocking=True)
                     bucket.out = self._forward(bucket.device_in)
+                    bucket.host_out.copy_(bucket.out, non_blocking=True)
                 bucket.graph = graph
         self._buckets[(texts, tokens)] = bucket
         return bucket
@@ -170,9 +175,7 @@ class GraphedEmbedder:
             with torch.inference_mode():
                 return self._forward(bucket.device_in)[:n].numpy().copy()
         with torch.cuda.stream(self._stream):
-            bucket.device_in.copy_(bucket.host, non_blocking=True)
-            bucket.graph.replay()
-            bucket.host_out.copy_(bucket.out, non_blocking=True)
+            bucket.graph.replay()  # (host -> device, the pass, device -> host)
         self._stream.synchronize()
         return bucket.host_out[:n].numpy().copy()
 
@@ -180,6 +183,8 @@ class GraphedEmbedder:
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         texts = check_embed_texts(texts)
+        if len(texts) == 1:
+            return self._embed_one(texts[0])
         out = np.empty((len(texts), self.dim), np.float32)
         if not texts:
             return out
@@ -192,7 +197,7 @@ class GraphedEmbedder:
                 run = order[start:start + MAX_RUN]
                 width = len(encoded[run[-1]].ids)  # the longest of the run (sorted)
                 bucket = self._bucket(_pow2_at_least(len(run)), min(_pow2_at_least(width, MIN_TOKENS), self.max_tokens))
-                host = bucket.host.numpy()
+                host = bucket.host_view
                 host[0] = self._pad_id
                 host[1] = 0
                 host[2] = 0
@@ -205,6 +210,27 @@ class GraphedEmbedder:
                     host[2, row, :n] = e.type_ids
                 out[run] = self._run(bucket, len(run))
         return _check_output(out, len(texts), self.dim, self.name)
+
+    def _embed_one(self, text: str) -> np.ndarray:
+        """embed() of one text (an agent's query, the usual call), without the sorting and the
+        runs: an unpadded encoding's attention mask is all ones, so only the token ids and
+        types are copied in, and the row's tail is cleared (a shorter text than the last one
+        of this bucket leaves its tokens there)."""
+        # (encode, not encode_batch, which hands the work to the tokenizer's thread pool and
+        # waits for one of its threads to wake)
+        encoding = self.tokenizer.encode(text)
+        ids = encoding.ids
+        n = len(ids)
+        with self._lock:
+            bucket = self._bucket(1, min(_pow2_at_least(n, MIN_TOKENS), self.max_tokens))
+            host = bucket.host_view
+            host[0, 0, :n] = ids
+            host[0, 0, n:] = self._pad_id
+            host[1, 0, :n] = 1
+            host[1, 0, n:] = 0
+            host[2, 0, :n] = encoding.type_ids
+            host[2, 0, n:] = 0
+            return _check_output(self._run(bucket, 1), 1, self.dim, self.name)
 
     @property
     def buckets(self) -> list[tuple[int, int]]:

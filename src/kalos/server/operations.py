@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -43,7 +42,9 @@ from kalos.ipc.control import (
     ConnectionClosed,
     array_blob,
     blob_array,
+    encode_message,
     error_reply,
+    frame_too_large,
     ok_reply,
     peer_credentials,
     recv_fd,
@@ -442,7 +443,7 @@ class ControlServer:
             lambda: self.store.delete_where(namespace=namespace, where=None, expired_out=expired))
         return ok_reply(deleted=len(deleted) - len(expired)), b""
 
-    def _op_list(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
+    def _op_list(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any] | bytes, bytes]:
         """One page of items in id order after ``after``: ``items`` and ``next`` (the id to page
         on from, None on the last page)."""
         where = message.get("where")
@@ -451,12 +452,8 @@ class ControlServer:
             where=None if where is None else compile_where(where),
             limit=message.get("limit", 100), after=message.get("after", 0),
         )
-        size = sum(len(item.text or "") + len(json.dumps(item.metadata)) for item in items)
-        limit = settings().max_message_bytes
-        if size > limit:
-            raise InvalidArgument(f"list: the page would be too large: about {size} bytes > limit {limit} "
-                                  f"(KALOS_MAX_MESSAGE_BYTES); ask for a smaller limit")
-        return ok_reply(items=[dataclasses.asdict(item) for item in items], next=after), b""
+        return _checked_reply("list: the page", "ask for a smaller limit",
+                              items=[dataclasses.asdict(item) for item in items], next=after), b""
 
     def _op_count(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
         where = message.get("where")
@@ -579,7 +576,7 @@ class ControlServer:
                     ) from exc
             self._expirer.note(live_ids, expires)
 
-    def _op_get(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
+    def _op_get(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any] | bytes, bytes]:
         keys = message.get("keys")
         if keys is not None and message.get("ids") is not None:
             raise InvalidArgument("get: the message names keys or ids (one of them), got both")
@@ -597,15 +594,13 @@ class ControlServer:
         with_vectors = message.get("with_vectors", False)
         if not isinstance(with_vectors, bool):
             raise InvalidArgument(f"get: with_vectors must be true or false, got {with_vectors!r}")
-        size = sum(len(item.text or "") + len(json.dumps(item.metadata)) for item in items if item is not None)
-        if with_vectors:
-            size += 4 * self.store.dim * sum(item is not None for item in items)
-        limit = settings().max_message_bytes
-        if size > limit:
-            raise InvalidArgument(f"get: the reply would be too large: about {size} bytes > limit {limit} "
-                                  f"(KALOS_MAX_MESSAGE_BYTES); ask for fewer ids at a time")
+        advice = "ask for fewer ids at a time"
         if not with_vectors:
-            return ok_reply(items=[_item_fields(item) for item in items]), b""
+            return _checked_reply("get: the reply", advice, items=[_item_fields(item) for item in items]), b""
+        present = sum(item is not None for item in items)
+        problem = frame_too_large(0, 4 * self.store.dim * present, settings().max_message_bytes)
+        if problem is not None:  # (before the vectors are read)
+            raise InvalidArgument(f"get: the reply would be {problem}; {advice}")
         found = [item.id for item in items if item is not None]
         by_id = self.store.vectors(found) if found else {}
         # An item deleted between the two reads is absent, not an item without its vector.
@@ -616,8 +611,8 @@ class ControlServer:
         for row, item_id in enumerate(present):
             matrix[row] = by_id[item_id]
         spec, blob = array_blob(matrix, "float32")
-        return ok_reply(items=[_item_fields(item) for item in items],
-                        vectors=spec), blob
+        return _checked_reply("get: the reply", advice, len(blob), items=[_item_fields(item) for item in items],
+                              vectors=spec), blob
 
     def _op_stats(self, _message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
         with self._state_lock:
@@ -703,7 +698,7 @@ class ControlServer:
         spec, blob = array_blob(vectors, "float32")
         return ok_reply(vectors=spec), blob
 
-    def _recall_text(self, message: dict[str, Any], slot: int | None) -> tuple[dict[str, Any], bytes]:
+    def _recall_text(self, message: dict[str, Any], slot: int | None) -> tuple[bytes, bytes]:
         """Embeds ``texts``, recalls them in this connection's slot (the crowd's batched passes, as
         if the client had sent the vectors) and reads the hits' items: a client's ``recall_text``
         in one round trip instead of three (embed, recall, get). The request words (``k``,
@@ -747,14 +742,11 @@ class ControlServer:
         hits = [[[int(i), float(s)] for i, s in zip(ids[row][kept[row]], scores[row][kept[row]])] for row in range(n)]
         wanted = np.unique(ids[kept])
         items = [item for item in self.store.get(wanted) if item is not None] if len(wanted) else []
-        size = sum(len(item.text or "") + len(json.dumps(item.metadata)) for item in items)
-        limit = settings().max_message_bytes
-        if size > limit:
-            raise InvalidArgument(f"recall_text: the hits' texts would make a reply of about {size} bytes > limit "
-                                  f"{limit} (KALOS_MAX_MESSAGE_BYTES); ask for fewer texts or a smaller k")
-        return ok_reply(hits=hits, items=[_item_fields(item) for item in items]), b""
+        return _checked_reply("recall_text: the reply", "ask for fewer texts or a smaller k", hits=hits,
+                              items=[_item_fields(item) for item in items]), b""
 
-    _handlers: dict[str, Callable[["ControlServer", dict[str, Any], bytearray], tuple[dict[str, Any], bytes]]] = {
+    # (A reply is a message, or its encoding already checked for size: _checked_reply.)
+    _handlers: dict[str, Callable[["ControlServer", dict[str, Any], bytearray], tuple[dict[str, Any] | bytes, bytes]]] = {
         "embedder": _op_embedder,
         "embed": _op_embed,
         "add": _op_add,
@@ -800,6 +792,17 @@ def _slot_words(message: dict[str, Any], layout: Layout) -> tuple[int, tuple[int
     if len(encoded) > NAMESPACE_BYTES:
         raise InvalidQuery(f"recall_text: namespace longer than {NAMESPACE_BYTES} bytes")
     return k, (flags, bounds[0], bounds[1], encoded, handle)
+
+
+def _checked_reply(what: str, advice: str, blob_len: int = 0, **fields: Any) -> bytes:
+    """``ok_reply(**fields)`` encoded, once: its exact size is checked against the message
+    limit before anything is sent (a reply past it is refused, naming ``what`` and ``advice``),
+    and the encoding is what send_frame sends."""
+    body = encode_message(ok_reply(**fields))
+    problem = frame_too_large(len(body), blob_len, settings().max_message_bytes)
+    if problem is not None:
+        raise InvalidArgument(f"{what} would be {problem}; {advice}")
+    return body
 
 
 def _optional_namespace(value: Any) -> str | None:
