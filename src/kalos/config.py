@@ -33,10 +33,12 @@ class Settings:
     # How long the sidecar keeps sweeping the slots after the last request before it sleeps.
     sidecar_spin_us: float = 2000.0
     # The sidecar process's interpreter switch interval (sys.setswitchinterval): how long a
-    # thread that wants the GIL waits before the holder must hand it over. Python's 5 ms let
-    # the sweep's bookkeeping after each GPU round hold a control thread (recall_text's embed,
-    # get and reply) for its whole length at every GIL release; 0 keeps Python's default.
-    sidecar_switch_us: float = 50.0
+    # thread that wants the GIL waits before the holder must hand it over; 0 keeps Python's
+    # 5 ms. With it a control thread (recall_text's embed, get and reply) waits out the sweep's
+    # bookkeeping after each GPU round at its GIL releases: 20 took a GPU sidecar's recall_text
+    # from ~1.7 to ~1.4 ms, but 50 made the crowd of single recalls slower at 32-64 clients in
+    # the one run measured (BENCHMARKS.md, text recall on the H200): a choice, not the default.
+    sidecar_switch_us: float = 0.0
     # How long after a pass the next one may wait for that pass's clients to send their next
     # request (kalos.server.cohort: only clients that came back quickly before are waited for). A crowd
     # recalling back to back then shares one pass instead of splitting into cohorts that take
