@@ -4,7 +4,9 @@ For each bucket shape (texts x tokens), both embedders (``--embed-runtime graphs
 own forward pass captured in a CUDA graph; ``--embed-runtime triton``: the model as
 :mod:`kalos.server.minilm_kernels`, captured the same way) are timed side by side in one run:
 
-* the device time of one graph replay (CUDA events around it on the embedder's stream, p50/p99);
+* the device time of one graph replay (CUDA events around it on the embedder's stream, p50/p99;
+  since session 26 a replay includes the copies of the input in and the vectors out, which
+  earlier records timed apart);
 * ``embed([question])`` end to end in process (tokenise, fill the bucket, copy in, replay, copy
   out), p50/p99 over the questions of ``kalos.tools.corpus``;
 * how many kernels one replay launches (``torch.profiler``), and the least cosine of each

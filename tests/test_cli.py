@@ -555,3 +555,16 @@ def test_serve_sets_its_switch_interval(monkeypatch, tmp_path, env, expected_s):
         sys.setswitchinterval(before)
         settings.cache_clear()
     assert seen == [pytest.approx(before if expected_s is None else expected_s)]
+
+
+@pytest.mark.parametrize("value, why", [("-1", "must not be negative"), ("abc", "not a valid float"),
+                                        ("inf", "must be a finite number"), ("nan", "must be a finite number"),
+                                        ("0.5", "1 to 1000000 microseconds"), ("1e9", "1 to 1000000 microseconds")])
+def test_serve_refuses_a_bad_switch_interval(monkeypatch, tmp_path, value, why):
+    monkeypatch.setenv("KALOS_SIDECAR_SWITCH_US", value)
+    result = kalos("serve", "--store", tmp_path / "s.db", "--dim", "4", "--name", unique_name())
+    err = result.stderr.strip()
+    assert result.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, result.stderr
+    assert err.startswith("kalos: error: environment variable KALOS_SIDECAR_SWITCH_US=") and why in err, err
+    assert not (tmp_path / "s.db").exists()  # refused before anything was created
+

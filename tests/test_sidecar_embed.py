@@ -574,6 +574,12 @@ def test_the_gpu_runtime_replays_graphs_equal_to_sentence_transformers():
     alone = np.vstack([graphed.embed([t]) for t in texts[:24]])
     assert _cosines(alone, reference[:24]).min() >= 0.9999
     assert all(graphed._buckets[b].graph is not None for b in graphed.buckets)
+    # The graph reads the host buffer at each replay: a text alone after a longer one of its bucket.
+    short, longer = "What does the global statement do?", "What does the global statement do inside a nested function body?"
+    first = graphed.embed([short])
+    graphed.embed([longer])
+    np.testing.assert_allclose(graphed.embed([short]), first, atol=1e-6)
+    assert _cosines(first, default_embedder().embed([short])).min() >= 0.9999
 
 
 def test_a_big_request_is_embedded_in_slices_beside_the_small_ones(monkeypatch):
@@ -654,3 +660,26 @@ def test_a_short_request_embeds_in_its_own_thread_only_when_nobody_else_is(monke
     service.close()
     with pytest.raises(EmbedderUnavailable, match="stopping"):
         service.embed(["after close"])
+
+
+def test_a_runtime_is_checked_one_text_at_a_time_too():
+    """The load check compares a runtime's vectors with the model's in one batch and one text at
+    a time: a runtime whose one-text path (an agent's query) is off is refused by name."""
+    from kalos.server.sidecar_embed import check_against_reference
+
+    reference = default_embedder().model
+
+    class OffAlone:
+        def embed(self, texts):
+            vectors = reference.encode(list(texts), convert_to_numpy=True, normalize_embeddings=True,
+                                       show_progress_bar=False)
+            return vectors if len(texts) > 1 else vectors[:, ::-1].copy()
+
+    class Right(OffAlone):
+        def embed(self, texts):
+            return reference.encode(list(texts), convert_to_numpy=True, normalize_embeddings=True,
+                                    show_progress_bar=False)
+
+    assert check_against_reference(Right(), reference, "right") >= 0.9999
+    with pytest.raises(RuntimeError, match="off alone disagrees with sentence-transformers"):
+        check_against_reference(OffAlone(), reference, "off alone")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import functools
+import math
 import os
 import stat
 from pathlib import Path
@@ -38,6 +39,8 @@ class Settings:
     # bookkeeping after each GPU round at its GIL releases: 20 took a GPU sidecar's recall_text
     # from ~1.7 to ~1.4 ms, but 50 made the crowd of single recalls slower at 32-64 clients in
     # the one run measured (BENCHMARKS.md, text recall on the H200): a choice, not the default.
+    # Only `kalos serve` applies it: a Sidecar embedded in another program leaves that
+    # program's setting alone.
     sidecar_switch_us: float = 0.0
     # How long after a pass the next one may wait for that pass's clients to send their next
     # request (kalos.server.cohort: only clients that came back quickly before are waited for). A crowd
@@ -79,8 +82,20 @@ def _env_number(name: str, default: float, kind: type) -> float:
         value = kind(raw)
     except ValueError:
         raise InvalidArgument(f"environment variable {name}={raw!r} is not a valid {kind.__name__}") from None
+    if not math.isfinite(value):  # ("inf" and "nan" parse as floats)
+        raise InvalidArgument(f"environment variable {name}={raw!r} must be a finite number")
     if value < 0:
         raise InvalidArgument(f"environment variable {name}={raw!r} must not be negative")
+    return value
+
+
+def _switch_us(name: str, default: float) -> float:
+    """An interpreter switch interval in us: 0 (keep Python's), or 1 to 1,000,000 (what
+    sys.setswitchinterval keeps as given: it rounds below a microsecond to 0)."""
+    value = _env_number(name, default, float)
+    if value != 0 and not 1 <= value <= 1_000_000:
+        raise InvalidArgument(f"environment variable {name}={os.environ.get(name)!r} must be 0 (Python's own "
+                              "switch interval) or 1 to 1000000 microseconds")
     return value
 
 
@@ -92,7 +107,7 @@ def settings() -> Settings:
         client_spin_us=_env_number("KALOS_CLIENT_SPIN_US", d.client_spin_us, float),
         sidecar_spin_us=_env_number("KALOS_SIDECAR_SPIN_US", d.sidecar_spin_us, float),
         sidecar_gather_us=_env_number("KALOS_SIDECAR_GATHER_US", d.sidecar_gather_us, float),
-        sidecar_switch_us=_env_number("KALOS_SIDECAR_SWITCH_US", d.sidecar_switch_us, float),
+        sidecar_switch_us=_switch_us("KALOS_SIDECAR_SWITCH_US", d.sidecar_switch_us),
         max_k=int(_env_number("KALOS_MAX_K", d.max_k, int)),
         max_batch=int(_env_number("KALOS_MAX_BATCH", d.max_batch, int)),
         slots=int(_env_number("KALOS_SLOTS", d.slots, int)),

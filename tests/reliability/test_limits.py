@@ -248,15 +248,22 @@ def test_an_add_over_the_message_limit_is_refused_before_sending(sidecars, store
                 client.add(np.ones((1, DIM), np.float32), texts=["y" * (1 << 20)])
             # Nothing was sent: the same connection goes on.
             assert client.add(np.ones((2, DIM), np.float32)).tolist() == [1, 2]
-            # Replies past the sidecar's limit are refused by name, with their exact size; smaller
-            # ones of the same items go through.
+            # Replies past the sidecar's limit are refused by name: at once when their texts alone
+            # pass it, else once encoded, with the encoding's exact size (JSON writes "é" in 6
+            # bytes); smaller replies of the same items go through.
             big = [int(client.add(np.ones((1, DIM), np.float32), texts=[c * 600_000])[0]) for c in "zw"]
-            with pytest.raises(InvalidArgument, match=r"get: the reply would be too large: \d+ bytes > limit "
-                                                      r"1048576 .*in its JSON.*ask for fewer ids at a time"):
+            wide = [int(client.add(np.ones((1, DIM), np.float32), texts=[c * 150_000])[0]) for c in "éè"]
+            with pytest.raises(InvalidArgument, match=r"get: the reply would be too large: at least 1200000 bytes > "
+                                                      r"limit 1048576 .*in its JSON.*ask for fewer ids at a time"):
                 client.get(big)
+            with pytest.raises(InvalidArgument, match=r"get: the reply would be too large: 18\d{5} bytes > limit "
+                                                      r"1048576 .*ask for fewer ids at a time"):
+                client.get(wide)
+            with pytest.raises(InvalidArgument, match=r"get: the reply would be too large: at least 1200000 bytes"):
+                client.get(big, with_vectors=True)
             with pytest.raises(InvalidArgument, match=r"list: the page would be too large.*ask for a smaller limit"):
                 client.list(limit=10)
-            assert [item.text[:1] for item in client.get(big[:1])] == ["z"]
+            assert [item.text[:1] for item in client.get(big[:1]) + client.get(wide[:1])] == ["z", "é"]
             assert [len(item.text or "") for item in client.list(limit=3).items] == [0, 0, 600_000]
     finally:
         settings.cache_clear()

@@ -9,9 +9,10 @@ How. The ``tokenizers`` fast tokenizer cuts the texts as :class:`OnnxEmbedder` d
 to the model's ``max_seq_length``, unpadded). A call's texts are sorted by length and split
 into runs of at most :data:`MAX_RUN` texts; each run is padded to a bucket, a power of two of
 texts and a power of two of tokens (at least :data:`MIN_TOKENS`, at most ``max_seq_length``),
-whose graph is captured at load (every bucket: :meth:`GraphedEmbedder.shapes`): the
-transformer, the mean over the unmasked tokens and the L2 normalisation, from one static input
-buffer to one static output. Padding tokens are
+whose graph is captured at load (every bucket: :meth:`GraphedEmbedder.shapes`): the copy of
+the page-locked input buffer to the device, the transformer, the mean over the unmasked tokens,
+the L2 normalisation and the copy of the vectors back to a page-locked output buffer, so that a
+replay is one launch. One text (an agent's query) fills its bucket's row directly. Padding tokens are
 masked out of the attention and the mean, so a text's vector does not depend on its bucket
 beyond float rounding; every load checks the vectors against sentence-transformers' on probe
 texts of several lengths (cosine >= 0.9999 each, as the ONNX export is checked), and a model
@@ -189,9 +190,7 @@ class GraphedEmbedder:
         if not texts:
             return out
         with self._lock:
-            # One text (an agent's query): encode, not encode_batch, which hands the work to the
-            # tokenizer's thread pool and waits for one of its threads to wake.
-            encoded = self.tokenizer.encode_batch(texts) if len(texts) > 1 else [self.tokenizer.encode(texts[0])]
+            encoded = self.tokenizer.encode_batch(texts)
             order = sorted(range(len(texts)), key=lambda i: len(encoded[i].ids))
             for start in range(0, len(order), MAX_RUN):
                 run = order[start:start + MAX_RUN]

@@ -443,7 +443,7 @@ class ControlServer:
             lambda: self.store.delete_where(namespace=namespace, where=None, expired_out=expired))
         return ok_reply(deleted=len(deleted) - len(expired)), b""
 
-    def _op_list(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any] | bytes, bytes]:
+    def _op_list(self, message: dict[str, Any], _blob: bytearray) -> tuple[bytes, bytes]:
         """One page of items in id order after ``after``: ``items`` and ``next`` (the id to page
         on from, None on the last page)."""
         where = message.get("where")
@@ -452,8 +452,8 @@ class ControlServer:
             where=None if where is None else compile_where(where),
             limit=message.get("limit", 100), after=message.get("after", 0),
         )
-        return _checked_reply("list: the page", "ask for a smaller limit",
-                              items=[dataclasses.asdict(item) for item in items], next=after), b""
+        return _checked_reply("list: the page", "ask for a smaller limit", items=[dataclasses.asdict(item) for item in items],
+                              next=after, floor=_text_chars(items)), b""
 
     def _op_count(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
         where = message.get("where")
@@ -576,7 +576,7 @@ class ControlServer:
                     ) from exc
             self._expirer.note(live_ids, expires)
 
-    def _op_get(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any] | bytes, bytes]:
+    def _op_get(self, message: dict[str, Any], _blob: bytearray) -> tuple[bytes, bytes]:
         keys = message.get("keys")
         if keys is not None and message.get("ids") is not None:
             raise InvalidArgument("get: the message names keys or ids (one of them), got both")
@@ -594,13 +594,13 @@ class ControlServer:
         with_vectors = message.get("with_vectors", False)
         if not isinstance(with_vectors, bool):
             raise InvalidArgument(f"get: with_vectors must be true or false, got {with_vectors!r}")
-        advice = "ask for fewer ids at a time"
+        advice, floor = "ask for fewer ids at a time", _text_chars(items)
         if not with_vectors:
-            return _checked_reply("get: the reply", advice, items=[_item_fields(item) for item in items]), b""
-        present = sum(item is not None for item in items)
-        problem = frame_too_large(0, 4 * self.store.dim * present, settings().max_message_bytes)
-        if problem is not None:  # (before the vectors are read)
-            raise InvalidArgument(f"get: the reply would be {problem}; {advice}")
+            return _checked_reply("get: the reply", advice, items=[_item_fields(item) for item in items],
+                                  floor=floor), b""
+        n_present = sum(item is not None for item in items)
+        # (Before the vectors are read: their bytes, and the texts' at least.)
+        _refuse_past_limit("get: the reply", advice, floor, 4 * self.store.dim * n_present, at_least=True)
         found = [item.id for item in items if item is not None]
         by_id = self.store.vectors(found) if found else {}
         # An item deleted between the two reads is absent, not an item without its vector.
@@ -611,8 +611,8 @@ class ControlServer:
         for row, item_id in enumerate(present):
             matrix[row] = by_id[item_id]
         spec, blob = array_blob(matrix, "float32")
-        return _checked_reply("get: the reply", advice, len(blob), items=[_item_fields(item) for item in items],
-                              vectors=spec), blob
+        return _checked_reply("get: the reply", advice, items=[_item_fields(item) for item in items], vectors=spec,
+                              blob_len=len(blob)), blob
 
     def _op_stats(self, _message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
         with self._state_lock:
@@ -743,7 +743,7 @@ class ControlServer:
         wanted = np.unique(ids[kept])
         items = [item for item in self.store.get(wanted) if item is not None] if len(wanted) else []
         return _checked_reply("recall_text: the reply", "ask for fewer texts or a smaller k", hits=hits,
-                              items=[_item_fields(item) for item in items]), b""
+                              items=[_item_fields(item) for item in items], floor=_text_chars(items)), b""
 
     # (A reply is a message, or its encoding already checked for size: _checked_reply.)
     _handlers: dict[str, Callable[["ControlServer", dict[str, Any], bytearray], tuple[dict[str, Any] | bytes, bytes]]] = {
@@ -794,15 +794,32 @@ def _slot_words(message: dict[str, Any], layout: Layout) -> tuple[int, tuple[int
     return k, (flags, bounds[0], bounds[1], encoded, handle)
 
 
-def _checked_reply(what: str, advice: str, blob_len: int = 0, **fields: Any) -> bytes:
+def _checked_reply(what: str, advice: str, *, blob_len: int = 0, floor: int = 0, **fields: Any) -> bytes:
     """``ok_reply(**fields)`` encoded, once: its exact size is checked against the message
     limit before anything is sent (a reply past it is refused, naming ``what`` and ``advice``),
-    and the encoding is what send_frame sends."""
+    and the encoding is what send_frame sends. ``floor``, a size the JSON cannot be under (its
+    texts' characters), refuses a reply far past the limit before it is encoded at all."""
+    _refuse_past_limit(what, advice, floor, blob_len, at_least=True)
     body = encode_message(ok_reply(**fields))
-    problem = frame_too_large(len(body), blob_len, settings().max_message_bytes)
+    _refuse_past_limit(what, advice, len(body), blob_len)
+    return body
+
+
+def _refuse_past_limit(what: str, advice: str, json_len: int, blob_len: int, *, at_least: bool = False) -> None:
+    """InvalidArgument naming ``what`` and ``advice`` if a reply of these sizes (``json_len`` a
+    floor when ``at_least``) would pass the message limit."""
+    limit = settings().max_message_bytes
+    problem = frame_too_large(json_len, 0, limit)
+    if problem is not None and at_least:
+        problem = problem.replace("too large: ", "too large: at least ", 1)
+    problem = problem or frame_too_large(0, blob_len, limit)
     if problem is not None:
         raise InvalidArgument(f"{what} would be {problem}; {advice}")
-    return body
+
+
+def _text_chars(items: list[Any]) -> int:
+    """The characters of the items' texts: a floor under their reply's JSON."""
+    return sum(len(item.text or "") for item in items if item is not None)
 
 
 def _optional_namespace(value: Any) -> str | None:

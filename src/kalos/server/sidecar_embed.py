@@ -96,10 +96,13 @@ _PROBES = [
 def check_against_reference(embedder: Any, reference: Any, what: str, minimum: float = 0.9999) -> float:
     """The least cosine between ``embedder``'s vectors of the probe texts (several lengths and
     scripts) and the SentenceTransformer ``reference``'s; RuntimeError naming ``what`` below
-    ``minimum``: a faster runtime of the model is used only when it gives the model's vectors."""
-    mine = embedder.embed(_PROBES).astype(np.float64)
+    ``minimum``: a faster runtime of the model is used only when it gives the model's vectors,
+    in one batch and one text at a time (an agent's query: some runtimes have a path of its own)."""
+    alone = [embedder.embed([text]) for text in _PROBES]
+    mine = np.vstack([embedder.embed(_PROBES), *alone]).astype(np.float64)
     theirs = reference.encode(_PROBES, convert_to_numpy=True, normalize_embeddings=True,
                               show_progress_bar=False).astype(np.float64)
+    theirs = np.vstack([theirs, theirs])
     cosines = np.einsum("ij,ij->i", mine, theirs) / (np.linalg.norm(mine, axis=1) * np.linalg.norm(theirs, axis=1))
     least = float(cosines.min())
     if not least >= minimum:
