@@ -5,18 +5,24 @@
 # KALOS_SIDECAR_SWITCH_US=20 (recall_text 1.33-1.42 ms against 1.61-1.81 on an H100; does it
 # cost the crowd?), and the candidate tree .snap/trees/s27-quick (main + candidate-quick-switch.patch:
 # the 20 us interval only while a recall_text is in flight on a polling GPU), alternated,
-# each while BUDGET_S leaves room. A table of every crowd last.
+# and .snap/trees/s27-fused (main + candidate-fused-layernorm.patch: the model's LayerNorms applied by
+# the kernels that read their output, 32 kernels a pass instead of 44; predicted: a short
+# text's replay ~45-60 us less device time, recall_text as much less), each while BUDGET_S
+# leaves room. A table of every crowd last.
 # Before the call: bash benchmarks/results/h200-s26/next.sh --trees (builds the tree from HEAD).
-# Carry .snap/model, .snap/trees/s27-quick and this folder.
+# Carry .snap/model, .snap/trees/s27-quick, .snap/trees/s27-fused and this folder.
 cd "$(dirname "$0")/../../.."
 H=benchmarks/results/h200-s26
 if [ "$1" = "--trees" ]; then
-  rm -rf .snap/trees/s27-quick && mkdir -p .snap/trees/s27-quick && git archive HEAD src tests | tar -x -C .snap/trees/s27-quick \
-    && patch -s -p1 -d .snap/trees/s27-quick < $H/candidate-quick-switch.patch && echo "built .snap/trees/s27-quick"
+  for c in quick:quick-switch fused:fused-layernorm; do
+    t=.snap/trees/s27-${c%%:*}
+    rm -rf $t && mkdir -p $t && git archive HEAD src tests | tar -x -C $t \
+      && patch -s -p1 -d $t < $H/candidate-${c#*:}.patch && echo "built $t"
+  done
   exit
 fi
 ext=$(python3-config --extension-suffix); inc=$(python3-config --includes)
-for s in src .snap/trees/s27-quick/src; do
+for s in src .snap/trees/s27-quick/src .snap/trees/s27-fused/src; do
   gcc -O2 -shared -fPIC $inc $s/kalos/ipc/_fence.c -o $s/kalos/ipc/_fence$ext || exit 1; done
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 budget=${BUDGET_S:-560}
@@ -42,7 +48,15 @@ crowd() { # tree label env...
     --crowd 1,2,4,8,16,32,64 --crowd-seconds 2 --colocated 16,64 > $OUT/crowd-$label.txt 2>&1
   grep -E "GEMMs|first error|Traceback|Error" $OUT/crowd-$label.txt | head -6
 }
-Q=.snap/trees/s27-quick/src
+Q=.snap/trees/s27-quick/src F=.snap/trees/s27-fused/src
+for pair in main:src fused:$F; do
+  label=${pair%%:*} t=${pair#*:}
+  room 80 "embed_forward $label" || break
+  echo "=== embed_forward $label $(date +%T) (${SECONDS}s)"
+  PYTHONPATH=.snap/model:$t timeout 120 python3 benchmarks/embed_forward.py --rounds 300 > $OUT/forward-$label.txt 2>&1
+  tail -12 $OUT/forward-$label.txt
+done
+text $F fused DUMMY=1
 text src main DUMMY=1; text $Q quick DUMMY=1; text src switch20 KALOS_SIDECAR_SWITCH_US=20
 crowd src main DUMMY=1; crowd src switch20 KALOS_SIDECAR_SWITCH_US=20; crowd $Q quick DUMMY=1
 text $Q quick-2 DUMMY=1; text src main-2 DUMMY=1; text src switch20-2 KALOS_SIDECAR_SWITCH_US=20
