@@ -452,8 +452,9 @@ class ControlServer:
             where=None if where is None else compile_where(where),
             limit=message.get("limit", 100), after=message.get("after", 0),
         )
-        return _checked_reply("list: the page", "ask for a smaller limit", items=[dataclasses.asdict(item) for item in items],
-                              next=after, floor=_text_chars(items)), b""
+        return _checked_reply("list: the page", "ask for a smaller limit",
+                              items=[dataclasses.asdict(item) for item in items], next=after,
+                              floor=_text_chars(items)), b""
 
     def _op_count(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
         where = message.get("where")
