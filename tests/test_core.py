@@ -1299,4 +1299,3 @@ def test_clients_spin_as_the_sidecar_advises_unless_told(runtime_dir, tmp_path, 
         finally:
             sidecar.stop()
             thread.join(timeout=30)
-

@@ -143,16 +143,17 @@ def encode_message(message: dict[str, Any]) -> bytes:
     return json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
 
 
-def frame_too_large(json_len: int, blob_len: int, max_bytes: int) -> str | None:
+def frame_too_large(json_len: int, blob_len: int, max_bytes: int, *, json_at_least: bool = False) -> str | None:
     """Why a frame of these sizes exceeds the limit, or None if it does not.
 
     The sender checks this before sending (a sidecar that refuses a frame hangs up, and the
     sender then saw only "Broken pipe"), the receiver before reading the body.
+    ``json_at_least``: ``json_len`` is a floor (a reply not yet encoded), and is said so.
     """
     if json_len > min(max_bytes, _MAX_JSON_BYTES):
         which = "KALOS_MAX_MESSAGE_BYTES" if max_bytes <= _MAX_JSON_BYTES else "the fixed limit of the JSON part"
-        return (f"too large: {json_len} bytes > limit {min(max_bytes, _MAX_JSON_BYTES)} ({which}), "
-                "in its JSON (texts, metadata)")
+        return (f"too large: {'at least ' if json_at_least else ''}{json_len} bytes > limit "
+                f"{min(max_bytes, _MAX_JSON_BYTES)} ({which}), in its JSON (texts, metadata)")
     if blob_len > max_bytes:
         return f"too large: {blob_len} bytes > limit {max_bytes} (KALOS_MAX_MESSAGE_BYTES), in its vectors or ids"
     return None

@@ -197,38 +197,35 @@ class GraphedEmbedder:
                 width = len(encoded[run[-1]].ids)  # the longest of the run (sorted)
                 bucket = self._bucket(_pow2_at_least(len(run)), min(_pow2_at_least(width, MIN_TOKENS), self.max_tokens))
                 host = bucket.host_view
-                host[0] = self._pad_id
-                host[1] = 0
-                host[2] = 0
-                host[1, :, 0] = 1  # (padding rows: see _bucket)
                 for row, i in enumerate(run):
-                    e = encoded[i]
-                    n = len(e.ids)
-                    host[0, row, :n] = e.ids
-                    host[1, row, :n] = e.attention_mask
-                    host[2, row, :n] = e.type_ids
+                    self._fill_row(host, row, encoded[i])
+                host[0, len(run):] = self._pad_id  # (the bucket's padding rows: see _bucket)
+                host[1, len(run):] = 0
+                host[1, len(run):, 0] = 1
+                host[2, len(run):] = 0
                 out[run] = self._run(bucket, len(run))
         return _check_output(out, len(texts), self.dim, self.name)
 
+    def _fill_row(self, host: np.ndarray, row: int, encoding: Any) -> None:
+        """Row ``row`` of a bucket's input: the encoding's token ids and types, attending to
+        every token (an unpadded encoding's attention mask is all ones), and the row's tail
+        cleared (a shorter text than the row's last one leaves its tokens there)."""
+        n = len(encoding.ids)
+        host[0, row, :n] = encoding.ids
+        host[0, row, n:] = self._pad_id
+        host[1, row, :n] = 1
+        host[1, row, n:] = 0
+        host[2, row, :n] = encoding.type_ids
+        host[2, row, n:] = 0
+
     def _embed_one(self, text: str) -> np.ndarray:
-        """embed() of one text (an agent's query, the usual call), without the sorting and the
-        runs: an unpadded encoding's attention mask is all ones, so only the token ids and
-        types are copied in, and the row's tail is cleared (a shorter text than the last one
-        of this bucket leaves its tokens there)."""
+        """embed() of one text (an agent's query, the usual call), without the sorting and the runs."""
         # (encode, not encode_batch, which hands the work to the tokenizer's thread pool and
         # waits for one of its threads to wake)
         encoding = self.tokenizer.encode(text)
-        ids = encoding.ids
-        n = len(ids)
         with self._lock:
-            bucket = self._bucket(1, min(_pow2_at_least(n, MIN_TOKENS), self.max_tokens))
-            host = bucket.host_view
-            host[0, 0, :n] = ids
-            host[0, 0, n:] = self._pad_id
-            host[1, 0, :n] = 1
-            host[1, 0, n:] = 0
-            host[2, 0, :n] = encoding.type_ids
-            host[2, 0, n:] = 0
+            bucket = self._bucket(1, min(_pow2_at_least(len(encoding.ids), MIN_TOKENS), self.max_tokens))
+            self._fill_row(bucket.host_view, 0, encoding)
             return _check_output(self._run(bucket, 1), 1, self.dim, self.name)
 
     @property

@@ -809,11 +809,7 @@ def _checked_reply(what: str, advice: str, *, blob_len: int = 0, floor: int = 0,
 def _refuse_past_limit(what: str, advice: str, json_len: int, blob_len: int, *, at_least: bool = False) -> None:
     """InvalidArgument naming ``what`` and ``advice`` if a reply of these sizes (``json_len`` a
     floor when ``at_least``) would pass the message limit."""
-    limit = settings().max_message_bytes
-    problem = frame_too_large(json_len, 0, limit)
-    if problem is not None and at_least:
-        problem = problem.replace("too large: ", "too large: at least ", 1)
-    problem = problem or frame_too_large(0, blob_len, limit)
+    problem = frame_too_large(json_len, blob_len, settings().max_message_bytes, json_at_least=at_least)
     if problem is not None:
         raise InvalidArgument(f"{what} would be {problem}; {advice}")
 
