@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -608,6 +609,11 @@ def test_a_big_request_is_embedded_in_slices_beside_the_small_ones(monkeypatch):
     assert first_call.wait(DEADLINE_S)
     small = threading.Thread(target=lambda: out.setdefault("small", service.embed(["small"])))
     small.start()
+    # Only once the small request is queued does the first slice end: released earlier, the
+    # worker could take the big request's next slice before the small one arrived.
+    queued_by = time.monotonic() + DEADLINE_S
+    while service._queue.empty() and time.monotonic() < queued_by:
+        time.sleep(0.001)
     release.set()
     small.join(DEADLINE_S)
     worker.join(DEADLINE_S)
