@@ -297,6 +297,12 @@ def test_recall_text_is_one_round_trip_equal_to_float64(sidecar, ns, monkeypatch
         # Every namespace (None), and a time window that excludes everything.
         assert c.recall_text(FACTS[2], k=1, namespace=None)[0].text == FACTS[2]
         assert c.recall_text(FACTS[2], k=1, namespace=ns, until=1.0) == []
+        # A memory changed after it was recalled is read as it is now (the sidecar keeps the
+        # items of recent hits: kalos.server.item_cache).
+        top = c.recall_text(questions[0], k=1, namespace=ns)[0]
+        c.update(top.id, text="rewritten", metadata={"part": 9})
+        again = c.recall_text(questions[0], k=1, namespace=ns)[0]
+        assert (again.id, again.text, again.metadata) == (top.id, "rewritten", {"part": 9})
         # The slot is this client's again: plain recalls and pings alternate with it.
         for question, vector in zip(questions, vectors):
             c.ping()

@@ -33,15 +33,6 @@ class Settings:
     client_spin_us: float = 100.0
     # How long the sidecar keeps sweeping the slots after the last request before it sleeps.
     sidecar_spin_us: float = 2000.0
-    # The sidecar process's interpreter switch interval (sys.setswitchinterval): how long a
-    # thread that wants the GIL waits before the holder must hand it over; 0 keeps Python's
-    # 5 ms. With it a control thread (recall_text's embed, get and reply) waits out the sweep's
-    # bookkeeping after each GPU round at its GIL releases: 20 took a GPU sidecar's recall_text
-    # from ~1.7 to ~1.4 ms, but 50 made the crowd of single recalls slower at 32-64 clients in
-    # the one run measured (BENCHMARKS.md, text recall on the H200): a choice, not the default.
-    # Only `kalos serve` applies it: a Sidecar embedded in another program leaves that
-    # program's setting alone.
-    sidecar_switch_us: float = 0.0
     # How long after a pass the next one may wait for that pass's clients to send their next
     # request (kalos.server.cohort: only clients that came back quickly before are waited for). A crowd
     # recalling back to back then shares one pass instead of splitting into cohorts that take
@@ -69,6 +60,9 @@ class Settings:
     control_idle_s: float = 30.0
     # Control connections beyond the slot holders: the sidecar refuses more (each costs a thread).
     spare_connections: int = 64
+    # The JSON of recently read items the sidecar keeps for get and recall_text replies
+    # (kalos.server.item_cache); 0 keeps none. Only a SQLite store's items are kept.
+    item_cache_bytes: int = 64 << 20
     # The sidecar checkpoints the store's WAL into the database file once writes have paused
     # this long, so a lost or damaged -wal file can only cost the writes since the pause.
     checkpoint_idle_s: float = 1.0
@@ -89,16 +83,6 @@ def _env_number(name: str, default: float, kind: type) -> float:
     return value
 
 
-def _switch_us(name: str, default: float) -> float:
-    """An interpreter switch interval in us: 0 (keep Python's), or 1 to 1,000,000 (what
-    sys.setswitchinterval keeps as given: it rounds below a microsecond to 0)."""
-    value = _env_number(name, default, float)
-    if value != 0 and not 1 <= value <= 1_000_000:
-        raise InvalidArgument(f"environment variable {name}={os.environ.get(name)!r} must be 0 (Python's own "
-                              "switch interval) or 1 to 1000000 microseconds")
-    return value
-
-
 @functools.lru_cache(maxsize=1)
 def settings() -> Settings:
     """The settings of this process: defaults, overridden by KALOS_* environment variables."""
@@ -107,7 +91,6 @@ def settings() -> Settings:
         client_spin_us=_env_number("KALOS_CLIENT_SPIN_US", d.client_spin_us, float),
         sidecar_spin_us=_env_number("KALOS_SIDECAR_SPIN_US", d.sidecar_spin_us, float),
         sidecar_gather_us=_env_number("KALOS_SIDECAR_GATHER_US", d.sidecar_gather_us, float),
-        sidecar_switch_us=_switch_us("KALOS_SIDECAR_SWITCH_US", d.sidecar_switch_us),
         max_k=int(_env_number("KALOS_MAX_K", d.max_k, int)),
         max_batch=int(_env_number("KALOS_MAX_BATCH", d.max_batch, int)),
         slots=int(_env_number("KALOS_SLOTS", d.slots, int)),
@@ -116,6 +99,7 @@ def settings() -> Settings:
         control_stall_s=_env_number("KALOS_CONTROL_STALL_S", d.control_stall_s, float),
         control_idle_s=_env_number("KALOS_CONTROL_IDLE_S", d.control_idle_s, float),
         spare_connections=int(_env_number("KALOS_SPARE_CONNECTIONS", d.spare_connections, int)),
+        item_cache_bytes=int(_env_number("KALOS_ITEM_CACHE_BYTES", d.item_cache_bytes, int)),
         checkpoint_idle_s=_env_number("KALOS_CHECKPOINT_IDLE_S", d.checkpoint_idle_s, float),
     )
 

@@ -31,6 +31,8 @@ __all__ = [
     "Waiter",
     "send_frame",
     "encode_message",
+    "encode_value",
+    "encoded_ok_reply",
     "frame_too_large",
     "recv_frame",
     "send_fd",
@@ -140,7 +142,18 @@ def _recv_exact(sock: socket.socket, n: int, on_wait: Waiter | None = None, star
 
 def encode_message(message: dict[str, Any]) -> bytes:
     """The JSON body :func:`send_frame` sends for ``message``."""
-    return json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+    return encode_value(message)
+
+
+def encode_value(value: Any) -> bytes:
+    """A JSON value encoded as :func:`encode_message` encodes it inside a message."""
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+
+
+def encoded_ok_reply(**encoded: bytes) -> bytes:
+    """The body of ``ok_reply(**fields)``, its fields given already encoded (:func:`encode_value`):
+    parts kept encoded (kalos.server.item_cache) are joined, not encoded again."""
+    return b'{"ok":true' + b"".join(b',"%s":%s' % (name.encode(), value) for name, value in encoded.items()) + b"}"
 
 
 def frame_too_large(json_len: int, blob_len: int, max_bytes: int, *, json_at_least: bool = False) -> str | None:

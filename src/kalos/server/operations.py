@@ -21,7 +21,7 @@ import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
@@ -43,6 +43,8 @@ from kalos.ipc.control import (
     array_blob,
     blob_array,
     encode_message,
+    encode_value,
+    encoded_ok_reply,
     error_reply,
     frame_too_large,
     ok_reply,
@@ -58,6 +60,7 @@ from kalos.server.cohort import Cohort
 from kalos.server.expirer import Expirer
 from kalos.server.metrics import Metrics
 from kalos.server.filters import FilterCache
+from kalos.server.item_cache import ItemCache, item_fields
 from kalos.server.slot_polling import SlotPolling
 from kalos.server.state_lock import StateLock
 from kalos.validation import (
@@ -110,6 +113,7 @@ class ControlServer:
         self.layout = layout
         self.engine = engine
         self.store = store  # a Store or a PostgresStore
+        self.items = ItemCache(store, settings().item_cache_bytes)  # (what get and recall_text reply with)
         self.metrics = metrics
         self.cohort = cohort
         self.embedding = embedding
@@ -588,17 +592,21 @@ class ControlServer:
             dup, times = collections.Counter(map(repr, wanted)).most_common(1)[0]
             what = "key" if keys is not None else "id"
             raise InvalidArgument(f"get: {what}s must be distinct; {what} {dup} appears {times} times")
+        with_vectors = message.get("with_vectors", False)
+        if not isinstance(with_vectors, bool):
+            raise InvalidArgument(f"get: with_vectors must be true or false, got {with_vectors!r}")
+        what, advice = "get: the reply", "ask for fewer ids at a time"
+        if keys is None and not with_vectors:
+            found = self.items.encoded(wanted, check_floor=lambda size: _refuse_past_limit(what, advice, size, 0,
+                                                                                           at_least=True))
+            return _encoded_reply(what, advice, items=_json_list(b"null" if body is None else body for body in found)), b""
         if keys is not None:
             items = self.store.get_keys(keys, check_namespace(message.get("namespace", "default")))
         else:
             items = self.store.get(wanted)
-        with_vectors = message.get("with_vectors", False)
-        if not isinstance(with_vectors, bool):
-            raise InvalidArgument(f"get: with_vectors must be true or false, got {with_vectors!r}")
-        advice, floor = "ask for fewer ids at a time", _text_chars(items)
+        floor = _text_chars(items)
         if not with_vectors:
-            return _checked_reply("get: the reply", advice, items=[_item_fields(item) for item in items],
-                                  floor=floor), b""
+            return _checked_reply(what, advice, items=[item_fields(item) for item in items], floor=floor), b""
         n_present = sum(item is not None for item in items)
         # (Before the vectors are read: their bytes, and the texts' at least.)
         _refuse_past_limit("get: the reply", advice, floor, 4 * self.store.dim * n_present, at_least=True)
@@ -612,7 +620,7 @@ class ControlServer:
         for row, item_id in enumerate(present):
             matrix[row] = by_id[item_id]
         spec, blob = array_blob(matrix, "float32")
-        return _checked_reply("get: the reply", advice, items=[_item_fields(item) for item in items], vectors=spec,
+        return _checked_reply("get: the reply", advice, items=[item_fields(item) for item in items], vectors=spec,
                               blob_len=len(blob)), blob
 
     def _op_stats(self, _message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
@@ -637,6 +645,7 @@ class ControlServer:
             max_batch=self.layout.max_batch, **engine, **self.metrics.snapshot(),
             seed_compat=self._seed.stats if self._seed is not None else None,
             quarantined=len(self.quarantined), quarantined_ids=self.quarantined[:100],
+            item_cache=self.items.stats(),
         ), b""
 
     def _op_compact(self, _message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
@@ -741,10 +750,11 @@ class ControlServer:
         # (Only padding or a client's scribbles are negative or not finite: never sent.)
         kept = (ids >= 0) & np.isfinite(scores)
         hits = [[[int(i), float(s)] for i, s in zip(ids[row][kept[row]], scores[row][kept[row]])] for row in range(n)]
-        wanted = np.unique(ids[kept])
-        items = [item for item in self.store.get(wanted) if item is not None] if len(wanted) else []
-        return _checked_reply("recall_text: the reply", "ask for fewer texts or a smaller k", hits=hits,
-                              items=[_item_fields(item) for item in items], floor=_text_chars(items)), b""
+        what, advice = "recall_text: the reply", "ask for fewer texts or a smaller k"
+        found = self.items.encoded(np.unique(ids[kept]).tolist(),
+                                   check_floor=lambda size: _refuse_past_limit(what, advice, size, 0, at_least=True))
+        return _encoded_reply(what, advice, hits=encode_value(hits),
+                              items=_json_list(body for body in found if body is not None)), b""
 
     # (A reply is a message, or its encoding already checked for size: _checked_reply.)
     _handlers: dict[str, Callable[["ControlServer", dict[str, Any], bytearray], tuple[dict[str, Any] | bytes, bytes]]] = {
@@ -806,6 +816,18 @@ def _checked_reply(what: str, advice: str, *, blob_len: int = 0, floor: int = 0,
     return body
 
 
+def _encoded_reply(what: str, advice: str, **encoded: bytes) -> bytes:
+    """``encoded_ok_reply(**encoded)``, refused as :func:`_checked_reply` refuses a reply past the limit."""
+    body = encoded_ok_reply(**encoded)
+    _refuse_past_limit(what, advice, len(body), 0)
+    return body
+
+
+def _json_list(bodies: Iterable[bytes]) -> bytes:
+    """A JSON list of values already encoded."""
+    return b"[" + b",".join(bodies) + b"]"
+
+
 def _refuse_past_limit(what: str, advice: str, json_len: int, blob_len: int, *, at_least: bool = False) -> None:
     """InvalidArgument naming ``what`` and ``advice`` if a reply of these sizes (``json_len`` a
     floor when ``at_least``) would pass the message limit."""
@@ -832,13 +854,3 @@ def _int_list(value: Any, label: str) -> list[int]:
     return value
 
 
-_ITEM_FIELDS = tuple(field.name for field in dataclasses.fields(Item) if field.name != "vector")
-
-
-def _item_fields(item: Any) -> dict[str, Any] | None:
-    """An Item of a get's reply as JSON fields; its vector travels in the blob, never here (a
-    client from before ``Item.vector`` builds ``Item(**fields)`` and knows no such field)."""
-    if item is None:
-        return None
-    # A shallow copy: dataclasses.asdict deep-copies the metadata, which the reply only serialises.
-    return {name: getattr(item, name) for name in _ITEM_FIELDS}

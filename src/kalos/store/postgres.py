@@ -398,6 +398,8 @@ class PostgresStore:
     _keyed: bool = True  # key/updated_at exist (False only on a readonly open of an unmigrated store)
     _expiring: bool = True  # expires_at exists (False only on a readonly open of an unmigrated store)
     _conn: Any = None
+    #: As :attr:`kalos.store.sqlite.Store.revision`: None, since other hosts change the rows.
+    revision: int | None = None
 
     def __init__(self) -> None:
         # Private: PostgresStore.open() builds instances.

@@ -315,10 +315,20 @@ class Store:
     _last_id: int = 0
     _keyed: bool = True
     _expiring: bool = True  # expires_at exists (False only on a readonly open of an unmigrated store)
+    _revision: int = 0  # (see revision)
 
     def __init__(self) -> None:
         # Private: Store.open() builds instances, so a half-open store is never handed out.
         self._lock = threading.Lock()
+
+    @property
+    def revision(self) -> int | None:
+        """Grows with every committed write that changed or removed rows already there (an add
+        of new rows leaves it: ids are never reused). A writable open is the rows' only writer,
+        so a copy of an item read while the revision was r is the stored item while it is still
+        r (kalos.server.item_cache). None where another process may write: a readonly open (and
+        every PostgresStore, whose rows other hosts change)."""
+        return None if self.readonly else self._revision
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("readonly" if self.readonly else "writer")
@@ -706,7 +716,7 @@ class Store:
 
         # IMMEDIATE (in _write_transaction) takes the write lock at once, so the ids computed
         # below cannot be taken by anyone else before the insert.
-        with self._write_transaction("add") as conn:
+        with self._write_transaction("add", new_rows_only=True) as conn:
             ns_id = self._namespace_id(conn, ns)
             # AUTOINCREMENT semantics by hand (executemany cannot report the ids it
             # assigned): the next id is above both the live max and the high-water mark
@@ -1109,9 +1119,11 @@ class Store:
         return (now,) if self._expiring else ()
 
     @contextlib.contextmanager
-    def _write_transaction(self, what: str) -> Iterator[sqlite3.Connection]:
+    def _write_transaction(self, what: str, *, new_rows_only: bool = False) -> Iterator[sqlite3.Connection]:
         """One IMMEDIATE transaction under the store's lock: committed if the body returns,
-        rolled back on any exception (KeyboardInterrupt too: no transaction is left open)."""
+        rolled back on any exception (KeyboardInterrupt too: no transaction is left open).
+        Once committed, :attr:`revision` grows, unless ``new_rows_only`` (the body only inserted
+        rows under new ids)."""
         with self._lock:
             conn = self._connection(write=True)
             try:
@@ -1123,6 +1135,8 @@ class Store:
                     # lost commits (see _record_ack).
                     conn.execute("UPDATE meta SET value = value + 1 WHERE key = 'write_seq'")
                     conn.execute("COMMIT")
+                    if not new_rows_only:  # (under the lock: no get reads the rows between)
+                        self._revision += 1
                 except BaseException:
                     self._last_id = last_id
                     if conn.in_transaction:

@@ -388,9 +388,6 @@ def _serve(args: argparse.Namespace) -> int:
         if args.dim is None and is_store_url(store) and "holds no Kalos store" in str(exc):
             raise InvalidArgument(f"{describe_store(store)} holds no Kalos store yet; {new_store_hint()}") from None
         raise
-    switch_us = settings().sidecar_switch_us
-    if switch_us > 0:  # (this process is the sidecar's alone: an embedded Sidecar leaves its host's setting)
-        sys.setswitchinterval(switch_us / 1e6)
     sidecar.stop_on_signals()  # before the ready line: whoever saw it may signal at once
     print(sidecar.ready_message(), flush=True)
     sidecar.serve_forever()
