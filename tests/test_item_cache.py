@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import SidecarPool, short_tempdir, unique_name
+from conftest import SidecarPool, short_tempdir, unique_name, wait_until
 
 from kalos import Client
 from kalos.errors import InvalidArgument
@@ -18,7 +18,8 @@ from kalos.ipc.control import encode_value
 from kalos.server import item_cache
 from kalos.server.item_cache import ItemCache, item_fields
 from kalos.store.sqlite import Store
-from kalos.validation import Item
+from kalos.validation import Item, check_update
+from kalos.where import compile_where
 
 DIM = 8
 
@@ -34,8 +35,9 @@ class FakeStore:
 
     def get(self, ids: Any) -> list[Item | None]:
         self.reads.append(list(ids))
-        self.during_read()
-        return [self.items.get(int(i)) for i in ids]
+        read = [self.items.get(int(i)) for i in ids]
+        self.during_read()  # (what happens after the read, before the caller goes on)
+        return read
 
 
 def make_item(item_id: int, text: str = "", expires_at: float | None = None) -> Item:
@@ -72,18 +74,38 @@ def test_a_moved_revision_empties_the_cache():
 
 
 def test_an_item_read_while_a_write_committed_is_not_kept():
-    store = FakeStore({1: make_item(1, "old")})
+    # This call reads item 1's old row; the write commits; another call looks meanwhile (the
+    # cache is now at the new revision): the old row must not be kept under it.
+    store = FakeStore({1: make_item(1, "old"), 2: make_item(2)})
     cache = ItemCache(store, 1 << 20)
 
-    def write_commits() -> None:  # the read saw the old row; the write then committed
-        store.revision += 1
+    def write_commits() -> None:
         store.during_read = lambda: None
+        store.items[1] = make_item(1, "new")
+        store.revision += 1
+        cache.encoded([2], check_floor=no_floor)
 
     store.during_read = write_commits
-    assert json.loads(cache.encoded([1], check_floor=no_floor)[0])["text"] == "old"
-    store.items[1] = make_item(1, "new")
+    assert json.loads(cache.encoded([1], check_floor=no_floor)[0])["text"] == "old"  # (read before the write)
     assert json.loads(cache.encoded([1], check_floor=no_floor)[0])["text"] == "new"
-    assert cache.stats()["entries"] == 1
+
+
+def test_a_reply_is_one_state_of_the_store_when_a_write_commits_during_it():
+    # 1 is cached; while 2 is read, a write deletes both: the reply says neither, as one read
+    # of the store would, not 1 from before the write and 2 from after it.
+    store = FakeStore({1: make_item(1), 2: make_item(2)})
+    cache = ItemCache(store, 1 << 20)
+    cache.encoded([1], check_floor=no_floor)
+
+    def delete_both() -> None:
+        store.during_read = lambda: None
+        del store.items[1], store.items[2]
+        store.revision += 1
+
+    store.during_read = delete_both
+    assert cache.encoded([1, 2], check_floor=no_floor) == [None, None]
+    assert store.reads[-1] == [1, 2], "read again, all of them at once"
+    assert cache.encoded([1], check_floor=no_floor) == [None] and store.reads[-1] == [1], "not from the cache"
 
 
 def test_a_store_without_a_revision_is_read_every_time():
@@ -94,12 +116,23 @@ def test_a_store_without_a_revision_is_read_every_time():
     assert len(store.reads) == 3 and cache.stats()["entries"] == 0
 
 
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
 def test_an_expired_item_is_absent_without_a_read(monkeypatch):
-    now = time.time()
-    store = FakeStore({1: make_item(1, expires_at=now + 60), 2: make_item(2)})
+    clock = Clock(1000.0)
+    monkeypatch.setattr(item_cache, "time", clock)
+    store = FakeStore({1: make_item(1, expires_at=1060.0), 2: make_item(2)})
     cache = ItemCache(store, 1 << 20)
     assert None not in cache.encoded([1, 2], check_floor=no_floor)
-    monkeypatch.setattr(item_cache.time, "time", lambda: now + 61)
+    clock.now = 1059.999
+    assert None not in cache.encoded([1, 2], check_floor=no_floor)
+    clock.now = 1060.0  # (the store's live clause is expires_at > now: gone at that instant)
     assert cache.encoded([1, 2], check_floor=no_floor)[0] is None
     assert len(store.reads) == 1 and cache.stats()["entries"] == 1
 
@@ -144,21 +177,43 @@ def test_the_floor_is_checked_before_anything_is_encoded(monkeypatch):
     assert floors == [1000 + cached], "what is cached, and the texts of the rest"
 
 
-def test_store_revision_grows_with_changes_and_not_with_adds(tmp_path, rng):
+def test_store_revision_grows_with_each_write_that_changes_rows(tmp_path, rng):
     path = tmp_path / "m.db"
     with Store.open(path, dim=DIM) as store:
-        vectors = rng.standard_normal((4, DIM)).astype(np.float32)
-        ids, *_ = store.add(vectors, namespace="n", texts=["a", "b", "c", "d"])
-        assert store.revision == 0
+
+        def vectors(n: int) -> np.ndarray:
+            return rng.standard_normal((n, DIM)).astype(np.float32)
+
+        def grows(write: Any, by: int = 1) -> None:
+            before = store.revision
+            write()
+            assert store.revision == before + by, write
+
+        soon = np.full(2, time.time() + 3600.0)
+        grows(lambda: store.add(vectors(4), namespace="n", texts=["a", "b", "c", "d"]), by=0)
+        ids = store.add(vectors(2), namespace="n", texts=["e", "f"], expires_at=soon)[0]
+        grows(lambda: store.upsert(vectors(2), keys=["k1", "k2"], namespace="n", texts=["x", "y"]), by=1)
+        grows(lambda: store.upsert(vectors(1), keys=["k1"], namespace="n", texts=["x2"]))
+        grows(lambda: store.update(check_update("k1", DIM, namespace="n", text="x3")))
+        grows(lambda: store.upsert(vectors(1), keys=["t"], namespace="n", expires_at=np.array([time.time() + 60])))
+        grows(lambda: store.renew(["t"], "n", 600.0))
+        grows(lambda: store.renew(["nobody"], "n", 600.0), by=0)  # (nothing renewed)
+        grows(lambda: store.delete_keys(["k2"], namespace="n"))
+        grows(lambda: store.delete([int(ids[0])]))
+        grows(lambda: store.delete([10**9]), by=0)  # (no such id)
+        grows(lambda: store.delete_where(namespace="n", where=compile_where({"absent": 1})), by=0)
+        grows(lambda: store.delete_where(namespace="n", where=None))
+        added = store.add(vectors(1), namespace="m", texts=["g"])[0]
+        grows(lambda: store.undo_add(added))
+        store.add(vectors(1), namespace="m", expires_at=np.array([time.time() + 0.01]))
+        grows(lambda: store.delete_expired(time.time() + 1.0))
+        grows(lambda: store.delete_expired(time.time() + 1.0), by=0)  # (nothing due: no transaction)
         readonly = Store.open(path, readonly=True)
         try:
             assert readonly.revision is None, "another process writes what a readonly open reads"
         finally:
             readonly.close()
-        store.delete([int(ids[0])])
-        assert store.revision == 1
-        store.delete_expired()  # (nothing due: no transaction)
-        assert store.revision == 1
+    assert store.revision is None, "closed: a cache in front of it must read it (and hear it is closed)"
 
 
 def test_get_through_the_sidecar_sees_every_kind_of_write(sidecars: SidecarPool, rng):
@@ -167,27 +222,38 @@ def test_get_through_the_sidecar_sees_every_kind_of_write(sidecars: SidecarPool,
     try:
         sidecars.start(Path(store_dir) / "m.db", name=name, dim=DIM)
         with Client(name, timeout=5.0) as client:
-            vectors = rng.standard_normal((5, DIM)).astype(np.float32)
-            ids = client.add(vectors, texts=["a0", "b0", "c0", "d0", "e0"], namespace="n",
-                             keys=["a", "b", "c", "d", "e"], ttl=[None, None, 600.0, None, None]).tolist()
-            a, b, c, d, e = ids
+            keys = ["a", "b", "c", "d", "e", "f", "g"]
+            vectors = rng.standard_normal((len(keys), DIM)).astype(np.float32)
+            ids = client.add(vectors, texts=[f"{k}0" for k in keys], namespace="n", keys=keys,
+                             metadata=[{"g": i % 2} for i in range(len(keys))],
+                             ttl=[None, None, 600.0, None, None, None, None]).tolist()
+            by_key = dict(zip(keys, ids))
 
-            def texts() -> list[str | None]:
-                return [None if item is None else item.text for item in client.get(ids=ids)]
+            def texts() -> dict[str, str | None]:
+                return {k: None if item is None else item.text for k, item in zip(keys, client.get(ids=ids))}
 
-            assert texts() == ["a0", "b0", "c0", "d0", "e0"]
-            assert texts() == ["a0", "b0", "c0", "d0", "e0"]
-            assert client.stats()["item_cache"]["hits"] >= 5, "the second get was served from the cache"
-            client.update("a", namespace="n", text="a1", metadata={"v": 1})
-            client.add(vectors[1:2], texts=["b1"], namespace="n", keys=["b"])  # an upsert of b, in place
-            assert texts() == ["a1", "b1", "c0", "d0", "e0"]
-            assert client.get(ids=[a])[0].metadata == {"v": 1}
-            before = client.get(ids=[c])[0].expires_at
-            client.renew(["c"], 3600.0, namespace="n")
-            assert client.get(ids=[c])[0].expires_at > before + 1000
-            client.delete(ids=[d])
-            assert texts() == ["a1", "b1", "c0", None, "e0"]
-            client.drop_namespace("n")
-            assert texts() == [None] * 5
+            def after(write: Any, **changed: str | None) -> None:
+                """A get fills the cache; the write; the next get says what changed, and only that."""
+                expected = texts()
+                hits = client.stats()["item_cache"]["hits"]
+                assert texts() == expected and client.stats()["item_cache"]["hits"] > hits, "served from the cache"
+                write()
+                expected.update(changed)
+                assert texts() == expected, write
+
+            after(lambda: client.update("a", namespace="n", text="a1", metadata={"v": 1}), a="a1")
+            assert client.get(ids=[by_key["a"]])[0].metadata == {"v": 1}
+            after(lambda: client.add(vectors[1:2], texts=["b1"], namespace="n", keys=["b"]), b="b1")  # upsert, in place
+            before = client.get(ids=[by_key["c"]])[0].expires_at
+            after(lambda: client.renew(["c"], 3600.0, namespace="n"))
+            assert client.get(ids=[by_key["c"]])[0].expires_at > before + 1000
+            after(lambda: client.delete(ids=[by_key["d"]]), d=None)
+            after(lambda: client.delete(keys=["e"], namespace="n"), e=None)
+            after(lambda: client.delete(namespace="n", where={"g": 1}), f=None)  # (b lost its g to the upsert)
+            client.add(vectors[:1], texts=["short-lived"], namespace="t", ttl=0.5)
+            short = int(client.list(namespace="t").items[0].id)
+            assert client.get(ids=[short])[0].text == "short-lived"
+            wait_until(lambda: client.get(ids=[short])[0] is None, "the short-lived memory expired")
+            after(lambda: client.drop_namespace("n"), a=None, b=None, c=None, g=None)
     finally:
         shutil.rmtree(store_dir, ignore_errors=True)

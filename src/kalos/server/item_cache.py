@@ -26,8 +26,9 @@ from kalos.validation import Item
 
 __all__ = ["ItemCache", "item_fields"]
 
-# Accounted per entry beside its JSON: the dictionary's slot, the key, the tuple.
-_ENTRY_OVERHEAD = 120
+# Accounted per entry beside its JSON: the ordered dictionary's node and slot, the key, the
+# tuple, the bytes object's header, the expiry.
+_ENTRY_OVERHEAD = 200
 
 _ITEM_FIELDS = tuple(field.name for field in dataclasses.fields(Item) if field.name != "vector")
 
@@ -61,10 +62,40 @@ class ItemCache:
         texts of the rest); it raises to refuse a reply that would be too large."""
         now = time.time()
         revision = self._store.revision  # (before the store is read: see the module's note)
+        found, gone = self._cached(ids, revision, now)
+        missing = [item_id for item_id in ids if item_id not in found and item_id not in gone]
+        if not missing:
+            check_floor(sum(map(len, found.values())))
+            return [found[item_id] if item_id in found else None for item_id in ids]
+        read = self._store.get(missing)
+        if found and self._store.revision != revision:
+            # A write committed between the look here and the store's read: what was found
+            # here may be older than what was read. All of them from the store, in one read
+            # (one state, as the store's own get gives), and nothing kept.
+            found, gone, missing, revision = {}, set(), list(ids), None
+            read = self._store.get(missing)
+        items = [item for item in read if item is not None]
+        check_floor(sum(map(len, found.values())) + sum(len(item.text or "") for item in items))
+        fresh = [(item.id, encode_value(item_fields(item)), item.expires_at) for item in items]
+        found.update((item_id, body) for item_id, body, _ in fresh)
+        with self._lock:
+            self.misses += len(missing)
+            if revision is not None and revision == self._revision:  # (no newer look emptied it since)
+                for item_id, body, expires_at in fresh:
+                    self._keep(item_id, body, expires_at)
+        return [found.get(item_id) for item_id in ids]
+
+    def _cached(self, ids: Sequence[int], revision: int | None, now: float) -> tuple[dict[int, bytes], set[int]]:
+        """The JSON of those ``ids`` held here and still valid at the store's ``revision``, and
+        the ids held here that have expired since (absent, as the store's read would say)."""
         found: dict[int, bytes] = {}
         gone: set[int] = set()
         with self._lock:
-            if revision != self._revision or revision is None:
+            if revision is None or (self._revision is not None and revision < self._revision):
+                # (No revision: nothing may be kept. An older one: this caller read it before a
+                # newer look emptied the cache; what is held now is newer than its look.)
+                return found, gone
+            if revision != self._revision:
                 self._entries.clear()
                 self._bytes = 0
                 self._revision = revision
@@ -72,27 +103,14 @@ class ItemCache:
                 entry = self._entries.get(item_id)
                 if entry is None:
                     continue
-                if entry[1] is not None and entry[1] <= now:  # expired: absent, as the store would say
+                if entry[1] is not None and entry[1] <= now:  # (the store's live clause: expires_at > now)
                     self._drop(item_id)
                     gone.add(item_id)
                     continue
                 self._entries.move_to_end(item_id)
                 found[item_id] = entry[0]
             self.hits += len(found)
-        missing = [item_id for item_id in ids if item_id not in found and item_id not in gone]
-        if missing:
-            items = [item for item in self._store.get(missing) if item is not None]
-            check_floor(sum(map(len, found.values())) + sum(len(item.text or "") for item in items))
-            fresh = [(item.id, encode_value(item_fields(item)), item.expires_at) for item in items]
-            found.update((item_id, body) for item_id, body, _ in fresh)
-            with self._lock:
-                self.misses += len(missing)
-                if revision is not None and revision == self._revision:
-                    for item_id, body, expires_at in fresh:
-                        self._keep(item_id, body, expires_at)
-        else:
-            check_floor(sum(map(len, found.values())))
-        return [found.get(item_id) for item_id in ids]
+        return found, gone
 
     def stats(self) -> dict[str, int]:
         """Entries, bytes held, and the hits and misses so far (ids looked up)."""

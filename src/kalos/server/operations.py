@@ -599,7 +599,8 @@ class ControlServer:
         if keys is None and not with_vectors:
             found = self.items.encoded(wanted, check_floor=lambda size: _refuse_past_limit(what, advice, size, 0,
                                                                                            at_least=True))
-            return _encoded_reply(what, advice, items=_json_list(b"null" if body is None else body for body in found)), b""
+            items_json = _json_list(b"null" if body is None else body for body in found)
+            return _encoded_reply(what, advice, items=items_json), b""
         if keys is not None:
             items = self.store.get_keys(keys, check_namespace(message.get("namespace", "default")))
         else:

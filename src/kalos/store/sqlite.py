@@ -323,12 +323,13 @@ class Store:
 
     @property
     def revision(self) -> int | None:
-        """Grows with every committed write that changed or removed rows already there (an add
-        of new rows leaves it: ids are never reused). A writable open is the rows' only writer,
-        so a copy of an item read while the revision was r is the stored item while it is still
-        r (kalos.server.item_cache). None where another process may write: a readonly open (and
-        every PostgresStore, whose rows other hosts change)."""
-        return None if self.readonly else self._revision
+        """Grows with every committed write that changed rows (an add leaves it: it inserts rows
+        under new ids and overwrites none, and what reads an absent id does not keep it as
+        absent). A writable open is the rows' only writer, so a copy of an item read while the
+        revision was r is the stored item while it is still r (kalos.server.item_cache). None
+        where another process may write: a readonly open (and every PostgresStore, whose rows
+        other hosts change); and once closed (what reads it then hears that from the store)."""
+        return None if self.readonly or self._closed else self._revision
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("readonly" if self.readonly else "writer")
@@ -1129,19 +1130,24 @@ class Store:
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 last_id = self._last_id
+                changes = conn.total_changes
+                changed = False
                 try:
                     yield conn
+                    changed = conn.total_changes != changes
                     # Every write transaction counts itself, so <db>-ack can tell a store that
                     # lost commits (see _record_ack).
                     conn.execute("UPDATE meta SET value = value + 1 WHERE key = 'write_seq'")
                     conn.execute("COMMIT")
-                    if not new_rows_only:  # (under the lock: no get reads the rows between)
-                        self._revision += 1
                 except BaseException:
+                    changed = True  # (rolled back, or a COMMIT that failed may have committed)
                     self._last_id = last_id
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
                     raise
+                finally:
+                    if changed and not new_rows_only:  # (under the lock: no get reads the rows between)
+                        self._revision += 1
             except sqlite3.Error as e:
                 raise _wrap(e, what, self.path) from None
             self._write_seq += 1
