@@ -108,8 +108,10 @@ def test_serve_add_recall_stats(sidecars, store_dir, runtime_dir, rng):
     stats = json.loads(result.stdout)
     assert stats["count"] == 37 and stats["dim"] == DIM and stats["name"] == name
     assert stats["namespaces"]["default"] == 25 and stats["namespaces"]["even"] == 6 and stats["namespaces"]["odd"] == 6
+    assert stats["item_cache"]["max_bytes"] == 64 << 20 and stats["item_cache"]["entries"] == 0
     result = kalos("stats", "--name", name)
     assert result.returncode == 0 and name in result.stdout and "37 live" in result.stdout
+    assert "item cache 0 items, 0.0 of 64 MiB; nothing read yet" in result.stdout, result.stdout
 
     # recall --vector --json equals the reference; JSONL texts and namespaces come back.
     jsonl_vectors = np.array([r["vector"] for r in rows])

@@ -754,6 +754,12 @@ def format_stats(stats: dict[str, Any]) -> str:
         f"  service    p50 {us(stats['service_p50_us'])}, p99 {us(stats['service_p99_us'])} (in the sidecar, per batch)",
         "  namespaces " + (", ".join(f"{k}: {v:,}" for k, v in sorted(stats["namespaces"].items())) or "-"),
     ]
+    cache = stats.get("item_cache")  # (a sidecar before the cache has none)
+    if cache:
+        looked = cache["hits"] + cache["misses"]
+        rate = f"{cache['hits'] / looked:.0%} of {looked:,} items read from it" if looked else "nothing read yet"
+        lines.append(f"  item cache {cache['entries']:,} items, {cache['bytes'] / 2**20:,.1f} of "
+                     f"{cache['max_bytes'] / 2**20:,.0f} MiB; {rate}")
     return "\n".join(lines)
 
 
