@@ -17,6 +17,7 @@ from kalos.errors import InvalidArgument
 from kalos.ipc.control import encode_value
 from kalos.server import item_cache
 from kalos.server.item_cache import ItemCache, item_fields
+from kalos.store import sqlite as sqlite_store
 from kalos.store.sqlite import Store
 from kalos.validation import Item, check_update
 from kalos.where import compile_where
@@ -25,13 +26,23 @@ DIM = 8
 
 
 class FakeStore:
-    """The part of a store the cache reads: get() (counted) and revision."""
+    """The part of a store the cache reads: get() (counted), revision and changed_since()."""
 
     def __init__(self, items: dict[int, Item], revision: int | None = 0) -> None:
         self.items = items
         self.revision = revision
+        self.log: list[tuple[int, frozenset[int] | None]] = []
         self.reads: list[list[int]] = []
         self.during_read = lambda: None
+
+    def commit(self, changed: set[int] | None = None) -> None:
+        """A write committed that changed ``changed`` (None: rows it did not name)."""
+        self.revision += 1
+        self.log.append((self.revision, None if changed is None else frozenset(changed)))
+
+    def changed_since(self, revision: int) -> frozenset[int] | None:
+        later = [ids for at, ids in self.log if at > revision]
+        return None if any(ids is None for ids in later) else frozenset().union(*later)
 
     def get(self, ids: Any) -> list[Item | None]:
         self.reads.append(list(ids))
@@ -68,9 +79,24 @@ def test_a_moved_revision_empties_the_cache():
     cache = ItemCache(store, 1 << 20)
     cache.encoded([1], check_floor=no_floor)
     store.items[1] = make_item(1, "new")
-    store.revision = 1
+    store.commit()
     (body,) = cache.encoded([1], check_floor=no_floor)
     assert json.loads(body)["text"] == "new" and len(store.reads) == 2
+
+
+def test_a_write_drops_the_items_it_changed_and_keeps_the_rest():
+    store = FakeStore({i: make_item(i, "old") for i in range(1, 5)})
+    cache = ItemCache(store, 1 << 20)
+    cache.encoded([1, 2, 3, 4], check_floor=no_floor)
+    store.items[2] = make_item(2, "new")
+    del store.items[3]
+    store.commit({2, 3})
+    got = cache.encoded([1, 2, 3, 4], check_floor=no_floor)
+    assert [None if body is None else json.loads(body)["text"] for body in got] == ["old", "new", None, "old"]
+    assert store.reads[-1] == [2, 3], "only the changed rows read again"
+    store.commit(None)  # (a write that named no rows: everything goes)
+    cache.encoded([1, 4], check_floor=no_floor)
+    assert store.reads[-1] == [1, 4]
 
 
 def test_an_item_read_while_a_write_committed_is_not_kept():
@@ -82,7 +108,7 @@ def test_an_item_read_while_a_write_committed_is_not_kept():
     def write_commits() -> None:
         store.during_read = lambda: None
         store.items[1] = make_item(1, "new")
-        store.revision += 1
+        store.commit({1})
         cache.encoded([2], check_floor=no_floor)
 
     store.during_read = write_commits
@@ -100,7 +126,7 @@ def test_a_reply_is_one_state_of_the_store_when_a_write_commits_during_it():
     def delete_both() -> None:
         store.during_read = lambda: None
         del store.items[1], store.items[2]
-        store.revision += 1
+        store.commit({1, 2})
 
     store.during_read = delete_both
     assert cache.encoded([1, 2], check_floor=no_floor) == [None, None]
@@ -177,37 +203,54 @@ def test_the_floor_is_checked_before_anything_is_encoded(monkeypatch):
     assert floors == [1000 + cached], "what is cached, and the texts of the rest"
 
 
-def test_store_revision_grows_with_each_write_that_changes_rows(tmp_path, rng):
+def test_store_revision_grows_with_each_write_that_changes_rows_and_names_them(tmp_path, rng):
     path = tmp_path / "m.db"
     with Store.open(path, dim=DIM) as store:
 
         def vectors(n: int) -> np.ndarray:
             return rng.standard_normal((n, DIM)).astype(np.float32)
 
-        def grows(write: Any, by: int = 1) -> None:
+        def writes(write: Any, changed: Any = (), *, grows: bool = True) -> Any:
+            """The write moves the revision (or not), and changed_since names exactly ``changed``."""
             before = store.revision
-            write()
-            assert store.revision == before + by, write
+            out = write()
+            assert store.revision == before + grows, write
+            assert store.changed_since(before) == frozenset(int(i) for i in changed), write
+            return out
 
-        soon = np.full(2, time.time() + 3600.0)
-        grows(lambda: store.add(vectors(4), namespace="n", texts=["a", "b", "c", "d"]), by=0)
-        ids = store.add(vectors(2), namespace="n", texts=["e", "f"], expires_at=soon)[0]
-        grows(lambda: store.upsert(vectors(2), keys=["k1", "k2"], namespace="n", texts=["x", "y"]), by=1)
-        grows(lambda: store.upsert(vectors(1), keys=["k1"], namespace="n", texts=["x2"]))
-        grows(lambda: store.update(check_update("k1", DIM, namespace="n", text="x3")))
-        grows(lambda: store.upsert(vectors(1), keys=["t"], namespace="n", expires_at=np.array([time.time() + 60])))
-        grows(lambda: store.renew(["t"], "n", 600.0))
-        grows(lambda: store.renew(["nobody"], "n", 600.0), by=0)  # (nothing renewed)
-        grows(lambda: store.delete_keys(["k2"], namespace="n"))
-        grows(lambda: store.delete([int(ids[0])]))
-        grows(lambda: store.delete([10**9]), by=0)  # (no such id)
-        grows(lambda: store.delete_where(namespace="n", where=compile_where({"absent": 1})), by=0)
-        grows(lambda: store.delete_where(namespace="n", where=None))
+        ids = writes(lambda: store.add(vectors(4), namespace="n", texts=["a", "b", "c", "d"]), grows=False)[0]
+        k = writes(lambda: store.upsert(vectors(2), keys=["k1", "k2"], namespace="n", texts=["x", "y"]))[0]  # (new rows)
+        writes(lambda: store.upsert(vectors(2), keys=["k1", "k3"], namespace="n", texts=["x2", "z"]), [k[0]])
+        writes(lambda: store.update(check_update("k1", DIM, namespace="n", text="x3")), [k[0]])
+        (t,) = writes(lambda: store.upsert(vectors(1), keys=["t"], namespace="n",
+                                           expires_at=np.array([time.time() + 60])))[0]
+        writes(lambda: store.renew(["t", "k2"], "n", 600.0), [t])  # (k2 never expires: not renewed)
+        writes(lambda: store.renew(["nobody"], "n", 600.0), grows=False)
+        writes(lambda: store.delete_keys(["k2"], namespace="n"), [k[1]])
+        writes(lambda: store.delete([int(ids[0]), 10**9]), [ids[0], 10**9])  # (an absent id named: harmless)
+        writes(lambda: store.delete([10**9]), grows=False)
+        writes(lambda: store.delete_where(namespace="n", where=compile_where({"absent": 1})), grows=False)
+        rest = [item.id for item in store.list_items(namespace="n", limit=1000)[0]]
+        assert len(rest) == 6  # (b, c, d, k1, k3, t)
+        writes(lambda: store.delete_where(namespace="n", where=None), rest)
         added = store.add(vectors(1), namespace="m", texts=["g"])[0]
-        grows(lambda: store.undo_add(added))
-        store.add(vectors(1), namespace="m", expires_at=np.array([time.time() + 0.01]))
-        grows(lambda: store.delete_expired(time.time() + 1.0))
-        grows(lambda: store.delete_expired(time.time() + 1.0), by=0)  # (nothing due: no transaction)
+        writes(lambda: store.undo_add(added), added)
+        (soon,) = store.add(vectors(1), namespace="m", expires_at=np.array([time.time() + 0.01]))[0]
+        writes(lambda: store.delete_expired(time.time() + 1.0), [soon])
+        writes(lambda: store.delete_expired(time.time() + 1.0), grows=False)  # (nothing due: no transaction)
+
+        # Past what the log holds, or a write of more rows than it names: cannot tell (None).
+        start = store.revision
+        many = store.add(vectors(5000), namespace="big")[0]
+        store.delete(many)
+        assert store.changed_since(start) is None
+        start = store.revision
+        (one,) = store.add(vectors(1), namespace="m", texts=["h"])[0]
+        for i in range(sqlite_store._CHANGE_LOG + 1):
+            store.update(check_update(int(one), DIM, text=f"h{i}"))
+        assert store.changed_since(start) is None
+        assert store.changed_since(store.revision - 1) == frozenset([int(one)])
+
         readonly = Store.open(path, readonly=True)
         try:
             assert readonly.revision is None, "another process writes what a readonly open reads"
@@ -232,16 +275,20 @@ def test_get_through_the_sidecar_sees_every_kind_of_write(sidecars: SidecarPool,
             def texts() -> dict[str, str | None]:
                 return {k: None if item is None else item.text for k, item in zip(keys, client.get(ids=ids))}
 
-            def after(write: Any, **changed: str | None) -> None:
-                """A get fills the cache; the write; the next get says what changed, and only that."""
+            def after(write: Any, **changed: str | None) -> int:
+                """A get fills the cache; the write; the next get says what changed, and only that.
+                Returns how many items that get read from the store."""
                 expected = texts()
                 hits = client.stats()["item_cache"]["hits"]
                 assert texts() == expected and client.stats()["item_cache"]["hits"] > hits, "served from the cache"
                 write()
                 expected.update(changed)
+                misses = client.stats()["item_cache"]["misses"]
                 assert texts() == expected, write
+                return client.stats()["item_cache"]["misses"] - misses
 
-            after(lambda: client.update("a", namespace="n", text="a1", metadata={"v": 1}), a="a1")
+            read = after(lambda: client.update("a", namespace="n", text="a1", metadata={"v": 1}), a="a1")
+            assert read == 1, "the other items stayed in the cache"
             assert client.get(ids=[by_key["a"]])[0].metadata == {"v": 1}
             after(lambda: client.add(vectors[1:2], texts=["b1"], namespace="n", keys=["b"]), b="b1")  # upsert, in place
             before = client.get(ids=[by_key["c"]])[0].expires_at

@@ -6,9 +6,10 @@ from the store and encoding them was about a fifth of the sidecar's work for a r
 here costs a dictionary lookup; its JSON is joined into the reply as it is.
 
 Coherence. The store's :attr:`~kalos.store.sqlite.Store.revision` grows with every committed
-write that changed or removed rows already there; the cache empties itself whenever it moved.
-It is read before the store is, so an item read while a write committed is kept under the
-older revision, and dropped at the next look. A store that cannot tell (revision None: a
+write that changed or removed rows already there; when it moved, the cache drops the items
+those writes changed (:meth:`~kalos.store.sqlite.Store.changed_since`), or everything where the
+store cannot tell. It is read before the store is, so an item read while a write committed is
+kept under the older revision, and dropped at the next look. A store that cannot tell (revision None: a
 PostgreSQL store, whose rows other hosts change) is read every time and nothing is kept. An
 item past its expiry is absent here as in the store's own read, whose live clause is the same.
 The cache holds at most ``max_bytes`` of JSON (least recently used first out).
@@ -96,8 +97,13 @@ class ItemCache:
                 # newer look emptied the cache; what is held now is newer than its look.)
                 return found, gone
             if revision != self._revision:
-                self._entries.clear()
-                self._bytes = 0
+                changed = None if self._revision is None else self._store.changed_since(self._revision)
+                if changed is None:
+                    self._entries.clear()
+                    self._bytes = 0
+                else:
+                    for item_id in changed:
+                        self._drop(item_id)
                 self._revision = revision
             for item_id in ids:
                 entry = self._entries.get(item_id)

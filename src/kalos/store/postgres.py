@@ -401,6 +401,11 @@ class PostgresStore:
     #: As :attr:`kalos.store.sqlite.Store.revision`: None, since other hosts change the rows.
     revision: int | None = None
 
+    @staticmethod
+    def changed_since(revision: int) -> frozenset[int] | None:
+        """As :meth:`kalos.store.sqlite.Store.changed_since`: None, since other hosts change the rows."""
+        return None
+
     def __init__(self) -> None:
         # Private: PostgresStore.open() builds instances.
         self._lock = threading.Lock()

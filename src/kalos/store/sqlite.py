@@ -58,6 +58,7 @@ interleaving writes. Readonly opens take no lock.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import fcntl
@@ -72,7 +73,7 @@ import tempfile
 import threading
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,10 @@ _WAL_SIZE_LIMIT = 64 << 20
 _MMAP_BYTES = 1 << 40
 # Ids per statement in get/delete: under SQLite's historic 999-variable limit.
 _IDS_PER_QUERY = 500
+# The writes whose changed rows Store.changed_since can tell (a cache that looks less often
+# empties itself), and the most rows a write names before it counts as changing every row.
+_CHANGE_LOG = 256
+_CHANGE_IDS = 4096
 _MAX_NAMESPACE_ID = (1 << 31) - 1  # engines keep namespace ids as int32
 # Partial: unkeyed items (NULL key, today's adds) are not in it and cost nothing.
 # Partial too: only the rows that expire, in expiry order, for the sweeper and the sidecar's load.
@@ -316,10 +321,13 @@ class Store:
     _keyed: bool = True
     _expiring: bool = True  # expires_at exists (False only on a readonly open of an unmigrated store)
     _revision: int = 0  # (see revision)
+    _changing: set[int] | None = None  # the rows the open write transaction named (see _note_changed)
 
     def __init__(self) -> None:
         # Private: Store.open() builds instances, so a half-open store is never handed out.
         self._lock = threading.Lock()
+        # (revision, the ids its write changed, or None: rows it did not name) of recent writes.
+        self._change_log: collections.deque[tuple[int, frozenset[int] | None]] = collections.deque(maxlen=_CHANGE_LOG)
 
     @property
     def revision(self) -> int | None:
@@ -330,6 +338,24 @@ class Store:
         where another process may write: a readonly open (and every PostgresStore, whose rows
         other hosts change); and once closed (what reads it then hears that from the store)."""
         return None if self.readonly or self._closed else self._revision
+
+    def changed_since(self, revision: int) -> frozenset[int] | None:
+        """The ids of the rows that the writes after ``revision`` changed (up to the current
+        :attr:`revision`), or None where that cannot be told: a write that did not name its rows,
+        or one older than the last _CHANGE_LOG writes."""
+        with self._lock:
+            if revision >= self._revision:
+                return frozenset()
+            log = self._change_log
+            if not log or log[0][0] > revision + 1:
+                return None
+            changed: set[int] = set()
+            for at, ids in log:
+                if at > revision:
+                    if ids is None:
+                        return None
+                    changed |= ids
+            return frozenset(changed)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("readonly" if self.readonly else "writer")
@@ -843,6 +869,7 @@ class Store:
                     next_id += 1
                     inserts.append((int(ids[i]), ns_id, float(times[i]), text_col[i], meta_col[i], key, expiry_col[i],
                                     vector))
+            self._note_changed(u[-1] for u in updates)  # (the inserts are new rows)
             if updates:
                 conn.executemany("UPDATE items SET text = ?, metadata = ?, vector = ?, updated_at = ?, expires_at = ?,"
                                  " created_at = ? WHERE id = ?", updates)
@@ -910,6 +937,7 @@ class Store:
                 )]
                 if ids:
                     self._note_expired(conn, ids, expired_out)
+                    self._note_changed(ids)
                     conn.execute(f"DELETE FROM items WHERE id IN ({','.join('?' * len(ids))})", ids)
                 found += ids
         return np.sort(np.asarray(found, dtype=np.int64))
@@ -934,6 +962,7 @@ class Store:
                     f"SELECT id FROM items WHERE namespace_id = ? AND key IN ({','.join('?' * len(chunk))})"
                     " AND expires_at > ?", (row[0], *chunk, now))]
                 if ids:
+                    self._note_changed(ids)
                     conn.execute(f"UPDATE items SET expires_at = ? WHERE id IN ({','.join('?' * len(ids))})",
                                  (now + ttl, *ids))
                 found += ids
@@ -964,6 +993,7 @@ class Store:
                 raise UnknownKey(f"update: no memory has {change.describe()}")
             item_id, ns_id, created, stored_meta = row
             columns = _update_columns(change, stored_meta, now)
+            self._note_changed((item_id,))
             conn.execute(f"UPDATE items SET {', '.join(f'{c} = ?' for c, _ in columns)} WHERE id = ?",
                          (*[v for _, v in columns], item_id))
         return int(item_id), int(ns_id), float(created)
@@ -984,6 +1014,7 @@ class Store:
             return np.empty(0, dtype=np.int64)
         with self._write_transaction("delete_expired") as conn:
             ids = [r[0] for r in conn.execute("SELECT id FROM items WHERE expires_at <= ?", (now,))]
+            self._note_changed(ids)  # (the same rows as the DELETE's: one transaction)
             conn.execute("DELETE FROM items WHERE expires_at <= ?", (now,))
         return np.sort(np.asarray(ids, dtype=np.int64))
 
@@ -1078,6 +1109,7 @@ class Store:
                     "SELECT i.id FROM items AS i WHERE 1" + self._namespace_clause(ns), () if ns is None else (ns,))]
             else:
                 ids = self._matching(conn, ns, where, None)
+            self._note_changed(ids)
             for chunk in _chunks(np.asarray(ids, dtype=np.int64)):
                 self._note_expired(conn, chunk, expired_out)
                 conn.execute(f"DELETE FROM items WHERE id IN ({','.join('?' * len(chunk))})", chunk)
@@ -1132,6 +1164,7 @@ class Store:
                 last_id = self._last_id
                 changes = conn.total_changes
                 changed = False
+                self._changing = None
                 try:
                     yield conn
                     changed = conn.total_changes != changes
@@ -1141,6 +1174,7 @@ class Store:
                     conn.execute("COMMIT")
                 except BaseException:
                     changed = True  # (rolled back, or a COMMIT that failed may have committed)
+                    self._changing = None
                     self._last_id = last_id
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
@@ -1148,6 +1182,9 @@ class Store:
                 finally:
                     if changed and not new_rows_only:  # (under the lock: no get reads the rows between)
                         self._revision += 1
+                        named = self._changing
+                        self._change_log.append(
+                            (self._revision, None if named is None or len(named) > _CHANGE_IDS else frozenset(named)))
             except sqlite3.Error as e:
                 raise _wrap(e, what, self.path) from None
             self._write_seq += 1
@@ -1159,6 +1196,12 @@ class Store:
                 # later loss but never reports one that did not happen.
                 log.warning("store %s: %s committed, but %s could not be updated: %s",
                             self.path, what, ack_path(self.path), e.strerror)
+
+    def _note_changed(self, ids: Iterable[int]) -> None:
+        """Inside a write transaction: ``ids`` are rows it changes. A transaction must name every
+        row it changes or none (then it counts as changing them all: :meth:`changed_since`)."""
+        named = {int(i) for i in ids}
+        self._changing = named if self._changing is None else self._changing | named
 
     def _namespace_id(self, conn: sqlite3.Connection, name: str) -> int:
         # Inside the add's transaction: a new namespace exists only if its items do.
@@ -1190,6 +1233,7 @@ class Store:
                 # SELECT then DELETE rather than DELETE ... RETURNING, which needs SQLite 3.35;
                 # the IMMEDIATE transaction makes the pair atomic.
                 found += [r[0] for r in conn.execute(f"SELECT id FROM items WHERE id IN ({marks})", chunk)]
+                self._note_changed(chunk)
                 self._note_expired(conn, chunk, expired_out)
                 conn.execute(f"DELETE FROM items WHERE id IN ({marks})", chunk)
         return np.sort(np.asarray(found, dtype=np.int64))
@@ -1203,6 +1247,7 @@ class Store:
         wanted = np.unique(check_ids(ids, "undo_add"))
         request_id = check_request_id(request_id)
         with self._write_transaction("undo_add") as conn:
+            self._note_changed(wanted)
             for chunk in _chunks(wanted):
                 conn.execute(f"DELETE FROM items WHERE id IN ({','.join('?' * len(chunk))})", chunk)
             if request_id is not None:
