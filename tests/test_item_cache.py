@@ -13,11 +13,11 @@ import pytest
 from conftest import SidecarPool, short_tempdir, unique_name, wait_until
 
 from kalos import Client
-from kalos.errors import InvalidArgument
+from kalos.errors import InvalidArgument, UnknownKey
 from kalos.ipc.control import encode_value
 from kalos.server import item_cache
 from kalos.server.item_cache import ItemCache, item_fields
-from kalos.store import sqlite as sqlite_store
+from kalos.store.changes import ChangeLog
 from kalos.store.sqlite import Store
 from kalos.validation import Item, check_update
 from kalos.where import compile_where
@@ -99,20 +99,31 @@ def test_a_write_drops_the_items_it_changed_and_keeps_the_rest():
     assert store.reads[-1] == [1, 4]
 
 
-def test_an_item_read_while_a_write_committed_is_not_kept():
-    # This call reads item 1's old row; the write commits; another call looks meanwhile (the
-    # cache is now at the new revision): the old row must not be kept under it.
+def test_an_item_read_before_a_write_is_not_kept_under_the_revision_after_it():
+    # The narrowest window: this call read item 1 and found the revision unchanged after its
+    # read; then, before it keeps the item, the write commits and another call moves the cache
+    # to the new revision (dropping 1). The old row must not be kept under it.
     store = FakeStore({1: make_item(1, "old"), 2: make_item(2)})
     cache = ItemCache(store, 1 << 20)
+    inner = cache._lock
 
-    def write_commits() -> None:
-        store.during_read = lambda: None
-        store.items[1] = make_item(1, "new")
-        store.commit({1})
-        cache.encoded([2], check_floor=no_floor)
+    class RaceAtTheKeep:
+        entered = 0
 
-    store.during_read = write_commits
+        def __enter__(self) -> None:
+            RaceAtTheKeep.entered += 1
+            if RaceAtTheKeep.entered == 2:  # (the first entry is the call's look, the second its keep)
+                store.items[1] = make_item(1, "new")
+                store.commit({1})
+                cache.encoded([2], check_floor=no_floor)  # (another call's look)
+            inner.__enter__()
+
+        def __exit__(self, *exc: object) -> None:
+            inner.__exit__(*exc)
+
+    cache._lock = RaceAtTheKeep()  # type: ignore[assignment]
     assert json.loads(cache.encoded([1], check_floor=no_floor)[0])["text"] == "old"  # (read before the write)
+    assert RaceAtTheKeep.entered >= 3, "the other call looked"
     assert json.loads(cache.encoded([1], check_floor=no_floor)[0])["text"] == "new"
 
 
@@ -203,6 +214,49 @@ def test_the_floor_is_checked_before_anything_is_encoded(monkeypatch):
     assert floors == [1000 + cached], "what is cached, and the texts of the rest"
 
 
+def test_an_item_read_while_a_write_commits_is_not_kept_though_the_cache_is_behind():
+    # The cache is at revision 0 and so is this reader; the write commits during its read
+    # (items 1 and 2). What it read may be after the write: kept under 0, a later reader that
+    # found 1 here and 2 old in the cache would send a pair the store never held.
+    store = FakeStore({1: make_item(1, "old"), 2: make_item(2, "old")})
+    cache = ItemCache(store, 1 << 20)
+
+    def write() -> None:
+        store.during_read = lambda: None
+        store.items[1], store.items[2] = make_item(1, "new"), make_item(2, "new")
+        store.commit({1, 2})
+
+    store.during_read = write
+    cache.encoded([1], check_floor=no_floor)
+    assert cache.stats()["entries"] == 0
+
+
+def test_an_expired_item_replaced_under_its_id_is_read_again(tmp_path, rng):
+    with Store.open(tmp_path / "m.db", dim=DIM) as store:
+        cache = ItemCache(store, 1 << 20)
+        (item,) = store.upsert(rng.standard_normal((1, DIM)).astype(np.float32), keys=["k"], namespace="n",
+                               texts=["first"], expires_at=np.array([time.time() + 0.05]))[0]
+        assert json.loads(cache.encoded([int(item)], check_floor=no_floor)[0])["text"] == "first"
+        time.sleep(0.1)
+        store.upsert(rng.standard_normal((1, DIM)).astype(np.float32), keys=["k"], namespace="n", texts=["second"])
+        assert json.loads(cache.encoded([int(item)], check_floor=no_floor)[0])["text"] == "second"
+
+
+def test_the_change_log_keeps_its_bounds_and_says_when_it_cannot_tell():
+    log = ChangeLog(max_writes=4, max_ids=10, max_ids_per_write=5)
+    log.record({1, 2})
+    log.record({3})
+    assert log.since(0) == {1, 2, 3} and log.since(1) == {3} and log.since(2) == frozenset()
+    log.record(set(range(100, 106)))  # (more than a write names: every row)
+    assert log.since(2) is None and log.since(3) == frozenset()
+    for i in range(4):
+        log.record({10 + i, 20 + i})
+    assert log.revision == 7 and log.since(3) == {10, 11, 12, 13, 20, 21, 22, 23}
+    assert log.since(2) is None, "the oldest entries went to keep 4 writes"
+    log.record({30, 31, 32, 33, 34})  # (ids past 10 in all: the oldest go)
+    assert log.since(5) == {12, 13, 22, 23, 30, 31, 32, 33, 34} and log.since(4) is None
+
+
 def test_store_revision_grows_with_each_write_that_changes_rows_and_names_them(tmp_path, rng):
     path = tmp_path / "m.db"
     with Store.open(path, dim=DIM) as store:
@@ -239,14 +293,25 @@ def test_store_revision_grows_with_each_write_that_changes_rows_and_names_them(t
         writes(lambda: store.delete_expired(time.time() + 1.0), [soon])
         writes(lambda: store.delete_expired(time.time() + 1.0), grows=False)  # (nothing due: no transaction)
 
-        # Past what the log holds, or a write of more rows than it names: cannot tell (None).
+        # An upsert of a key whose item expired: a new memory under the same id, named.
+        (old,) = store.upsert(vectors(1), keys=["brief"], namespace="n", texts=["brief"],
+                              expires_at=np.array([time.time() + 0.05]))[0]
+        time.sleep(0.1)
+        writes(lambda: store.upsert(vectors(1), keys=["brief"], namespace="n", texts=["again"]), [old])
+        # A write that failed and was rolled back changed nothing.
+        before = store.revision
+        with pytest.raises(UnknownKey):
+            store.update(check_update("nobody", DIM, namespace="n", text="x"))
+        assert store.revision == before
+
+        # A write of more rows than the log names, or one past what it holds: cannot tell (None).
         start = store.revision
         many = store.add(vectors(5000), namespace="big")[0]
         store.delete(many)
         assert store.changed_since(start) is None
         start = store.revision
         (one,) = store.add(vectors(1), namespace="m", texts=["h"])[0]
-        for i in range(sqlite_store._CHANGE_LOG + 1):
+        for i in range(store._changes.max_writes + 1):
             store.update(check_update(int(one), DIM, text=f"h{i}"))
         assert store.changed_since(start) is None
         assert store.changed_since(store.revision - 1) == frozenset([int(one)])
@@ -304,3 +369,52 @@ def test_get_through_the_sidecar_sees_every_kind_of_write(sidecars: SidecarPool,
             after(lambda: client.drop_namespace("n"), a=None, b=None, c=None, g=None)
     finally:
         shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def test_readers_beside_writers_never_read_an_item_older_than_its_last_committed_write(tmp_path, rng):
+    """Writer threads rewrite items (text "v<n>", n growing per item) while reader threads read
+    them through the cache: every item a reader gets is at least the version committed before
+    its call began, and none is left stale at the end."""
+    import threading
+
+    with Store.open(tmp_path / "m.db", dim=DIM) as store:
+        cache = ItemCache(store, 1 << 20)
+        ids = [int(i) for i in store.add(rng.standard_normal((12, DIM)).astype(np.float32), namespace="n",
+                                         texts=["v0"] * 12)[0]]
+        committed = {i: 0 for i in ids}
+        lock = threading.Lock()
+        stop = threading.Event()
+        problems: list[str] = []
+
+        def writer(mine: list[int]) -> None:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                item = mine[n % len(mine)]
+                with lock:  # (the version is committed, then known to have been)
+                    store.update(check_update(item, DIM, text=f"v{n}"))
+                    committed[item] = n
+
+        def reader(seed: int) -> None:
+            pick = np.random.default_rng(seed)
+            while not stop.is_set():
+                wanted = [int(i) for i in pick.choice(ids, size=4, replace=False)]
+                with lock:
+                    floor = {i: committed[i] for i in wanted}
+                for item, body in zip(wanted, cache.encoded(wanted, check_floor=no_floor)):
+                    version = int(json.loads(body)["text"][1:])
+                    if version < floor[item]:
+                        problems.append(f"item {item}: v{version} after v{floor[item]} was committed")
+
+        threads = [threading.Thread(target=writer, args=(ids[:6],)), threading.Thread(target=writer, args=(ids[6:],))]
+        threads += [threading.Thread(target=reader, args=(seed,)) for seed in range(3)]
+        for thread in threads:
+            thread.start()
+        time.sleep(1.5)
+        stop.set()
+        for thread in threads:
+            thread.join()
+        assert not problems, problems[:5]
+        assert cache.stats()["hits"] > 0
+        for item in ids:
+            assert cache.encoded([item], check_floor=no_floor) == [encode_value(item_fields(store.get([item])[0]))]

@@ -6,13 +6,15 @@ from the store and encoding them was about a fifth of the sidecar's work for a r
 here costs a dictionary lookup; its JSON is joined into the reply as it is.
 
 Coherence. The store's :attr:`~kalos.store.sqlite.Store.revision` grows with every committed
-write that changed or removed rows already there; when it moved, the cache drops the items
-those writes changed (:meth:`~kalos.store.sqlite.Store.changed_since`), or everything where the
-store cannot tell. It is read before the store is, so an item read while a write committed is
-kept under the older revision, and dropped at the next look. A store that cannot tell (revision None: a
-PostgreSQL store, whose rows other hosts change) is read every time and nothing is kept. An
-item past its expiry is absent here as in the store's own read, whose live clause is the same.
-The cache holds at most ``max_bytes`` of JSON (least recently used first out).
+write that changed rows already there; when it moved, the cache drops the items those writes
+changed (:meth:`~kalos.store.sqlite.Store.changed_since`), or everything where the store cannot
+tell. An item is kept only under the revision read before its read and still the store's after
+it, and only while the cache has not moved past that revision; a reply that mixed what was held
+here with what a read after a write returned is read again, all of it, from the store. A store
+without a revision (None: a PostgreSQL store, whose rows other hosts change; a readonly or
+closed one) is read every time and nothing is kept. An item past its expiry is absent here as
+in the store's own read, whose live clause is the same. The cache holds at most ``max_bytes``
+of JSON (least recently used first out).
 """
 from __future__ import annotations
 
@@ -69,19 +71,22 @@ class ItemCache:
             check_floor(sum(map(len, found.values())))
             return [found[item_id] if item_id in found else None for item_id in ids]
         read = self._store.get(missing)
-        if found and self._store.revision != revision:
-            # A write committed between the look here and the store's read: what was found
-            # here may be older than what was read. All of them from the store, in one read
-            # (one state, as the store's own get gives), and nothing kept.
-            found, gone, missing, revision = {}, set(), list(ids), None
-            read = self._store.get(missing)
+        if self._store.revision != revision:
+            # A write committed between the look here and the end of the store's read: what
+            # was read may be newer than ``revision`` (so it is not kept under it), and what was
+            # found here older than what was read (so all of them come from the store, in one
+            # read: one state, as the store's own get gives).
+            if found:
+                found, gone, missing = {}, set(), list(ids)
+                read = self._store.get(missing)
+            revision = None
         items = [item for item in read if item is not None]
         check_floor(sum(map(len, found.values())) + sum(len(item.text or "") for item in items))
         fresh = [(item.id, encode_value(item_fields(item)), item.expires_at) for item in items]
         found.update((item_id, body) for item_id, body, _ in fresh)
         with self._lock:
             self.misses += len(missing)
-            if revision is not None and revision == self._revision:  # (no newer look emptied it since)
+            if revision is not None and revision == self._revision:  # (no newer look moved it since)
                 for item_id, body, expires_at in fresh:
                     self._keep(item_id, body, expires_at)
         return [found.get(item_id) for item_id in ids]
@@ -98,7 +103,7 @@ class ItemCache:
                 return found, gone
             if revision != self._revision:
                 changed = None if self._revision is None else self._store.changed_since(self._revision)
-                if changed is None:
+                if changed is None or len(changed) > len(self._entries):
                     self._entries.clear()
                     self._bytes = 0
                 else:

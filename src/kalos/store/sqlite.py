@@ -58,7 +58,6 @@ interleaving writes. Readonly opens take no lock.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import errno
 import fcntl
@@ -82,6 +81,7 @@ from urllib.parse import quote
 import numpy as np
 
 from kalos.errors import DimensionMismatch, InvalidArgument, NotAKalosStore, StoreError, StoreLocked, UnknownKey
+from kalos.store.changes import ChangeLog
 from kalos.validation import (
     DEFAULT_NAMESPACE,
     MAX_ID,
@@ -120,10 +120,6 @@ _WAL_SIZE_LIMIT = 64 << 20
 _MMAP_BYTES = 1 << 40
 # Ids per statement in get/delete: under SQLite's historic 999-variable limit.
 _IDS_PER_QUERY = 500
-# The writes whose changed rows Store.changed_since can tell (a cache that looks less often
-# empties itself), and the most rows a write names before it counts as changing every row.
-_CHANGE_LOG = 256
-_CHANGE_IDS = 4096
 _MAX_NAMESPACE_ID = (1 << 31) - 1  # engines keep namespace ids as int32
 # Partial: unkeyed items (NULL key, today's adds) are not in it and cost nothing.
 # Partial too: only the rows that expire, in expiry order, for the sweeper and the sidecar's load.
@@ -320,14 +316,12 @@ class Store:
     _last_id: int = 0
     _keyed: bool = True
     _expiring: bool = True  # expires_at exists (False only on a readonly open of an unmigrated store)
-    _revision: int = 0  # (see revision)
     _changing: set[int] | None = None  # the rows the open write transaction named (see _note_changed)
 
     def __init__(self) -> None:
         # Private: Store.open() builds instances, so a half-open store is never handed out.
         self._lock = threading.Lock()
-        # (revision, the ids its write changed, or None: rows it did not name) of recent writes.
-        self._change_log: collections.deque[tuple[int, frozenset[int] | None]] = collections.deque(maxlen=_CHANGE_LOG)
+        self._changes = ChangeLog()  # (see revision and changed_since)
 
     @property
     def revision(self) -> int | None:
@@ -337,25 +331,13 @@ class Store:
         revision was r is the stored item while it is still r (kalos.server.item_cache). None
         where another process may write: a readonly open (and every PostgresStore, whose rows
         other hosts change); and once closed (what reads it then hears that from the store)."""
-        return None if self.readonly or self._closed else self._revision
+        return None if self.readonly or self._closed else self._changes.revision
 
     def changed_since(self, revision: int) -> frozenset[int] | None:
         """The ids of the rows that the writes after ``revision`` changed (up to the current
-        :attr:`revision`), or None where that cannot be told: a write that did not name its rows,
-        or one older than the last _CHANGE_LOG writes."""
-        with self._lock:
-            if revision >= self._revision:
-                return frozenset()
-            log = self._change_log
-            if not log or log[0][0] > revision + 1:
-                return None
-            changed: set[int] = set()
-            for at, ids in log:
-                if at > revision:
-                    if ids is None:
-                        return None
-                    changed |= ids
-            return frozenset(changed)
+        :attr:`revision`), or None where that cannot be told (:class:`kalos.store.changes.ChangeLog`).
+        Never waits for a write in progress."""
+        return self._changes.since(revision)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("readonly" if self.readonly else "writer")
@@ -1163,7 +1145,7 @@ class Store:
                 conn.execute("BEGIN IMMEDIATE")
                 last_id = self._last_id
                 changes = conn.total_changes
-                changed = False
+                changed = committing = False
                 self._changing = None
                 try:
                     yield conn
@@ -1171,20 +1153,21 @@ class Store:
                     # Every write transaction counts itself, so <db>-ack can tell a store that
                     # lost commits (see _record_ack).
                     conn.execute("UPDATE meta SET value = value + 1 WHERE key = 'write_seq'")
+                    committing = True
                     conn.execute("COMMIT")
                 except BaseException:
-                    changed = True  # (rolled back, or a COMMIT that failed may have committed)
-                    self._changing = None
+                    changed, self._changing = True, None  # (not known until the rollback is done)
                     self._last_id = last_id
-                    if conn.in_transaction:
+                    rolled_back = conn.in_transaction
+                    if rolled_back:
                         conn.execute("ROLLBACK")
+                    # Rolled back: nothing changed. A COMMIT that failed with no transaction left
+                    # may have committed.
+                    changed = committing and not rolled_back
                     raise
                 finally:
                     if changed and not new_rows_only:  # (under the lock: no get reads the rows between)
-                        self._revision += 1
-                        named = self._changing
-                        self._change_log.append(
-                            (self._revision, None if named is None or len(named) > _CHANGE_IDS else frozenset(named)))
+                        self._changes.record(self._changing)
             except sqlite3.Error as e:
                 raise _wrap(e, what, self.path) from None
             self._write_seq += 1
