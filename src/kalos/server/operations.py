@@ -597,8 +597,7 @@ class ControlServer:
             raise InvalidArgument(f"get: with_vectors must be true or false, got {with_vectors!r}")
         what, advice = "get: the reply", "ask for fewer ids at a time"
         if keys is None and not with_vectors:
-            found = self.items.encoded(wanted, check_floor=lambda size: _refuse_past_limit(what, advice, size, 0,
-                                                                                           at_least=True))
+            found = self.items.encoded(wanted, check_floor=_floor_check(what, advice))
             items_json = _json_list(b"null" if body is None else body for body in found)
             return _encoded_reply(what, advice, items=items_json), b""
         if keys is not None:
@@ -610,7 +609,7 @@ class ControlServer:
             return _checked_reply(what, advice, items=[item_fields(item) for item in items], floor=floor), b""
         n_present = sum(item is not None for item in items)
         # (Before the vectors are read: their bytes, and the texts' at least.)
-        _refuse_past_limit("get: the reply", advice, floor, 4 * self.store.dim * n_present, at_least=True)
+        _refuse_past_limit(what, advice, floor, 4 * self.store.dim * n_present, at_least=True)
         found = [item.id for item in items if item is not None]
         by_id = self.store.vectors(found) if found else {}
         # An item deleted between the two reads is absent, not an item without its vector.
@@ -621,7 +620,7 @@ class ControlServer:
         for row, item_id in enumerate(present):
             matrix[row] = by_id[item_id]
         spec, blob = array_blob(matrix, "float32")
-        return _checked_reply("get: the reply", advice, items=[item_fields(item) for item in items], vectors=spec,
+        return _checked_reply(what, advice, items=[item_fields(item) for item in items], vectors=spec,
                               blob_len=len(blob)), blob
 
     def _op_stats(self, _message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
@@ -752,8 +751,7 @@ class ControlServer:
         kept = (ids >= 0) & np.isfinite(scores)
         hits = [[[int(i), float(s)] for i, s in zip(ids[row][kept[row]], scores[row][kept[row]])] for row in range(n)]
         what, advice = "recall_text: the reply", "ask for fewer texts or a smaller k"
-        found = self.items.encoded(np.unique(ids[kept]).tolist(),
-                                   check_floor=lambda size: _refuse_past_limit(what, advice, size, 0, at_least=True))
+        found = self.items.encoded(np.unique(ids[kept]).tolist(), check_floor=_floor_check(what, advice))
         return _encoded_reply(what, advice, hits=encode_value(hits),
                               items=_json_list(body for body in found if body is not None)), b""
 
@@ -822,6 +820,11 @@ def _encoded_reply(what: str, advice: str, **encoded: bytes) -> bytes:
     body = encoded_ok_reply(**encoded)
     _refuse_past_limit(what, advice, len(body), 0)
     return body
+
+
+def _floor_check(what: str, advice: str) -> Callable[[int], None]:
+    """What refuses a reply whose JSON will be at least a size (ItemCache.encoded's check_floor)."""
+    return lambda size: _refuse_past_limit(what, advice, size, 0, at_least=True)
 
 
 def _json_list(bodies: Iterable[bytes]) -> bytes:
