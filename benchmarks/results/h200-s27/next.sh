@@ -2,7 +2,8 @@
 # Prepared in session 27 for the next device call (its three calls all ran on H100s): on the
 # H200 the issue targets are set for, (1) the CUDA tests, with room (the slot server's take ~2
 # minutes: session 27's 240 s limit cut them), (2) recall_text with the item cache (main)
-# against 6f05662 (.snap/trees/s27-base), alternated three times, (3) the crowd 1-64 with a
+# against 6f05662 (.snap/trees/s27-base) and against itself with the cache off (a memory's
+# first recall), alternated (budget: the tests ~150 s, then ~45 s a run), (3) the crowd 1-64 with a
 # warm-up crowd first (the first crowd of a call beside the GEMMs read 2.6-2.7 ms at C = 64
 # twice, an order effect), main then the base then main again.
 # Before the call: rm -rf .snap/trees/s27-base && mkdir -p .snap/trees/s27-base &&
@@ -20,13 +21,14 @@ B=.snap/trees/s27-base/src
 pkill -9 -f "kalos serve" 2>/dev/null
 nvidia-smi --query-gpu=name --format=csv,noheader
 room() { (( SECONDS + $1 < budget )) || { echo "--- skipped $2: ${SECONDS}s gone"; return 1; }; }
-text() { # tree label
-  room 60 "text $2" || return 1
-  echo "=== text $2 $(date +%T) (${SECONDS}s)"
-  PYTHONPATH=.snap/model:$1 timeout 100 python3 benchmarks/text_recall.py --device cuda \
-    --filler random --rounds 300 --embed-runtime triton > $OUT/text-$2.txt 2>&1
+text() { # tree label [env...]
+  local src=$1 label=$2; shift 2
+  room 60 "text $label" || return 1
+  echo "=== text $label $(date +%T) (${SECONDS}s)"
+  env "$@" PYTHONPATH=.snap/model:$src timeout 100 python3 benchmarks/text_recall.py --device cuda \
+    --filler random --rounds 300 --embed-runtime triton > $OUT/text-$label.txt 2>&1
   pkill -9 -f "kalos serve" 2>/dev/null; sleep 1
-  grep -E "one round trip \|" $OUT/text-$2.txt | head -1
+  grep -E "one round trip \|" $OUT/text-$label.txt | head -1
 }
 crowd() { # tree label [colocated]
   room 125 "crowd $2" || return 1
@@ -42,7 +44,9 @@ PYTHONPATH=.snap/model:src timeout 330 python3 -m pytest -q -p no:cacheprovider 
   tests/test_sidecar_embed.py tests/test_minilm_kernels.py tests/test_torch_engine.py tests/test_slot_server.py \
   > $OUT/gpu-tests.txt 2>&1; tail -3 $OUT/gpu-tests.txt
 pkill -9 -f "kalos serve" 2>/dev/null
-text src cache-1; text $B base-1; text src cache-2; text $B base-2; text src cache-3; text $B base-3
+# (nocache: the same tree with the cache off, what a memory's first recall costs)
+text src cache-1; text $B base-1; text src nocache-1 KALOS_ITEM_CACHE_BYTES=0; text src cache-2; text $B base-2
+text src nocache-2 KALOS_ITEM_CACHE_BYTES=0; text src cache-3
 else
 PYTHONPATH=src timeout 60 python3 src/kalos/tools/crowd.py --device cuda --crowd 64 --crowd-seconds 2 \
   --colocated 64 > $OUT/crowd-warmup.txt 2>&1; pkill -9 -f "kalos serve" 2>/dev/null
