@@ -1137,8 +1137,9 @@ class Store:
     def _write_transaction(self, what: str, *, new_rows_only: bool = False) -> Iterator[sqlite3.Connection]:
         """One IMMEDIATE transaction under the store's lock: committed if the body returns,
         rolled back on any exception (KeyboardInterrupt too: no transaction is left open).
-        Once committed, :attr:`revision` grows, unless ``new_rows_only`` (the body only inserted
-        rows under new ids)."""
+        Once committed, if the body changed rows, :attr:`revision` grows and the rows it named
+        (:meth:`_note_changed`) are recorded, unless ``new_rows_only`` (it only inserted rows
+        under new ids)."""
         with self._lock:
             conn = self._connection(write=True)
             try:
