@@ -156,3 +156,37 @@ def model_arrays(model: Mapping[int, tuple]) -> tuple[np.ndarray, np.ndarray, li
     namespaces = [model[i][1] for i in keys]
     created = np.asarray([model[i][2] for i in keys], dtype=np.float64)
     return ids, vectors, namespaces, created
+
+
+def assert_same_answers(
+    got_ids: np.ndarray,
+    got_scores: np.ndarray,
+    want_ids: np.ndarray,
+    want_scores: np.ndarray,
+    *,
+    tie_tol: float = TIE_TOL,
+    score_tol: float = SCORE_TOL,
+    context: str = "",
+) -> None:
+    """Asserts that two searchers' answers (``[Q, k]``) are the same up to the order of near
+    ties: scores within ``score_tol`` position by position, and ids equal position by position
+    except where the two answers order rows whose scores are within ``tie_tol`` otherwise (a
+    pass of several queries sums its products in another order than one query alone)."""
+    got_ids, want_ids = np.atleast_2d(got_ids), np.atleast_2d(want_ids)
+    got_scores = np.atleast_2d(got_scores).astype(np.float64)
+    want_scores = np.atleast_2d(want_scores).astype(np.float64)
+    assert got_ids.shape == want_ids.shape, f"{context}: shapes {got_ids.shape} against {want_ids.shape}"
+    np.testing.assert_allclose(got_scores, want_scores, rtol=score_tol, atol=tie_tol, err_msg=context)
+    for qi in range(len(got_ids)):
+        if (want_ids[qi] == MISSING_ID).any():  # (every eligible row returned: the same rows)
+            assert set(got_ids[qi].tolist()) == set(want_ids[qi].tolist()), f"{context} query {qi}: other rows"
+        placed = {int(i): s for i, s in zip(want_ids[qi], want_scores[qi])}
+        last = want_scores[qi][np.isfinite(want_scores[qi])].min(initial=np.inf)
+        for pos in np.flatnonzero(got_ids[qi] != want_ids[qi]):
+            item, here = int(got_ids[qi][pos]), want_scores[qi][pos]
+            # The row is in the other answer at a tied score, or (a tie at the k-th place) in
+            # neither at a score tied with the other answer's last.
+            theirs = placed.get(item, last)
+            assert abs(theirs - here) <= tie_tol, (
+                f"{context} query {qi} place {pos}: id {item} against {int(want_ids[qi][pos])}, "
+                f"scores {theirs} and {here} are no tie")
