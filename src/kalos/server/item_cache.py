@@ -69,7 +69,7 @@ class ItemCache:
         missing = [item_id for item_id in ids if item_id not in found and item_id not in gone]
         if not missing:
             check_floor(sum(map(len, found.values())))
-            return [found[item_id] if item_id in found else None for item_id in ids]
+            return [found.get(item_id) for item_id in ids]
         read = self._store.get(missing)
         if self._store.revision != revision:
             # A write committed between the look here and the end of the store's read: what

@@ -42,7 +42,6 @@ from kalos.ipc.control import (
     ConnectionClosed,
     array_blob,
     blob_array,
-    encode_message,
     encode_value,
     encoded_ok_reply,
     error_reply,
@@ -810,15 +809,15 @@ def _checked_reply(what: str, advice: str, *, blob_len: int = 0, floor: int = 0,
     and the encoding is what send_frame sends. ``floor``, a size the JSON cannot be under (its
     texts' characters), refuses a reply far past the limit before it is encoded at all."""
     _refuse_past_limit(what, advice, floor, blob_len, at_least=True)
-    body = encode_message(ok_reply(**fields))
-    _refuse_past_limit(what, advice, len(body), blob_len)
-    return body
+    encoded = {name: encode_value(value) for name, value in fields.items()}
+    return _encoded_reply(what, advice, blob_len=blob_len, **encoded)
 
 
-def _encoded_reply(what: str, advice: str, **encoded: bytes) -> bytes:
-    """``encoded_ok_reply(**encoded)``, refused as :func:`_checked_reply` refuses a reply past the limit."""
+def _encoded_reply(what: str, advice: str, *, blob_len: int = 0, **encoded: bytes) -> bytes:
+    """``encoded_ok_reply(**encoded)`` (fields already encoded), its exact size checked as
+    :func:`_checked_reply` says."""
     body = encoded_ok_reply(**encoded)
-    _refuse_past_limit(what, advice, len(body), 0)
+    _refuse_past_limit(what, advice, len(body), blob_len)
     return body
 
 
