@@ -18,15 +18,15 @@ from kalos.ipc.control import encode_value
 from kalos.server import item_cache
 from kalos.server.item_cache import ItemCache, item_fields
 from kalos.store.changes import ChangeLog
-from kalos.store.sqlite import Store
-from kalos.validation import Item, check_update
+from kalos.store.sqlite import ItemRow, Store
+from kalos.validation import Item, check_update, encode_metadata
 from kalos.where import compile_where
 
 DIM = 8
 
 
 class FakeStore:
-    """The part of a store the cache reads: get() (counted), revision and changed_since()."""
+    """The part of a store the cache reads: get_rows() (counted), revision and changed_since()."""
 
     def __init__(self, items: dict[int, Item], revision: int | None = 0) -> None:
         self.items = items
@@ -44,11 +44,25 @@ class FakeStore:
         later = [ids for at, ids in self.log if at > revision]
         return None if any(ids is None for ids in later) else frozenset().union(*later)
 
-    def get(self, ids: Any) -> list[Item | None]:
+    def get_rows(self, ids: Any) -> list[ItemRow | None]:
         self.reads.append(list(ids))
-        read = [self.items.get(int(i)) for i in ids]
+        read = [row_of(self.items.get(int(i))) for i in ids]
         self.during_read()  # (what happens after the read, before the caller goes on)
         return read
+
+
+def row_of(item: Item | None) -> ItemRow | None:
+    """The row a store reads for ``item``: its metadata as the stores write it."""
+    if item is None:
+        return None
+    (metadata,) = encode_metadata([item.metadata], 1)
+    return ItemRow(item.id, item.namespace, item.text, metadata, item.created_at, item.key, item.updated_at,
+                   item.expires_at)
+
+
+def reply_value(item: Item | None) -> Any:
+    """What a reply's JSON of ``item`` decodes to."""
+    return json.loads(encode_value(item_fields(item)))
 
 
 def make_item(item_id: int, text: str = "", expires_at: float | None = None) -> Item:
@@ -64,8 +78,8 @@ def test_items_are_read_once_and_encoded_as_a_reply_encodes_them():
     store = FakeStore({i: make_item(i) for i in range(5)})
     cache = ItemCache(store, 1 << 20)
     first = cache.encoded([3, 1, 9], check_floor=no_floor)
-    assert first == [encode_value(item_fields(store.items[3])), encode_value(item_fields(store.items[1])), None]
-    assert json.loads(first[0]) == {**item_fields(store.items[3])}
+    assert [None if body is None else json.loads(body) for body in first] == [
+        reply_value(store.items[3]), reply_value(store.items[1]), None]
     assert cache.encoded([1, 3], check_floor=no_floor) == [first[1], first[0]]
     assert store.reads == [[3, 1, 9]], "the second call found both in the cache"
     # An absent id is not remembered as absent: the store is asked again (it may be added since).
@@ -176,7 +190,7 @@ def test_an_expired_item_is_absent_without_a_read(monkeypatch):
 
 def test_the_cache_keeps_at_most_its_bytes_least_recently_used_out():
     store = FakeStore({i: make_item(i, "x" * 200) for i in range(10, 100)})  # (ids of two digits: one size)
-    size = len(encode_value(item_fields(store.items[10]))) + item_cache._ENTRY_OVERHEAD
+    size = len(item_cache.encode_item_row(row_of(store.items[10]))) + item_cache._ENTRY_OVERHEAD
     cache = ItemCache(store, 10 * size)
     cache.encoded(list(range(10, 20)), check_floor=no_floor)
     cache.encoded([10], check_floor=no_floor)  # (10 is now the most recently used)
@@ -201,17 +215,101 @@ def test_the_floor_is_checked_before_anything_is_encoded(monkeypatch):
     store = FakeStore({1: make_item(1, "z" * 1000), 2: make_item(2, "w" * 10)})
     cache = ItemCache(store, 1 << 20)
     cache.encoded([2], check_floor=no_floor)
-    cached = len(encode_value(item_fields(store.items[2])))
+    cached = len(item_cache.encode_item_row(row_of(store.items[2])))
     floors: list[int] = []
 
     def refuse(size: int) -> None:
         floors.append(size)
         raise InvalidArgument("too large")
 
-    monkeypatch.setattr(item_cache, "encode_value", lambda value: pytest.fail("encoded before the floor check"))
+    monkeypatch.setattr(item_cache, "encode_item_row", lambda row: pytest.fail("encoded before the floor check"))
     with pytest.raises(InvalidArgument):
         cache.encoded([1, 2], check_floor=refuse)
     assert floors == [1000 + cached], "what is cached, and the texts of the rest"
+
+
+def test_an_item_row_encodes_to_what_its_item_encodes_to(tmp_path, rng):
+    """encode_item_row against encode_value(item_fields(item)), field for field and in order, on
+    stored rows of every kind: without text or metadata, keyed, upserted (updated_at), expiring,
+    texts and metadata with quotes, escapes, controls and non-ASCII; get_rows aligned with the
+    ids asked for, None where absent."""
+    texts = [None, "", 'quote " backslash \\ tab \t newline \n', "é 東京 🎉", "\x00 \x1f \x7f \u2028"]
+    metadata = [None, {}, {"a": [1, 2.5, None, True, "\""], "é": {"東京": -0.0}}, {"big": 10**20, "tiny": 1e-300},
+                {"s": "\x00\u2028"}]
+    with Store.open(tmp_path / "m.db", dim=DIM) as store:
+        plain = store.add(rng.standard_normal((5, DIM)).astype(np.float32), namespace="ns é", texts=texts,
+                          metadata=metadata)[0].tolist()
+        keyed = store.upsert(rng.standard_normal((2, DIM)).astype(np.float32), keys=["k 1", "k\"2"], namespace="n",
+                             texts=["x", None], metadata=[{"v": 1}, None],
+                             expires_at=np.array([time.time() + 600, np.nan]))[0].tolist()
+        store.upsert(rng.standard_normal((1, DIM)).astype(np.float32), keys=["k 1"], namespace="n", texts=["y"])
+        ids = [*plain, *keyed, 10**9]
+        rows, items = store.get_rows(ids), store.get(ids)
+        assert rows[-1] is None and items[-1] is None and all(row is not None for row in rows[:-1])
+        assert [row.id for row in rows[:-1]] == ids[:-1]
+        for row, item in zip(rows[:-1], items[:-1]):
+            value = json.loads(item_cache.encode_item_row(row))
+            assert value == reply_value(item) and list(value) == list(item_fields(item)), item
+        assert items[5].updated_at is not None and items[6].expires_at is None
+
+
+def test_a_row_another_tool_garbled_is_refused_by_name_and_the_rest_still_read(sidecars: SidecarPool, rng):
+    import sqlite3
+
+    from kalos.errors import StoreError
+
+    store_dir = short_tempdir("ic")
+    name = unique_name("ic")
+    try:
+        path = Path(store_dir) / "m.db"
+        sidecars.start(path, name=name, dim=DIM)
+        with Client(name, timeout=5.0) as client:
+            ids = client.add(rng.standard_normal((3, DIM)).astype(np.float32), texts=["a", "b", "c"],
+                             metadata=[{"i": 0}, {"i": 1}, {"i": 2}]).tolist()
+            foreign = sqlite3.connect(path, timeout=5.0)
+            with foreign:
+                foreign.execute("UPDATE items SET metadata = '{not json' WHERE id = ?", (ids[0],))
+                foreign.execute("UPDATE items SET created_at = 'yesterday' WHERE id = ?", (ids[1],))
+            foreign.close()
+            with pytest.raises(StoreError, match=f"item {ids[0]}: its stored metadata is not JSON"):
+                client.get(ids=[ids[0], ids[2]])
+            with pytest.raises(StoreError, match=f"item {ids[1]}: its stored created_at is not a finite number"):
+                client.get(ids=[ids[1]])
+            (item,) = client.get(ids=[ids[2]])
+            assert item.text == "c" and item.metadata == {"i": 2}
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def test_get_by_key_reads_its_items_through_the_cache_and_follows_the_key(sidecars: SidecarPool, rng):
+    store_dir = short_tempdir("ic")
+    name = unique_name("ic")
+    try:
+        sidecars.start(Path(store_dir) / "m.db", name=name, dim=DIM)
+        with Client(name, timeout=5.0) as client:
+            def vector() -> np.ndarray:
+                return rng.standard_normal((1, DIM)).astype(np.float32)
+
+            client.add(np.vstack([vector(), vector()]), texts=["a0", "b0"], namespace="n", keys=["a", "b"])
+            client.add(vector(), texts=["elsewhere"], namespace="m", keys=["a"])
+
+            def texts(*keys: str, namespace: str = "n") -> list[str | None]:
+                return [None if item is None else item.text for item in client.get(keys=list(keys), namespace=namespace)]
+
+            assert texts("a", "b", "z") == ["a0", "b0", None]
+            hits = client.stats()["item_cache"]["hits"]
+            assert texts("b", "a") == ["b0", "a0"] and client.stats()["item_cache"]["hits"] == hits + 2
+            assert texts("a", namespace="m") == ["elsewhere"]
+            client.add(vector(), texts=["a1"], namespace="n", keys=["a"])  # (an upsert)
+            assert texts("a", "b") == ["a1", "b0"]
+            client.delete(keys=["a"], namespace="n")
+            assert texts("a", "b") == [None, "b0"]
+            client.add(vector(), texts=["a2"], namespace="n", keys=["a"])  # (the key again, a new id)
+            assert texts("a", "b") == ["a2", "b0"]
+            item = client.get(keys=["a"], namespace="n")[0]
+            assert item.key == "a" and item.namespace == "n"
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
 
 
 def test_an_item_read_while_a_write_commits_is_not_kept_though_the_cache_is_behind():
@@ -417,4 +515,5 @@ def test_readers_beside_writers_never_read_an_item_older_than_its_last_committed
         assert not problems, problems[:5]
         assert cache.stats()["hits"] > 0
         for item in ids:
-            assert cache.encoded([item], check_floor=no_floor) == [encode_value(item_fields(store.get([item])[0]))]
+            assert [json.loads(body) for body in cache.encoded([item], check_floor=no_floor)] == [
+                reply_value(store.get([item])[0])]

@@ -20,14 +20,18 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
+import math
 import threading
 import time
+from json.encoder import encode_basestring_ascii as _json_string
 from typing import Any, Callable, Sequence
 
-from kalos.ipc.control import encode_value
+from kalos.errors import StoreError
+from kalos.store.sqlite import ItemRow
 from kalos.validation import Item
 
-__all__ = ["ItemCache", "item_fields"]
+__all__ = ["ItemCache", "encode_item_row", "item_fields"]
 
 # Accounted per entry beside its JSON: the ordered dictionary's node and slot, the key, the
 # tuple, the bytes object's header, the expiry.
@@ -45,6 +49,40 @@ def item_fields(item: Item | None) -> dict[str, Any] | None:
     return {name: getattr(item, name) for name in _ITEM_FIELDS}
 
 
+def encode_item_row(row: ItemRow) -> bytes:
+    """The JSON of ``row``'s item in a reply: the value ``encode_value(item_fields(item))`` has,
+    built from the row without an Item or a dictionary (a reply's items were most of the
+    sidecar's own work for a recall_text that missed the cache). The metadata's JSON text goes
+    in as stored once it parses, and the timestamps once they are finite numbers: a store that
+    another tool wrote may hold anything, and a reply must still be JSON (StoreError otherwise,
+    naming the item)."""
+    item_id, namespace, text, metadata, created_at, key, updated_at, expires_at = row
+    if metadata is not None:
+        try:
+            json.loads(metadata)
+        except ValueError as exc:
+            raise StoreError(f"item {item_id}: its stored metadata is not JSON ({exc})") from None
+    return b'{"id":%d,"namespace":%s,"text":%s,"metadata":%s,"created_at":%s,"key":%s,"updated_at":%s,"expires_at":%s}' % (
+        item_id, _json_string(namespace).encode(),
+        b"null" if text is None else _json_string(text).encode(),
+        b"null" if metadata is None else metadata.encode(),
+        _number(created_at, item_id, "created_at"),
+        b"null" if key is None else _json_string(key).encode(),
+        b"null" if updated_at is None else _number(updated_at, item_id, "updated_at"),
+        b"null" if expires_at is None else _number(expires_at, item_id, "expires_at"))
+
+
+def _number(value: Any, item_id: int, field: str) -> bytes:
+    """A stored timestamp as json spells a float (its repr)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number):
+        raise StoreError(f"item {item_id}: its stored {field} is not a finite number ({value!r})")
+    return repr(number).encode()
+
+
 class ItemCache:
     """The JSON of items by id, read through from ``store`` (a Store or a PostgresStore)."""
 
@@ -59,10 +97,10 @@ class ItemCache:
         self.misses = 0
 
     def encoded(self, ids: Sequence[int], *, check_floor: Callable[[int], None]) -> list[bytes | None]:
-        """The JSON of each id's item (``encode_value(item_fields(item))``), aligned with ``ids``
-        (distinct): None where the store holds no live item. ``check_floor`` is called, before
-        any item is encoded, with a size their JSON cannot be under (what is cached, and the
-        texts of the rest); it raises to refuse a reply that would be too large."""
+        """The JSON of each id's item (:func:`encode_item_row`), aligned with ``ids`` (distinct):
+        None where the store holds no live item. ``check_floor`` is called, before any item is
+        encoded, with a size their JSON cannot be under (what is cached, and the texts of the
+        rest); it raises to refuse a reply that would be too large."""
         now = time.time()
         revision = self._store.revision  # (before the store is read: see the module's note)
         found, gone = self._cached(ids, revision, now)
@@ -70,7 +108,7 @@ class ItemCache:
         if not missing:
             check_floor(sum(map(len, found.values())))
             return [found.get(item_id) for item_id in ids]
-        read = self._store.get(missing)
+        read = self._store.get_rows(missing)
         if self._store.revision != revision:
             # A write committed between the look here and the end of the store's read: what
             # was read may be newer than ``revision`` (so it is not kept under it), and what was
@@ -78,11 +116,11 @@ class ItemCache:
             # read: one state, as the store's own get gives).
             if found:
                 found, gone, missing = {}, set(), list(ids)
-                read = self._store.get(missing)
+                read = self._store.get_rows(missing)
             revision = None
-        items = [item for item in read if item is not None]
-        check_floor(sum(map(len, found.values())) + sum(len(item.text or "") for item in items))
-        fresh = [(item.id, encode_value(item_fields(item)), item.expires_at) for item in items]
+        rows = [row for row in read if row is not None]
+        check_floor(sum(map(len, found.values())) + sum(len(row.text or "") for row in rows))
+        fresh = [(row.id, encode_item_row(row), row.expires_at) for row in rows]
         found.update((item_id, body) for item_id, body, _ in fresh)
         with self._lock:
             self.misses += len(missing)

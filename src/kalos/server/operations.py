@@ -595,9 +595,14 @@ class ControlServer:
         if not isinstance(with_vectors, bool):
             raise InvalidArgument(f"get: with_vectors must be true or false, got {with_vectors!r}")
         what, advice = "get: the reply", "ask for fewer ids at a time"
-        if keys is None and not with_vectors:
-            found = self.items.encoded(wanted, check_floor=_floor_check(what, advice))
-            items_json = _json_list(b"null" if body is None else body for body in found)
+        if not with_vectors:
+            # By key: the ids the keys name now, then their items as by id (a key deleted and
+            # added again in between names an id that is gone: None, as a read after the delete).
+            ids = wanted if keys is None else self.store.ids_of_keys(
+                keys, check_namespace(message.get("namespace", "default")))
+            present = [item_id for item_id in ids if item_id is not None]
+            bodies = dict(zip(present, self.items.encoded(present, check_floor=_floor_check(what, advice))))
+            items_json = _json_list(b"null" if bodies.get(item_id) is None else bodies[item_id] for item_id in ids)
             return _encoded_reply(what, advice, items=items_json), b""
         if keys is not None:
             items = self.store.get_keys(keys, check_namespace(message.get("namespace", "default")))

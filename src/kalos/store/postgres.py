@@ -85,7 +85,7 @@ import numpy as np
 
 from kalos.errors import DimensionMismatch, InvalidArgument, NotAKalosStore, StoreError, UnknownKey
 from kalos.store.follow import ChangeFollower
-from kalos.store.sqlite import FORMAT_NAME, SCHEMA_VERSION, Store, _update_columns
+from kalos.store.sqlite import FORMAT_NAME, SCHEMA_VERSION, ItemRow, Store, _update_columns
 from kalos.validation import (
     DEFAULT_NAMESPACE,
     UNSET,
@@ -1025,19 +1025,23 @@ class PostgresStore:
 
     def get(self, ids: Sequence[int] | np.ndarray) -> list[Item | None]:
         """The items of ``ids``, aligned with them: None where an id is absent."""
+        return [None if row is None else Store._item(row) for row in self.get_rows(ids)]
+
+    def get_rows(self, ids: Sequence[int] | np.ndarray) -> list[ItemRow | None]:
+        """As :meth:`kalos.store.sqlite.Store.get_rows`."""
         wanted = check_ids(ids, "get")
         unique = np.unique(wanted).tolist()
         now = time.time()  # an expired item is absent from that moment, before the sweep deletes it
 
-        def body(conn: Any) -> dict[int, Item]:
-            found: dict[int, Item] = {}
+        def body(conn: Any) -> dict[int, ItemRow]:
+            found: dict[int, ItemRow] = {}
             for start in range(0, len(unique), _IDS_PER_QUERY):
                 for row in conn.execute(
                     f"SELECT {self._item_columns()} FROM kalos_items AS i"
                     f" JOIN kalos_namespaces AS n ON n.id = i.namespace_id WHERE i.id = ANY(%s){self._live_clause('i')}",
                     (unique[start : start + _IDS_PER_QUERY], *self._live_params(now)),
                 ):
-                    found[row[0]] = Store._item(row)
+                    found[row[0]] = ItemRow._make(row)
             return found
 
         found = self._run("get", body) if unique else {}

@@ -75,7 +75,7 @@ import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import quote
 
 import numpy as np
@@ -100,7 +100,7 @@ from kalos.validation import (
     keys_for_lookup,
 )
 
-__all__ = ["Store", "FORMAT_NAME", "SCHEMA_VERSION", "APPLICATION_ID", "REQUEST_WINDOW"]
+__all__ = ["Store", "ItemRow", "FORMAT_NAME", "SCHEMA_VERSION", "APPLICATION_ID", "REQUEST_WINDOW"]
 
 FORMAT_NAME = "kalos-store"
 SCHEMA_VERSION = 1
@@ -292,6 +292,22 @@ REQUEST_WINDOW = 10_000
 
 
 # -- the store -------------------------------------------------------------------------------
+
+
+
+class ItemRow(NamedTuple):
+    """One item as both stores read it (``_item_columns``): :class:`~kalos.validation.Item`'s
+    fields but the vector, with the metadata as its stored JSON text (None: none), as the store
+    returned them (a timestamp may be an int)."""
+
+    id: int
+    namespace: str
+    text: str | None
+    metadata: str | None
+    created_at: float
+    key: str | None
+    updated_at: float | None
+    expires_at: float | None
 
 
 class Store:
@@ -519,13 +535,14 @@ class Store:
         log.info("store: added the columns of issue 22 (key, updated_at, expires_at)")
 
     def _item_columns(self) -> str:
-        # The SELECT list of get/get_keys: name, text, metadata, created_at, key, updated_at.
+        # The SELECT list of an item's read, in ItemRow's order.
         keyed = "i.key, i.updated_at" if self._keyed else "NULL, NULL"
         expiry = "i.expires_at" if self._expiring else "NULL"
         return f"i.id, n.name, i.text, i.metadata, i.created_at, {keyed}, {expiry}"
 
     @staticmethod
     def _item(row: tuple) -> Item:
+        """The Item of a row that _item_columns selected (an ItemRow's fields, in its order)."""
         item_id, name, text, meta, created, key, updated, expires = row
         return Item(id=item_id, namespace=name, text=text, metadata=None if meta is None else json.loads(meta),
                     created_at=float(created), key=key, updated_at=None if updated is None else float(updated),
@@ -877,7 +894,7 @@ class Store:
         with self._lock:
             conn = self._connection()
             if not self._keyed:
-                return [None] * len(key_list)
+                return [None] * len(wanted)
             try:
                 for start in range(0, len(key_list), _IDS_PER_QUERY):
                     chunk = key_list[start : start + _IDS_PER_QUERY]
@@ -1241,9 +1258,15 @@ class Store:
 
     def get(self, ids: Sequence[int] | np.ndarray) -> list[Item | None]:
         """The items of ``ids``, aligned with them: None where an id is absent."""
+        return [None if row is None else self._item(row) for row in self.get_rows(ids)]
+
+    def get_rows(self, ids: Sequence[int] | np.ndarray) -> list[ItemRow | None]:
+        """:meth:`get`'s items as the store holds them (:class:`ItemRow`: the metadata still its
+        JSON text), for what only passes them on (kalos.server.item_cache encodes a reply's
+        items from them without building Items)."""
         wanted = check_ids(ids, "get")
         unique = np.unique(wanted)
-        found: dict[int, Item] = {}
+        found: dict[int, ItemRow] = {}
         now = time.time()  # an expired item is absent from that moment, before the sweep deletes it
         with self._lock:
             conn = self._connection()
@@ -1257,7 +1280,7 @@ class Store:
                         (*chunk, *self._live_params(now)),
                     ).fetchall()
                     for row in rows:
-                        found[row[0]] = self._item(row)
+                        found[row[0]] = ItemRow._make(row)
             except sqlite3.Error as e:
                 raise _wrap(e, "get", self.path) from None
         return [found.get(i) for i in wanted.tolist()]
