@@ -255,6 +255,7 @@ def test_a_store_made_before_keys_opens_and_gains_the_columns(tmp_path):
     with Store.open(path, readonly=True) as ro:  # readonly: no migration, items simply have no key
         assert [it.key for it in ro.get([1, 2])] == [None, None]
         assert ro.get_keys(["a"], "default") == [None]
+        assert ro.ids_of_keys(["a", "b", "a"], "default") == [None, None, None], "one answer per key asked"
     with Store.open(path) as store:  # writable: migrated
         cols = {r[1] for r in store._conn.execute("PRAGMA table_info(items)")}
         assert {"key", "updated_at"} <= cols

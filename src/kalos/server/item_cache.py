@@ -28,6 +28,7 @@ from json.encoder import encode_basestring_ascii as _json_string
 from typing import Any, Callable, Sequence
 
 from kalos.errors import StoreError
+from kalos.ipc.control import encode_value
 from kalos.store.sqlite import ItemRow
 from kalos.validation import Item
 
@@ -53,30 +54,56 @@ def encode_item_row(row: ItemRow) -> bytes:
     """The JSON of ``row``'s item in a reply: the value ``encode_value(item_fields(item))`` has,
     built from the row without an Item or a dictionary (a reply's items were most of the
     sidecar's own work for a recall_text that missed the cache). The metadata's JSON text goes
-    in as stored once it parses, and the timestamps once they are finite numbers: a store that
-    another tool wrote may hold anything, and a reply must still be JSON (StoreError otherwise,
-    naming the item)."""
+    in as stored once it parses as strict JSON (no NaN or Infinity, no number past a float's
+    range), and the timestamps once they are finite numbers: a store that another tool wrote
+    may hold anything, and a reply must still be JSON. What cannot be sent is a StoreError
+    naming the item, as reading it through an Item and encode_value refused it."""
+    try:
+        return _encoded_row(row)
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+        raise StoreError(f"item {row.id}: a stored field cannot be sent ({type(exc).__name__}: {exc})") from None
+
+
+def _encoded_row(row: ItemRow) -> bytes:
     item_id, namespace, text, metadata, created_at, key, updated_at, expires_at = row
+    metadata_json = b"null"
     if metadata is not None:
+        if isinstance(metadata, bytes):  # (a BLOB, as another tool may have bound it)
+            metadata = metadata.decode("utf-8")
         try:
-            json.loads(metadata)
+            value = json.loads(metadata, parse_constant=_refuse_constant, parse_float=_finite_float)
         except ValueError as exc:
             raise StoreError(f"item {item_id}: its stored metadata is not JSON ({exc})") from None
+        try:
+            metadata_json = metadata.encode()
+        except UnicodeEncodeError:  # (a lone surrogate in the text itself: escaped, as encode_value does)
+            metadata_json = encode_value(value)
     return b'{"id":%d,"namespace":%s,"text":%s,"metadata":%s,"created_at":%s,"key":%s,"updated_at":%s,"expires_at":%s}' % (
         item_id, _json_string(namespace).encode(),
         b"null" if text is None else _json_string(text).encode(),
-        b"null" if metadata is None else metadata.encode(),
+        metadata_json,
         _number(created_at, item_id, "created_at"),
         b"null" if key is None else _json_string(key).encode(),
         b"null" if updated_at is None else _number(updated_at, item_id, "updated_at"),
         b"null" if expires_at is None else _number(expires_at, item_id, "expires_at"))
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(spelled: str) -> float:
+    number = float(spelled)
+    if not math.isfinite(number):
+        raise ValueError(f"{spelled} is past a float's range")
+    return number
+
+
 def _number(value: Any, item_id: int, field: str) -> bytes:
     """A stored timestamp as json spells a float (its repr)."""
     try:
         number = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         number = math.nan
     if not math.isfinite(number):
         raise StoreError(f"item {item_id}: its stored {field} is not a finite number ({value!r})")
@@ -120,7 +147,10 @@ class ItemCache:
             revision = None
         rows = [row for row in read if row is not None]
         check_floor(sum(map(len, found.values())) + sum(len(row.text or "") for row in rows))
-        fresh = [(row.id, encode_item_row(row), row.expires_at) for row in rows]
+        # (The expiry as a float: the cache compares it with the clock, and the row's is the
+        # store's value, which encode_item_row has just checked is a number.)
+        fresh = [(row.id, encode_item_row(row), None if row.expires_at is None else float(row.expires_at))
+                 for row in rows]
         found.update((item_id, body) for item_id, body, _ in fresh)
         with self._lock:
             self.misses += len(missing)
