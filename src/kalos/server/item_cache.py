@@ -71,7 +71,7 @@ def _encoded_row(row: ItemRow) -> bytes:
         if isinstance(metadata, bytes):  # (a BLOB, as another tool may have bound it)
             metadata = metadata.decode("utf-8")
         try:
-            value = json.loads(metadata, parse_constant=_refuse_constant, parse_float=_finite_float)
+            value = _STRICT_JSON.decode(metadata)
         except ValueError as exc:
             raise StoreError(f"item {item_id}: its stored metadata is not JSON ({exc})") from None
         try:
@@ -97,6 +97,10 @@ def _finite_float(spelled: str) -> float:
     if not math.isfinite(number):
         raise ValueError(f"{spelled} is past a float's range")
     return number
+
+
+#: JSON as encode_value writes it: no NaN or Infinity, no number a float cannot hold.
+_STRICT_JSON = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
 
 
 def _number(value: Any, item_id: int, field: str) -> bytes:
