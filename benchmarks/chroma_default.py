@@ -73,13 +73,15 @@ def check_against(embedding_function: Any, reference: Any, texts: list[str]) -> 
 
 
 class DefaultClient:
-    """``chromadb.Client()`` (in memory, its defaults) holding ``texts`` in one collection whose
-    embedding function is the default one; :meth:`query` is a user's recall of one question."""
+    """``chromadb.Client()`` (in memory, its defaults but telemetry, whose sends would only
+    retry on a host without the network) holding ``texts`` in one collection whose embedding
+    function is the default one; :meth:`query` is a user's recall of one question."""
 
     def __init__(self, texts: list[str], embedding_function: Any) -> None:
         import chromadb
+        from chromadb.config import Settings
 
-        self.client = chromadb.Client()
+        self.client = chromadb.Client(Settings(anonymized_telemetry=False))
         self.collection = self.client.create_collection("memories", embedding_function=embedding_function)
         for start in range(0, len(texts), 256):
             chunk = texts[start:start + 256]
