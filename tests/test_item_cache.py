@@ -517,6 +517,28 @@ def test_get_through_the_sidecar_sees_every_kind_of_write(sidecars: SidecarPool,
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
+def test_get_and_list_replies_carry_the_same_item_fields_and_no_vector(sidecars: SidecarPool, rng):
+    """get by id, by key and list name the same fields, Item's but its vector (a client from
+    before Item.vector builds Item(**fields) and knows no such field); recall_text's items come
+    from the same cache as get by id."""
+    store_dir = short_tempdir("ic")
+    name = unique_name("ic")
+    try:
+        sidecars.start(Path(store_dir) / "m.db", name=name, dim=DIM)
+        with Client(name, timeout=5.0) as client:
+            (item,) = client.add(rng.standard_normal((1, DIM)).astype(np.float32), texts=["t"], namespace="n",
+                                 keys=["k"], metadata=[{"m": 1}]).tolist()
+            expected = [field for field in item_fields(client.get(ids=[item])[0])]
+            by_id, _ = client._control({"op": "get", "ids": [item]})
+            by_key, _ = client._control({"op": "get", "keys": ["k"], "namespace": "n"})
+            page, _ = client._control({"op": "list", "namespace": "n"})
+            for reply in (by_id, by_key, page):
+                assert [list(fields) for fields in reply["items"]] == [expected]
+            assert "vector" not in expected
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
+
+
 def test_readers_beside_writers_never_read_an_item_older_than_its_last_committed_write(tmp_path, rng):
     """Writer threads rewrite items (text "v<n>", n growing per item) while reader threads read
     them through the cache: every item a reader gets is at least the version committed before

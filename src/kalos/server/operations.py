@@ -456,7 +456,7 @@ class ControlServer:
             limit=message.get("limit", 100), after=message.get("after", 0),
         )
         return _checked_reply("list: the page", "ask for a smaller limit",
-                              items=[dataclasses.asdict(item) for item in items], next=after,
+                              items=[item_fields(item) for item in items], next=after,
                               floor=_text_chars(items)), b""
 
     def _op_count(self, message: dict[str, Any], _blob: bytearray) -> tuple[dict[str, Any], bytes]:
