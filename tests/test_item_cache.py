@@ -6,7 +6,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -72,6 +72,20 @@ def make_item(item_id: int, text: str = "", expires_at: float | None = None) -> 
 
 def no_floor(_size: int) -> None:
     pass
+
+
+@pytest.fixture
+def sidecar_client(sidecars: SidecarPool) -> Iterator[tuple[Client, Path]]:
+    """A client of a fresh CPU sidecar (dimension DIM) and the path of its store."""
+    store_dir = short_tempdir("ic")
+    try:
+        path = Path(store_dir) / "m.db"
+        name = unique_name("ic")
+        sidecars.start(path, name=name, dim=DIM)
+        with Client(name, timeout=5.0) as client:
+            yield client, path
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
 
 
 def test_items_are_read_once_and_encoded_as_a_reply_encodes_them():
@@ -301,63 +315,51 @@ def test_an_expiry_the_store_holds_as_text_is_kept_as_a_number():
     assert cache.encoded([1], check_floor=no_floor) == first and cache.stats()["hits"] == 1
 
 
-def test_a_row_another_tool_garbled_is_refused_by_name_and_the_rest_still_read(sidecars: SidecarPool, rng):
+def test_a_row_another_tool_garbled_is_refused_by_name_and_the_rest_still_read(sidecar_client, rng):
     import sqlite3
 
     from kalos.errors import StoreError
 
-    store_dir = short_tempdir("ic")
-    name = unique_name("ic")
-    try:
-        path = Path(store_dir) / "m.db"
-        sidecars.start(path, name=name, dim=DIM)
-        with Client(name, timeout=5.0) as client:
-            ids = client.add(rng.standard_normal((3, DIM)).astype(np.float32), texts=["a", "b", "c"],
-                             metadata=[{"i": 0}, {"i": 1}, {"i": 2}]).tolist()
-            foreign = sqlite3.connect(path, timeout=5.0)
-            with foreign:
-                foreign.execute("UPDATE items SET metadata = '{not json' WHERE id = ?", (ids[0],))
-                foreign.execute("UPDATE items SET created_at = 'yesterday' WHERE id = ?", (ids[1],))
-            foreign.close()
-            with pytest.raises(StoreError, match=f"item {ids[0]}: its stored metadata is not JSON"):
-                client.get(ids=[ids[0], ids[2]])
-            with pytest.raises(StoreError, match=f"item {ids[1]}: its stored created_at is not a finite number"):
-                client.get(ids=[ids[1]])
-            (item,) = client.get(ids=[ids[2]])
-            assert item.text == "c" and item.metadata == {"i": 2}
-    finally:
-        shutil.rmtree(store_dir, ignore_errors=True)
+    client, path = sidecar_client
+    ids = client.add(rng.standard_normal((3, DIM)).astype(np.float32), texts=["a", "b", "c"],
+                     metadata=[{"i": 0}, {"i": 1}, {"i": 2}]).tolist()
+    foreign = sqlite3.connect(path, timeout=5.0)
+    with foreign:
+        foreign.execute("UPDATE items SET metadata = '{not json' WHERE id = ?", (ids[0],))
+        foreign.execute("UPDATE items SET created_at = 'yesterday' WHERE id = ?", (ids[1],))
+    foreign.close()
+    with pytest.raises(StoreError, match=f"item {ids[0]}: its stored metadata is not JSON"):
+        client.get(ids=[ids[0], ids[2]])
+    with pytest.raises(StoreError, match=f"item {ids[1]}: its stored created_at is not a finite number"):
+        client.get(ids=[ids[1]])
+    (item,) = client.get(ids=[ids[2]])
+    assert item.text == "c" and item.metadata == {"i": 2}
 
 
-def test_get_by_key_reads_its_items_through_the_cache_and_follows_the_key(sidecars: SidecarPool, rng):
-    store_dir = short_tempdir("ic")
-    name = unique_name("ic")
-    try:
-        sidecars.start(Path(store_dir) / "m.db", name=name, dim=DIM)
-        with Client(name, timeout=5.0) as client:
-            def vector() -> np.ndarray:
-                return rng.standard_normal((1, DIM)).astype(np.float32)
+def test_get_by_key_reads_its_items_through_the_cache_and_follows_the_key(sidecar_client, rng):
+    client, _ = sidecar_client
 
-            client.add(np.vstack([vector(), vector()]), texts=["a0", "b0"], namespace="n", keys=["a", "b"])
-            client.add(vector(), texts=["elsewhere"], namespace="m", keys=["a"])
+    def vector() -> np.ndarray:
+        return rng.standard_normal((1, DIM)).astype(np.float32)
 
-            def texts(*keys: str, namespace: str = "n") -> list[str | None]:
-                return [None if item is None else item.text for item in client.get(keys=list(keys), namespace=namespace)]
+    client.add(np.vstack([vector(), vector()]), texts=["a0", "b0"], namespace="n", keys=["a", "b"])
+    client.add(vector(), texts=["elsewhere"], namespace="m", keys=["a"])
 
-            assert texts("a", "b", "z") == ["a0", "b0", None]
-            hits = client.stats()["item_cache"]["hits"]
-            assert texts("b", "a") == ["b0", "a0"] and client.stats()["item_cache"]["hits"] == hits + 2
-            assert texts("a", namespace="m") == ["elsewhere"]
-            client.add(vector(), texts=["a1"], namespace="n", keys=["a"])  # (an upsert)
-            assert texts("a", "b") == ["a1", "b0"]
-            client.delete(keys=["a"], namespace="n")
-            assert texts("a", "b") == [None, "b0"]
-            client.add(vector(), texts=["a2"], namespace="n", keys=["a"])  # (the key again, a new id)
-            assert texts("a", "b") == ["a2", "b0"]
-            item = client.get(keys=["a"], namespace="n")[0]
-            assert item.key == "a" and item.namespace == "n"
-    finally:
-        shutil.rmtree(store_dir, ignore_errors=True)
+    def texts(*keys: str, namespace: str = "n") -> list[str | None]:
+        return [None if item is None else item.text for item in client.get(keys=list(keys), namespace=namespace)]
+
+    assert texts("a", "b", "z") == ["a0", "b0", None]
+    hits = client.stats()["item_cache"]["hits"]
+    assert texts("b", "a") == ["b0", "a0"] and client.stats()["item_cache"]["hits"] == hits + 2
+    assert texts("a", namespace="m") == ["elsewhere"]
+    client.add(vector(), texts=["a1"], namespace="n", keys=["a"])  # (an upsert)
+    assert texts("a", "b") == ["a1", "b0"]
+    client.delete(keys=["a"], namespace="n")
+    assert texts("a", "b") == [None, "b0"]
+    client.add(vector(), texts=["a2"], namespace="n", keys=["a"])  # (the key again, a new id)
+    assert texts("a", "b") == ["a2", "b0"]
+    item = client.get(keys=["a"], namespace="n")[0]
+    assert item.key == "a" and item.namespace == "n"
 
 
 def test_an_item_read_while_a_write_commits_is_not_kept_though_the_cache_is_behind():
@@ -470,73 +472,61 @@ def test_store_revision_grows_with_each_write_that_changes_rows_and_names_them(t
     assert store.revision is None, "closed: a cache in front of it must read it (and hear it is closed)"
 
 
-def test_get_through_the_sidecar_sees_every_kind_of_write(sidecars: SidecarPool, rng):
-    store_dir = short_tempdir("ic")
-    name = unique_name("ic")
-    try:
-        sidecars.start(Path(store_dir) / "m.db", name=name, dim=DIM)
-        with Client(name, timeout=5.0) as client:
-            keys = ["a", "b", "c", "d", "e", "f", "g"]
-            vectors = rng.standard_normal((len(keys), DIM)).astype(np.float32)
-            ids = client.add(vectors, texts=[f"{k}0" for k in keys], namespace="n", keys=keys,
-                             metadata=[{"g": i % 2} for i in range(len(keys))],
-                             ttl=[None, None, 600.0, None, None, None, None]).tolist()
-            by_key = dict(zip(keys, ids))
+def test_get_through_the_sidecar_sees_every_kind_of_write(sidecar_client, rng):
+    client, _ = sidecar_client
+    keys = ["a", "b", "c", "d", "e", "f", "g"]
+    vectors = rng.standard_normal((len(keys), DIM)).astype(np.float32)
+    ids = client.add(vectors, texts=[f"{k}0" for k in keys], namespace="n", keys=keys,
+                     metadata=[{"g": i % 2} for i in range(len(keys))],
+                     ttl=[None, None, 600.0, None, None, None, None]).tolist()
+    by_key = dict(zip(keys, ids))
 
-            def texts() -> dict[str, str | None]:
-                return {k: None if item is None else item.text for k, item in zip(keys, client.get(ids=ids))}
+    def texts() -> dict[str, str | None]:
+        return {k: None if item is None else item.text for k, item in zip(keys, client.get(ids=ids))}
 
-            def after(write: Any, **changed: str | None) -> int:
-                """A get fills the cache; the write; the next get says what changed, and only that.
-                Returns how many items that get read from the store."""
-                expected = texts()
-                hits = client.stats()["item_cache"]["hits"]
-                assert texts() == expected and client.stats()["item_cache"]["hits"] > hits, "served from the cache"
-                write()
-                expected.update(changed)
-                misses = client.stats()["item_cache"]["misses"]
-                assert texts() == expected, write
-                return client.stats()["item_cache"]["misses"] - misses
+    def after(write: Any, **changed: str | None) -> int:
+        """A get fills the cache; the write; the next get says what changed, and only that.
+        Returns how many items that get read from the store."""
+        expected = texts()
+        hits = client.stats()["item_cache"]["hits"]
+        assert texts() == expected and client.stats()["item_cache"]["hits"] > hits, "served from the cache"
+        write()
+        expected.update(changed)
+        misses = client.stats()["item_cache"]["misses"]
+        assert texts() == expected, write
+        return client.stats()["item_cache"]["misses"] - misses
 
-            read = after(lambda: client.update("a", namespace="n", text="a1", metadata={"v": 1}), a="a1")
-            assert read == 1, "the other items stayed in the cache"
-            assert client.get(ids=[by_key["a"]])[0].metadata == {"v": 1}
-            after(lambda: client.add(vectors[1:2], texts=["b1"], namespace="n", keys=["b"]), b="b1")  # upsert, in place
-            before = client.get(ids=[by_key["c"]])[0].expires_at
-            after(lambda: client.renew(["c"], 3600.0, namespace="n"))
-            assert client.get(ids=[by_key["c"]])[0].expires_at > before + 1000
-            after(lambda: client.delete(ids=[by_key["d"]]), d=None)
-            after(lambda: client.delete(keys=["e"], namespace="n"), e=None)
-            after(lambda: client.delete(namespace="n", where={"g": 1}), f=None)  # (b lost its g to the upsert)
-            client.add(vectors[:1], texts=["short-lived"], namespace="t", ttl=0.5)
-            short = int(client.list(namespace="t").items[0].id)
-            assert client.get(ids=[short])[0].text == "short-lived"
-            wait_until(lambda: client.get(ids=[short])[0] is None, "the short-lived memory expired")
-            after(lambda: client.drop_namespace("n"), a=None, b=None, c=None, g=None)
-    finally:
-        shutil.rmtree(store_dir, ignore_errors=True)
+    read = after(lambda: client.update("a", namespace="n", text="a1", metadata={"v": 1}), a="a1")
+    assert read == 1, "the other items stayed in the cache"
+    assert client.get(ids=[by_key["a"]])[0].metadata == {"v": 1}
+    after(lambda: client.add(vectors[1:2], texts=["b1"], namespace="n", keys=["b"]), b="b1")  # upsert, in place
+    before = client.get(ids=[by_key["c"]])[0].expires_at
+    after(lambda: client.renew(["c"], 3600.0, namespace="n"))
+    assert client.get(ids=[by_key["c"]])[0].expires_at > before + 1000
+    after(lambda: client.delete(ids=[by_key["d"]]), d=None)
+    after(lambda: client.delete(keys=["e"], namespace="n"), e=None)
+    after(lambda: client.delete(namespace="n", where={"g": 1}), f=None)  # (b lost its g to the upsert)
+    client.add(vectors[:1], texts=["short-lived"], namespace="t", ttl=0.5)
+    short = int(client.list(namespace="t").items[0].id)
+    assert client.get(ids=[short])[0].text == "short-lived"
+    wait_until(lambda: client.get(ids=[short])[0] is None, "the short-lived memory expired")
+    after(lambda: client.drop_namespace("n"), a=None, b=None, c=None, g=None)
 
 
-def test_get_and_list_replies_carry_the_same_item_fields_and_no_vector(sidecars: SidecarPool, rng):
+def test_get_and_list_replies_carry_the_same_item_fields_and_no_vector(sidecar_client, rng):
     """get by id, by key and list name the same fields, Item's but its vector (a client from
     before Item.vector builds Item(**fields) and knows no such field); recall_text's items come
     from the same cache as get by id."""
-    store_dir = short_tempdir("ic")
-    name = unique_name("ic")
-    try:
-        sidecars.start(Path(store_dir) / "m.db", name=name, dim=DIM)
-        with Client(name, timeout=5.0) as client:
-            (item,) = client.add(rng.standard_normal((1, DIM)).astype(np.float32), texts=["t"], namespace="n",
-                                 keys=["k"], metadata=[{"m": 1}]).tolist()
-            expected = [field for field in item_fields(client.get(ids=[item])[0])]
-            by_id, _ = client._control({"op": "get", "ids": [item]})
-            by_key, _ = client._control({"op": "get", "keys": ["k"], "namespace": "n"})
-            page, _ = client._control({"op": "list", "namespace": "n"})
-            for reply in (by_id, by_key, page):
-                assert [list(fields) for fields in reply["items"]] == [expected]
-            assert "vector" not in expected
-    finally:
-        shutil.rmtree(store_dir, ignore_errors=True)
+    client, _ = sidecar_client
+    (item,) = client.add(rng.standard_normal((1, DIM)).astype(np.float32), texts=["t"], namespace="n",
+                         keys=["k"], metadata=[{"m": 1}]).tolist()
+    expected = [field for field in item_fields(client.get(ids=[item])[0])]
+    by_id, _ = client._control({"op": "get", "ids": [item]})
+    by_key, _ = client._control({"op": "get", "keys": ["k"], "namespace": "n"})
+    page, _ = client._control({"op": "list", "namespace": "n"})
+    for reply in (by_id, by_key, page):
+        assert [list(fields) for fields in reply["items"]] == [expected]
+    assert "vector" not in expected
 
 
 def test_readers_beside_writers_never_read_an_item_older_than_its_last_committed_write(tmp_path, rng):

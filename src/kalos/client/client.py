@@ -942,7 +942,8 @@ class Client:
                              items[i]["created_at"], items[i].get("key"), items[i].get("updated_at"))
                          for i, s in row if i in items] for row in hits]
             except (KeyError, TypeError, ValueError) as exc:
-                raise ProtocolMismatch(f"recall_text was answered with malformed items: {type(exc).__name__}: {exc}") from None
+                raise ProtocolMismatch(
+                    f"recall_text was answered with malformed items: {type(exc).__name__}: {exc}") from None
 
     def _resync_slot(self) -> None:
         """After a control operation that may have recalled in this client's slot: the request

@@ -78,7 +78,8 @@ def _encoded_row(row: ItemRow) -> bytes:
             metadata_json = metadata.encode()
         except UnicodeEncodeError:  # (a lone surrogate in the text itself: escaped, as encode_value does)
             metadata_json = encode_value(value)
-    return b'{"id":%d,"namespace":%s,"text":%s,"metadata":%s,"created_at":%s,"key":%s,"updated_at":%s,"expires_at":%s}' % (
+    return (b'{"id":%d,"namespace":%s,"text":%s,"metadata":%s,"created_at":%s,'
+            b'"key":%s,"updated_at":%s,"expires_at":%s}') % (
         item_id, _json_string(namespace).encode(),
         b"null" if text is None else _json_string(text).encode(),
         metadata_json,
