@@ -156,7 +156,7 @@ def waiting_warps(ns: int) -> int:
     Their per-slot tensors ([ns] words, and [ns, request words] while a request is read) are
     spread over the program's threads: with one warp past 32 slots they outgrow the registers,
     and the spills to local memory made every round slower (``ptxas -v``: 2.4 KB of stack at
-    128 slots and one warp, none at 4; BENCHMARKS.md, the crowd: what the slot count costs)."""
+    128 slots and one warp, none at 4; BENCHMARKS.md, the crowd: how it works)."""
     return max(1, min(8, ns // 32))
 
 
