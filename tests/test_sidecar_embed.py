@@ -135,18 +135,21 @@ def test_remember_and_recall_text_embed_in_the_sidecar(sidecar, onnx):
         stored = c.get(ids=ids, with_vectors=True)[0]
         assert stored.text == FACTS[3]
         assert _cosines(stored.vector[None], onnx.embed([FACTS[3]]))[0] > 0.99999
-        # The one round trip's hit carries the stored item's fields (a keyed memory, upserted).
-        keyed = f"keyed-{uuid.uuid4().hex[:8]}"
-        c.remember(["Carol keeps bees on the roof."], namespace=keyed, keys=["carol"], metadata=[{"who": "carol"}])
-        c.remember(["Carol keeps bees on the library's roof."], namespace=keyed, keys=["carol"],
-                   metadata=[{"who": "carol", "v": 2}])
-        (hit,) = c.recall_text("Who keeps bees?", k=1, namespace=keyed)
-        (item,) = c.get(ids=[hit.id])
-        fields = ("id", "text", "metadata", "namespace", "created_at", "key", "updated_at")
-        assert [getattr(hit, f) for f in fields] == [getattr(item, f) for f in fields]
-        assert (hit.key, hit.metadata, hit.namespace) == ("carol", {"who": "carol", "v": 2}, keyed)
-        assert hit.updated_at is not None and 0.0 < hit.score <= 1.0001
 
+
+def test_a_recall_text_hit_carries_the_stored_items_fields(sidecar, ns):
+    """The one round trip's hit of a keyed memory that an upsert revised: its fields are the
+    stored item's, as get returns it."""
+    with Client(sidecar.name, timeout=DEADLINE_S) as c:
+        c.remember(["Carol keeps bees on the roof."], namespace=ns, keys=["carol"], metadata=[{"who": "carol"}])
+        c.remember(["Carol keeps bees on the library's roof."], namespace=ns, keys=["carol"],
+                   metadata=[{"who": "carol", "v": 2}])
+        (hit,) = c.recall_text("Who keeps bees?", k=1, namespace=ns)
+        (item,) = c.get(ids=[hit.id])
+    fields = ("id", "text", "metadata", "namespace", "created_at", "key", "updated_at")
+    assert [getattr(hit, f) for f in fields] == [getattr(item, f) for f in fields]
+    assert (hit.key, hit.metadata, hit.namespace) == ("carol", {"who": "carol", "v": 2}, ns)
+    assert hit.updated_at is not None and 0.0 < hit.score <= 1.0001
 
 _CLIENT_WITHOUT_TORCH = r"""
 import sys

@@ -602,7 +602,7 @@ class Client:
         if where is not None:
             message["where"] = compile_where(where).to_dict()
         reply, _ = self._control(message)
-        items = [Item(**item) for item in reply["items"]]
+        items = [_item_from_reply(item, "list") for item in reply["items"]]
         after = reply.get("next")
         return Page(items, None if after is None else encode_cursor(int(after)))
 
@@ -642,8 +642,9 @@ class Client:
         reply, reply_blob = self._control(message)
         items = reply["items"]
         if not isinstance(items, list) or len(items) != len(unique):
-            raise ProtocolMismatch(f"get of {len(unique)} ids was answered with {len(items)} items")
-        built = [Item(**item) if item is not None else None for item in items]
+            got = len(items) if isinstance(items, list) else type(items).__name__
+            raise ProtocolMismatch(f"get of {len(unique)} ids was answered with {got} items")
+        built = [_item_from_reply(item, "get") if item is not None else None for item in items]
         if with_vectors:
             if "vectors" not in reply:
                 raise ProtocolMismatch("this sidecar does not send vectors with get; upgrade it")
@@ -931,19 +932,18 @@ class Client:
                     message["where_handle"] = self._where_request(request[:5], clause)[5]
                 finally:
                     self._resync_slot()
-            hits = reply["hits"]
-            if not isinstance(hits, list) or len(hits) != len(texts):
-                raise ProtocolMismatch(f"recall_text of {len(texts)} texts was answered with {len(hits)} hit lists")
             try:
-                # Each Hit straight from its item's fields: an Item built first only to be copied
-                # into the Hit cost a construction per hit. A field a newer sidecar adds is ignored.
+                hits = reply["hits"]
+                if not isinstance(hits, list) or len(hits) != len(texts):
+                    got = len(hits) if isinstance(hits, list) else type(hits).__name__
+                    raise ProtocolMismatch(f"recall_text of {len(texts)} texts was answered with {got} hit lists")
+                # Each Hit straight from its item's fields: an Item built first only to be
+                # copied into the Hit cost a construction per hit.
                 items = {fields["id"]: fields for fields in reply["items"]}
-                return [[Hit(i, float(s), items[i]["text"], items[i]["metadata"], items[i]["namespace"],
-                             items[i]["created_at"], items[i].get("key"), items[i].get("updated_at"))
-                         for i, s in row if i in items] for row in hits]
-            except (KeyError, TypeError, ValueError) as exc:
+                return [[Hit.from_fields(items[i], s) for i, s in row if i in items] for row in hits]
+            except (AttributeError, KeyError, TypeError, ValueError) as exc:
                 raise ProtocolMismatch(
-                    f"recall_text was answered with malformed items: {type(exc).__name__}: {exc}") from None
+                    f"recall_text was answered with malformed hits or items: {type(exc).__name__}: {exc}") from None
 
     def _resync_slot(self) -> None:
         """After a control operation that may have recalled in this client's slot: the request
@@ -1000,6 +1000,19 @@ class _SidecarEmbedder:
         return f"SidecarEmbedder({self.name!r}, dim={self.dim}, runtime={self.runtime!r})"
 
 
+#: The fields of an Item a reply carries (its vector travels apart, in the reply's blob).
+_REPLY_ITEM_FIELDS = frozenset(field.name for field in dataclasses.fields(Item)) - {"vector"}
+
+
+def _item_from_reply(fields: Any, op: str) -> Item:
+    """The Item of a reply's fields: a field this client does not know (a newer sidecar's) is
+    left out; fields that do not make an Item are a ProtocolMismatch."""
+    try:
+        return Item(**{name: value for name, value in fields.items() if name in _REPLY_ITEM_FIELDS})
+    except (AttributeError, TypeError) as exc:
+        raise ProtocolMismatch(f"{op} was answered with a malformed item: {exc}") from None
+
+
 @dataclass(frozen=True)
 class Hit:
     """One recalled text memory: ``id``, cosine ``score``, ``text``, ``metadata``, ``namespace``,
@@ -1018,6 +1031,14 @@ class Hit:
     def from_item(cls, item: Item, score: float) -> "Hit":
         return cls(item.id, float(score), item.text, item.metadata, item.namespace, item.created_at,
                    item.key, item.updated_at)
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any], score: float) -> "Hit":
+        """The Hit of an item as a reply carries it (its JSON fields); a field this client does
+        not know (a newer sidecar's) is left out, and a sidecar from before keys sends none."""
+        return cls(id=fields["id"], score=float(score), text=fields["text"], metadata=fields["metadata"],
+                   namespace=fields["namespace"], created_at=fields["created_at"], key=fields.get("key"),
+                   updated_at=fields.get("updated_at"))
 
     def __repr__(self) -> str:
         text = (self.text or "").replace("\n", " ")

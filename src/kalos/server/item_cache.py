@@ -68,8 +68,8 @@ def _encoded_row(row: ItemRow) -> bytes:
     item_id, namespace, text, metadata, created_at, key, updated_at, expires_at = row
     metadata_json = b"null"
     if metadata is not None:
-        if isinstance(metadata, bytes):  # (a BLOB, as another tool may have bound it)
-            metadata = metadata.decode("utf-8")
+        if isinstance(metadata, bytes):  # (a BLOB, as another tool may have bound it: read as json.loads reads bytes)
+            metadata = metadata.decode(json.detect_encoding(metadata), "surrogatepass")
         try:
             value = _STRICT_JSON.decode(metadata)
         except ValueError as exc:
@@ -100,7 +100,7 @@ def _finite_float(spelled: str) -> float:
     return number
 
 
-#: JSON as encode_value writes it: no NaN or Infinity, no number a float cannot hold.
+#: JSON as encode_value writes it: no NaN or Infinity, no float literal past a float's range.
 _STRICT_JSON = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
 
 
