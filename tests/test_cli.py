@@ -314,6 +314,29 @@ def test_a_bad_environment_variable_is_a_usage_error_naming_it(monkeypatch, runt
     assert help_.returncode == 0 and help_.stdout.startswith("usage: kalos"), help_.stderr
 
 
+def test_every_setting_is_read_from_its_variable_and_serve_help_lists_them_all(monkeypatch, capsys):
+    import dataclasses
+
+    from kalos.config import Settings, settings
+    from kalos.tools.cli import main
+
+    fields = dataclasses.fields(Settings)
+    for field in fields:
+        monkeypatch.setenv(field.metadata["env"], str(type(field.default)(field.default * 2 + 1)))
+    settings.cache_clear()
+    try:
+        assert settings() == Settings(**{field.name: type(field.default)(field.default * 2 + 1) for field in fields})
+    finally:
+        monkeypatch.undo()
+        settings.cache_clear()
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    shown = capsys.readouterr().out
+    for field in fields:
+        assert f"{field.metadata['env']} (default {field.default})" in shown, field.name
+    assert all(f"{name}:" in shown for name in ("KALOS_HOME", "KALOS_RUNTIME_DIR", "KALOS_CACHE_DIR"))
+
+
 def test_version_is_the_installed_distributions():
     from importlib.metadata import version
 

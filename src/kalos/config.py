@@ -11,11 +11,13 @@ import functools
 import math
 import os
 import stat
+import textwrap
 from pathlib import Path
+from typing import Any
 
 from kalos.errors import InvalidArgument
 
-__all__ = ["Settings", "settings", "default_store_path", "runtime_dir", "open_runtime_dir", "RuntimeDir", "GPU_POLLING",
+__all__ = ["Settings", "settings", "environment_help", "default_store_path", "runtime_dir", "open_runtime_dir", "RuntimeDir", "GPU_POLLING",
            "DEFAULT_GPU_WINDOW_US"]
 
 #: How a GPU sidecar may answer single recalls without Python (SidecarConfig.gpu_polling).
@@ -25,47 +27,61 @@ GPU_POLLING = ("off", "graph")
 DEFAULT_GPU_WINDOW_US = 20.0
 
 
+def _setting(default: float, env: str, help: str) -> Any:
+    """A Settings field: its default, the environment variable that overrides it, and the line
+    ``kalos serve --help`` shows for it (:func:`environment_help`)."""
+    return dataclasses.field(default=default, metadata={"env": env, "help": help})
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    # How long a waiting client busy-polls its slot before it blocks on its doorbell. Spinning
-    # costs a core; blocking costs a wake-up (tens of microseconds). A search that takes
+    # Spinning costs a core; blocking costs a wake-up (tens of microseconds). A search that takes
     # milliseconds (CPU, large N) should not be spun on: the spinning core is taken from BLAS.
-    client_spin_us: float = 100.0
-    # How long the sidecar keeps sweeping the slots after the last request before it sleeps.
-    sidecar_spin_us: float = 2000.0
-    # How long after a pass the next one may wait for that pass's clients to send their next
-    # request (kalos.server.cohort: only clients that came back quickly before are waited for). A crowd
-    # recalling back to back then shares one pass instead of splitting into cohorts that take
-    # turns. 0 searches at once.
-    sidecar_gather_us: float = 200.0
-    # Largest k a recall may ask for; fixes the size of each slot's result area.
-    max_k: int = 256
-    # Most query rows one slot carries per request; recall_many splits larger batches.
-    max_batch: int = 64
-    # Slots in the segment = most clients connected at once.
+    client_spin_us: float = _setting(100.0, "KALOS_CLIENT_SPIN_US",
+                                     "how long a waiting client busy-polls its slot before it blocks, us "
+                                     "(a GPU sidecar advises its clients 1000)")
+    sidecar_spin_us: float = _setting(2000.0, "KALOS_SIDECAR_SPIN_US",
+                                      "how long the sidecar keeps sweeping the slots after the last request "
+                                      "before it sleeps, us (serve --spin-us)")
+    # (kalos.server.cohort: only clients that came back quickly before are waited for). A crowd
+    # recalling back to back then shares one pass instead of splitting into cohorts that take turns.
+    sidecar_gather_us: float = _setting(200.0, "KALOS_SIDECAR_GATHER_US",
+                                        "how long after a pass the next one may wait for that pass's clients "
+                                        "to send their next request, us; 0 searches at once (serve --gather-us)")
+    # It fixes the size of each slot's result area.
+    max_k: int = _setting(256, "KALOS_MAX_K", "largest k a recall may ask for (serve --max-k)")
+    max_batch: int = _setting(64, "KALOS_MAX_BATCH",
+                              "most query rows one request carries; recall_many splits larger batches "
+                              "(serve --max-batch)")
     # 128: a host running 64 agents at once, each with its client, has room to spare. A slot
     # holds max_batch query rows and results (~0.45 MiB at dim 1024), reserved at start.
-    slots: int = 128
-    # How often the sidecar stamps its heartbeat. A client declares the sidecar dead when the
-    # stamp is older than the client's timeout, so keep this well under the default 1 s.
-    heartbeat_interval_s: float = 0.05
-    # Largest control-socket message (an add of many vectors with texts). Bounded so that a
-    # malformed length prefix cannot make the sidecar allocate without limit.
-    max_message_bytes: int = 1 << 30
-    # A control connection that stopped sending or reading in the middle of a frame (a peer
-    # stuck or hostile) is dropped after this many seconds without a byte moving.
-    control_stall_s: float = 10.0
-    # A control connection that holds no slot (it never said hello) and sends nothing for this
-    # long is dropped; connections that hold a slot may idle between requests for ever.
-    control_idle_s: float = 30.0
-    # Control connections beyond the slot holders: the sidecar refuses more (each costs a thread).
-    spare_connections: int = 64
-    # The JSON of recently read items the sidecar keeps for get and recall_text replies
-    # (kalos.server.item_cache); 0 keeps none. Only a SQLite store's items are kept.
-    item_cache_bytes: int = 64 << 20
-    # The sidecar checkpoints the store's WAL into the database file once writes have paused
-    # this long, so a lost or damaged -wal file can only cost the writes since the pause.
-    checkpoint_idle_s: float = 1.0
+    slots: int = _setting(128, "KALOS_SLOTS", "slots in the shared segment: most clients connected at once "
+                                              "(serve --slots)")
+    # A client declares the sidecar dead when the stamp is older than the client's timeout, so
+    # keep this well under the default 1 s.
+    heartbeat_interval_s: float = _setting(0.05, "KALOS_HEARTBEAT_S", "how often the sidecar stamps its heartbeat, s")
+    # Bounded so that a malformed length prefix cannot make the sidecar allocate without limit.
+    max_message_bytes: int = _setting(1 << 30, "KALOS_MAX_MESSAGE_BYTES",
+                                      "largest control-socket message (an add of many vectors with texts), bytes")
+    # (a peer stuck or hostile)
+    control_stall_s: float = _setting(10.0, "KALOS_CONTROL_STALL_S",
+                                      "a control connection stuck in the middle of a frame is dropped after "
+                                      "this long without a byte moving, s")
+    # Connections that hold a slot may idle between requests for ever.
+    control_idle_s: float = _setting(30.0, "KALOS_CONTROL_IDLE_S",
+                                     "a control connection that holds no slot (no hello) and sends nothing is "
+                                     "dropped after this long, s")
+    # Each costs a thread.
+    spare_connections: int = _setting(64, "KALOS_SPARE_CONNECTIONS",
+                                      "control connections the sidecar takes beyond the slot holders")
+    # (kalos.server.item_cache)
+    item_cache_bytes: int = _setting(64 << 20, "KALOS_ITEM_CACHE_BYTES",
+                                     "the JSON of recently read items the sidecar keeps for get and recall_text "
+                                     "replies, bytes; 0 keeps none (a SQLite store's items only)")
+    # So a lost or damaged -wal file can only cost the writes since the pause.
+    checkpoint_idle_s: float = _setting(1.0, "KALOS_CHECKPOINT_IDLE_S",
+                                        "the sidecar checkpoints the store's WAL into the database file once "
+                                        "writes have paused this long, s")
 
 
 def _env_number(name: str, default: float, kind: type) -> float:
@@ -86,22 +102,23 @@ def _env_number(name: str, default: float, kind: type) -> float:
 @functools.lru_cache(maxsize=1)
 def settings() -> Settings:
     """The settings of this process: defaults, overridden by KALOS_* environment variables."""
-    d = Settings()
-    return Settings(
-        client_spin_us=_env_number("KALOS_CLIENT_SPIN_US", d.client_spin_us, float),
-        sidecar_spin_us=_env_number("KALOS_SIDECAR_SPIN_US", d.sidecar_spin_us, float),
-        sidecar_gather_us=_env_number("KALOS_SIDECAR_GATHER_US", d.sidecar_gather_us, float),
-        max_k=int(_env_number("KALOS_MAX_K", d.max_k, int)),
-        max_batch=int(_env_number("KALOS_MAX_BATCH", d.max_batch, int)),
-        slots=int(_env_number("KALOS_SLOTS", d.slots, int)),
-        heartbeat_interval_s=_env_number("KALOS_HEARTBEAT_S", d.heartbeat_interval_s, float),
-        max_message_bytes=int(_env_number("KALOS_MAX_MESSAGE_BYTES", d.max_message_bytes, int)),
-        control_stall_s=_env_number("KALOS_CONTROL_STALL_S", d.control_stall_s, float),
-        control_idle_s=_env_number("KALOS_CONTROL_IDLE_S", d.control_idle_s, float),
-        spare_connections=int(_env_number("KALOS_SPARE_CONNECTIONS", d.spare_connections, int)),
-        item_cache_bytes=int(_env_number("KALOS_ITEM_CACHE_BYTES", d.item_cache_bytes, int)),
-        checkpoint_idle_s=_env_number("KALOS_CHECKPOINT_IDLE_S", d.checkpoint_idle_s, float),
-    )
+    return Settings(**{field.name: _env_number(field.metadata["env"], field.default, type(field.default))
+                       for field in dataclasses.fields(Settings)})
+
+
+def environment_help() -> str:
+    """Every setting's environment variable, its default and what it sets, a line each (the
+    epilog of ``kalos serve --help``)."""
+    entries = [f"{field.metadata['env']} (default {field.default}): {field.metadata['help']}"
+               for field in dataclasses.fields(Settings)]
+    entries += ["KALOS_HOME: the folder of the default store, memories.db (default: $XDG_DATA_HOME/kalos, "
+                "else ~/.local/share/kalos)",
+                "KALOS_RUNTIME_DIR: the folder of the sidecars' sockets (default: $XDG_RUNTIME_DIR/kalos, "
+                "else /tmp/kalos-<uid>)",
+                "KALOS_CACHE_DIR: the folder of the exported ONNX model (default: $XDG_CACHE_HOME/kalos, "
+                "else ~/.cache/kalos)"]
+    return "\n".join(["environment (read once at start; serve's flags win over them):"]
+                     + [textwrap.fill(entry, 96, initial_indent="  ", subsequent_indent="      ") for entry in entries])
 
 
 def default_store_path() -> Path:

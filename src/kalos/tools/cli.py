@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kalos.config import DEFAULT_GPU_WINDOW_US, GPU_POLLING, Settings, default_store_path, settings
+from kalos.config import DEFAULT_GPU_WINDOW_US, GPU_POLLING, Settings, default_store_path, environment_help, settings
 from kalos.errors import DimensionMismatch, EmbedderUnavailable, InvalidArgument, KalosError
 from kalos.server.sidecar_embed import EMBED_RUNTIMES
 from kalos.validation import check_keys
@@ -53,6 +53,7 @@ def _build_parser(s: Settings | None = None) -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve", help="run a sidecar in the foreground",
         description="Run a sidecar in the foreground until SIGINT/SIGTERM. Prints one line when ready.",
+        epilog=environment_help(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     serve.add_argument("--store", type=_store_arg, default=None,
                        help=f"SQLite store file (created if missing; default: {default_store_path()}), or "
