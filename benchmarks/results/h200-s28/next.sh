@@ -39,11 +39,13 @@ crowd() { # tree label [colocated]
   grep -E "GEMMs|Traceback|Error" $OUT/crowd-$2.txt | head -4
 }
 if [ "${PART:-1}" = 1 ]; then
+if [ -z "${SKIP_TESTS:-}" ]; then  # (SKIP_TESTS=1: the text runs only, in a short call)
 echo "=== GPU tests $(date +%T)"
 PYTHONPATH=.snap/model:src timeout 330 python3 -m pytest -q -p no:cacheprovider -m cuda --durations=5 \
   tests/test_sidecar_embed.py tests/test_minilm_kernels.py tests/test_torch_engine.py tests/test_slot_server.py \
   > $OUT/gpu-tests.txt 2>&1; tail -3 $OUT/gpu-tests.txt
 pkill -9 -f "kalos serve" 2>/dev/null
+fi
 # (nocache: the cache off, what a memory's first recall costs)
 text src nocache-1 KALOS_ITEM_CACHE_BYTES=0; text $B base-nocache-1 KALOS_ITEM_CACHE_BYTES=0
 text src cache-1; text $B base-cache-1
