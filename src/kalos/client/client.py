@@ -1029,8 +1029,8 @@ class Hit:
 
     @classmethod
     def from_item(cls, item: Item, score: float) -> "Hit":
-        return cls(item.id, float(score), item.text, item.metadata, item.namespace, item.created_at,
-                   item.key, item.updated_at)
+        return cls(id=item.id, score=float(score), text=item.text, metadata=item.metadata, namespace=item.namespace,
+                   created_at=item.created_at, key=item.key, updated_at=item.updated_at)
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any], score: float) -> "Hit":

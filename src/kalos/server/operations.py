@@ -602,18 +602,15 @@ class ControlServer:
                 keys, check_namespace(message.get("namespace", "default")))
             present = [item_id for item_id in ids if item_id is not None]
             bodies = dict(zip(present, self.items.encoded(present, check_floor=_floor_check(what, advice))))
-            items_json = _json_list(b"null" if bodies.get(item_id) is None else bodies[item_id] for item_id in ids)
+            items_json = _json_list(bodies.get(item_id) or b"null" for item_id in ids)
             return _encoded_reply(what, advice, items=items_json), b""
         if keys is not None:
             items = self.store.get_keys(keys, check_namespace(message.get("namespace", "default")))
         else:
             items = self.store.get(wanted)
-        floor = _text_chars(items)
-        if not with_vectors:
-            return _checked_reply(what, advice, items=[item_fields(item) for item in items], floor=floor), b""
         n_present = sum(item is not None for item in items)
         # (Before the vectors are read: their bytes, and the texts' at least.)
-        _refuse_past_limit(what, advice, floor, 4 * self.store.dim * n_present, at_least=True)
+        _refuse_past_limit(what, advice, _text_chars(items), 4 * self.store.dim * n_present, at_least=True)
         found = [item.id for item in items if item is not None]
         by_id = self.store.vectors(found) if found else {}
         # An item deleted between the two reads is absent, not an item without its vector.
