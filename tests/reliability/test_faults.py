@@ -45,7 +45,7 @@ def _unit(rng: np.random.Generator, n: int) -> np.ndarray:
 
 
 def ack_path(path: Path) -> Path:
-    """The store's record of acknowledged writes (kalos.store.sqlite.ack_path), spelt out."""
+    """The store's record of acknowledged writes (kalos.store.ack.ack_path), spelt out."""
     return Path(f"{path}-ack")
 
 

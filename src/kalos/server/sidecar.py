@@ -546,7 +546,7 @@ class Sidecar:
 
         Until a checkpoint, acknowledged writes live only in the -wal file; with it deleted or
         damaged after a crash they are gone (the store then refuses to open, see
-        kalos.store.sqlite._record_ack). Checkpointing at every pause bounds that to the writes of
+        kalos.store.ack). Checkpointing at every pause bounds that to the writes of
         the last burst, at no cost to a burst itself.
         """
         idle_s = settings().checkpoint_idle_s

@@ -48,7 +48,7 @@ pages the 4 KiB blobs live in.
 Files next to the store: ``<db>-wal`` and ``<db>-shm`` (SQLite's, created 0600 like the db), and
 ``<db>-ack`` (ours, 0600): ``write_seq`` and the highest id as of the last acknowledged write,
 fdatasync'ed after every commit, so that a store whose -wal was lost after a crash is refused
-instead of served without the writes it acknowledged (see _record_ack).
+instead of served without the writes it acknowledged (:mod:`kalos.store.ack`).
 Readonly opens also create those two if they are missing (SQLite needs them to read a WAL
 database); they never change the db file itself.
 
@@ -67,11 +67,9 @@ import numbers
 import os
 import sqlite3
 import stat
-import struct
 import tempfile
 import threading
 import time
-import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +79,7 @@ from urllib.parse import quote
 import numpy as np
 
 from kalos.errors import DimensionMismatch, InvalidArgument, NotAKalosStore, StoreError, StoreLocked, UnknownKey
+from kalos.store.ack import AckFile, lost_writes, read_ack
 from kalos.store.changes import ChangeLog
 from kalos.validation import (
     DEFAULT_NAMESPACE,
@@ -216,76 +215,6 @@ def _wrap(e: sqlite3.Error, what: str, path: Path) -> StoreError:
     return StoreError(f"store {path}: {what} failed: {e}")
 
 
-# -- the acknowledged-writes record -----------------------------------------------------------
-#
-# SQLite keeps every commit since the last checkpoint in the -wal file only. If that file is
-# deleted, or damaged (its checksums then end the replay at the damage), after a crash, SQLite
-# opens what the db file holds without a word: the review's sidecar started with 0 of 20,000
-# acknowledged rows, and integrity_check said ok (issue 19). So every commit also bumps a
-# counter in the meta table, and after the commit, before the write is acknowledged, the
-# counter and the highest id are written to <db>-ack, a separate 1 KiB file (fdatasync'ed). A
-# store whose counter or ids fall short of its -ack record has lost acknowledged writes.
-
-_ACK_RECORD = struct.Struct("<8sIdQqd")  # magic, version, store created_at, write_seq, last id, time
-_ACK_MAGIC = b"KALOSACK"
-_ACK_SLOT_BYTES = 512  # two copies, written alternately: a torn write leaves the other one whole
-
-
-@dataclass(frozen=True)
-class AckRecord:
-    """What ``<db>-ack`` says was acknowledged: ``write_seq`` commits, ids up to ``last_id``."""
-
-    store_created: float
-    write_seq: int
-    last_id: int
-
-
-def ack_path(path: str | os.PathLike) -> Path:
-    """The acknowledged-writes record of the store at ``path``."""
-    return Path(f"{os.fspath(path)}-ack")
-
-
-def _read_ack(fd: int) -> AckRecord | None:
-    best: AckRecord | None = None
-    for slot in range(2):
-        raw = os.pread(fd, _ACK_SLOT_BYTES, slot * _ACK_SLOT_BYTES)
-        size = _ACK_RECORD.size
-        if len(raw) < size + 4 or zlib.crc32(raw[:size]) != int.from_bytes(raw[size : size + 4], "little"):
-            continue  # never written, or torn by a crash mid-write: the other copy counts
-        magic, version, created, seq, last_id, _at = _ACK_RECORD.unpack(raw[:size])
-        if magic != _ACK_MAGIC or version != 1:
-            continue
-        if best is None or seq > best.write_seq:
-            best = AckRecord(created, seq, last_id)
-    return best
-
-
-def read_ack(path: str | os.PathLike) -> AckRecord | None:
-    """The record in ``<db>-ack`` (None if there is none), read without creating anything."""
-    try:
-        fd = os.open(ack_path(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except (FileNotFoundError, OSError):
-        return None
-    try:
-        return _read_ack(fd)
-    finally:
-        os.close(fd)
-
-
-def _lost_writes(path: Path, record: AckRecord | None, created: float, seq: int, last_id: int) -> str | None:
-    if record is None or record.store_created != created:
-        return None  # no record yet, or one left over from another store at this path
-    if record.write_seq <= seq and record.last_id <= last_id:
-        return None
-    return (
-        f"store {path} has lost acknowledged writes: {ack_path(path)} records {record.write_seq:,} committed "
-        f"writes (item ids up to {record.last_id:,}), but the store holds only {seq:,} (ids up to {last_id:,}): "
-        f"writes {seq + 1:,} to {record.write_seq:,} are missing, probably because its -wal file was deleted or "
-        f"damaged after a crash. Restore the store (and its -wal) from a backup; or, to serve what is left, "
-        f"move {ack_path(path)} away and start again"
-    )
-
-
 #: Recent add request ids a store remembers (the client's retry after a broken connection
 #: finds its add here instead of adding it twice).
 REQUEST_WINDOW = 10_000
@@ -325,9 +254,7 @@ class Store:
     _file_key: tuple[int, int] | None = None
     _holds_flock: bool = False
     _closed: bool = True
-    _ack_fd: int = -1
-    _ack_next: int = 0
-    _created: float = 0.0
+    _ack: AckFile | None = None
     _write_seq: int = 0
     _last_id: int = 0
     _keyed: bool = True
@@ -484,25 +411,15 @@ class Store:
         )
         self._migrate_keys(conn)
         created, seq, last_id = self._written_state(conn)
-        record_path = ack_path(self.path)
+        record = AckFile(self.path, created)
         try:
-            # O_NOFOLLOW: never write through a symlink someone planted next to the store.
-            fd = os.open(record_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError as e:
-            raise StoreError(f"store {self.path}: cannot open its record of acknowledged writes {record_path}: {e.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-                raise StoreError(f"store {self.path}: {record_path} is not a regular file of uid {os.getuid()}; move it away")
-            problem = _lost_writes(self.path, _read_ack(fd), created, seq, last_id)
-            if problem is not None:
-                raise StoreError(problem)
+            record.check(seq, last_id)
         except BaseException:
-            os.close(fd)
+            record.close()
             raise
-        self._ack_fd = fd
-        self._created, self._write_seq, self._last_id = created, seq, last_id
-        self._record_ack()
+        self._ack = record
+        self._write_seq, self._last_id = seq, last_id
+        self._ack.write(seq, last_id)
 
     @staticmethod
     def _migrate_keys(conn: sqlite3.Connection) -> None:
@@ -548,14 +465,6 @@ class Store:
                     created_at=float(created), key=key, updated_at=None if updated is None else float(updated),
                     expires_at=None if expires is None else float(expires))
 
-    def _record_ack(self) -> None:
-        """Writes the current write_seq and last id to <db>-ack and syncs it (after a commit)."""
-        body = _ACK_RECORD.pack(_ACK_MAGIC, 1, self._created, self._write_seq, self._last_id, time.time())
-        record = body + zlib.crc32(body).to_bytes(4, "little")
-        os.pwrite(self._ack_fd, record, self._ack_next * _ACK_SLOT_BYTES)
-        os.fdatasync(self._ack_fd)
-        self._ack_next ^= 1
-
     def lost_writes(self) -> str | None:
         """Why this store lacks writes its <db>-ack record says were acknowledged, or None.
 
@@ -570,7 +479,7 @@ class Store:
                 created, seq, last_id = self._written_state(conn)
             except sqlite3.Error as e:
                 raise _wrap(e, "lost_writes", self.path) from None
-        return _lost_writes(self.path, record, created, seq, last_id)
+        return lost_writes(self.path, record, created, seq, last_id)
 
     def checkpoint(self) -> bool:
         """Copies the WAL into the db file and truncates it (True if it completed).
@@ -690,9 +599,9 @@ class Store:
                     conn.close()
                 except sqlite3.Error:
                     pass  # nothing is pending (every write is committed or rolled back)
-            if self._ack_fd >= 0:
-                os.close(self._ack_fd)  # not a store file: closing it drops none of SQLite's locks
-                self._ack_fd = -1
+            if self._ack is not None:
+                self._ack.close()
+                self._ack = None
             if key is not None:
                 _release_file(key, writer=self._holds_flock)
                 self._holds_flock = False
@@ -1169,7 +1078,7 @@ class Store:
                     yield conn
                     changed = conn.total_changes != changes
                     # Every write transaction counts itself, so <db>-ack can tell a store that
-                    # lost commits (see _record_ack).
+                    # lost commits (kalos.store.ack).
                     conn.execute("UPDATE meta SET value = value + 1 WHERE key = 'write_seq'")
                     committing = True
                     conn.execute("COMMIT")
@@ -1190,13 +1099,13 @@ class Store:
                 raise _wrap(e, what, self.path) from None
             self._write_seq += 1
             try:
-                self._record_ack()
+                self._ack.write(self._write_seq, self._last_id)
             except OSError as e:
                 # Committed and durable in SQLite, so the write stands (an error now would say
                 # "nothing stored" of a stored write); only the record lags, which can hide a
                 # later loss but never reports one that did not happen.
                 log.warning("store %s: %s committed, but %s could not be updated: %s",
-                            self.path, what, ack_path(self.path), e.strerror)
+                            self.path, what, self._ack.path, e.strerror)
 
     def _note_changed(self, ids: Iterable[int]) -> None:
         """Inside a write transaction: ``ids`` are rows it changes. A transaction must name every
