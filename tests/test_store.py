@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kalos.store.sqlite as store_mod
+import kalos.store.sqlite_file as store_file
 from kalos.engine.base import as_unit_rows
 from kalos.errors import DimensionMismatch, InvalidArgument, NotAKalosStore, StoreError, StoreLocked
 from kalos.store.sqlite import APPLICATION_ID, Store
@@ -168,7 +168,7 @@ def test_creation_failure_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Mon
     def crash(tmp: Path, path: Path) -> None:
         raise OSError(5, "simulated I/O error")
 
-    monkeypatch.setattr(store_mod, "_publish", crash)
+    monkeypatch.setattr(store_file, "_publish", crash)
     with pytest.raises(StoreError, match="simulated"):
         Store.open(tmp_path / "m.db", dim=DIM)
     assert list(tmp_path.iterdir()) == []
@@ -177,7 +177,7 @@ def test_creation_failure_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Mon
 def test_concurrent_creation_keeps_the_winner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Another process creates the store (and writes to it) while we are building ours: ours
     # must not replace theirs; we open theirs instead (or refuse it if its dim differs).
-    real_build = store_mod._build_schema
+    real_build = store_file._build_schema
     vec = unit(np.random.default_rng(5), 1)
 
     racing = []
@@ -193,13 +193,13 @@ def test_concurrent_creation_keeps_the_winner(tmp_path: Path, monkeypatch: pytes
         finally:
             racing.clear()
 
-    monkeypatch.setattr(store_mod, "_build_schema", build_and_lose)
+    monkeypatch.setattr(store_file, "_build_schema", build_and_lose)
     with Store.open(tmp_path / "m.db", dim=DIM) as s:
         assert s.namespace_counts()["theirs"] == 1
     (tmp_path / "m.db").unlink()
     with pytest.raises(DimensionMismatch, match=f"dimension {DIM}.*dim={DIM + 1}"):
         Store.open(tmp_path / "m.db", dim=DIM + 1)
-    monkeypatch.setattr(store_mod, "_build_schema", real_build)
+    monkeypatch.setattr(store_file, "_build_schema", real_build)
     with Store.open(tmp_path / "m.db") as s:
         assert s.dim == DIM and s.count() == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.db", "m.db-ack"]

@@ -1,7 +1,9 @@
 """The durable store: one SQLite file (WAL) that is the source of truth for every memory.
 
-Length: besides the store it holds the schema migrations and the checks that a file is a Kalos
-store; the input checks every side shares are in :mod:`kalos.validation`.
+Here: the rows, their transactions and the schema's migrations. The file around them (its
+creation, the checks before SQLite opens it, the writer's lock) is :mod:`kalos.store.sqlite_file`,
+the record of acknowledged writes :mod:`kalos.store.ack`, and the input checks every side shares
+:mod:`kalos.validation`.
 
 The sidecar is the only writer. It loads every row into an engine at start
 (:meth:`Store.iter_rows`) and afterwards writes each add/delete here first; an add is
@@ -59,30 +61,27 @@ interleaving writes. Readonly opens take no lock.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import logging
 import numbers
 import os
 import sqlite3
 import stat
-import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import quote
 
 import numpy as np
 
-from kalos.errors import DimensionMismatch, InvalidArgument, NotAKalosStore, StoreError, StoreLocked, UnknownKey
+from kalos.errors import DimensionMismatch, InvalidArgument, NotAKalosStore, StoreError, UnknownKey
+from kalos.store import sqlite_file
 from kalos.store.ack import AckFile, lost_writes, read_ack
+from kalos.store.sqlite_file import APPLICATION_ID, EXPIRY_INDEX, FORMAT_NAME, KEY_INDEX, SCHEMA_VERSION
 from kalos.store.changes import ChangeLog
 from kalos.validation import (
-    DEFAULT_NAMESPACE,
     MAX_ID,
     UNSET,
     Item,
@@ -101,15 +100,8 @@ from kalos.validation import (
 
 __all__ = ["Store", "ItemRow", "FORMAT_NAME", "SCHEMA_VERSION", "APPLICATION_ID", "REQUEST_WINDOW"]
 
-FORMAT_NAME = "kalos-store"
-SCHEMA_VERSION = 1
-APPLICATION_ID = 0x4B4C4F53  # b"KLOS"
-
 log = logging.getLogger("kalos.store.sqlite")
 
-_SQLITE_MAGIC = b"SQLite format 3\x00"
-_HEADER_BYTES = 100
-_APPLICATION_ID_OFFSET = 68
 # A writer waits this long for SQLite's own locks. Only a foreign tool writing to the file
 # (the flock keeps other sidecars out) or a long checkpoint can make it wait at all.
 _BUSY_TIMEOUT_MS = 5000
@@ -120,65 +112,7 @@ _MMAP_BYTES = 1 << 40
 # Ids per statement in get/delete: under SQLite's historic 999-variable limit.
 _IDS_PER_QUERY = 500
 _MAX_NAMESPACE_ID = (1 << 31) - 1  # engines keep namespace ids as int32
-# Partial: unkeyed items (NULL key, today's adds) are not in it and cost nothing.
-# Partial too: only the rows that expire, in expiry order, for the sweeper and the sidecar's load.
-_EXPIRY_INDEX = "CREATE INDEX IF NOT EXISTS items_by_expiry ON items (expires_at) WHERE expires_at IS NOT NULL"
-_KEY_INDEX = "CREATE UNIQUE INDEX IF NOT EXISTS items_by_key ON items (namespace_id, key) WHERE key IS NOT NULL"
 
-
-# -- the per-process table of store files --------------------------------------------------
-#
-# SQLite locks with POSIX fcntl locks, and POSIX drops *all* of a process's fcntl locks on a
-# file as soon as the process closes *any* descriptor of that file (SQLite's docs list this
-# as a way to corrupt a database). So this module never closes a descriptor of a store file
-# while a Store of this process may still have it open through SQLite: each file (device,
-# inode) gets one shared descriptor, used for the header read and the flock, and closed only
-# when the last Store of this process on that file closes. The same table also tells a second
-# writer in this process that the flock is already ours (flock would happily grant it again
-# on the shared descriptor).
-
-
-class _FileRef:
-    __slots__ = ("fd", "refs", "writer")
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.refs = 0
-        self.writer = False
-
-
-_files: dict[tuple[int, int], _FileRef] = {}
-_files_lock = threading.Lock()
-
-
-def _release_file(key: tuple[int, int], *, writer: bool) -> None:
-    with _files_lock:
-        ref = _files.get(key)
-        if ref is None:
-            return
-        if writer and ref.writer:
-            ref.writer = False
-            fcntl.flock(ref.fd, fcntl.LOCK_UN)
-        ref.refs -= 1
-        if ref.refs <= 0:
-            del _files[key]
-            os.close(ref.fd)
-
-
-def _lock_holder(st: os.stat_result) -> int | None:
-    """The pid that holds a flock on the file, from /proc/locks (Linux); None if unknown."""
-    wanted = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    try:
-        with open("/proc/locks") as f:  # not the store file: closing it is harmless
-            for line in f:
-                parts = line.split()
-                # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:5678 0 EOF"; waiters have a "->" field.
-                if len(parts) >= 6 and parts[1] == "FLOCK" and parts[2] != "->" and parts[5] == wanted:
-                    pid = int(parts[4])
-                    return pid if pid > 0 else None  # 0: the holder is in another pid namespace
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 # -- validation helpers (everything is checked before a transaction starts) ----------------
@@ -251,7 +185,7 @@ class Store:
     dim: int = 0
     readonly: bool = True
     _conn: sqlite3.Connection | None = None
-    _file_key: tuple[int, int] | None = None
+    _file_key: sqlite_file.FileKey | None = None
     _holds_flock: bool = False
     _closed: bool = True
     _ack: AckFile | None = None
@@ -315,8 +249,8 @@ class Store:
             if dim is None:
                 raise InvalidArgument(f"store {path} does not exist; pass dim to create it")
             if os.path.isdir(path.parent):
-                _check_directory(path.parent)
-            _create(path, dim)
+                sqlite_file.check_directory(path.parent)
+            sqlite_file.create(path, dim)
         store = cls()
         try:
             store._open_existing(path, dim, readonly)
@@ -340,16 +274,17 @@ class Store:
             raise NotAKalosStore(f"{path} is not a Kalos store: it is an empty (0-byte) file")
         # Before anything lets SQLite near the file: it would adopt -wal/-shm files planted by
         # another user and write every new memory into them (issue 19, item 5).
-        _check_directory(path.parent)
+        sqlite_file.check_directory(path.parent)
 
         # Identify the file before locking it: someone else's file that is flock'ed by its own
         # application must be reported as "not a Kalos store", not as "locked".
-        fd = self._acquire_file(path, st)
-        self._check_header(fd)
-        _prepare_side_files(path, st.st_uid)  # a Kalos store: now, before SQLite's first open (_read_meta)
+        self._file_key, fd = sqlite_file.acquire(path, st)
+        sqlite_file.check_header(fd, path)
+        sqlite_file.prepare_side_files(path, st.st_uid)  # a Kalos store: now, before SQLite's first open (_read_meta)
         self.dim = self._read_meta(dim)
         if not readonly:
-            self._lock_writer(path, st)
+            sqlite_file.lock_writer(self._file_key, path, st)
+            self._holds_flock = True
 
         mode = "ro" if readonly else "rw"
         try:
@@ -429,8 +364,8 @@ class Store:
         items = {r[1] for r in conn.execute("PRAGMA table_info(items)")}
         requests = {r[1] for r in conn.execute("PRAGMA table_info(requests)")}
         if {"key", "updated_at", "expires_at"} <= items and "ids" in requests:
-            conn.execute(_KEY_INDEX)  # IF NOT EXISTS: a no-op on every store but a damaged one
-            conn.execute(_EXPIRY_INDEX)
+            conn.execute(KEY_INDEX)  # IF NOT EXISTS: a no-op on every store but a damaged one
+            conn.execute(EXPIRY_INDEX)
             return
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -442,8 +377,8 @@ class Store:
                 conn.execute("ALTER TABLE items ADD COLUMN expires_at REAL")
             if "ids" not in requests:
                 conn.execute("ALTER TABLE requests ADD COLUMN ids BLOB")
-            conn.execute(_KEY_INDEX)
-            conn.execute(_EXPIRY_INDEX)
+            conn.execute(KEY_INDEX)
+            conn.execute(EXPIRY_INDEX)
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:
@@ -495,56 +430,6 @@ class Store:
                 raise _wrap(e, "checkpoint", self.path) from None
         return busy == 0
 
-    def _acquire_file(self, path: Path, st: os.stat_result) -> int:
-        """This process's shared descriptor of the store file (see _files), one more reference."""
-        key = (st.st_dev, st.st_ino)
-        with _files_lock:
-            ref = _files.get(key)
-            if ref is None:
-                try:
-                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                except OSError as e:
-                    raise StoreError(f"store {path} cannot be opened: {e.strerror}") from None
-                fst = os.fstat(fd)
-                if (fst.st_dev, fst.st_ino) != key:
-                    os.close(fd)  # a different file, which no Store of ours has open
-                    raise StoreError(f"store {path} was replaced by another file while being opened")
-                ref = _files[key] = _FileRef(fd)
-            ref.refs += 1
-            self._file_key = key
-            return ref.fd
-
-    def _lock_writer(self, path: Path, st: os.stat_result) -> None:
-        with _files_lock:
-            ref = _files[self._file_key]  # type: ignore[index]
-            if ref.writer:
-                # flock would grant the lock again on the shared descriptor, so the table is
-                # what knows that a Store of this process already writes here.
-                raise StoreLocked(f"store {path} is already open for writing in this process (pid {os.getpid()})")
-            try:
-                fcntl.flock(ref.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                pid = _lock_holder(st)
-                who = f"pid {pid}" if pid is not None else "another process"
-                raise StoreLocked(f"store {path} is already open by another sidecar ({who})") from None
-            ref.writer = True
-            self._holds_flock = True
-
-    def _check_header(self, fd: int) -> None:
-        # Read through the shared descriptor (see _files): opening and closing another one
-        # would drop SQLite's locks on this file held by other Stores of this process.
-        header = os.pread(fd, _HEADER_BYTES, 0)
-        if len(header) < _HEADER_BYTES or not header.startswith(_SQLITE_MAGIC):
-            raise NotAKalosStore(f"{self.path} is not a Kalos store: not an SQLite database")
-        app_id = int.from_bytes(header[_APPLICATION_ID_OFFSET : _APPLICATION_ID_OFFSET + 4], "big")
-        if app_id != APPLICATION_ID:
-            # Someone else's database: stop before SQLite opens it, which could create -wal
-            # and -shm files next to it.
-            raise NotAKalosStore(
-                f"{self.path} is not a Kalos store: an SQLite database of another application"
-                f" (application_id {app_id:#010x})"
-            )
-
     def _read_meta(self, dim: int | None) -> int:
         path = self.path
         try:
@@ -592,7 +477,7 @@ class Store:
             conn, self._conn = self._conn, None
             key, self._file_key = self._file_key, None
             self._closed = True
-            # The connection first: the shared descriptor may be closed in _release_file,
+            # The connection first: the shared descriptor may be closed in sqlite_file.release,
             # and SQLite's locks must be gone (or still covered by other Stores) by then.
             if conn is not None:
                 try:
@@ -603,7 +488,7 @@ class Store:
                 self._ack.close()
                 self._ack = None
             if key is not None:
-                _release_file(key, writer=self._holds_flock)
+                sqlite_file.release(key, writer=self._holds_flock)
                 self._holds_flock = False
 
     def _connection(self, *, write: bool = False) -> sqlite3.Connection:
@@ -1338,175 +1223,3 @@ def _chunks(ids: np.ndarray) -> Iterator[list[int]]:
     values = ids.tolist()
     for i in range(0, len(values), _IDS_PER_QUERY):
         yield values[i : i + _IDS_PER_QUERY]
-
-
-# -- creation ----------------------------------------------------------------------------------
-
-
-def _make_dirs(directory: Path) -> None:
-    # Path.mkdir(parents=True) gives the parents the default mode; every directory created
-    # here holds memories, so each one is 0700.
-    missing: list[Path] = []
-    d = directory
-    while not d.exists():
-        missing.append(d)
-        d = d.parent
-    for d in reversed(missing):
-        try:
-            os.mkdir(d, 0o700)
-        except FileExistsError:
-            pass  # created concurrently by someone else: theirs to set up
-        except OSError as e:
-            raise StoreError(f"cannot create directory {d}: {e.strerror}") from None
-
-
-def _check_directory(directory: Path) -> None:
-    """Refuses a store directory in which another user can rename or replace our files.
-
-    In a group- or other-writable directory without the sticky bit, anyone with write access
-    can replace the db or its -wal/-shm between our checks and SQLite's opens. A sticky one
-    (like /tmp) is allowed: there nobody may remove or rename another user's files, and
-    :func:`_prepare_side_files` makes sure that -wal and -shm are ours.
-    """
-    try:
-        st = os.stat(directory)
-    except OSError as e:
-        raise StoreError(f"store directory {directory} cannot be examined: {e.strerror}") from None
-    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        raise StoreError(
-            f"store directory {directory} is writable by other users (mode {stat.S_IMODE(st.st_mode):04o}, uid "
-            f"{st.st_uid}, not sticky): anyone there could replace the store or its -wal/-shm files and read or "
-            f"change your memories; move the store to a directory only you can write, or `chmod go-w {directory}`"
-        )
-
-
-def _prepare_side_files(path: Path, db_owner: int) -> None:
-    """Makes sure ``<db>-wal`` and ``<db>-shm`` are this user's, mode 0600, before SQLite opens
-    them: each missing one is created here, exclusively and without following a symlink;
-    each existing one must be a regular file of this uid (or of the db file's owner, whom the
-    store belongs to anyway: root inspecting a user's store), with no group or other
-    permissions and one link. SQLite opens them without O_EXCL, so in a shared directory it would adopt
-    files another user planted (0666) after a clean stop removed ours, and write the new text
-    of every memory where he reads it."""
-    uid = os.getuid()
-    for suffix in ("-wal", "-shm"):
-        side = f"{path}{suffix}"
-        try:
-            fd = os.open(side, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
-            pass
-        except OSError as e:
-            if e.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
-                continue  # a read-only place: SQLite cannot create it either (a readonly open)
-            raise StoreError(f"cannot create {side}: {e.strerror}") from None
-        else:
-            os.close(fd)  # empty: SQLite takes an empty -wal as no WAL, and sizes -shm itself
-            continue
-        st = os.lstat(side)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (uid, db_owner) or st.st_mode & 0o077 or st.st_nlink != 1:
-            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else f"mode {stat.S_IMODE(st.st_mode):04o}"
-            raise StoreError(
-                f"{side} is not this user's own file (uid {st.st_uid}, {kind}, {st.st_nlink} link(s); this is uid "
-                f"{uid}): SQLite would write your memories into it, where its owner can read them; remove it (as its "
-                f"owner or root) once no sidecar uses the store, and keep stores in a directory only you can write"
-            )
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _create(path: Path, dim: int) -> None:
-    """Creates an empty store at ``path``, atomically: it appears complete or not at all."""
-    for suffix in ("-wal", "-journal"):
-        # SQLite would replay a leftover journal of a deleted store into the new one.
-        if os.path.lexists(f"{path}{suffix}"):
-            raise StoreError(
-                f"store {path} does not exist but {path}{suffix} does (left over from a deleted"
-                " store?); move it away before creating a new store there"
-            )
-    _make_dirs(path.parent)
-    try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".creating", dir=path.parent)  # 0600
-    except OSError as e:
-        raise StoreError(f"cannot create store {path}: {e.strerror}") from None
-    os.close(fd)  # nothing else has this new inode open yet, so closing drops no one's locks
-    tmp = Path(tmp_name)
-    try:
-        _build_schema(tmp, dim)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        _publish(tmp, path)
-        _fsync_dir(path.parent)
-    except sqlite3.Error as e:
-        raise StoreError(f"cannot create store {path}: {e}") from None
-    except OSError as e:
-        raise StoreError(f"cannot create store {path}: {e}") from None
-    finally:
-        for leftover in (tmp, Path(f"{tmp}-journal"), Path(f"{tmp}-wal"), Path(f"{tmp}-shm")):
-            try:
-                os.unlink(leftover)
-            except FileNotFoundError:
-                pass
-
-
-def _publish(tmp: Path, path: Path) -> None:
-    # link() rather than replace(): it fails if the path exists, so two processes creating the
-    # same store at once cannot clobber each other; the loser then opens the winner's store.
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        return
-    except OSError as e:
-        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
-            raise
-        # A filesystem without hard links: replace, which is atomic but not exclusive.
-        if not os.path.lexists(path):
-            os.replace(tmp, path)
-
-
-def _build_schema(tmp: Path, dim: int) -> None:
-    conn = sqlite3.connect(str(tmp), isolation_level=None)
-    try:
-        conn.execute("PRAGMA synchronous = FULL")
-        conn.execute("BEGIN")
-        conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-        conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY NOT NULL, value NOT NULL)")
-        conn.executemany(
-            "INSERT INTO meta (key, value) VALUES (?, ?)",
-            [("format", FORMAT_NAME), ("schema_version", SCHEMA_VERSION), ("dim", dim), ("created_at", time.time())],
-        )
-        conn.execute("CREATE TABLE namespaces (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE)")
-        conn.execute("INSERT INTO namespaces (id, name) VALUES (1, ?)", (DEFAULT_NAMESPACE,))
-        # The vector length is part of the table, so even a foreign tool cannot write a row
-        # the engine could not load.
-        conn.execute(
-            "CREATE TABLE items ("
-            " id INTEGER PRIMARY KEY AUTOINCREMENT,"
-            " namespace_id INTEGER NOT NULL REFERENCES namespaces(id),"
-            " created_at REAL NOT NULL,"
-            " text TEXT,"
-            " metadata TEXT,"
-            " key TEXT,"
-            " updated_at REAL,"
-            " expires_at REAL,"
-            f" vector BLOB NOT NULL CHECK (typeof(vector) = 'blob' AND length(vector) = {4 * dim}))"
-        )
-        conn.execute("CREATE INDEX items_by_namespace ON items (namespace_id)")
-        conn.execute(_KEY_INDEX)
-        conn.execute(_EXPIRY_INDEX)
-        conn.execute("COMMIT")
-        # Switched last (it cannot run inside a transaction); closing the last connection
-        # checkpoints and removes the temp file's -wal, so the file is complete on its own.
-        got = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-        if str(got).lower() != "wal":
-            raise StoreError(f"cannot create store: WAL journal mode unavailable (got {got!r})")
-    finally:
-        conn.close()
