@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import kalos.store.sqlite as store_mod
 import kalos.store.sqlite_file as store_file
 from kalos.engine.base import as_unit_rows
 from kalos.errors import DimensionMismatch, InvalidArgument, NotAKalosStore, StoreError, StoreLocked
@@ -164,6 +165,27 @@ def test_missing_path_needs_dim_and_creates_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "sub").exists()
 
 
+def test_a_path_replaced_by_a_store_we_hold_keeps_its_descriptor(tmp_path: Path) -> None:
+    # The path turns out to be another store file this process holds open (renamed over it
+    # between the stat and the open): the descriptor just opened on that file must not be
+    # closed before that Store closes, since closing any descriptor of a file drops every
+    # fcntl lock SQLite holds on it in this process.
+    held_path, other_path = tmp_path / "held.db", tmp_path / "other.db"
+    Store.open(other_path, dim=DIM).close()
+    with Store.open(held_path, dim=DIM) as held:
+        stale = os.stat(other_path)  # what the opener saw before the path changed
+        with pytest.raises(StoreError, match="replaced by another file"):
+            store_file.acquire(held_path, stale)
+        (ref,) = [ref for key, ref in store_file._files.items() if key == held._file_key]
+        (kept,) = ref.extra_fds
+        assert os.fstat(kept).st_ino == os.stat(held_path).st_ino
+        key = held._file_key
+        held.add(unit(np.random.default_rng(3), 2), namespace="default")  # still writes
+    with pytest.raises(OSError):
+        os.fstat(kept)  # closed with the file's last Store
+    assert key not in store_file._files
+
+
 def test_creation_failure_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def crash(tmp: Path, path: Path) -> None:
         raise OSError(5, "simulated I/O error")
@@ -177,13 +199,13 @@ def test_creation_failure_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Mon
 def test_concurrent_creation_keeps_the_winner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Another process creates the store (and writes to it) while we are building ours: ours
     # must not replace theirs; we open theirs instead (or refuse it if its dim differs).
-    real_build = store_file._build_schema
+    real_build = store_mod._build_schema
     vec = unit(np.random.default_rng(5), 1)
 
     racing = []
 
     def build_and_lose(tmp: Path, dim: int) -> None:
-        real_build(tmp, dim)
+        real_build(tmp, dim=dim)
         if racing:
             return  # the rival's own creation
         racing.append(True)
@@ -193,13 +215,13 @@ def test_concurrent_creation_keeps_the_winner(tmp_path: Path, monkeypatch: pytes
         finally:
             racing.clear()
 
-    monkeypatch.setattr(store_file, "_build_schema", build_and_lose)
+    monkeypatch.setattr(store_mod, "_build_schema", build_and_lose)
     with Store.open(tmp_path / "m.db", dim=DIM) as s:
         assert s.namespace_counts()["theirs"] == 1
     (tmp_path / "m.db").unlink()
     with pytest.raises(DimensionMismatch, match=f"dimension {DIM}.*dim={DIM + 1}"):
         Store.open(tmp_path / "m.db", dim=DIM + 1)
-    monkeypatch.setattr(store_file, "_build_schema", real_build)
+    monkeypatch.setattr(store_mod, "_build_schema", real_build)
     with Store.open(tmp_path / "m.db") as s:
         assert s.dim == DIM and s.count() == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.db", "m.db-ack"]

@@ -5,13 +5,13 @@ deleted, or damaged (its checksums then end the replay at the damage), after a c
 opens what the db file holds without a word: the review's sidecar started with 0 of 20,000
 acknowledged rows, and integrity_check said ok (issue 19). So every commit also bumps a counter
 (``write_seq``) in the store's meta table, and after the commit, before the write is
-acknowledged, the counter and the highest id are written here, a separate 1 KiB file
+acknowledged, the counter and the highest id are written here, a separate small file
 (fdatasync'ed). A store whose counter or ids fall short of its record has lost acknowledged
 writes (:func:`lost_writes`).
 
-Layout: two slots of :data:`SLOT_BYTES`, written alternately (a write torn by a crash leaves the
-other one whole), each one :data:`RECORD` followed by the CRC-32 of its bytes (4 bytes, little
-endian); the slot with the larger ``write_seq`` and a good CRC counts.
+Layout: two slots at offsets 0 and :data:`SLOT_BYTES`, written alternately (a write torn by a
+crash leaves the other one whole), each one :data:`RECORD` (44 bytes) followed by the CRC-32 of
+its bytes (4 bytes, little endian); the slot with the larger ``write_seq`` and a good CRC counts.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """The durable store: one SQLite file (WAL) that is the source of truth for every memory.
 
-Here: the rows, their transactions and the schema's migrations. The file around them (its
-creation, the checks before SQLite opens it, the writer's lock) is :mod:`kalos.store.sqlite_file`,
-the record of acknowledged writes :mod:`kalos.store.ack`, and the input checks every side shares
-:mod:`kalos.validation`.
+Here: the rows, their transactions, the schema and its migrations. The file around them (its
+header, its atomic creation, the checks before SQLite opens it, the writer's lock) is
+:mod:`kalos.store.sqlite_file`, the record of acknowledged writes :mod:`kalos.store.ack`, and the
+input checks every side shares :mod:`kalos.validation`.
 
 The sidecar is the only writer. It loads every row into an engine at start
 (:meth:`Store.iter_rows`) and afterwards writes each add/delete here first; an add is
@@ -61,6 +61,7 @@ interleaving writes. Readonly opens take no lock.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import numbers
@@ -77,11 +78,11 @@ from urllib.parse import quote
 import numpy as np
 
 from kalos.errors import DimensionMismatch, InvalidArgument, NotAKalosStore, StoreError, UnknownKey
-from kalos.store import sqlite_file
-from kalos.store.ack import AckFile, lost_writes, read_ack
-from kalos.store.sqlite_file import APPLICATION_ID, EXPIRY_INDEX, FORMAT_NAME, KEY_INDEX, SCHEMA_VERSION
+from kalos.store import ack, sqlite_file
 from kalos.store.changes import ChangeLog
+from kalos.store.sqlite_file import APPLICATION_ID
 from kalos.validation import (
+    DEFAULT_NAMESPACE,
     MAX_ID,
     UNSET,
     Item,
@@ -100,6 +101,9 @@ from kalos.validation import (
 
 __all__ = ["Store", "ItemRow", "FORMAT_NAME", "SCHEMA_VERSION", "APPLICATION_ID", "REQUEST_WINDOW"]
 
+FORMAT_NAME = "kalos-store"
+SCHEMA_VERSION = 1
+
 log = logging.getLogger("kalos.store.sqlite")
 
 # A writer waits this long for SQLite's own locks. Only a foreign tool writing to the file
@@ -112,7 +116,10 @@ _MMAP_BYTES = 1 << 40
 # Ids per statement in get/delete: under SQLite's historic 999-variable limit.
 _IDS_PER_QUERY = 500
 _MAX_NAMESPACE_ID = (1 << 31) - 1  # engines keep namespace ids as int32
-
+# Partial: unkeyed items (NULL key, today's adds) are not in it and cost nothing.
+# Partial too: only the rows that expire, in expiry order, for the sweeper and the sidecar's load.
+_EXPIRY_INDEX = "CREATE INDEX IF NOT EXISTS items_by_expiry ON items (expires_at) WHERE expires_at IS NOT NULL"
+_KEY_INDEX = "CREATE UNIQUE INDEX IF NOT EXISTS items_by_key ON items (namespace_id, key) WHERE key IS NOT NULL"
 
 
 # -- validation helpers (everything is checked before a transaction starts) ----------------
@@ -188,7 +195,7 @@ class Store:
     _file_key: sqlite_file.FileKey | None = None
     _holds_flock: bool = False
     _closed: bool = True
-    _ack: AckFile | None = None
+    _ack: ack.AckFile | None = None
     _write_seq: int = 0
     _last_id: int = 0
     _keyed: bool = True
@@ -250,7 +257,7 @@ class Store:
                 raise InvalidArgument(f"store {path} does not exist; pass dim to create it")
             if os.path.isdir(path.parent):
                 sqlite_file.check_directory(path.parent)
-            sqlite_file.create(path, dim)
+            sqlite_file.create(path, functools.partial(_build_schema, dim=dim))
         store = cls()
         try:
             store._open_existing(path, dim, readonly)
@@ -346,7 +353,7 @@ class Store:
         )
         self._migrate_keys(conn)
         created, seq, last_id = self._written_state(conn)
-        record = AckFile(self.path, created)
+        record = ack.AckFile(self.path, created)
         try:
             record.check(seq, last_id)
         except BaseException:
@@ -364,8 +371,8 @@ class Store:
         items = {r[1] for r in conn.execute("PRAGMA table_info(items)")}
         requests = {r[1] for r in conn.execute("PRAGMA table_info(requests)")}
         if {"key", "updated_at", "expires_at"} <= items and "ids" in requests:
-            conn.execute(KEY_INDEX)  # IF NOT EXISTS: a no-op on every store but a damaged one
-            conn.execute(EXPIRY_INDEX)
+            conn.execute(_KEY_INDEX)  # IF NOT EXISTS: a no-op on every store but a damaged one
+            conn.execute(_EXPIRY_INDEX)
             return
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -377,8 +384,8 @@ class Store:
                 conn.execute("ALTER TABLE items ADD COLUMN expires_at REAL")
             if "ids" not in requests:
                 conn.execute("ALTER TABLE requests ADD COLUMN ids BLOB")
-            conn.execute(KEY_INDEX)
-            conn.execute(EXPIRY_INDEX)
+            conn.execute(_KEY_INDEX)
+            conn.execute(_EXPIRY_INDEX)
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:
@@ -407,14 +414,14 @@ class Store:
         """
         # The record first: it is written after each commit, so a commit made between the two
         # reads (a sidecar serving meanwhile) can only make the store look ahead, never behind.
-        record = read_ack(self.path)
+        record = ack.read_ack(self.path)
         with self._lock:
             conn = self._connection()
             try:
                 created, seq, last_id = self._written_state(conn)
             except sqlite3.Error as e:
                 raise _wrap(e, "lost_writes", self.path) from None
-        return lost_writes(self.path, record, created, seq, last_id)
+        return ack.lost_writes(self.path, record, created, seq, last_id)
 
     def checkpoint(self) -> bool:
         """Copies the WAL into the db file and truncates it (True if it completed).
@@ -1223,3 +1230,47 @@ def _chunks(ids: np.ndarray) -> Iterator[list[int]]:
     values = ids.tolist()
     for i in range(0, len(values), _IDS_PER_QUERY):
         yield values[i : i + _IDS_PER_QUERY]
+
+
+# -- the schema of a new store --------------------------------------------------------------
+
+
+def _build_schema(tmp: Path, *, dim: int) -> None:
+    """The schema of version 1 (the module's docstring) in the empty file ``tmp``, as WAL."""
+    conn = sqlite3.connect(str(tmp), isolation_level=None)
+    try:
+        conn.execute("PRAGMA synchronous = FULL")
+        conn.execute("BEGIN")
+        conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+        conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY NOT NULL, value NOT NULL)")
+        conn.executemany(
+            "INSERT INTO meta (key, value) VALUES (?, ?)",
+            [("format", FORMAT_NAME), ("schema_version", SCHEMA_VERSION), ("dim", dim), ("created_at", time.time())],
+        )
+        conn.execute("CREATE TABLE namespaces (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE)")
+        conn.execute("INSERT INTO namespaces (id, name) VALUES (1, ?)", (DEFAULT_NAMESPACE,))
+        # The vector length is part of the table, so even a foreign tool cannot write a row
+        # the engine could not load.
+        conn.execute(
+            "CREATE TABLE items ("
+            " id INTEGER PRIMARY KEY AUTOINCREMENT,"
+            " namespace_id INTEGER NOT NULL REFERENCES namespaces(id),"
+            " created_at REAL NOT NULL,"
+            " text TEXT,"
+            " metadata TEXT,"
+            " key TEXT,"
+            " updated_at REAL,"
+            " expires_at REAL,"
+            f" vector BLOB NOT NULL CHECK (typeof(vector) = 'blob' AND length(vector) = {4 * dim}))"
+        )
+        conn.execute("CREATE INDEX items_by_namespace ON items (namespace_id)")
+        conn.execute(_KEY_INDEX)
+        conn.execute(_EXPIRY_INDEX)
+        conn.execute("COMMIT")
+        # Switched last (it cannot run inside a transaction); closing the last connection
+        # checkpoints and removes the temp file's -wal, so the file is complete on its own.
+        got = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(got).lower() != "wal":
+            raise StoreError(f"cannot create store: WAL journal mode unavailable (got {got!r})")
+    finally:
+        conn.close()

@@ -1,6 +1,7 @@
-"""A SQLite store's file: what makes one (its header, the schema it is created with), its
-atomic creation, the checks of its directory and side files before SQLite opens them, and this
-process's one shared descriptor per store file with the writer's flock.
+"""A SQLite store's file: the header that makes it one, its atomic creation (the schema it is
+created with is :mod:`kalos.store.sqlite`'s), the checks of its directory and side files before
+SQLite opens them, and this process's one shared descriptor per store file with the writer's
+flock.
 
 The rows and transactions are :class:`kalos.store.sqlite.Store`'s; this module is what the file
 system must guarantee around them (issue 19: planted -wal/-shm files, replaced files, a second
@@ -15,29 +16,21 @@ import sqlite3
 import stat
 import tempfile
 import threading
-import time
 from pathlib import Path
+from typing import Callable
 
 from kalos.errors import NotAKalosStore, StoreError, StoreLocked
-from kalos.validation import DEFAULT_NAMESPACE
 
 __all__ = [
-    "FORMAT_NAME", "SCHEMA_VERSION", "APPLICATION_ID", "KEY_INDEX", "EXPIRY_INDEX", "FileKey",
+    "APPLICATION_ID", "FileKey",
     "acquire", "lock_writer", "release", "check_header", "check_directory", "prepare_side_files", "create",
 ]
 
-FORMAT_NAME = "kalos-store"
-SCHEMA_VERSION = 1
 APPLICATION_ID = 0x4B4C4F53  # b"KLOS"
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 _HEADER_BYTES = 100
 _APPLICATION_ID_OFFSET = 68
-
-# Partial: unkeyed items (NULL key, today's adds) are not in it and cost nothing.
-# Partial too: only the rows that expire, in expiry order, for the sweeper and the sidecar's load.
-EXPIRY_INDEX = "CREATE INDEX IF NOT EXISTS items_by_expiry ON items (expires_at) WHERE expires_at IS NOT NULL"
-KEY_INDEX = "CREATE UNIQUE INDEX IF NOT EXISTS items_by_key ON items (namespace_id, key) WHERE key IS NOT NULL"
 
 #: A store file's identity in this process: (st_dev, st_ino).
 FileKey = tuple[int, int]
@@ -56,15 +49,17 @@ FileKey = tuple[int, int]
 
 
 class _FileRef:
-    """This process's one descriptor of a store file, its references, and whether a Store of
-    this process holds its writer's flock."""
+    """This process's one descriptor of a store file, its references, whether a Store of this
+    process holds its writer's flock, and descriptors of the file opened by chance (a path
+    replaced by it while being opened), kept until the last reference goes."""
 
-    __slots__ = ("fd", "refs", "writer")
+    __slots__ = ("fd", "refs", "writer", "extra_fds")
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.refs = 0
         self.writer = False
+        self.extra_fds: list[int] = []
 
 
 _files: dict[FileKey, _FileRef] = {}
@@ -84,7 +79,8 @@ def release(key: FileKey, *, writer: bool) -> None:
         ref.refs -= 1
         if ref.refs <= 0:
             del _files[key]
-            os.close(ref.fd)
+            for fd in (ref.fd, *ref.extra_fds):
+                os.close(fd)
 
 
 def _lock_holder(st: os.stat_result) -> int | None:
@@ -116,7 +112,13 @@ def acquire(path: Path, st: os.stat_result) -> tuple[FileKey, int]:
                 raise StoreError(f"store {path} cannot be opened: {e.strerror}") from None
             fst = os.fstat(fd)
             if (fst.st_dev, fst.st_ino) != key:
-                os.close(fd)  # a different file, which no Store of ours has open
+                other = _files.get((fst.st_dev, fst.st_ino))
+                if other is None:
+                    os.close(fd)  # a different file, which no Store of ours has open
+                else:
+                    # A store file another Store of ours has open: closing this descriptor
+                    # would drop its locks, so it stays open until that file's last Store closes.
+                    other.extra_fds.append(fd)
                 raise StoreError(f"store {path} was replaced by another file while being opened")
             ref = _files[key] = _FileRef(fd)
         ref.refs += 1
@@ -239,8 +241,9 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def create(path: Path, dim: int) -> None:
-    """Creates an empty store at ``path``, atomically: it appears complete or not at all."""
+def create(path: Path, build: Callable[[Path], None]) -> None:
+    """Creates an empty store at ``path``, atomically: it appears complete or not at all.
+    ``build`` writes the schema into the new file (a temporary name, published once whole)."""
     for suffix in ("-wal", "-journal"):
         # SQLite would replay a leftover journal of a deleted store into the new one.
         if os.path.lexists(f"{path}{suffix}"):
@@ -256,7 +259,7 @@ def create(path: Path, dim: int) -> None:
     os.close(fd)  # nothing else has this new inode open yet, so closing drops no one's locks
     tmp = Path(tmp_name)
     try:
-        _build_schema(tmp, dim)
+        build(tmp)
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -289,43 +292,3 @@ def _publish(tmp: Path, path: Path) -> None:
         # A filesystem without hard links: replace, which is atomic but not exclusive.
         if not os.path.lexists(path):
             os.replace(tmp, path)
-
-
-def _build_schema(tmp: Path, dim: int) -> None:
-    conn = sqlite3.connect(str(tmp), isolation_level=None)
-    try:
-        conn.execute("PRAGMA synchronous = FULL")
-        conn.execute("BEGIN")
-        conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-        conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY NOT NULL, value NOT NULL)")
-        conn.executemany(
-            "INSERT INTO meta (key, value) VALUES (?, ?)",
-            [("format", FORMAT_NAME), ("schema_version", SCHEMA_VERSION), ("dim", dim), ("created_at", time.time())],
-        )
-        conn.execute("CREATE TABLE namespaces (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE)")
-        conn.execute("INSERT INTO namespaces (id, name) VALUES (1, ?)", (DEFAULT_NAMESPACE,))
-        # The vector length is part of the table, so even a foreign tool cannot write a row
-        # the engine could not load.
-        conn.execute(
-            "CREATE TABLE items ("
-            " id INTEGER PRIMARY KEY AUTOINCREMENT,"
-            " namespace_id INTEGER NOT NULL REFERENCES namespaces(id),"
-            " created_at REAL NOT NULL,"
-            " text TEXT,"
-            " metadata TEXT,"
-            " key TEXT,"
-            " updated_at REAL,"
-            " expires_at REAL,"
-            f" vector BLOB NOT NULL CHECK (typeof(vector) = 'blob' AND length(vector) = {4 * dim}))"
-        )
-        conn.execute("CREATE INDEX items_by_namespace ON items (namespace_id)")
-        conn.execute(KEY_INDEX)
-        conn.execute(EXPIRY_INDEX)
-        conn.execute("COMMIT")
-        # Switched last (it cannot run inside a transaction); closing the last connection
-        # checkpoints and removes the temp file's -wal, so the file is complete on its own.
-        got = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-        if str(got).lower() != "wal":
-            raise StoreError(f"cannot create store: WAL journal mode unavailable (got {got!r})")
-    finally:
-        conn.close()
