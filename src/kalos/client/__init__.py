@@ -1,3 +1,3 @@
-"""What runs in an agent's process: the client (client), its asyncio twin (aio) and the
-optional client-side embedder (embed).
+"""What runs in an agent's process: the client (client), its asyncio twin (aio), what their
+calls take and return (requests, results) and the optional client-side embedder (embed).
 """

@@ -32,26 +32,15 @@ from typing import Any, Callable, NamedTuple, Sequence, TypeVar
 
 import numpy as np
 
-from kalos.client.client import (
-    Client,
-    Hit,
-    Item,
-    Page,
-    Recall,
-    RecallBatch,
-    _Connection,
-    _one_round_trip,
-    _register_where,
-    _SidecarEmbedder,
-    _single_hits,
-)
+from kalos.client.client import Client, _Connection, _one_round_trip, _register_where, _SidecarEmbedder
+from kalos.client.results import Hit, Page, Recall, RecallBatch, single_hits
 from kalos.client.embed import embed_queries
 from kalos.client.requests import TimeLike, check_k, filter_words, recall_request, where_clause, with_where
 from kalos.errors import InvalidArgument, KalosError, SidecarUnavailable, UnknownFilter, error_from_code
 from kalos.ipc.channel import SidecarExited
 from kalos.ipc.protocol import Layout, Op
 from kalos.ipc.sync import full_fence
-from kalos.validation import check_embed_texts
+from kalos.validation import Item, check_embed_texts
 
 __all__ = ["AsyncClient", "DEFAULT_MAX_SPIN_US"]
 
@@ -568,7 +557,7 @@ class AsyncClient:
                     continue
                 slot = conn.channel.slot
                 if single:
-                    return _single_hits(slot, k)
+                    return single_hits(slot, k)
                 ids[start:stop] = slot.ids[: stop - start, :k]
                 scores[start:stop] = slot.scores[: stop - start, :k]
                 start = stop

@@ -1,8 +1,8 @@
 """What an LLM service imports: :class:`Client`.
 
-Length: the client, its connection and its result types (Recall, Hit, Item, Page); one job
-(the caller's side of the sidecar), many calls. How a call's arguments are checked and encoded
-is :mod:`kalos.client.requests`, shared with :mod:`kalos.client.aio`.
+Length: the client and its connection; one job (the caller's side of the sidecar), many calls.
+How a call's arguments are checked and encoded is :mod:`kalos.client.requests`, what the calls
+return :mod:`kalos.client.results`, both shared with :mod:`kalos.client.aio`.
 
 Recalls go through the client's slot in shared memory and never touch a socket; writes
 (add, update, delete, drop_namespace) and lookups (get, list, count, stats) go over the control
@@ -19,13 +19,11 @@ import socket
 import threading
 import time
 import weakref
-from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from kalos.config import open_runtime_dir, settings
-from kalos.engine.base import MISSING_ID
 from kalos.client.requests import (
     TimeLike,
     as_matrix,
@@ -42,6 +40,7 @@ from kalos.client.requests import (
     where_clause,
     with_where,
 )
+from kalos.client.results import Hit, Page, Recall, RecallBatch, item_from_reply, single_hits
 from kalos.errors import (
     DimensionMismatch,
     InvalidArgument,
@@ -64,7 +63,7 @@ from kalos.ipc.control import (
     send_fd,
     send_frame,
 )
-from kalos.ipc.protocol import Layout, Op, SlotView
+from kalos.ipc.protocol import Layout, Op
 from kalos.ipc.segment import Endpoint, Segment
 from kalos.validation import (
     UNSET,
@@ -88,47 +87,6 @@ __all__ = ["Client", "Recall", "RecallBatch", "Item", "Hit", "Page"]
 
 #: How often a control operation that waits on the socket checks the sidecar's heartbeat.
 _CONTROL_POLL_S = 0.05
-
-
-@dataclass(frozen=True)
-class Recall:
-    """The hits of one query, best first: ``ids`` (int64 store ids) and ``scores`` (float32 cosine)."""
-
-    ids: np.ndarray
-    scores: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __iter__(self) -> Iterator[tuple[int, float]]:
-        return zip(self.ids.tolist(), self.scores.tolist())
-
-    def __repr__(self) -> str:
-        if not len(self):
-            return "Recall(0 hits)"
-        return f"Recall({len(self)} hits, best id={int(self.ids[0])} score={float(self.scores[0]):.4f})"
-
-
-@dataclass(frozen=True)
-class RecallBatch:
-    """The hits of Q queries: ``ids[Q, k]``, ``scores[Q, k]``; missing hits are id -1, score -inf."""
-
-    ids: np.ndarray
-    scores: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> Recall:
-        ids, scores = self.ids[i], self.scores[i]
-        n = int(np.count_nonzero(ids != MISSING_ID))
-        return Recall(ids[:n], scores[:n])
-
-    def __iter__(self) -> Iterator[Recall]:
-        return (self[i] for i in range(len(self)))
-
-    def __repr__(self) -> str:
-        return f"RecallBatch({len(self)} queries, k={self.ids.shape[1] if self.ids.ndim == 2 else 0})"
 
 
 class _Connection:
@@ -430,7 +388,7 @@ class Client:
                     continue
                 slot = conn.channel.slot
                 if single:
-                    return _single_hits(slot, k)
+                    return single_hits(slot, k)
                 ids[start:stop] = slot.ids[: stop - start, :k]
                 scores[start:stop] = slot.scores[: stop - start, :k]
                 start = stop
@@ -602,7 +560,7 @@ class Client:
         if where is not None:
             message["where"] = compile_where(where).to_dict()
         reply, _ = self._control(message)
-        items = [_item_from_reply(item, "list") for item in reply["items"]]
+        items = [item_from_reply(item, "list") for item in reply["items"]]
         after = reply.get("next")
         return Page(items, None if after is None else encode_cursor(int(after)))
 
@@ -644,7 +602,7 @@ class Client:
         if not isinstance(items, list) or len(items) != len(unique):
             got = len(items) if isinstance(items, list) else type(items).__name__
             raise ProtocolMismatch(f"get of {len(unique)} ids was answered with {got} items")
-        built = [_item_from_reply(item, "get") if item is not None else None for item in items]
+        built = [item_from_reply(item, "get") if item is not None else None for item in items]
         if with_vectors:
             if "vectors" not in reply:
                 raise ProtocolMismatch("this sidecar does not send vectors with get; upgrade it")
@@ -1000,84 +958,12 @@ class _SidecarEmbedder:
         return f"SidecarEmbedder({self.name!r}, dim={self.dim}, runtime={self.runtime!r})"
 
 
-#: The fields of an Item a reply carries (its vector travels apart, in the reply's blob).
-_REPLY_ITEM_FIELDS = frozenset(field.name for field in dataclasses.fields(Item)) - {"vector"}
-
-
-def _item_from_reply(fields: Any, op: str) -> Item:
-    """The Item of a reply's fields: a field this client does not know (a newer sidecar's) is
-    left out; fields that do not make an Item are a ProtocolMismatch."""
-    try:
-        return Item(**{name: value for name, value in fields.items() if name in _REPLY_ITEM_FIELDS})
-    except (AttributeError, TypeError) as exc:
-        raise ProtocolMismatch(f"{op} was answered with a malformed item: {exc}") from None
-
-
-@dataclass(frozen=True)
-class Hit:
-    """One recalled text memory: ``id``, cosine ``score``, ``text``, ``metadata``, ``namespace``,
-    ``created_at``, ``key`` (None for an item added without one), ``updated_at`` (None until an upsert revised it)."""
-
-    id: int
-    score: float
-    text: str | None
-    metadata: dict[str, Any] | None
-    namespace: str
-    created_at: float
-    key: str | None = None  # defaults: Hit(...) calls written before keys still build
-    updated_at: float | None = None
-
-    @classmethod
-    def from_item(cls, item: Item, score: float) -> "Hit":
-        return cls(id=item.id, score=float(score), text=item.text, metadata=item.metadata, namespace=item.namespace,
-                   created_at=item.created_at, key=item.key, updated_at=item.updated_at)
-
-    @classmethod
-    def from_fields(cls, fields: dict[str, Any], score: float) -> "Hit":
-        """The Hit of an item as a reply carries it (its JSON fields); a field this client does
-        not know (a newer sidecar's) is left out, and a sidecar from before keys sends none."""
-        return cls(id=fields["id"], score=float(score), text=fields["text"], metadata=fields["metadata"],
-                   namespace=fields["namespace"], created_at=fields["created_at"], key=fields.get("key"),
-                   updated_at=fields.get("updated_at"))
-
-    def __repr__(self) -> str:
-        text = (self.text or "").replace("\n", " ")
-        return f"Hit(id={self.id}, score={self.score:.4f}, text={text[:60] + ('...' if len(text) > 60 else '')!r})"
-
-
-@dataclass(frozen=True)
-class Page:
-    """One page of :meth:`Client.list`: its ``items`` and the ``next_cursor`` (None: the last page)."""
-
-    items: list[Item]
-    next_cursor: str | None
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __iter__(self) -> Iterator[Item]:
-        return iter(self.items)
-
-    def __repr__(self) -> str:
-        return f"Page({len(self.items)} items, next_cursor={self.next_cursor!r})"
-
-
 def _one_round_trip(conn: _Connection, texts: list[str]) -> bool:
     """Whether the sidecar of ``conn`` can recall ``texts`` in one control round trip (op
     ``recall_text``): it names the op, and the texts fit one slot's batch and one message
     (16: a character's most bytes in JSON, as _SidecarEmbedder's frames count them)."""
     return ("recall_text" in conn.ops and len(texts) <= conn.layout.max_batch
             and sum(map(len, texts)) <= (conn.max_message_bytes or settings().max_message_bytes) // 16)
-
-
-def _single_hits(slot: SlotView, k: int) -> Recall:
-    """A single recall's answer straight from its slot: the hits, without the -1 / -inf padding."""
-    hits = slot.ids[0, :k].copy()
-    hit_scores = slot.scores[0, :k].copy()
-    if hits[k - 1] == MISSING_ID:  # fewer than k matched: the padding trails the hits
-        n = int(np.argmax(hits == MISSING_ID))
-        hits, hit_scores = hits[:n], hit_scores[:n]
-    return Recall(hits, hit_scores)
 
 
 def _register_where(client: "Client", clause: Where) -> tuple[int, int]:
