@@ -59,12 +59,13 @@ text src cache-1; text $B base-cache-1
 text $B base-nocache-2 KALOS_ITEM_CACHE_BYTES=0; text src nocache-2 KALOS_ITEM_CACHE_BYTES=0
 for tree in src $B; do for bytes in 0 67108864; do
   room 45 "reads $tree $bytes" || break
-  echo "=== reads $tree cache=$bytes"
+  echo "=== reads $tree cache=$bytes" | tee -a $OUT/reads.txt
   KALOS_ITEM_CACHE_BYTES=$bytes PYTHONPATH=$tree N=2000 R=2000 OPENBLAS_NUM_THREADS=1 timeout 60 \
     python3 benchmarks/results/cpu-s28/reads_vm.py 2>&1 | tail -3 | tee -a $OUT/reads.txt
 done; done
 else
-PYTHONPATH=src timeout 60 python3 src/kalos/tools/crowd.py --device cuda --crowd 64 --crowd-seconds 2 \
+# (the warm-up's limit was 60 s until session 29, which cut it off before its part beside the GEMMs)
+PYTHONPATH=src timeout 120 python3 src/kalos/tools/crowd.py --device cuda --crowd 64 --crowd-seconds 2 \
   --colocated 64 > $OUT/crowd-warmup.txt 2>&1; pkill -9 -f "kalos serve" 2>/dev/null
 crowd src main 16,64; crowd $B base 16,64; crowd src main-2 16,64
 fi

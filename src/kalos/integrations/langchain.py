@@ -80,7 +80,7 @@ def item_to_document(item: Item, score: float | None = None, *, kalos_metadata: 
 
 
 def hit_to_document(hit: Hit, *, kalos_metadata: bool = False) -> Document:
-    """A Kalos :class:`~kalos.client.client.Hit` as a LangChain Document (see :func:`item_to_document`)."""
+    """A Kalos :class:`~kalos.client.results.Hit` as a LangChain Document (see :func:`item_to_document`)."""
     return item_to_document(hit, hit.score, kalos_metadata=kalos_metadata)  # type: ignore[arg-type]
 
 
