@@ -56,10 +56,11 @@ def _interpreter_env(monkeypatch):
 @pytest.fixture(scope="module")
 def model():
     """The packaged sentence-transformers model on the CPU, and its pooling's normalisation."""
-    from kalos.server.sidecar_embed import _model_path, _pooling_config
+    from kalos.server.embed_model import pooling_config
+    from kalos.server.sidecar_embed import _model_path
 
     path = _model_path()
-    return _load_sentence_transformer(str(path), device="cpu", local_files_only=True), _pooling_config(path)[1]
+    return _load_sentence_transformer(str(path), device="cpu", local_files_only=True), pooling_config(path)[1]
 
 
 def _inputs(model, texts: list[str], tokens: int, padding_rows: int = 0):

@@ -691,7 +691,7 @@ def test_a_short_request_embeds_in_its_own_thread_only_when_nobody_else_is(monke
 def test_a_runtime_is_checked_one_text_at_a_time_too():
     """The load check compares a runtime's vectors with the model's in one batch and one text at
     a time: a runtime whose one-text path (an agent's query) is off is refused by name."""
-    from kalos.server.sidecar_embed import check_against_reference
+    from kalos.server.embed_model import check_against_reference
 
     reference = default_embedder().model
 

@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from kalos.client.embed import DEFAULT_DIM, DEFAULT_MODEL, _check_output, _load_sentence_transformer
+from kalos.server.embed_model import check_against_reference, pooling_config
 from kalos.validation import check_embed_texts
 
 __all__ = ["FORWARD_KERNELS", "GraphedEmbedder", "MAX_RUN", "MIN_TOKENS"]
@@ -77,8 +78,6 @@ class GraphedEmbedder:
         import torch
         from tokenizers import Tokenizer
 
-        from kalos.server.sidecar_embed import _pooling_config
-
         self._torch = torch
         self.name = DEFAULT_MODEL
         self.dim = DEFAULT_DIM
@@ -87,7 +86,7 @@ class GraphedEmbedder:
         self.kernels = kernels
         self.runtime = (f"{'triton ' if kernels == 'triton' else ''}graphs ({self.device})" if self._on_gpu
                         else f"{'triton ' if kernels == 'triton' else ''}buckets ({self.device}, no graphs)")
-        self.max_tokens, self._normalise = _pooling_config(model)
+        self.max_tokens, self._normalise = pooling_config(model)
         self.tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
         self.tokenizer.enable_truncation(max_length=self.max_tokens)
         self._pad_id = int((self.tokenizer.padding or {}).get("pad_id", 0))  # (read before no_padding drops it)
@@ -109,8 +108,6 @@ class GraphedEmbedder:
             # serving would stall the sweep's passes.
             for texts, tokens in self.shapes():
                 self._bucket(texts, tokens)
-        from kalos.server.sidecar_embed import check_against_reference
-
         check_against_reference(self, self._reference, f"the graphed model ({kernels} kernels)")
         self._reference = None  # (the check was its last use: its weights are the transformer's)
         if self._kernels is not None:

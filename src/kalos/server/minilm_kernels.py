@@ -14,7 +14,7 @@ absolute positions, token types, LayerNorm after each residual, exact (erf) GELU
 masked out of the attention, then sentence-transformers' masked mean and, where the model's
 pooling asks for it, the L2 normalisation. Matrix products take TF32 inputs with float32
 accumulation; the graphed embedder checks the vectors against sentence-transformers' at every
-load (:func:`kalos.server.sidecar_embed.check_against_reference`) and falls back to the
+load (:func:`kalos.server.embed_model.check_against_reference`) and falls back to the
 model's own forward pass when they differ.
 
 Layout. Hidden states are row-major ``[texts * tokens, hidden]`` float32 (a text's tokens

@@ -34,7 +34,6 @@ import collections
 import hashlib
 import importlib.metadata
 import importlib.util
-import json
 import logging
 import os
 import queue
@@ -53,6 +52,7 @@ from kalos.client.embed import (
     SentenceTransformerEmbedder,
     _check_output,
 )
+from kalos.server.embed_model import PROBES, check_against_reference, pooling_config
 from kalos.validation import check_embed_texts
 
 __all__ = ["EMBED_MODES", "EMBED_RUNTIMES", "EmbedService", "OnnxEmbedder", "load_embedder", "cache_dir"]
@@ -83,33 +83,6 @@ _RUN = 32
 _RUN_TOKENS = 4096
 #: Bumped when the exported graph changes: a cached graph of another format is not reused.
 _EXPORT_FORMAT = 2
-_PROBES = [
-    "Hi.",
-    "The cat sat on the mat while the dog barked at the mailman outside.",
-    "When does Alice celebrate her birthday?",
-    "Quantum chromodynamics describes the strong interaction between quarks and gluons. " * 30,
-    "東京は日本の首都です。",
-    "Ça va très bien, merci !",
-]
-
-
-def check_against_reference(embedder: Any, reference: Any, what: str, minimum: float = 0.9999) -> float:
-    """The least cosine between ``embedder``'s vectors of the probe texts (several lengths and
-    scripts) and the SentenceTransformer ``reference``'s; RuntimeError naming ``what`` below
-    ``minimum``: a faster runtime of the model is used only when it gives the model's vectors,
-    in one batch and one text at a time (an agent's query: some runtimes have a path of its own)."""
-    alone = [embedder.embed([text]) for text in _PROBES]
-    mine = np.vstack([embedder.embed(_PROBES), *alone]).astype(np.float64)
-    theirs = reference.encode(_PROBES, convert_to_numpy=True, normalize_embeddings=True,
-                              show_progress_bar=False).astype(np.float64)
-    theirs = np.vstack([theirs, theirs])
-    cosines = np.einsum("ij,ij->i", mine, theirs) / (np.linalg.norm(mine, axis=1) * np.linalg.norm(theirs, axis=1))
-    least = float(cosines.min())
-    if not least >= minimum:
-        raise RuntimeError(f"{what} disagrees with sentence-transformers (cosine {least:.6f})")
-    return least
-
-
 def cache_dir() -> Path:
     """Where the exported graph is cached: ``$KALOS_CACHE_DIR``, ``$XDG_CACHE_HOME/kalos`` or ``~/.cache/kalos``."""
     explicit = os.environ.get("KALOS_CACHE_DIR")
@@ -150,22 +123,6 @@ def _export_key(model: Path) -> str:
     return h.hexdigest()[:20]
 
 
-def _pooling_config(model: Path) -> tuple[int, bool]:
-    """``(max_seq_length, normalise)`` from the model's sentence-transformers config; refuses a
-    pooling other than the mean, which the exported graph computes."""
-    modules = json.loads((model / "modules.json").read_text())
-    kinds = [m.get("type", "") for m in modules]
-    pooling = next((m for m in modules if m.get("type", "").endswith("Pooling")), None)
-    if pooling is None:
-        raise RuntimeError("the model has no pooling module")
-    config = json.loads((model / pooling.get("path", "1_Pooling") / "config.json").read_text())
-    others = [k for k, v in config.items() if k.startswith("pooling_mode_") and v and k != "pooling_mode_mean_tokens"]
-    if not config.get("pooling_mode_mean_tokens") or others:
-        raise RuntimeError(f"the model pools by {others or 'no mode'}, the exported graph by the mean")
-    max_len = int(json.loads((model / "sentence_bert_config.json").read_text()).get("max_seq_length", 256))
-    return max_len, any(k.endswith("Normalize") for k in kinds)
-
-
 class OnnxEmbedder:
     """all-MiniLM-L6-v2 on ONNX Runtime: tokens from ``tokenizers``, pooled and normalised in the graph."""
 
@@ -176,7 +133,7 @@ class OnnxEmbedder:
         self.name = DEFAULT_MODEL
         self.dim = DEFAULT_DIM
         self.runtime = "onnx"
-        max_len, _ = _pooling_config(model)
+        max_len, _ = pooling_config(model)
         self.tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
         # tokenizer.json pads and truncates to 128; sentence-transformers truncates to
         # max_seq_length and pads to the longest text of a batch (here: of a run, in embed).
@@ -230,7 +187,7 @@ def _export(model: Path, graph: Path) -> None:
     from kalos.client.embed import _load_sentence_transformer
 
     st = _load_sentence_transformer(str(model), device="cpu", local_files_only=True)
-    max_len, normalise = _pooling_config(model)
+    max_len, normalise = pooling_config(model)
     transformer = st[0].auto_model
     # The plain attention traces to a smaller graph than SDPA's (fewer nodes, a little faster on
     # ONNX Runtime), with the same vectors.
@@ -251,7 +208,7 @@ def _export(model: Path, graph: Path) -> None:
             mean = (tokens * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
             return torch.nn.functional.normalize(mean, p=2, dim=1) if normalise else mean
 
-    encoded = st.tokenizer(_PROBES[:2], padding=True, truncation=True, max_length=max_len, return_tensors="pt")
+    encoded = st.tokenizer(PROBES[:2], padding=True, truncation=True, max_length=max_len, return_tensors="pt")
     args = (encoded["input_ids"], encoded["attention_mask"], encoded["token_type_ids"])
     graph.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".export-", suffix=".onnx", dir=graph.parent)
