@@ -21,7 +21,7 @@ import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from kalos.errors import (
     ServerError,
     error_from_code,
 )
-from kalos.ipc.channel import wake_socket
+from kalos.ipc.channel import SidecarChannel, wake_socket
 from kalos.ipc.control import (
     PROTOCOL_VERSION,
     ConnectionClosed,
@@ -54,7 +54,7 @@ from kalos.ipc.control import (
     send_frame,
 )
 from kalos.ipc.protocol import NAMESPACE_BYTES, REQUEST_DTYPE, Layout, Op
-from kalos.ipc.segment import Endpoint
+from kalos.ipc.segment import Endpoint, Segment
 from kalos.server.cohort import Cohort
 from kalos.server.expirer import Expirer
 from kalos.server.metrics import Metrics
@@ -78,7 +78,6 @@ from kalos.validation import (
 from kalos.where import Where, compile_where
 
 if TYPE_CHECKING:
-    from kalos.server.sidecar import Sidecar
     from kalos.server.sidecar_embed import EmbedService
 
 __all__ = ["ControlServer"]
@@ -90,6 +89,16 @@ _CONTROL_POLL_S = 1.0
 _CORES = len(os.sched_getaffinity(0))
 
 
+class SidecarParts(Protocol):
+    """What the control server reads from its sidecar (:class:`kalos.server.sidecar.Sidecar`) at
+    each use, because the sidecar's lifecycle replaces them under running threads: the listening
+    socket, the channel and the segment (None once closed)."""
+
+    listener: socket.socket | None
+    channel: SidecarChannel | None
+    segment: Segment | None
+
+
 class ControlServer:
     """Serves the control connections of one sidecar: :meth:`accept` is the acceptor thread.
 
@@ -99,7 +108,7 @@ class ControlServer:
     the segment (taken away by ``close``, which a connection thread may outlive).
     """
 
-    def __init__(self, sidecar: Sidecar, *, name: str, endpoint: Endpoint, epoch: int, layout: Layout,
+    def __init__(self, sidecar: SidecarParts, *, name: str, endpoint: Endpoint, epoch: int, layout: Layout,
                  engine: Engine, store: Any, metrics: Metrics, cohort: Cohort, embedding: EmbedService,
                  seed: Any, quarantined: list[int], namespaces: dict[bytes, int], filters: FilterCache,
                  polling: SlotPolling, expirer: Expirer, state_lock: StateLock, write_lock: threading.Lock,
