@@ -114,7 +114,6 @@ def test_serve_add_recall_stats(sidecars, store_dir, runtime_dir, rng):
     assert "item cache 0 items, 0.0 of 64 MiB; nothing read yet" in result.stdout, result.stdout
 
     # recall --vector --json equals the reference; JSONL texts and namespaces come back.
-    jsonl_vectors = np.array([r["vector"] for r in rows])
     jsonl_ns = ["even" if i % 2 == 0 else "odd" for i in range(12)]
     with Client(name, timeout=10.0) as client:
         all_items = {}
@@ -127,6 +126,9 @@ def test_serve_add_recall_stats(sidecars, store_dir, runtime_dir, rng):
     vectors = np.array([npy[i - 1] if all_items[i].text is None else by_text[all_items[i].text]["vector"]
                         for i in ids])
     namespaces = [all_items[i].namespace for i in ids]
+    # Each JSONL line in its own namespace, or --namespace's where it named none.
+    stored_ns = {all_items[i].text: all_items[i].namespace for i in ids if all_items[i].text is not None}
+    assert [stored_ns[f"note {i}"] for i in range(12)] == jsonl_ns
     query = rng.standard_normal(DIM).round(3)
     vector_arg = ",".join(str(x) for x in query)
     for extra, namespace, k in ((["--namespace", "even"], "even", 4), (["--all-namespaces"], None, 10),

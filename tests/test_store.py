@@ -605,6 +605,8 @@ def test_readonly_open_never_writes_the_db(tmp_path: Path) -> None:
     before = path.read_bytes()
     with Store.open(path, readonly=True) as ro, Store.open(path, readonly=True) as ro2:
         assert ro.count() == ro2.count() == 3 and len(list(ro.iter_rows())) == 1
+        assert ro.lost_writes() is None and ro.integrity_check() == "ok"
+        assert path.read_bytes() == before  # opened, read and checked: not a byte of the db changed
         with Store.open(path) as w:  # readonly opens take no lock
             w.add(unit(np.random.default_rng(18), 1), namespace="n")
             assert ro.count() == 4
