@@ -13,8 +13,10 @@
 #   PART=2 BUDGET_S=560 OUT=$OUT bash this   (the crowds)
 #   PART=tests BUDGET_S=560 OUT=$OUT bash this   (every CUDA test of the suite, alone)
 cd "$(dirname "$0")/../../.."
+case "${PART:-1}" in tests|1|2) ;; *) echo "PART must be tests, 1 or 2, got ${PART}"; exit 2;; esac
 ext=$(python3-config --extension-suffix); inc=$(python3-config --includes)
-for s in src .snap/trees/s28-base/src; do
+trees="src"; [ "${PART:-1}" = tests ] || trees="src .snap/trees/s28-base/src"  # (the tests need this tree only)
+for s in $trees; do
   gcc -O2 -shared -fPIC $inc $s/kalos/ipc/_fence.c -o $s/kalos/ipc/_fence$ext || exit 1; done
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 budget=${BUDGET_S:-560}
@@ -42,13 +44,14 @@ crowd() { # tree label [colocated]
 if [ "${PART:-1}" = tests ]; then  # (every CUDA test, with the call's budget: in PART 1's 330 s an
   # H100 got through 23 of the 25 there, session 29, Triton compiling on a fresh machine)
 echo "=== GPU tests $(date +%T)"
-PYTHONPATH=.snap/model:src timeout $(( budget - 20 )) python3 -m pytest -q -p no:cacheprovider -m cuda -rs \
+# (SIGINT: a pytest cut off still prints its summary, the test it was in and the durations)
+PYTHONPATH=.snap/model:src timeout -s INT -k 15 $(( budget - SECONDS - 20 )) python3 -m pytest -q -p no:cacheprovider -m cuda -rs \
   --durations=10 tests > $OUT/gpu-tests.txt 2>&1; tail -15 $OUT/gpu-tests.txt
 pkill -9 -f "kalos serve" 2>/dev/null
 elif [ "${PART:-1}" = 1 ]; then
 if [ -z "${SKIP_TESTS:-}" ]; then  # (SKIP_TESTS=1: the text runs only, in a short call)
 echo "=== GPU tests $(date +%T)"
-PYTHONPATH=.snap/model:src timeout 330 python3 -m pytest -q -p no:cacheprovider -m cuda --durations=5 \
+PYTHONPATH=.snap/model:src timeout -s INT -k 15 330 python3 -m pytest -q -p no:cacheprovider -m cuda --durations=5 \
   tests/test_sidecar_embed.py tests/test_minilm_kernels.py tests/test_torch_engine.py tests/test_slot_server.py \
   > $OUT/gpu-tests.txt 2>&1; tail -3 $OUT/gpu-tests.txt
 pkill -9 -f "kalos serve" 2>/dev/null

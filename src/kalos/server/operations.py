@@ -92,11 +92,17 @@ _CORES = len(os.sched_getaffinity(0))
 class SidecarParts(Protocol):
     """What the control server reads from its sidecar (:class:`kalos.server.sidecar.Sidecar`) at
     each use, because the sidecar's lifecycle replaces them under running threads: the listening
-    socket, the channel and the segment (None once closed)."""
+    socket, the channel and the segment (None once closed: a connection's thread that outlives
+    the sidecar's close ends in an error it logs)."""
 
-    listener: socket.socket | None
-    channel: SidecarChannel | None
-    segment: Segment | None
+    @property
+    def listener(self) -> socket.socket | None: ...
+
+    @property
+    def channel(self) -> SidecarChannel | None: ...
+
+    @property
+    def segment(self) -> Segment | None: ...
 
 
 class ControlServer:

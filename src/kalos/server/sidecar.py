@@ -273,6 +273,7 @@ class Sidecar:
         self._threads: list[threading.Thread] = []
         self.listener: socket.socket | None = None  # the control socket (bound again if its name goes)
         self.segment: Segment | None = None
+        self.channel: SidecarChannel | None = None  # the slots' channel over the segment
         self._seed: Any = None
         self.store: Store | None = None  # or a PostgresStore
         self._follower: Any = None  # follows a shared (PostgreSQL) store's change log
