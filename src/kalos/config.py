@@ -17,8 +17,8 @@ from typing import Any
 
 from kalos.errors import InvalidArgument
 
-__all__ = ["Settings", "settings", "environment_help", "default_store_path", "runtime_dir", "open_runtime_dir", "RuntimeDir", "GPU_POLLING",
-           "DEFAULT_GPU_WINDOW_US"]
+__all__ = ["Settings", "settings", "environment_help", "default_store_path", "runtime_dir", "open_runtime_dir",
+           "RuntimeDir", "GPU_POLLING", "DEFAULT_GPU_WINDOW_US"]
 
 #: How a GPU sidecar may answer single recalls without Python (SidecarConfig.gpu_polling).
 GPU_POLLING = ("off", "graph")
@@ -48,7 +48,7 @@ class Settings:
     sidecar_gather_us: float = _setting(200.0, "KALOS_SIDECAR_GATHER_US",
                                         "how long after a pass the next one may wait for that pass's clients "
                                         "to send their next request, us; 0 searches at once (serve --gather-us)")
-    # It fixes the size of each slot's result area.
+    # (It fixes the size of each slot's result area.)
     max_k: int = _setting(256, "KALOS_MAX_K", "largest k a recall may ask for (serve --max-k)")
     max_batch: int = _setting(64, "KALOS_MAX_BATCH",
                               "most query rows one request carries; recall_many splits larger batches "
@@ -63,7 +63,7 @@ class Settings:
     # Bounded so that a malformed length prefix cannot make the sidecar allocate without limit.
     max_message_bytes: int = _setting(1 << 30, "KALOS_MAX_MESSAGE_BYTES",
                                       "largest control-socket message (an add of many vectors with texts), bytes")
-    # (a peer stuck or hostile)
+    # A peer stuck or hostile must not hold a thread for ever.
     control_stall_s: float = _setting(10.0, "KALOS_CONTROL_STALL_S",
                                       "a control connection stuck in the middle of a frame is dropped after "
                                       "this long without a byte moving, s")
@@ -71,10 +71,10 @@ class Settings:
     control_idle_s: float = _setting(30.0, "KALOS_CONTROL_IDLE_S",
                                      "a control connection that holds no slot (no hello) and sends nothing is "
                                      "dropped after this long, s")
-    # Each costs a thread.
+    # Bounded: each connection costs a thread.
     spare_connections: int = _setting(64, "KALOS_SPARE_CONNECTIONS",
                                       "control connections the sidecar takes beyond the slot holders")
-    # (kalos.server.item_cache)
+    # (See kalos.server.item_cache.)
     item_cache_bytes: int = _setting(64 << 20, "KALOS_ITEM_CACHE_BYTES",
                                      "the JSON of recently read items the sidecar keeps for get and recall_text "
                                      "replies, bytes; 0 keeps none (a SQLite store's items only)")

@@ -88,8 +88,7 @@ class Hit:
 
     @classmethod
     def from_item(cls, item: Item, score: float) -> "Hit":
-        return cls(id=item.id, score=float(score), text=item.text, metadata=item.metadata, namespace=item.namespace,
-                   created_at=item.created_at, key=item.key, updated_at=item.updated_at)
+        return cls.from_fields(vars(item), score)  # (an Item's attributes are the fields a reply names)
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any], score: float) -> "Hit":
