@@ -21,6 +21,9 @@ variant with its rounds held at each k bucket (the selection's and final kernel'
 default the server's own choice, the smaller bucket for k <= 8):
 
     PYTHONPATH=src python3 benchmarks/rounds.py --sizes 1,2,8,16,32,64 --k-buckets 8,16
+
+``--profile 16,64`` then runs a few more rounds of those sizes under the PyTorch profiler and
+prints each kernel's device time per round (where a round's time goes).
 """
 from __future__ import annotations
 
@@ -114,6 +117,8 @@ def run_variant(args: argparse.Namespace, name: str, precision: str, tune: dict[
                     wrong += not ok
             server.running()
         server.stop()
+        if b in args.profile:
+            profile_round(server, kout, args.profile_rounds, seqs, req, resp, handed, b)
         h = np.array(host[args.rounds // 6:]) * 1e6
         out[b] = (float(np.percentile(h, 50)), float(np.percentile(h, 99)),
                   float(np.median(passes[args.rounds // 6:])) / 1e3, wrong, n_handed)
@@ -123,6 +128,31 @@ def run_variant(args: argparse.Namespace, name: str, precision: str, tune: dict[
     del server, engine
     torch.cuda.empty_cache()
     return out
+
+
+def profile_round(server: SlotGraphServer, kout: int | None, rounds: int, seqs: np.ndarray, req: np.ndarray,
+                  resp: np.ndarray, handed: np.ndarray, b: int) -> None:
+    """Each kernel's device time per round over ``rounds`` more rounds of ``b`` (CUPTI records of
+    the graphs' kernels; the waiting kernel's includes its wait for the round's requests). The
+    profiler starts before the server: enabling it waits for the kernels running."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        server.start(server.in_use, kout=kout)
+        for _ in range(rounds):
+            seqs[:b] += np.uint64(1)
+            req[:b] = seqs[:b]
+            deadline = time.perf_counter() + 5.0
+            while not ((resp[:b] == seqs[:b]) | (handed[:b] == seqs[:b])).all():
+                if time.perf_counter() > deadline:
+                    raise SystemExit(f"a profiled round of {b} not answered in 5 s")
+            server.running()
+        server.stop()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, list[float]] = {}
+    for event in profiler.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel.setdefault(event.name[:60], []).append(event.device_time)
+    for name, times in sorted(per_kernel.items(), key=lambda kv: -sum(kv[1])):
+        print(f"    {name:60s} {len(times) / rounds:5.2f} a round, median {np.median(times):7.2f} us", flush=True)
 
 
 def main() -> int:
@@ -138,10 +168,14 @@ def main() -> int:
     ap.add_argument("--window-us", type=float, default=20.0, help="the batch rounds' gathering window")
     ap.add_argument("--repeat", type=int, default=1, help="runs of the variants, alternated")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:PRECISION:JSON")
+    ap.add_argument("--profile", default="", metavar="B1,B2",
+                    help="after the timed rounds of these sizes, each kernel's device time per round (torch.profiler)")
+    ap.add_argument("--profile-rounds", type=int, default=40, help="rounds under the profiler, per size in --profile")
     ap.add_argument("--k-buckets", default="", metavar="K1,K2",
                     help="hold the rounds at each of these k buckets in turn (default: the server's choice)")
     args = ap.parse_args()
     args.sizes = [int(b) for b in args.sizes.split(",")]
+    args.profile = {int(b) for b in args.profile.split(",") if b.strip()}
     kouts: list[int | None] = [int(k) for k in args.k_buckets.split(",") if k.strip()] or [None]
     if any(kout is not None and kout < args.k for kout in kouts):
         raise SystemExit(f"--k-buckets: a bucket below -k {args.k} would hand every request to the host")

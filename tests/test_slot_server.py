@@ -345,6 +345,28 @@ def test_batch_round_with_a_split_final_kernel_answers_and_leaves_its_counts_at_
 
 
 @needs_interpreter
+@pytest.mark.parametrize("split", [2, 4])
+def test_batch_round_with_a_split_stage_in_answers_and_leaves_its_counts_at_zero(make_rig, rng, split):
+    """Tuning.stage_split: each query of a batch round is read from its slot by several
+    programs, the last to arrive scaling it to unit length. Queries of every length, in a
+    dimension that is no multiple of a program's part (40: parts of 32 or 16 floats), are
+    answered as the float64 reference says, twice (the second round finds the counts at zero)."""
+    rig = make_rig(dim=40, slots=4, bucket=4)
+    rig.engine.retune({"stage_split": split})
+    for _ in range(2):
+        queries = (rng.standard_normal((4, 40)) * rng.uniform(0.01, 100, (4, 1))).astype(np.float32)
+        seqs = [rig.submit(s, queries[s], 8, flags=ALL) for s in range(4)]
+        rig.serve()
+        for s in range(4):
+            assert _answered(rig, s, seqs[s]), f"slot {s} not answered"
+            view = rig.views[s]
+            assert (int(view.status[0]), int(view.n_results[0])) == (0, 8)
+            assert_topk_matches(view.ids[:1, :8], view.scores[:1, :8], rig.ids, rig.vectors, queries[s][None], 8,
+                                rig.live, context=f"split {split} slot {s}")
+        assert not rig.server._stage_arrived.any()
+
+
+@needs_interpreter
 def test_batch_round_takes_at_most_its_size_in_turn_order_from_where_the_last_one_stopped(make_rig, rng):
     rig = make_rig(slots=8, server=QueuedGraphServer, depth=1, window_polls=0, batch=4)
     server = rig.server

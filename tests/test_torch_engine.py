@@ -29,6 +29,7 @@ from kalos.engine import Filter, NumpyEngine  # noqa: E402
 from kalos.engine.base import as_unit_rows  # noqa: E402
 from kalos.engine.gpu import (  # noqa: E402
     MAX_K,
+    ScanConfig,
     TorchEngine,
     fast_error_terms,
     int8_error_terms,
@@ -1097,7 +1098,55 @@ def test_triton_gemm_threshold_selection(rng, precision):
     before = eng.stats["fallbacks"]
     m.check(fresh, 8, Filter(namespace=2, since=50.0))  # ~1/6 of the rows pass
     m.check(fresh, 6, Filter(since=0.0, until=1.0))  # ~1% pass: fewer groups than keys, tau = -inf
+    # 11 queries: group_max_kernel's programs take 8 queries each, the second block part-full.
+    # (The 300 tied rows score far below the ~50 other groups' maxima, so that tau cannot be
+    # their tie; filtered, fewer groups pass and for some seeds it would be.)
+    crowd = unit_queries(rng, 11, d)
+    crowd = crowd - (crowd @ dup[0])[:, None] * dup / (dup[0] @ dup[0])
+    crowd = as_unit_rows(as_unit_rows(crowd) - 0.8 * dup)
+    m.check(crowd, 8)
     assert eng.stats["fallbacks"] == before, "random queries are answered by the threshold path itself"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_triton_scan_threshold_selection(rng, precision):
+    """A batch's score-writing scan that selects by threshold (Tuning.scan_threshold_min_q):
+    the scan itself writes each row block's maximum (a block being a group), then slices
+    select as a GEMM's do. The same answers as the float64 reference, with deleted rows,
+    filters, a narrower last slice and groups past n; 600 exact ties in one slice overflow the
+    candidate scratch (32 groups x 16 rows), which must send the query to the float32 scan."""
+    d = 24
+    tile = ScanConfig(block_n=16, block_d=16, block_q=16, warps=4, stages=1)
+    tuning = {"gemm_min_q": 64, "scores_max_q": 32, "scan_threshold_min_q": 2, "gemm_rows": 1024,
+              "score_chunk": 256, "cpu_block_n": 16, "scores_f32_batch": tile, "scores_f16_batch": tile}
+    # Random rows: slices of 1,024 rows and a narrower last one, groups past n in a whole slice.
+    eng = triton_engine(d, precision=precision, capacity=2200)
+    eng.retune(tuning)
+    plan = eng.plan(3, 8)
+    assert plan.threshold and not plan.gemm_rows and plan.slice_rows == 1024 and plan.cfg.block_n == 16
+    assert not eng.plan(1, 8).threshold, "a single query keeps its own path"
+    m = Mirror(eng, rng)
+    m.delete(m.add(1500)[::7])
+    crowd = unit_queries(rng, 11, d)
+    m.check(crowd, 8)
+    m.check(crowd, 8, Filter(namespace=2, since=20.0))
+    m.check(crowd, 6, Filter(since=0.0, until=1.0))  # ~1% pass: fewer groups than keys, tau = -inf
+    assert eng.stats["fallbacks"] == 0, "random queries are answered by the threshold path itself"
+    # Ties: 600 rows alike in the first slice fill the candidate scratch before rows that beat
+    # them are collected.
+    eng = triton_engine(d, precision=precision, capacity=1100)
+    eng.retune(tuning)
+    m = Mirror(eng, rng)
+    q = unit_queries(rng, 2, d)
+    other = rng.standard_normal((1, d))
+    other = as_unit_rows(other - (other @ q[0]) * q[:1])  # orthogonal to q[0]
+    m.add(10, q[0] + 0.05 * rng.standard_normal((10, d)))  # scores ~0.99 for q[0]
+    dup = 0.9 * q[:1] + math.sqrt(1 - 0.81) * other
+    m.add(600, np.repeat(dup, 600, axis=0))  # all 0.9 for q[0]
+    m.add(10, q[0] + 0.05 * rng.standard_normal((10, d)))  # collected after the scratch is full
+    m.check(q, 8, same_as_numpy=False)
+    assert eng.stats["fallbacks"] > 0, "the overflowed query must be re-run by the float32 scan"
 
 
 @cuda

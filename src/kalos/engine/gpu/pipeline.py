@@ -2,7 +2,7 @@
 searches and the slot server's CUDA graph (:mod:`kalos.engine.gpu.slot_server`) both launch.
 
 A batch is: the stage-in (header, gather table and queries from page-locked host memory),
-the scan (:meth:`Pipeline.scan_keys`; batches of 16 or more queries: cuBLAS,
+the scan (:meth:`Pipeline.scan_keys`; batches of 32 or more queries: cuBLAS,
 :meth:`Pipeline.gemm_scores`), then the merge levels and the final kernel
 (:meth:`Pipeline.select_final`), which writes the answers straight into host memory.
 Every launch reads the rows in use and the filter from the device header, so a CUDA graph
@@ -32,6 +32,7 @@ class SplitBuffers(NamedTuple):
     arrived: torch.Tensor  # int32, one count a query
 
 _COLLECT_STEP = 8  # groups collect_kernel reads per step (a random query picks ~K of them)
+_GROUP_MAX_QUERIES = 8  # queries a program of group_max_kernel takes (its chunk's mask read once for them)
 
 #: What a batch's launches depend on (a CUDA graph per key): (kind, query bucket, k bucket,
 #: filtered, want ids, queries from host memory, GEMM slices, device norms, staging side,
@@ -165,18 +166,20 @@ class Pipeline:
                 over = self.gemm_scores(kind, qb, plan, slices, ws_a, stride, live_t, filtered, st.d_hdr, st.d_hdrf,
                                         st.d_q)
             else:
-                stride = self.scan_keys(kind, plan, qb, st.d_hdr, st.d_hdrf, st.d_q, live_t, filtered,
-                                         ws_a, ws_s, st.d_bound)
+                stride, over = self.scan_keys(kind, plan, qb, st.d_hdr, st.d_hdrf, st.d_q, live_t, filtered,
+                                              ws_a, ws_s, st.d_bound)
             self.select_final(kind, plan, qb, ws_a, ws_b, stride, st.d_hdr, st.d_hdrf, st.d_q, res_i,
                                res_s, st.res_status_t, want_ids, over=over, bound=st.d_bound, split=self.split_buffers)
 
     def scan_keys(self, kind: str, plan: Plan, qb: int, hdr: torch.Tensor, hdrf: torch.Tensor, dq: torch.Tensor,
                   live_t: torch.Tensor, filtered: bool, ws_a: torch.Tensor, ws_s: torch.Tensor | None,
-                  bound: torch.Tensor) -> int:
+                  bound: torch.Tensor, *, scratch: "GemmScratch | None" = None) -> tuple[int, torch.Tensor | None]:
         """The scan of a plan without GEMM: each query's candidate keys into ``ws_a``
         (``hdr``/``hdrf``: a staging header on the device, ``dq``: its queries; ``ws_s``: the
         score-writing scan's scores; ``bound``: the chunks' certificate bound per query, with
-        ``plan.rescore_k``); returns the keys per query."""
+        ``plan.rescore_k``; ``scratch``: the threshold selection's buffers, as in
+        :meth:`gemm_scores`); returns the keys per query and, for a plan that selects by
+        threshold, the per-query overflow words the final kernel checks (else None)."""
         cols = self.columns
         tk, cfg, cap = self.kernels, plan.cfg, cols.x32.shape[0]
         x = cols.x16 if kind == "f16" else cols.x32
@@ -193,6 +196,9 @@ class Pipeline:
                     D_POW2=next_pow2(self.dim), BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, FILTER=filtered,
                     num_warps=cfg.warps, num_stages=cfg.stages,
                 )
+            elif plan.threshold:
+                return self._scan_by_threshold(plan, qb, x, hdr, hdrf, dq, live_t, filtered, ws_a, ws_s, common,
+                                               scratch)
             else:
                 tk.scan_topk_kernel[(plan.progs, plan.n_qblocks)](
                     x, dq, hdr, hdrf, live_t, cols.ns, cols.ts, ws_s, cap, WRITE_SCORES=True, **common,
@@ -206,15 +212,40 @@ class Pipeline:
                     K=plan.rescore_k, KOUT=plan.k1, CHUNK=plan.score_chunk, BLOCK_D=plan.final_block_d,
                     ROW_ERR=kind == "i8", num_warps=plan.topk_warps,
                 )
-                return stride
+                return stride, None
             tk.scores_topk_kernel[(chunks, qb)](ws_s, ws_a, hdr, cap, stride, K=plan.k1, CHUNK=plan.score_chunk,
                                                 num_warps=plan.topk_warps)
-            return stride
+            return stride, None
         stride = plan.progs * plan.k1
         tk.scan_topk_kernel[(plan.progs, plan.n_qblocks)](
             x, dq, hdr, hdrf, live_t, cols.ns, cols.ts, ws_a, stride, **common
         )
-        return stride
+        return stride, None
+
+    def _scan_by_threshold(self, plan: Plan, qb: int, x: torch.Tensor, hdr: torch.Tensor, hdrf: torch.Tensor,
+                           dq: torch.Tensor, live_t: torch.Tensor, filtered: bool, ws_a: torch.Tensor,
+                           ws_s: torch.Tensor, common: dict, scratch: "GemmScratch | None") -> tuple[int, torch.Tensor]:
+        """The score-writing scan of a batch that selects by threshold: masked scores and each
+        row block's maximum (a group's) per query, then each slice of ``plan.slice_rows`` as a
+        GEMM's (:meth:`_select_slice`); returns the keys per query and the overflow words."""
+        cols, tk, cap = self.columns, self.kernels, self.columns.x32.shape[0]
+        group = plan.score_chunk // GROUPS_PER_CHUNK
+        shape = (qb, -(-cap // group), plan.k1 * group)  # (a maximum for every block the scan writes)
+        selection = scratch.selection(*shape) if scratch is not None else self.selection_workspace(*shape)
+        maxima = selection[0]
+        selection[3].zero_()
+        tk.scan_topk_kernel[(plan.progs, plan.n_qblocks)](
+            x, dq, hdr, hdrf, live_t, cols.ns, cols.ts, ws_s, cap, WRITE_SCORES=True, GM=maxima,
+            gm_stride=maxima.stride(0), GROUP_MAX=True, **common,
+        )
+        scores = ws_s[: qb * cap].view(qb, cap)
+        out_base = 0
+        for c0 in range(0, cap, plan.slice_rows):
+            width = min(cap, c0 + plan.slice_rows) - c0
+            out_base = self._select_slice(plan, qb, scores[:, c0:], cap, c0, width, selection,
+                                          maxima[:, c0 // group:], ws_a, plan.ws_keys, out_base, live_t, filtered,
+                                          hdr, hdrf)
+        return plan.ws_keys, selection[3]
 
     def select_final(self, kind: str, plan: Plan, qb: int, ws_a: torch.Tensor, ws_b: torch.Tensor, stride: int,
                      hdr: torch.Tensor, hdrf: torch.Tensor, dq: torch.Tensor, res_i: torch.Tensor,
@@ -264,19 +295,18 @@ class Pipeline:
         stream that runs beside the engine's, the slot server's, brings its own).
         """
         cols = self.columns
-        tk, g, chunk = self.kernels, plan.gemm_rows, plan.score_chunk
+        g, group = plan.gemm_rows, plan.score_chunk // GROUPS_PER_CHUNK
         cap = cols.x32.shape[0]
         q = dq[:qb]
-        group = chunk // GROUPS_PER_CHUNK
         if scratch is None:
             scratch = self._scratch
-            gm, picked, cand, over = self.selection_workspace(qb, g // group, plan.k1 * group)
+            selection = self.selection_workspace(qb, g // group, plan.k1 * group)
         else:
-            gm, picked, cand, over = scratch.selection(qb, g // group, plan.k1 * group)
+            selection = scratch.selection(qb, g // group, plan.k1 * group)
         if kind == "f16":
             q16 = scratch.queries16(qb)
             q16.copy_(q)
-        over.zero_()
+        selection[3].zero_()  # (the overflow words)
         out_base = 0  # keys written so far per query
         for c0 in range(0, slices * g, g):
             c1 = min(cap, c0 + g)
@@ -288,28 +318,46 @@ class Pipeline:
             else:
                 with _tf32_matmul():
                     sc = torch.mm(q, cols.x32[c0:c1].T)
-            chunks = -(-(c1 - c0) // chunk)
-            masks = (c0, c1 - c0, live_t, cols.ns, cols.ts, hdrf)
-            if c1 - c0 == g and plan.threshold:
-                tk.group_max_kernel[(chunks, qb)](
-                    sc, gm, hdr, c1 - c0, gm.stride(0), *masks,
-                    CHUNK=chunk, GROUPS=GROUPS_PER_CHUNK, FILTER=filtered, num_warps=4,
-                )
-                tk.collect_kernel[(qb,)](
-                    sc, gm, picked, cand, over, ws_a, hdr, c1 - c0, gm.stride(0), cand.stride(0), stride,
-                    out_base, *masks, K=plan.k1, NG=g // group, GROUP=group, STEP=_COLLECT_STEP,
-                    MERGE=max(128, 2 * plan.k1), FILTER=filtered, num_warps=4,
-                )
-                out_base += plan.k1
-            else:
-                tk.scores_topk_kernel[(chunks, qb)](
-                    sc, ws_a, hdr, c1 - c0, stride, *masks,
-                    K=plan.k1, CHUNK=chunk, MASK=True, FILTER=filtered, out_first=out_base, num_warps=4,
-                )
-                out_base += chunks * plan.k1
+            out_base = self._select_slice(plan, qb, sc, c1 - c0, c0, c1 - c0, selection, None, ws_a, stride, out_base,
+                                          live_t, filtered, hdr, hdrf)
         if out_base < stride:  # the slices past the rows in use
-            ws_a[: qb * stride].view(qb, stride)[:, out_base:].fill_(tk.SENTINEL)
-        return over
+            ws_a[: qb * stride].view(qb, stride)[:, out_base:].fill_(self.kernels.SENTINEL)
+        return selection[3]
+
+    def _select_slice(self, plan: Plan, qb: int, sc: torch.Tensor, stride_s: int, c0: int, width: int,
+                      selection: tuple[torch.Tensor, ...], maxima: torch.Tensor | None, ws_a: torch.Tensor,
+                      stride: int, out_base: int, live_t: torch.Tensor, filtered: bool, hdr: torch.Tensor,
+                      hdrf: torch.Tensor) -> int:
+        """The keys of one slice's scores (rows ``c0`` to ``c0 + width``; ``sc``: the slice's
+        first score of query 0, ``stride_s`` between queries) into ``ws_a`` from ``out_base``
+        on; returns the keys written per query so far. A whole slice selects by threshold
+        (``maxima``: its group maxima, the scan's; None: ``group_max_kernel`` finds them, the
+        scores being a GEMM's, unmasked), a narrower one keeps the top-K of every chunk."""
+        cols, tk = self.columns, self.kernels
+        chunk = plan.score_chunk
+        group = chunk // GROUPS_PER_CHUNK
+        gm, picked, cand, over = selection
+        masks = (c0, width, live_t, cols.ns, cols.ts, hdrf)
+        unmasked = plan.gemm_rows > 0  # (a GEMM's scores; the scan's are masked: -inf)
+        if width == plan.slice_rows and plan.threshold:
+            if maxima is None:
+                group_qb = min(qb, _GROUP_MAX_QUERIES)
+                tk.group_max_kernel[(width // chunk, -(-qb // group_qb))](
+                    sc, gm, hdr, stride_s, gm.stride(0), *masks,
+                    CHUNK=chunk, GROUPS=GROUPS_PER_CHUNK, FILTER=filtered, QB=group_qb, num_warps=4,
+                )
+                maxima = gm
+            tk.collect_kernel[(qb,)](
+                sc, maxima, picked, cand, over, ws_a, hdr, stride_s, maxima.stride(0), cand.stride(0), stride,
+                out_base, *masks, K=plan.k1, NG=width // group, GROUP=group, STEP=_COLLECT_STEP,
+                MERGE=max(128, 2 * plan.k1), FILTER=filtered, num_warps=4,
+            )
+            return out_base + plan.k1
+        tk.scores_topk_kernel[(-(-width // chunk), qb)](
+            sc, ws_a, hdr, stride_s, stride, *masks,
+            K=plan.k1, CHUNK=chunk, MASK=unmasked, FILTER=filtered and unmasked, out_first=out_base, num_warps=4,
+        )
+        return out_base + -(-width // chunk) * plan.k1
 
     def selection_workspace(self, qb: int, groups: int, scratch: int) -> tuple[torch.Tensor, ...]:
         """The engine's :meth:`GemmScratch.selection`: buffers replaced only after
@@ -361,14 +409,18 @@ class GemmScratch:
 
     def fits(self, qb: int, groups: int, scratch: int) -> bool:
         held = self._sel
-        return held is not None and held[0].shape[0] >= qb and held[0].shape[1] == groups and held[2].shape[1] >= scratch
+        return (held is not None and held[0].shape[0] >= qb and held[0].shape[1] >= groups
+                and held[2].shape[1] >= scratch)
 
     def selection(self, qb: int, groups: int, scratch: int) -> tuple[torch.Tensor, ...]:
-        """The threshold selection's buffers: group maxima [qb, groups] (float32), the picked
-        groups (int32, same shape), candidate keys [qb, scratch] (int64), overflow words."""
+        """The threshold selection's buffers: group maxima [qb, groups or more] (float32), the
+        picked groups (int32, same shape), candidate keys [qb, scratch] (int64), overflow words.
+        (The kernels take the maxima's row stride: a GEMM's slice and a scan's whole capacity
+        share the buffers.)"""
         held = self._sel
         if not self.fits(qb, groups, scratch):
             rows = max(qb, held[0].shape[0] if held is not None else 0)
+            groups = max(groups, held[0].shape[1] if held is not None else 0)
             scratch = max(scratch, held[2].shape[1] if held is not None else 0)
             held = (torch.empty((rows, groups), dtype=torch.float32, device=self.device),
                     torch.empty((rows, groups), dtype=torch.int32, device=self.device),

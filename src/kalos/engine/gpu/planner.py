@@ -18,7 +18,7 @@ from kalos.errors import InvalidArgument
 __all__ = [
     "MAX_K", "MAX_FAST_K", "ScanConfig", "Tuning", "DEFAULT_TUNING", "Plan", "Planner", "next_pow2", "k_bucket",
     "fast_candidates",
-    "SPLIT_MAX_CANDIDATES",
+    "SPLIT_MAX_CANDIDATES", "STAGE_SPLIT_MAX",
 ]
 
 #: Largest k a search may ask for. The fast (16-bit) path serves k <= MAX_FAST_K; beyond it
@@ -29,6 +29,8 @@ MAX_FAST_K = 256
 #: selection (kalos.engine.gpu.kernels.select).
 GROUPS_PER_CHUNK = 16
 _THRESHOLD_MAX_K = 64  # larger candidate sets (k > 16) keep the per-chunk top-K
+#: Most programs that may read one query of a polling round (Tuning.stage_split).
+STAGE_SPLIT_MAX = 32
 #: Most candidates per query whose re-score a batch's final kernel splits over programs
 #: (Tuning.final_split_rows): each program of a split selects among all of them again, so a
 #: larger split multiplies that work; split and measured up to KF = 64 (k <= 16) only.
@@ -102,14 +104,20 @@ class Tuning:
     single_scan: str = "int8"
     # Batches of at least this many queries (16-bit and tf32 scans) are scored by cuBLAS, a
     # slice of gemm_rows rows at a time, then the same chunked top-k and certified re-score.
-    gemm_min_q: int = 16
+    # Below it the Triton scan, which reads each row tile once for 16 queries and writes the
+    # threshold selection's group maxima itself (docs/gpu-kernels.md, batches).
+    gemm_min_q: int = 32
     gemm_rows: int = 65536
     # Whole slices select by threshold (group maxima, then every row above the K-th largest);
     # False: a bitonic top-K of every chunk.
     threshold_select: bool = True
+    # Batches of the score-writing scan (below gemm_min_q) of at least this many queries select
+    # by threshold too, in slices of gemm_rows, the scan writing each row block's maximum (the
+    # block being a group); smaller ones keep the top-K of every chunk.
+    scan_threshold_min_q: int = 8
     # The score-writing scan (then a parallel top-K per chunk) for batches of at most this
     # many queries; 0 keeps the fused scan everywhere.
-    scores_max_q: int = 8
+    scores_max_q: int = 16
     score_chunk: int = 1024
     # Exact batches (Q > 1) of up to exact_fma_max_q queries: the float32 rows by FMA, each
     # row tile read once for all of them (no re-score). Off (0): on an H200 it was no faster
@@ -146,6 +154,11 @@ class Tuning:
     chunk_rescore_chunk: int = 1024
     chunk_rescore_k: int = 32
     chunk_rescore_tile: int = 8192
+    # Programs that read each query of a polling round from its slot (the slot server's
+    # stage-in; a power of two): 1 = one program a query (stage_in_kernel), more = each a
+    # part, the last to finish normalising it (stage_queries_kernel): a round's reads of host
+    # memory spread over more, smaller requests (docs/gpu-kernels.md).
+    stage_split: int = 8
     # PyTorch's CPU device (Triton's interpreter): few, large blocks, since every tl.topk
     # costs the interpreter a fraction of a second.
     cpu_progs: int = 2
@@ -154,6 +167,9 @@ class Tuning:
     def __post_init__(self) -> None:
         if self.single_scan not in ("int8", "f16"):
             raise InvalidArgument(f"tune single_scan must be 'int8' or 'f16', got {self.single_scan!r}")
+        if not 1 <= self.stage_split <= STAGE_SPLIT_MAX or self.stage_split & (self.stage_split - 1):
+            raise InvalidArgument(
+                f"tune stage_split must be a power of two from 1 to {STAGE_SPLIT_MAX}, got {self.stage_split!r}")
 
     def replace(self, overrides: Mapping[Any, Any] | None = None) -> "Tuning":
         """A copy with ``overrides`` ({field name or tile key: value}, see ``_TILE_FIELDS``)."""
@@ -196,10 +212,11 @@ class Plan:
     rescore_k: int = 0  # fast mode: candidates each chunk re-scores in float32 (0: the final kernel does)
     score_chunk: int = 0  # the scan writes scores, top-K per chunk of this many (0: fused)
     gemm_rows: int = 0  # batches: cuBLAS scores this many rows at a time instead of the scan (0: scan)
-    threshold: bool = False  # whole GEMM slices select by threshold, not per chunk
+    threshold: bool = False  # whole slices (GEMM or scan scores) select by threshold, not per chunk
     fma: bool = False  # an exact batch of a few queries scanned by FMA (Planner.fma)
     final_rescore: bool = False  # the final kernel re-scores the candidates and certifies (its RESCORE)
     final_split: int = 1  # programs per query of that re-score (final_kernel's SPLIT)
+    slice_rows: int = 0  # with threshold: the rows of a slice (a GEMM's, or the scan's scores read a slice at a time)
 
 
 @dataclass
@@ -298,10 +315,16 @@ class Planner:
             progs = tune.cpu_progs
         chunk_scores = int(tune.chunk_rescore_chunk if rescore_k else tune.score_chunk)
         score_chunk = max(next_pow2(chunk_scores), 2 * k1, 2 * rescore_k)
-        gemm_rows = max(score_chunk, int(tune.gemm_rows) // score_chunk * score_chunk) if gemm else 0
-        threshold = gemm and bool(tune.threshold_select) and _threshold_fits(gemm_rows, score_chunk, k1)
+        slice_rows = max(score_chunk, int(tune.gemm_rows) // score_chunk * score_chunk)
+        gemm_rows = slice_rows if gemm else 0
+        # A batch's score-writing scan leaves its row blocks' maxima for the threshold selection
+        # when a block is a group (the scan's epilogue: no group_max_kernel).
+        scan_groups = (batched and scores and not gemm and not fma and not rescore_k and kind in ("tf32", "f16")
+                       and qb >= int(tune.scan_threshold_min_q) and block_n == score_chunk // GROUPS_PER_CHUNK)
+        threshold = ((gemm or scan_groups) and bool(tune.threshold_select)
+                     and _threshold_fits(slice_rows, score_chunk, k1))
         if threshold:  # K keys per whole slice, then K per chunk of a narrower last one
-            whole, rest = divmod(capacity, gemm_rows)
+            whole, rest = divmod(capacity, slice_rows)
             count = whole * k1 + -(-rest // score_chunk) * k1
         elif scores:
             count = -(-capacity // score_chunk) * k1
@@ -333,7 +356,7 @@ class Planner:
         topk_warps = int(tune.single_topk_warps) if single else 4
         return Plan(k1, kp, cfg, n_qblocks, progs, levels, count, final_chunk, final_block_d, final_warps, ws,
                     topk_warps, rescore_k, score_chunk if scores else 0, gemm_rows, threshold, fma, final_rescore,
-                    final_split)
+                    final_split, slice_rows if threshold else 0)
 
 
 def _threshold_fits(slice_rows: int, chunk: int, k1: int) -> bool:

@@ -85,7 +85,7 @@ from kalos.engine.gpu.buffers import NO_BOUND
 from kalos.engine.gpu.engine import TorchEngine
 from kalos.engine.gpu.layout import CTL_WORDS, DEVICE_CONTROL, HCTL_WORDS, HDR_WORDS, HOST_CONTROL, TAB_WORDS
 from kalos.engine.gpu.pipeline import GemmScratch, SplitBuffers
-from kalos.engine.gpu.planner import Plan, k_bucket, next_pow2
+from kalos.engine.gpu.planner import STAGE_SPLIT_MAX, Plan, k_bucket, next_pow2
 from kalos.errors import InvalidArgument
 from kalos.ipc.protocol import NAMESPACE_BYTES, Layout, Op, RequestFlag, SlotWords
 
@@ -133,7 +133,7 @@ class _Round:
     ws_s: torch.Tensor
     bound: torch.Tensor
     split: SplitBuffers  # the final kernel's split re-score's
-    scratch: GemmScratch | None  # (a GEMM round's)
+    scratch: GemmScratch | None  # (a round's that selects by threshold, or a GEMM round's)
     graph: "torch.cuda.CUDAGraph | None" = None
 
 _NAME_ROWS = 1024  # rows of the device's namespace table (a power of two)
@@ -289,6 +289,9 @@ class SlotGraphServer:
         self._dh = torch.zeros(HDR_WORDS + TAB_WORDS * self.max_bucket, dtype=torch.int64, device=dev)
         self._ctl = torch.zeros(CTL_WORDS, dtype=torch.int64, device=dev)  # DEVICE_CONTROL_DTYPE
         self._status = torch.zeros(self.max_bucket, dtype=torch.int32, device=dev)
+        # A split stage-in's sums of squares and arrival counts (Tuning.stage_split).
+        self._stage_parts = torch.zeros((self.max_bucket, STAGE_SPLIT_MAX), dtype=torch.float64, device=dev)
+        self._stage_arrived = torch.zeros(self.max_bucket, dtype=torch.int32, device=dev)
         self._rounds: dict[tuple[int, int], _Round] = {}  # per (bucket, k bucket): plan, workspace, graph
         self._bucket = 1  # the round queued next: start() chooses it, then the demand (_follow_demand)
         self._kout = self.kouts[0]  # its k bucket: the smaller at first, then the demand (_follow_k)
@@ -492,7 +495,7 @@ class SlotGraphServer:
                     else torch.empty(scores, dtype=torch.float32, device=dev),
                     torch.full((qb,), NO_BOUND, dtype=torch.int64, device=dev),  # (the final kernel resets it)
                     eng.pipeline.new_split_buffers(qb),
-                    eng.pipeline.new_scratch(qb) if plan.gemm_rows else None,
+                    eng.pipeline.new_scratch(qb) if plan.threshold or plan.gemm_rows else None,
                 )
             self._rounds[(qb, kout)] = held
         return held
@@ -534,9 +537,16 @@ class SlotGraphServer:
             )
             # The queries, straight from the slots the table names, normalised (the scale
             # written back to the table: the final kernel hands a bad query to the host).
-            eng.kernels.stage_in_kernel[(qb,)](dh, dhf, att.f32, dh, dq, D=eng.dim,
-                                               BLOCK_D=min(1024, next_pow2(eng.dim)), COPY_Q=True, NORM=True,
-                                               COPY_META=False, num_warps=4)
+            split = eng.tuning.stage_split
+            if split > 1:
+                piece = max(1, next_pow2(eng.dim) // split)
+                eng.kernels.stage_queries_kernel[(qb, split)](
+                    dh, dhf, att.f32, dq, self._stage_parts, self._stage_arrived, D=eng.dim, PIECE=piece,
+                    SPLIT=split, num_warps=4)
+            else:
+                eng.kernels.stage_in_kernel[(qb,)](dh, dhf, att.f32, dh, dq, D=eng.dim,
+                                                   BLOCK_D=min(1024, next_pow2(eng.dim)), COPY_Q=True, NORM=True,
+                                                   COPY_META=False, num_warps=4)
         pipe, plan = eng.pipeline, rnd.plan
         over = None
         if plan.gemm_rows:
@@ -545,8 +555,8 @@ class SlotGraphServer:
             over = pipe.gemm_scores(rnd.kind, qb, plan, slices, rnd.ws_a, stride, eng.columns.live, True, dh, dhf,
                                     dq, scratch=rnd.scratch)
         else:
-            stride = pipe.scan_keys(rnd.kind, plan, qb, dh, dhf, dq, eng.columns.live, True, rnd.ws_a, rnd.ws_s,
-                                    rnd.bound)
+            stride, over = pipe.scan_keys(rnd.kind, plan, qb, dh, dhf, dq, eng.columns.live, True, rnd.ws_a,
+                                          rnd.ws_s, rnd.bound, scratch=rnd.scratch)
         pipe.select_final(
             rnd.kind, plan, qb, rnd.ws_a, rnd.ws_b, stride, dh, dhf, dq, att.i64, att.f32, self._status,
             True, over=over, bound=rnd.bound, split=rnd.split,

@@ -7,9 +7,11 @@ first imported) the same kernels run on PyTorch CPU tensors, which is how CI che
 Pipeline (per query, all on the device; nothing round-trips through host memory):
 
 0. :mod:`~kalos.engine.gpu.kernels.stage` -- header, gather table and queries in from
-   page-locked host memory (``stage_in_kernel``).
+   page-locked host memory (``stage_in_kernel``; a polling round's queries may be read by
+   several programs each, ``stage_queries_kernel``).
 1. :mod:`~kalos.engine.gpu.kernels.scan` -- the scans (``scan_topk_kernel``,
-   ``int8_scores_kernel``); batches of 16 or more queries are scored by cuBLAS instead.
+   ``int8_scores_kernel``); batches of 32 or more queries are scored by cuBLAS instead
+   (``planner.Tuning.gemm_min_q``).
 2. :mod:`~kalos.engine.gpu.kernels.select` -- the selections and merge levels.
 3. :mod:`~kalos.engine.gpu.kernels.final` -- the final kernel: answers into host memory.
 
@@ -30,10 +32,11 @@ from kalos.engine.gpu.kernels.select import (
     scores_rescore_kernel,
     scores_topk_kernel,
 )
-from kalos.engine.gpu.kernels.stage import stage_in_kernel
+from kalos.engine.gpu.kernels.stage import stage_in_kernel, stage_queries_kernel
 
 __all__ = [
-    "common", "SENTINEL", "NS_PROBE", "stage_in_kernel", "scan_topk_kernel", "int8_scores_kernel", "scores_topk_kernel",
+    "common", "SENTINEL", "NS_PROBE", "stage_in_kernel", "stage_queries_kernel", "scan_topk_kernel",
+    "int8_scores_kernel", "scores_topk_kernel",
     "group_max_kernel", "collect_kernel", "merge_topk_kernel", "scores_rescore_kernel", "final_kernel",
     "await_request_kernel", "await_requests_kernel",
 ]

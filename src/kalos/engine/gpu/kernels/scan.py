@@ -98,6 +98,12 @@ def scan_topk_kernel(
     PREC: tl.constexpr = "ieee",  # float32 rows, batched: "fma" (exact, _batch_row_scores), "ieee" (exact,
     #                               tl.dot) or "tf32" (tensor cores, certified)
     WRITE_SCORES: tl.constexpr = False,  # store masked scores (-inf) instead of keeping a top-K
+    # With WRITE_SCORES and BLOCK_Q > 1: also each row block's maximum score per query into
+    # GM[q, block] (a block being a group of the threshold selection, kernels.select), for
+    # every block of the capacity (stride_out rows; those past n: -inf).
+    GM=None,
+    gm_stride=0,
+    GROUP_MAX: tl.constexpr = False,
 ):
     # Row blocks on grid axis 0 (up to 2^31 - 1 programs; axes 1 and 2 stop at 65,535, which
     # a one-block-per-program grid passes at 2M rows), query blocks on axis 1.
@@ -152,11 +158,19 @@ def scan_topk_kernel(
                     tl.store(OUT + pid_q * stride_out + rows, tl.where(ok, sc1, float("-inf")), mask=in_rng)
                 else:
                     offs = qs[:, None].to(tl.int64) * stride_out + rows[None, :]
-                    tl.store(OUT + offs, tl.where(ok[None, :], sc, float("-inf")), mask=q_ok[:, None] & in_rng[None, :])
+                    masked = tl.where(ok[None, :], sc, float("-inf"))
+                    tl.store(OUT + offs, masked, mask=q_ok[:, None] & in_rng[None, :])
+                    if GROUP_MAX:
+                        tl.store(GM + qs.to(tl.int64) * gm_stride + blk, tl.max(masked, axis=1), mask=q_ok)
             else:
                 keys = tl.where(ok[None, :], _pack(sc, rows[None, :]), -9223372036854775808)
                 top = _merge_sorted(top, tl.topk(keys, K))
             blk += n_progs
+        if GROUP_MAX:  # (the blocks past n: no stale maximum of an earlier pass is left there)
+            while blk < tl.cdiv(stride_out, BLOCK_N):
+                tl.store(GM + qs.to(tl.int64) * gm_stride + blk, tl.full([BLOCK_Q], float("-inf"), tl.float32),
+                         mask=q_ok)
+                blk += n_progs
         if not WRITE_SCORES:
             offs = qs[:, None].to(tl.int64) * stride_out + pid_n * K + tl.arange(0, K)[None, :]
             tl.store(OUT + offs, top, mask=q_ok[:, None])

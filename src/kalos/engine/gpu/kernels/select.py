@@ -4,8 +4,8 @@
   parallel (the score-writing scan's selection; also a GEMM slice's narrow tail).
 * :func:`scores_rescore_kernel` -- fast mode, one query: each chunk's top-K re-scored in
   float32 in the chunk's own program, with the chunk's part of the certificate.
-* :func:`group_max_kernel`, :func:`collect_kernel` -- a GEMM slice's top-K by threshold
-  (see the comment above them).
+* :func:`group_max_kernel`, :func:`collect_kernel` -- a slice's top-K by threshold (see the
+  comment above them); a batch's score-writing scan may write the group maxima itself.
 * :func:`merge_topk_kernel` -- ``(Q, P2)`` programs, each reduces one ``CHUNK`` of keys to
   its top-K: many programs share a merge level instead of one program merging thousands.
 """
@@ -29,25 +29,33 @@ from kalos.engine.gpu.kernels.common import (
 
 
 @triton.jit
-def _masked_rows(S, q, local, inside, HDR, stride_s, row_base, width, LIVE, NS, TS, HDRF,
-                 MASK: tl.constexpr, FILTER: tl.constexpr):
-    """(scores, rows, ok) of query ``q``'s scores at slice offsets ``local`` (where ``inside``):
-    ok = a live row that passes the filter (MASK: S came unmasked from a GEMM) and has a
-    finite score."""
+def _eligible(local, inside, HDR, row_base, limit, LIVE, NS, TS, HDRF, MASK: tl.constexpr, FILTER: tl.constexpr):
+    """(rows, ok) of the slice offsets ``local`` (where ``inside``, below ``limit``): ok = a row
+    in use and, with MASK (the scores came unmasked from a GEMM), live and passing the filter.
+    Only the columns the header's filter uses are read."""
     n = tl.load(HDR + H_N)
     rows = row_base + local
-    limit = stride_s if width == 0 else width
-    # (The scores' load does not wait for n: rows past it are masked below.)
-    sc = tl.load(S + q.to(tl.int64) * stride_s + local, mask=inside & (local < limit), other=float("-inf"))
     ok = inside & (rows < n) & (local < limit)
-    sc = tl.where(ok, sc, float("-inf"))
     if MASK:
         ok = ok & (tl.load(LIVE + rows, mask=ok, other=0) != 0)
         if FILTER:
-            has_ns, want_ns, since, until, _has_time = _filter_words(HDR, HDRF)
-            nsv = tl.load(NS + rows, mask=ok, other=0)
-            ts = tl.load(TS + rows, mask=ok, other=0.0)
+            has_ns, want_ns, since, until, has_time = _filter_words(HDR, HDRF)
+            nsv = tl.load(NS + rows, mask=ok & (has_ns != 0), other=0)
+            ts = tl.load(TS + rows, mask=ok & has_time, other=0.0)
             ok = _passes_filter(ok, nsv, ts, has_ns, want_ns, since, until)
+    return rows, ok
+
+
+@triton.jit
+def _masked_rows(S, q, local, inside, HDR, stride_s, row_base, width, LIVE, NS, TS, HDRF,
+                 MASK: tl.constexpr, FILTER: tl.constexpr):
+    """(scores, rows, ok) of query ``q``'s scores at slice offsets ``local`` (where ``inside``):
+    ok = :func:`_eligible` and a finite score."""
+    limit = stride_s if width == 0 else width
+    # (The scores' load does not wait for the masks: rows they leave out are masked below.)
+    sc = tl.load(S + q.to(tl.int64) * stride_s + local, mask=inside & (local < limit), other=float("-inf"))
+    rows, ok = _eligible(local, inside, HDR, row_base, limit, LIVE, NS, TS, HDRF, MASK, FILTER)
+    sc = tl.where(ok, sc, float("-inf"))
     return sc, rows, ok & (sc > float("-inf"))
 
 
@@ -146,7 +154,8 @@ def scores_rescore_kernel(
 #
 # A bitonic top-K of every chunk of a GEMM's scores costs far more than reading them (most of
 # a large batch's time, docs/gpu-kernels.md). Per slice of rows instead: (a) the maximum of every group
-# of scores (group_max_kernel, many programs), (b) per query tau = the K-th largest group
+# of scores (group_max_kernel, many programs; or scan_topk_kernel's GROUP_MAX, when a block of
+# the scan is a group), (b) per query tau = the K-th largest group
 # maximum: K groups hold a row scoring at least tau, so the K-th best score is >= tau, and
 # (c) every row scoring >= tau, found in the few groups whose maximum reaches tau, is a
 # candidate, and the candidates' top-K are the slice's (collect_kernel, one program per
@@ -159,15 +168,26 @@ def scores_rescore_kernel(
 @triton.jit
 def group_max_kernel(
     S, GM, HDR, stride_s, gm_stride, row_base, width, LIVE, NS, TS, HDRF,
-    CHUNK: tl.constexpr, GROUPS: tl.constexpr, FILTER: tl.constexpr,
+    CHUNK: tl.constexpr, GROUPS: tl.constexpr, FILTER: tl.constexpr, QB: tl.constexpr = 1,
 ):
-    """GM[q, j * GROUPS + g] = max of the eligible scores of group g of chunk j: grid (chunks, Qb)."""
+    """GM[q, j * GROUPS + g] = max of the eligible scores of group g of chunk j: grid (chunks,
+    cdiv(Qb, QB)). A program finds its chunk's eligible rows once for its QB queries: read
+    per query, the mask's columns (live, namespace, created_at: up to 13 bytes a row) cost
+    more than the scores (4)."""
     j = tl.program_id(0)
-    q = tl.program_id(1)
-    if q < tl.load(HDR + H_NQ):
-        sc, rows, ok = _masked_chunk(S, q, j, HDR, stride_s, row_base, width, LIVE, NS, TS, HDRF, CHUNK, True, FILTER)
-        best = tl.max(tl.reshape(tl.where(ok, sc, float("-inf")), [GROUPS, CHUNK // GROUPS]), axis=1)
-        tl.store(GM + q.to(tl.int64) * gm_stride + j * GROUPS + tl.arange(0, GROUPS), best)
+    q0 = tl.program_id(1) * QB
+    nq = tl.load(HDR + H_NQ)
+    if q0 < nq:
+        local = j.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+        limit = stride_s if width == 0 else width
+        _rows, ok = _eligible(local, local >= 0, HDR, row_base, limit, LIVE, NS, TS, HDRF, True, FILTER)
+        groups = j * GROUPS + tl.arange(0, GROUPS)
+        for i in tl.static_range(QB):  # (unrolled: every query's load in flight at once)
+            q = (q0 + i).to(tl.int64)
+            sc = tl.load(S + q * stride_s + local, mask=ok & (q < nq), other=float("-inf"))
+            sc = tl.where(sc > float("-inf"), sc, float("-inf"))  # (a NaN is no maximum)
+            best = tl.max(tl.reshape(sc, [GROUPS, CHUNK // GROUPS]), axis=1)
+            tl.store(GM + q * gm_stride + groups, best, mask=(q < nq) & (groups >= 0))
 
 
 @triton.jit
