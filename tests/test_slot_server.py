@@ -25,7 +25,7 @@ pytest.importorskip("torch")
 from reference import assert_topk_matches  # noqa: E402
 from test_torch_engine import HAVE_CUDA, _interpreter_env, needs_interpreter, rng  # noqa: E402,F401
 
-from kalos.engine.gpu import TorchEngine  # noqa: E402
+from kalos.engine.gpu import ScanConfig, TorchEngine  # noqa: E402
 from kalos.engine.gpu.layout import HOST_CONTROL  # noqa: E402
 from kalos.engine.gpu.slot_server import (  # noqa: E402
     _NAME_PROBE,
@@ -364,6 +364,37 @@ def test_batch_round_with_a_split_stage_in_answers_and_leaves_its_counts_at_zero
             assert_topk_matches(view.ids[:1, :8], view.scores[:1, :8], rig.ids, rig.vectors, queries[s][None], 8,
                                 rig.live, context=f"split {split} slot {s}")
         assert not rig.server._stage_arrived.any()
+        # The split kernel ran: each query's programs filed their parts' sums of squares.
+        parts = rig.server._stage_parts.view(-1)[: 4 * split].view(4, split).sum(dim=1).numpy()
+        norms = (queries.astype(np.float64) ** 2).sum(axis=1)
+        np.testing.assert_allclose(np.sort(parts), np.sort(norms), rtol=1e-12)
+
+
+@needs_interpreter
+def test_batch_round_selecting_by_threshold_answers_with_empty_groups_and_slices(make_rig, rng):
+    """A batch round whose scan writes the group maxima and selects whole slices by threshold
+    (scaled down: 16-row groups, slices of 1,024 rows), with a capacity past the rows in use:
+    groups and a whole slice with no row (maxima -inf, tau -inf there). Answers as the float64
+    reference says, in a namespace and across all of them."""
+    rig = make_rig(n=1100, slots=4, bucket=4, max_k=8)  # (the k bucket of 8: 32 candidates)
+    tile = ScanConfig(block_n=16, block_d=16, block_q=16, warps=4, stages=1)
+    rig.engine.retune({"gemm_min_q": 64, "scan_threshold_min_q": 2, "gemm_rows": 1024, "score_chunk": 256,
+                       "cpu_block_n": 16, "scores_f32_batch": tile})
+    rig.engine.reserve(2000)
+    assert rig.engine.rows.capacity >= 3072 and rig.engine.rows.size == 1100
+    for round_ in range(2):
+        queries = rng.standard_normal((4, rig.engine.dim)).astype(np.float32)
+        ns = [None, b"a"][round_]
+        seqs = [rig.submit(s, queries[s], 8, flags=ALL if ns is None else 0, namespace=ns or b"") for s in range(4)]
+        rig.serve()
+        plans = [r.plan for (size, _k), r in rig.server._rounds.items() if size == 4]
+        assert plans and all(p.threshold and not p.gemm_rows for p in plans), "rounds select after the scan"
+        eligible = rig.live & (True if ns is None else rig.namespaces == 0)
+        for s in range(4):
+            assert _answered(rig, s, seqs[s]), f"slot {s} not answered"
+            view = rig.views[s]
+            assert_topk_matches(view.ids[:1, :8], view.scores[:1, :8], rig.ids, rig.vectors, queries[s][None], 8,
+                                eligible, context=f"namespace {ns} slot {s}")
 
 
 @needs_interpreter

@@ -20,7 +20,7 @@ from kalos.engine.gpu.buffers import AttachedHost, Staging
 from kalos.engine.gpu.columns import DeviceColumns
 from kalos.engine.gpu.planner import GROUPS_PER_CHUNK, SPLIT_MAX_CANDIDATES, Plan, Planner, ScanConfig, next_pow2
 
-__all__ = ["Pipeline", "BatchKey", "GemmScratch", "SplitBuffers"]
+__all__ = ["Pipeline", "BatchKey", "GemmScratch", "Selection", "SplitBuffers"]
 
 
 class SplitBuffers(NamedTuple):
@@ -30,6 +30,17 @@ class SplitBuffers(NamedTuple):
 
     keys: torch.Tensor  # int64, room for SPLIT_MAX_CANDIDATES a query (the kernel files q's KF at q * KF)
     arrived: torch.Tensor  # int32, one count a query
+
+class Selection(NamedTuple):
+    """The threshold selection's buffers for a batch (:meth:`GemmScratch.selection`); the
+    kernels take the maxima's row stride, so a GEMM's slice and a scan's whole capacity share
+    them."""
+
+    maxima: torch.Tensor  # float32 [rows, groups or more]: each group's largest eligible score
+    picked: torch.Tensor  # int32, the same shape: the groups a query's collect_kernel walks
+    candidates: torch.Tensor  # int64 [rows, scratch]: the keys of rows scoring >= tau
+    overflow: torch.Tensor  # int32 [rows]: 1 where the candidates did not fit (the final kernel checks)
+
 
 _COLLECT_STEP = 8  # groups collect_kernel reads per step (a random query picks ~K of them)
 _GROUP_MAX_QUERIES = 8  # queries a program of group_max_kernel takes (its chunk's mask read once for them)
@@ -232,8 +243,8 @@ class Pipeline:
         group = plan.score_chunk // GROUPS_PER_CHUNK
         shape = (qb, -(-cap // group), plan.k1 * group)  # (a maximum for every block the scan writes)
         selection = scratch.selection(*shape) if scratch is not None else self.selection_workspace(*shape)
-        maxima = selection[0]
-        selection[3].zero_()
+        maxima = selection.maxima
+        selection.overflow.zero_()
         tk.scan_topk_kernel[(plan.progs, plan.n_qblocks)](
             x, dq, hdr, hdrf, live_t, cols.ns, cols.ts, ws_s, cap, WRITE_SCORES=True, GM=maxima,
             gm_stride=maxima.stride(0), GROUP_MAX=True, **common,
@@ -242,10 +253,10 @@ class Pipeline:
         out_base = 0
         for c0 in range(0, cap, plan.slice_rows):
             width = min(cap, c0 + plan.slice_rows) - c0
-            out_base = self._select_slice(plan, qb, scores[:, c0:], cap, c0, width, selection,
-                                          maxima[:, c0 // group:], ws_a, plan.ws_keys, out_base, live_t, filtered,
-                                          hdr, hdrf)
-        return plan.ws_keys, selection[3]
+            out_base = self._select_slice(plan, qb, scores[:, c0:], c0, width, selection, ws_a, plan.ws_keys,
+                                          out_base, live_t, filtered, hdr, hdrf, stride_s=cap,
+                                          maxima=maxima[:, c0 // group:])
+        return plan.ws_keys, selection.overflow
 
     def select_final(self, kind: str, plan: Plan, qb: int, ws_a: torch.Tensor, ws_b: torch.Tensor, stride: int,
                      hdr: torch.Tensor, hdrf: torch.Tensor, dq: torch.Tensor, res_i: torch.Tensor,
@@ -306,7 +317,7 @@ class Pipeline:
         if kind == "f16":
             q16 = scratch.queries16(qb)
             q16.copy_(q)
-        selection[3].zero_()  # (the overflow words)
+        selection.overflow.zero_()
         out_base = 0  # keys written so far per query
         for c0 in range(0, slices * g, g):
             c1 = min(cap, c0 + g)
@@ -318,16 +329,16 @@ class Pipeline:
             else:
                 with _tf32_matmul():
                     sc = torch.mm(q, cols.x32[c0:c1].T)
-            out_base = self._select_slice(plan, qb, sc, c1 - c0, c0, c1 - c0, selection, None, ws_a, stride, out_base,
-                                          live_t, filtered, hdr, hdrf)
+            out_base = self._select_slice(plan, qb, sc, c0, c1 - c0, selection, ws_a, stride, out_base, live_t,
+                                          filtered, hdr, hdrf, stride_s=c1 - c0)
         if out_base < stride:  # the slices past the rows in use
             ws_a[: qb * stride].view(qb, stride)[:, out_base:].fill_(self.kernels.SENTINEL)
-        return selection[3]
+        return selection.overflow
 
-    def _select_slice(self, plan: Plan, qb: int, sc: torch.Tensor, stride_s: int, c0: int, width: int,
-                      selection: tuple[torch.Tensor, ...], maxima: torch.Tensor | None, ws_a: torch.Tensor,
-                      stride: int, out_base: int, live_t: torch.Tensor, filtered: bool, hdr: torch.Tensor,
-                      hdrf: torch.Tensor) -> int:
+    def _select_slice(self, plan: Plan, qb: int, sc: torch.Tensor, c0: int, width: int, selection: Selection,
+                      ws_a: torch.Tensor, stride: int, out_base: int, live_t: torch.Tensor, filtered: bool,
+                      hdr: torch.Tensor, hdrf: torch.Tensor, *, stride_s: int,
+                      maxima: torch.Tensor | None = None) -> int:
         """The keys of one slice's scores (rows ``c0`` to ``c0 + width``; ``sc``: the slice's
         first score of query 0, ``stride_s`` between queries) into ``ws_a`` from ``out_base``
         on; returns the keys written per query so far. A whole slice selects by threshold
@@ -359,7 +370,7 @@ class Pipeline:
         )
         return out_base + -(-width // chunk) * plan.k1
 
-    def selection_workspace(self, qb: int, groups: int, scratch: int) -> tuple[torch.Tensor, ...]:
+    def selection_workspace(self, qb: int, groups: int, scratch: int) -> Selection:
         """The engine's :meth:`GemmScratch.selection`: buffers replaced only after
         ``on_realloc`` (captured launches point at the buffers they replace)."""
         held = self._scratch
@@ -400,7 +411,7 @@ class GemmScratch:
     def __init__(self, device: torch.device, half: torch.dtype, dim: int, max_batch: int) -> None:
         self.device, self.half, self.dim, self.max_batch = device, half, dim, max_batch
         self._q16: torch.Tensor | None = None
-        self._sel: tuple | None = None
+        self._sel: Selection | None = None
 
     def queries16(self, qb: int) -> torch.Tensor:
         if self._q16 is None:
@@ -409,22 +420,22 @@ class GemmScratch:
 
     def fits(self, qb: int, groups: int, scratch: int) -> bool:
         held = self._sel
-        return (held is not None and held[0].shape[0] >= qb and held[0].shape[1] >= groups
-                and held[2].shape[1] >= scratch)
+        return (held is not None and held.maxima.shape[0] >= qb and held.maxima.shape[1] >= groups
+                and held.candidates.shape[1] >= scratch)
 
-    def selection(self, qb: int, groups: int, scratch: int) -> tuple[torch.Tensor, ...]:
-        """The threshold selection's buffers: group maxima [qb, groups or more] (float32), the
-        picked groups (int32, same shape), candidate keys [qb, scratch] (int64), overflow words.
-        (The kernels take the maxima's row stride: a GEMM's slice and a scan's whole capacity
-        share the buffers.)"""
+    def selection(self, qb: int, groups: int, scratch: int) -> Selection:
+        """The threshold selection's buffers for ``qb`` queries, ``groups`` group maxima and
+        ``scratch`` candidates a query, grown on demand (:class:`Selection`)."""
         held = self._sel
         if not self.fits(qb, groups, scratch):
-            rows = max(qb, held[0].shape[0] if held is not None else 0)
-            groups = max(groups, held[0].shape[1] if held is not None else 0)
-            scratch = max(scratch, held[2].shape[1] if held is not None else 0)
-            held = (torch.empty((rows, groups), dtype=torch.float32, device=self.device),
-                    torch.empty((rows, groups), dtype=torch.int32, device=self.device),
-                    torch.empty((rows, scratch), dtype=torch.int64, device=self.device),
-                    torch.empty(rows, dtype=torch.int32, device=self.device))
+            if held is not None:
+                rows, groups = max(qb, held.maxima.shape[0]), max(groups, held.maxima.shape[1])
+                scratch = max(scratch, held.candidates.shape[1])
+            else:
+                rows = qb
+            held = Selection(torch.empty((rows, groups), dtype=torch.float32, device=self.device),
+                             torch.empty((rows, groups), dtype=torch.int32, device=self.device),
+                             torch.empty((rows, scratch), dtype=torch.int64, device=self.device),
+                             torch.empty(rows, dtype=torch.int32, device=self.device))
             self._sel = held
         return held

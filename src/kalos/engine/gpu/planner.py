@@ -104,8 +104,9 @@ class Tuning:
     single_scan: str = "int8"
     # Batches of at least this many queries (16-bit and tf32 scans) are scored by cuBLAS, a
     # slice of gemm_rows rows at a time, then the same chunked top-k and certified re-score.
-    # Below it the Triton scan, which reads each row tile once for 16 queries and writes the
-    # threshold selection's group maxima itself (docs/gpu-kernels.md, batches).
+    # Below it the Triton scan, which reads each row tile once for 16 queries; its tf32 and
+    # 16-bit batches from scan_threshold_min_q on write the threshold selection's group maxima
+    # themselves (docs/gpu-kernels.md, batches).
     gemm_min_q: int = 32
     gemm_rows: int = 65536
     # Whole slices select by threshold (group maxima, then every row above the K-th largest);

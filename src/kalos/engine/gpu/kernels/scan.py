@@ -105,6 +105,7 @@ def scan_topk_kernel(
     gm_stride=0,
     GROUP_MAX: tl.constexpr = False,
 ):
+    tl.static_assert(not GROUP_MAX or (WRITE_SCORES and BLOCK_Q > 1), "group maxima come from a batch's scores")
     # Row blocks on grid axis 0 (up to 2^31 - 1 programs; axes 1 and 2 stop at 65,535, which
     # a one-block-per-program grid passes at 2M rows), query blocks on axis 1.
     pid_n = tl.program_id(0)

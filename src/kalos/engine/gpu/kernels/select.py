@@ -205,7 +205,9 @@ def collect_kernel(
     if q < tl.load(HDR + H_NQ):
         best = tl.load(GM + q.to(tl.int64) * gm_stride + tl.arange(0, NG))
         tau = tl.min(tl.topk(tl.reshape(best, [1, NG]), K))
-        pick = best >= tau
+        # (A group with no eligible row has maximum -inf: with tau at -inf, fewer groups than K
+        # held one, and walking every group of the slice would find nothing more.)
+        pick = (best >= tau) & (best > float("-inf"))
         n_picked = tl.sum(pick.to(tl.int32), axis=0)
         picked = PICKED + q.to(tl.int64) * gm_stride
         tl.store(picked + tl.cumsum(pick.to(tl.int32), axis=0) - 1, tl.arange(0, NG), mask=pick)

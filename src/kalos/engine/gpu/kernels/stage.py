@@ -59,31 +59,39 @@ def stage_in_kernel(
 
 
 @triton.jit
+def _piece(part, PIECE: tl.constexpr, COLS: tl.constexpr):
+    """Offsets of floats [part * PIECE, (part + 1) * PIECE) as a [PIECE / COLS, COLS] tile."""
+    return part * PIECE + tl.arange(0, PIECE // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+
+
+@triton.jit
 def stage_queries_kernel(
     DH,  # device header + gather table (int64 words)
     DHF,  # the same words as float64
     SRC,  # float32 base the table's query offsets point into (the slots: page-locked host memory)
     DQ,  # [Qb, D] float32 device queries, scaled
-    PARTS,  # [Qb, SPLIT] float64: each program's sum of squares
+    PARTS,  # float64, room for Qb * SPLIT: query j's programs' sums of squares at j * SPLIT
     ARRIVED,  # [Qb] int32: a query's programs done (zero between rounds: the last one resets it)
     D: tl.constexpr,
-    PIECE: tl.constexpr,  # floats a program copies (a power of two; SPLIT * PIECE >= D)
+    PIECE: tl.constexpr,  # floats a program copies (a power of two)
     SPLIT: tl.constexpr,
 ):
     """Grid (Qb, SPLIT): the queries the table names, each read over the bus by SPLIT programs
-    (PIECE floats each) on as many SMs, and scaled by ``1 / |q|`` (float64, then rounded, as
-    :func:`stage_in_kernel`'s NORM) by the last of them to arrive, which writes the scale back to
-    the table (``Tuning.stage_split``). Why: reads of host memory are requests over the bus, and
-    a program of 4 warps that reads PIECE = 128 floats loads 4 bytes a thread, 128 bytes a warp;
-    more and smaller requests in flight than one program's 16-byte loads of a whole query
-    (docs/gpu-kernels.md, the slot server)."""
+    (PIECE floats each) on as many SMs, and scaled by ``1 / |q|`` in float64, then rounded, by
+    the last of them to arrive, which writes the scale back to the table (``Tuning.stage_split``;
+    the parts' sums are added in a fixed order, so the scale may differ from
+    :func:`stage_in_kernel`'s in its last bit). Why: reads of host memory are requests over the
+    bus, and a program of 4 warps that reads PIECE = 128 floats loads 4 bytes a thread, 128
+    bytes a warp; more and smaller requests in flight than one program's 16-byte loads of a
+    whole query (docs/gpu-kernels.md, the slot server)."""
+    tl.static_assert(SPLIT * PIECE >= D, "the parts cover the query")
     j = tl.program_id(0)
     part = tl.program_id(1)
     if j < tl.load(DH + H_NQ):
         tab = HDR_WORDS + TAB_WORDS * j
         q_off = tl.load(DH + tab + T_QUERY_AT)
         COLS: tl.constexpr = 128 if PIECE > 128 else PIECE
-        offs = part * PIECE + tl.arange(0, PIECE // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+        offs = _piece(part, PIECE, COLS)
         dst = DQ + j.to(tl.int64) * D
         # (.cg, past L1: see _copy_normalised)
         x = tl.load(SRC + q_off + offs, mask=offs < D, other=0.0, cache_modifier=".cg")
@@ -95,11 +103,10 @@ def stage_queries_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(ARRIVED + j, 1, sem="acq_rel")
         if arrived == SPLIT - 1:
-            # (The parts summed in a fixed order: the same scale whichever program came last.)
             ssq = tl.sum(tl.load(PARTS + j * SPLIT + tl.arange(0, SPLIT), cache_modifier=".cg"), axis=0)
             scale = 1.0 / tl.sqrt(ssq)
             for p in tl.static_range(SPLIT):
-                ds = p * PIECE + tl.arange(0, PIECE // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+                ds = _piece(p, PIECE, COLS)
                 y = tl.load(dst + ds, mask=ds < D, other=0.0, cache_modifier=".cg")
                 tl.store(dst + ds, (y.to(tl.float64) * scale).to(tl.float32), mask=ds < D)
             tl.store(DHF + tab + T_SCALE, scale)  # the host checks it: 0, inf, NaN
