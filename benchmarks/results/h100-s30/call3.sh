@@ -4,7 +4,7 @@
 # (538d535, .snap/trees/s30-base), after a warm-up crowd: this, base, this with each query read
 # from its slot by 8 programs (.snap/trees/s30-split: this src with Tuning.stage_split = 8),
 # this again.
-#   BUDGET_S=540 OUT=$OUT bash benchmarks/results/h100-s30/call3.sh   (carry .snap/trees/s30-base, .snap/trees/s30-split, this folder)
+#   BUDGET_S=560 OUT=$OUT bash benchmarks/results/h100-s30/call3.sh   (carry .snap/trees/s30-base, .snap/trees/s30-split, this folder)
 cd "$(dirname "$0")/../../.."
 ext=$(python3-config --extension-suffix); inc=$(python3-config --includes)
 for s in src .snap/trees/s30-base/src .snap/trees/s30-split/src; do
