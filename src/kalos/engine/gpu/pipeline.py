@@ -42,7 +42,10 @@ class Selection(NamedTuple):
     overflow: torch.Tensor  # int32 [rows]: 1 where the candidates did not fit (the final kernel checks)
 
 
-_COLLECT_STEP = 8  # groups collect_kernel reads per step (a random query picks ~K of them)
+# Groups collect_kernel reads per step: a random query picks about K of them, and K is 32 at
+# the k bucket of 8 (fast_candidates), so one step takes them all; each step is a round trip
+# for the group list, then for the scores (8 and 16 measured slower, BENCHMARKS.md).
+_COLLECT_STEP = 32
 _GROUP_MAX_QUERIES = 8  # queries a program of group_max_kernel takes (its chunk's mask read once for them)
 
 #: What a batch's launches depend on (a CUDA graph per key): (kind, query bucket, k bucket,

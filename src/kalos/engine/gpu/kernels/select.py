@@ -168,7 +168,7 @@ def scores_rescore_kernel(
 @triton.jit
 def group_max_kernel(
     S, GM, HDR, stride_s, gm_stride, row_base, width, LIVE, NS, TS, HDRF,
-    CHUNK: tl.constexpr, GROUPS: tl.constexpr, FILTER: tl.constexpr, QB: tl.constexpr = 1,
+    CHUNK: tl.constexpr, GROUPS: tl.constexpr, FILTER: tl.constexpr, QB: tl.constexpr,
 ):
     """GM[q, j * GROUPS + g] = max of the eligible scores of group g of chunk j: grid (chunks,
     cdiv(Qb, QB)). A program finds its chunk's eligible rows once for its QB queries: read

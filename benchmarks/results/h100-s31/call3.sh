@@ -1,0 +1,46 @@
+#!/bin/bash
+# Session 31, call 3: collect_kernel's tau first bounded from below by the K-th largest of 2K
+# block maxima (collect_kernel BLOCKS; the exact tau only where that bound lets more than 2K
+# groups through), this tree against 4b7f4da (.snap/trees/s31-base: git archive 4b7f4da src).
+# The crowd 1-64 (default `kalos serve --device cuda`, 65,536 x 1024, k = 8, 2 s a crowd; 16
+# and 64 beside the GEMMs) after a short warm-up crowd; the rounds in process (kernels profiled
+# at 16 and 64; this tree's also at the k bucket of 16); the fast crowds; this tree's crowd
+# with mixed scopes (namespace, all, time window); this tree's exact crowd again.
+#   BUDGET_S=560 OUT=$OUT bash benchmarks/results/h100-s31/call3.sh   (carry .snap/trees/s31-base)
+cd "$(dirname "$0")/../../.."
+ext=$(python3-config --extension-suffix); inc=$(python3-config --includes)
+for s in src .snap/trees/s31-base/src; do
+  gcc -O2 -shared -fPIC $inc $s/kalos/ipc/_fence.c -o $s/kalos/ipc/_fence$ext || exit 1; done
+export PYTHONUNBUFFERED=1
+budget=${BUDGET_S:-540}
+B=.snap/trees/s31-base/src
+nvidia-smi --query-gpu=name --format=csv,noheader
+crowd() { # tree label [colocated] [args...]
+  local tree=$1 label=$2 colo=$3; shift 3
+  (( SECONDS + 45 < budget )) || { echo "--- skipped crowd $label: ${SECONDS}s gone"; return 1; }
+  echo "=== crowd $label $(date +%T) (${SECONDS}s)"
+  PYTHONPATH=$tree timeout $(( budget - SECONDS )) python3 $tree/kalos/tools/crowd.py --device cuda \
+    --crowd ${CROWD:-1,2,4,8,16,32,64} --crowd-seconds 2 ${colo:+--colocated $colo} "$@" > $OUT/crowd-$label.txt 2>&1
+  pkill -9 -f "kalos serve" 2>/dev/null
+  grep -E "Traceback|Error" $OUT/crowd-$label.txt | head -4
+}
+rounds() { # label tree [args...]
+  local label=$1 tree=$2; shift 2
+  (( SECONDS + 60 < budget )) || { echo "--- skipped rounds $label: ${SECONDS}s gone"; return; }
+  echo "=== rounds $label $(date +%T) (${SECONDS}s)"
+  PYTHONPATH=$tree timeout $(( budget - SECONDS )) python3 benchmarks/rounds.py --sizes 1,8,16,32,64 --rounds 300 "$@" \
+    > $OUT/rounds-$label.txt 2>&1
+}
+PYTHONPATH=src timeout 60 python3 src/kalos/tools/crowd.py --device cuda --crowd 16 --crowd-seconds 1 \
+  > $OUT/crowd-warmup.txt 2>&1; pkill -9 -f "kalos serve" 2>/dev/null
+crowd src this 16,64
+crowd $B base 16,64
+rounds base $B --profile 16,64
+rounds this src --profile 16,64 --k-buckets 8,16
+crowd src this-fast "" --serve-arg=--precision --serve-arg=fast
+crowd $B base-fast "" --serve-arg=--precision --serve-arg=fast
+CROWD=1,16,64 crowd src this-mixed "" --crowd-scopes mixed
+crowd src this-2 ""
+echo "=== done ${SECONDS}s"
+for f in $(ls $OUT/crowd-*.txt 2>/dev/null); do echo "--- $(basename $f .txt)"; grep -E "^ +[0-9]+ +[0-9.]+ |GEMMs [0-9]" $f | head -14; done
+for f in $(ls $OUT/rounds-*.txt 2>/dev/null); do echo "--- $(basename $f .txt)"; grep -A8 "^variant" $f; grep -E "collect_kernel" $f; done
