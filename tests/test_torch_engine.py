@@ -1105,6 +1105,13 @@ def test_triton_gemm_threshold_selection(rng, precision):
     crowd = crowd - (crowd @ dup[0])[:, None] * dup / (dup[0] @ dup[0])
     crowd = as_unit_rows(as_unit_rows(crowd) - 0.8 * dup)
     m.check(crowd, 8)
+    # k = 16: K = 64, whose threshold selection needs slices of 1,024 rows here (score chunks
+    # of 128, groups of 8); 64 of the 128 groups reach tau, which collect_kernel walks in two
+    # steps.
+    eng.retune({"gemm_min_q": 2, "gemm_rows": 1024, "score_chunk": 64})
+    plan = eng.plan(16, 16)
+    assert plan.threshold and plan.k1 == 64 and plan.slice_rows == 1024 and plan.score_chunk == 128
+    m.check(crowd, 16)
     assert eng.stats["fallbacks"] == before, "random queries are answered by the threshold path itself"
 
 

@@ -4,7 +4,7 @@
 # GEMMs, this tree (4b7f4da) against 538d535 (.snap/trees/s30-base: git archive 538d535 src),
 # after a short warm-up crowd; then this tree's fast precision crowd; recall_text (issue 20,
 # 65,536 x 384, the item cache on); the rounds in process, kernels profiled at 16 and 64.
-#   BUDGET_S=560 OUT=$OUT bash benchmarks/results/h200-s31/call1.sh
+#   BUDGET_S=560 OUT=$OUT bash benchmarks/results/h100-s31/call1.sh
 #   (carry .snap/trees/s30-base, .snap/model, this folder)
 cd "$(dirname "$0")/../../.."
 ext=$(python3-config --extension-suffix); inc=$(python3-config --includes)

@@ -42,10 +42,14 @@ class Selection(NamedTuple):
     overflow: torch.Tensor  # int32 [rows]: 1 where the candidates did not fit (the final kernel checks)
 
 
-# Groups collect_kernel reads per step: a random query picks about K of them, and K is 32 at
-# the k bucket of 8 (fast_candidates), so one step takes them all; each step is a round trip
-# for the group list, then for the scores (8 and 16 measured slower, BENCHMARKS.md).
+# Groups collect_kernel reads per step. K groups reach tau unless maxima tie there (fewer where
+# fewer groups hold an eligible row), and K (fast_candidates) is 32 at the k buckets of 4 and 8,
+# 64 at 16: one step, or two. Each step waits for the group list, then the scores (and with a
+# filter the mask's columns); at the bucket of 8, 8 and 16 a step measured slower
+# (BENCHMARKS.md). A step reads at most _COLLECT_ROWS rows, whose keys a program holds in
+# registers: a tuning with larger groups takes fewer of them a step.
 _COLLECT_STEP = 32
+_COLLECT_ROWS = 2048
 _GROUP_MAX_QUERIES = 8  # queries a program of group_max_kernel takes (its chunk's mask read once for them)
 
 #: What a batch's launches depend on (a CUDA graph per key): (kind, query bucket, k bucket,
@@ -363,7 +367,8 @@ class Pipeline:
                 maxima = gm
             tk.collect_kernel[(qb,)](
                 sc, maxima, picked, cand, over, ws_a, hdr, stride_s, maxima.stride(0), cand.stride(0), stride,
-                out_base, *masks, K=plan.k1, NG=width // group, GROUP=group, STEP=_COLLECT_STEP,
+                out_base, *masks, K=plan.k1, NG=width // group, GROUP=group,
+                STEP=max(1, min(_COLLECT_STEP, _COLLECT_ROWS // group)),
                 MERGE=max(128, 2 * plan.k1), FILTER=filtered, num_warps=4,
             )
             return out_base + plan.k1
