@@ -94,15 +94,7 @@ def run_variant(args: argparse.Namespace, name: str, precision: str, tune: dict[
         server.start(server.in_use, kout=kout)
         host, passes, wrong, n_handed = [], [], 0, 0
         for it in range(args.rounds):
-            seqs[:b] += np.uint64(1)
-            deadline = time.perf_counter() + 5.0
-            t = time.perf_counter()
-            req[:b] = seqs[:b]
-            # Until every request is answered, or handed to the host (which nobody runs here).
-            while not ((resp[:b] == seqs[:b]) | (handed[:b] == seqs[:b])).all():
-                if time.perf_counter() > deadline:
-                    raise SystemExit(f"{name}: round {it} of {b} not answered in 5 s")
-            host.append(time.perf_counter() - t)
+            host.append(one_round(seqs, req, resp, handed, b, f"{name}: round {it}"))
             _wait, _seen, staged, published = server.stamps()
             passes.append(published - staged)
             n_handed += int((handed[:b] == seqs[:b]).sum())
@@ -130,6 +122,19 @@ def run_variant(args: argparse.Namespace, name: str, precision: str, tune: dict[
     return out
 
 
+def one_round(seqs: np.ndarray, req: np.ndarray, resp: np.ndarray, handed: np.ndarray, b: int, what: str) -> float:
+    """Publishes the next request of slots 0..b-1 and waits until every one is answered, or
+    handed to the host (which nobody runs here); returns the host's seconds for it."""
+    seqs[:b] += np.uint64(1)
+    t = time.perf_counter()
+    deadline = t + 5.0
+    req[:b] = seqs[:b]
+    while not ((resp[:b] == seqs[:b]) | (handed[:b] == seqs[:b])).all():
+        if time.perf_counter() > deadline:
+            raise SystemExit(f"{what} of {b} not answered in 5 s")
+    return time.perf_counter() - t
+
+
 def profile_round(server: SlotGraphServer, kout: int | None, rounds: int, seqs: np.ndarray, req: np.ndarray,
                   resp: np.ndarray, handed: np.ndarray, b: int) -> None:
     """Each kernel's device time per round over ``rounds`` more rounds of ``b`` (CUPTI records of
@@ -137,13 +142,8 @@ def profile_round(server: SlotGraphServer, kout: int | None, rounds: int, seqs: 
     profiler starts before the server: enabling it waits for the kernels running."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
         server.start(server.in_use, kout=kout)
-        for _ in range(rounds):
-            seqs[:b] += np.uint64(1)
-            req[:b] = seqs[:b]
-            deadline = time.perf_counter() + 5.0
-            while not ((resp[:b] == seqs[:b]) | (handed[:b] == seqs[:b])).all():
-                if time.perf_counter() > deadline:
-                    raise SystemExit(f"a profiled round of {b} not answered in 5 s")
+        for it in range(rounds):
+            one_round(seqs, req, resp, handed, b, f"profiled round {it}")
             server.running()
         server.stop()
         torch.cuda.synchronize()

@@ -249,7 +249,7 @@ class Pipeline:
         cols, tk, cap = self.columns, self.kernels, self.columns.x32.shape[0]
         group = plan.score_chunk // GROUPS_PER_CHUNK
         shape = (qb, -(-cap // group), plan.k1 * group)  # (a maximum for every block the scan writes)
-        selection = scratch.selection(*shape) if scratch is not None else self.selection_workspace(*shape)
+        selection = self._selection(scratch, *shape)
         maxima = selection.maxima
         selection.overflow.zero_()
         tk.scan_topk_kernel[(plan.progs, plan.n_qblocks)](
@@ -316,13 +316,9 @@ class Pipeline:
         g, group = plan.gemm_rows, plan.score_chunk // GROUPS_PER_CHUNK
         cap = cols.x32.shape[0]
         q = dq[:qb]
-        if scratch is None:
-            scratch = self._scratch
-            selection = self.selection_workspace(qb, g // group, plan.k1 * group)
-        else:
-            selection = scratch.selection(qb, g // group, plan.k1 * group)
+        selection = self._selection(scratch, qb, g // group, plan.k1 * group)
         if kind == "f16":
-            q16 = scratch.queries16(qb)
+            q16 = (scratch if scratch is not None else self._scratch).queries16(qb)
             q16.copy_(q)
         selection.overflow.zero_()
         out_base = 0  # keys written so far per query
@@ -377,6 +373,12 @@ class Pipeline:
             K=plan.k1, CHUNK=chunk, MASK=unmasked, FILTER=filtered and unmasked, out_first=out_base, num_warps=4,
         )
         return out_base + -(-width // chunk) * plan.k1
+
+    def _selection(self, scratch: "GemmScratch | None", qb: int, groups: int, candidates: int) -> Selection:
+        """The selection buffers of ``scratch`` (a stream's own), else the engine's."""
+        if scratch is not None:
+            return scratch.selection(qb, groups, candidates)
+        return self.selection_workspace(qb, groups, candidates)
 
     def selection_workspace(self, qb: int, groups: int, scratch: int) -> Selection:
         """The engine's :meth:`GemmScratch.selection`: buffers replaced only after
