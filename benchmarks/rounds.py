@@ -22,7 +22,8 @@ default the server's own choice, the smaller bucket for k <= 8):
 
     PYTHONPATH=src python3 benchmarks/rounds.py --sizes 1,2,8,16,32,64 --k-buckets 8,16
 
-``--profile 16,64`` then runs a few more rounds of those sizes under the PyTorch profiler and
+``--windows``: each request carries a time window of its own (the rounds mask each query
+by its own; every row is inside, so the answers are the same). ``--profile 16,64`` then runs a few more rounds of those sizes under the PyTorch profiler and
 prints each kernel's device time per round (where a round's time goes).
 """
 from __future__ import annotations
@@ -82,8 +83,10 @@ def run_variant(args: argparse.Namespace, name: str, precision: str, tune: dict[
         server.in_use[:] = 0
         server.in_use[:b] = 1
         queries = rng.standard_normal((b, args.dim)).astype(np.float32)
+        flags = RequestFlag.ALL_NAMESPACES | (RequestFlag.HAS_SINCE | RequestFlag.HAS_UNTIL if args.windows else 0)
         for s, view in enumerate(views[:b]):
-            view.op[0], view.k[0], view.n_queries[0], view.flags[0] = Op.RECALL, args.k, 1, RequestFlag.ALL_NAMESPACES
+            view.op[0], view.k[0], view.n_queries[0], view.flags[0] = Op.RECALL, args.k, 1, flags
+            view.since[0], view.until[0] = -1.0 - s, 1.0 + s  # (read with --windows: every row inside)
             view.namespace_len[0] = 0
             view.queries[:1] = queries[s]
         unit = torch.from_numpy(queries).cuda().double()
@@ -167,6 +170,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=300, help="rounds per size (the first sixth not counted)")
     ap.add_argument("--window-us", type=float, default=20.0, help="the batch rounds' gathering window")
     ap.add_argument("--repeat", type=int, default=1, help="runs of the variants, alternated")
+    ap.add_argument("--windows", action="store_true",
+                    help="each request with a created_at window of its own (every row inside: the same answers)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:PRECISION:JSON")
     ap.add_argument("--profile", default="", metavar="B1,B2",
                     help="after the timed rounds of these sizes, each kernel's device time per round (torch.profiler)")

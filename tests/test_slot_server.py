@@ -42,6 +42,7 @@ from kalos.ipc.protocol import Layout, Op, RequestFlag, SlotView, rest_seq  # no
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU")
 RECALL, PING, ALL = int(Op.RECALL), int(Op.PING), int(RequestFlag.ALL_NAMESPACES)
+SINCE, UNTIL = int(RequestFlag.HAS_SINCE), int(RequestFlag.HAS_UNTIL)
 
 
 class Rig:
@@ -58,7 +59,8 @@ class Rig:
         self.ids = np.arange(5000, 5000 + n, dtype=np.int64)
         unit = (self.vectors / np.linalg.norm(self.vectors.astype(np.float64), axis=1, keepdims=True)).astype(np.float32)
         self.namespaces = rng.integers(0, 2, n).astype(np.int32)  # ids 0 ("a") and 1 ("b")
-        self.engine.add(self.ids, unit, self.namespaces, np.zeros(n))
+        self.created = 1_700_000_000.0 + 60.0 * rng.permutation(n)  # a minute apart (epoch seconds)
+        self.engine.add(self.ids, unit, self.namespaces, self.created)
         self.dead = self.ids[rng.choice(n, n // 10, replace=False)]
         self.engine.delete(self.dead)
         self.live = ~np.isin(self.ids, self.dead)
@@ -78,8 +80,11 @@ class Rig:
         self.active = self.server.in_use
         self.active[:] = 1
 
-    def submit(self, slot, query, k, *, op=RECALL, n_queries=1, flags=ALL, namespace=b"") -> int:
+    def submit(self, slot, query, k, *, op=RECALL, n_queries=1, flags=ALL, namespace=b"", since=0.0,
+               until=0.0) -> int:
+        """A request in ``slot`` (its window's bounds count only with the flags HAS_SINCE / HAS_UNTIL)."""
         view = self.views[slot]
+        view.since[0], view.until[0] = since, until
         view.namespace[0] = namespace
         view.namespace_len[0] = len(namespace)
         view.op[0], view.k[0], view.n_queries[0], view.flags[0] = op, k, n_queries, flags
@@ -154,7 +159,15 @@ def test_hands_over_what_it_must_not_answer(make_rig, rng, bucket):
         "a batch": dict(query=np.stack([q, q]), k=4, n_queries=2),
         "an unknown namespace": dict(query=q, k=4, flags=0, namespace=b"c"),
         "a namespace that only starts like a known one": dict(query=q, k=4, flags=0, namespace=b"ab"),
-        "a time window": dict(query=q, k=4, flags=ALL | int(RequestFlag.HAS_SINCE)),
+        "a NaN since": dict(query=q, k=4, flags=ALL | SINCE, since=math.nan),
+        "a NaN until in a namespace": dict(query=q, k=4, flags=UNTIL, namespace=b"a", until=math.nan),
+        "since = -inf": dict(query=q, k=4, flags=ALL | SINCE, since=-math.inf),
+        "until = inf": dict(query=q, k=4, flags=ALL | UNTIL, until=math.inf),
+        "since = inf": dict(query=q, k=4, flags=ALL | SINCE, since=math.inf),
+        "an empty window": dict(query=q, k=4, flags=ALL | SINCE | UNTIL, since=5.0, until=5.0),
+        "a reversed window": dict(query=q, k=4, flags=ALL | SINCE | UNTIL, since=6.0, until=5.0),
+        "a window and a where clause": dict(query=q, k=4, flags=ALL | SINCE | int(RequestFlag.HAS_WHERE), since=1.0),
+        "an unknown flag": dict(query=q, k=4, flags=ALL | 64),
         "a where clause": dict(query=q, k=4, flags=ALL | int(RequestFlag.HAS_WHERE)),
         "a where clause in a namespace": dict(query=q, k=4, flags=int(RequestFlag.HAS_WHERE), namespace=b"a"),
         "a zero query": dict(query=q * 0, k=4),
@@ -316,6 +329,78 @@ def test_batch_round_answers_a_crowd_in_one_pass_and_keeps_another_kind_for_the_
     assert server.served == sum(_answered(rig, s, seqs[s]) for s in range(6))
 
 
+def _window_request(rig, window) -> tuple[dict, np.ndarray]:
+    """The request words of ``window`` ((since, until), either None: open; or "b": namespace
+    b, no window) and the rows it lets through (live too)."""
+    if window == "b":
+        return dict(flags=0, namespace=b"b"), rig.live & (rig.namespaces == 1)
+    since, until = window
+    flags = ALL | (SINCE if since is not None else 0) | (UNTIL if until is not None else 0)
+    inside = rig.live.copy()
+    if since is not None:
+        inside &= rig.created >= since
+    if until is not None:
+        inside &= rig.created < until
+    return dict(flags=flags, since=since or 0.0, until=until or 0.0), inside
+
+
+@needs_interpreter
+@ROUNDS
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_answers_recalls_each_in_its_own_time_window(make_rig, rng, precision, bucket):
+    # Agents ask for their own windows ("since an hour ago", "before yesterday"): the GPU
+    # serves them, each query masked by its own [since, until), the bounds at rows' exact
+    # created_at (since inclusive, until exclusive), one window holding fewer rows than k and
+    # one holding none. Exact answers them all; fast answers or hands over (certificate).
+    rig = make_rig(precision=precision, slots=8, bucket=bucket)
+    t = np.sort(rig.created)
+    windows = [(None, None), (t[50], None), (None, t[120]), (t[30], t[40]), (t[7], t[9]),
+               (t[-1] + 1.0, None), (t[100], t[101] + 0.5), (None, t[5])]
+    queries = rng.standard_normal((8, rig.engine.dim)).astype(np.float32)
+    seqs, inside = [], []
+    for s, window in enumerate(windows):
+        words, rows = _window_request(rig, window)
+        seqs.append(rig.submit(s, queries[s], 8, **words))
+        inside.append(rows)
+    rig.serve()
+    answered = 0
+    for s, window in enumerate(windows):
+        if not _answered(rig, s, seqs[s]):
+            assert precision == "fast" and int(rig.server.handed[s]) == seqs[s], f"window {window}: not served"
+            continue
+        answered += 1
+        view = rig.views[s]
+        assert (int(view.status[0]), int(view.n_results[0])) == (0, 8)
+        assert_topk_matches(view.ids[:1, :8], view.scores[:1, :8], rig.ids, rig.vectors, queries[s][None], 8,
+                            inside[s], context=f"{precision} window {window} ({inside[s].sum()} rows)")
+    assert rig.server.served == answered
+    assert answered >= (8 if precision == "exact" else 1)
+
+
+@needs_interpreter
+def test_batch_round_takes_requests_with_different_windows_as_one_kind(make_rig, rng):
+    # Windows do not split a crowd: the requests in all namespaces, whatever their windows,
+    # are one round; the namespace "b" ones the next.
+    rig = make_rig(slots=6, server=QueuedGraphServer, depth=1, window_polls=0)
+    t = np.sort(rig.created)
+    windows = [(t[10], None), "b", (None, None), (t[20], t[150]), "b", (None, t[90])]
+    queries = rng.standard_normal((6, rig.engine.dim)).astype(np.float32)
+    requests = [_window_request(rig, w) for w in windows]
+    seqs = [rig.submit(s, queries[s], 4, **words) for s, (words, _rows) in enumerate(requests)]
+    server = rig.server
+    assert server.start(rig.active) and len(server.gpu) == 1
+    server.step()
+    assert [s for s in range(6) if _answered(rig, s, seqs[s])] == [0, 2, 3, 5]
+    server.running()
+    server.step()
+    for s, (_words, rows) in enumerate(requests):
+        view = rig.views[s]
+        assert _answered(rig, s, seqs[s]) and int(server.handed[s]) != seqs[s]
+        assert_topk_matches(view.ids[:1, :4], view.scores[:1, :4], rig.ids, rig.vectors, queries[s][None], 4,
+                            rows, context=f"slot {s} window {windows[s]}")
+    server.stop()
+
+
 @needs_interpreter
 @pytest.mark.parametrize("precision", ["exact", "fast"])
 def test_batch_round_with_a_split_final_kernel_answers_and_leaves_its_counts_at_zero(make_rig, rng, precision):
@@ -371,30 +456,35 @@ def test_batch_round_with_a_split_stage_in_answers_and_leaves_its_counts_at_zero
 
 
 @needs_interpreter
-def test_batch_round_selecting_by_threshold_answers_with_empty_groups_and_slices(make_rig, rng):
-    """A batch round whose scan writes the group maxima and selects whole slices by threshold
-    (scaled down: 16-row groups, slices of 1,024 rows), with a capacity past the rows in use:
-    groups and a whole slice with no row (maxima -inf, tau -inf there). Answers as the float64
-    reference says, in a namespace and across all of them."""
+@pytest.mark.parametrize("scores_by", ["scan", "gemm"])
+def test_batch_round_selecting_by_threshold_answers_with_empty_groups_and_slices(make_rig, rng, scores_by):
+    """A batch round that selects whole slices by threshold, its scores and group maxima
+    written by the scan or its scores by a GEMM (the maxima then by group_max_kernel; scaled
+    down: 16-row groups, slices of 1,024 rows), with a capacity past the rows in use: groups
+    and a whole slice with no row (maxima -inf, tau -inf there). Answers as the float64
+    reference says, in a namespace, across all of them, and each query in its own window."""
     rig = make_rig(n=1100, slots=4, bucket=4, max_k=8)  # (the k bucket of 8: 32 candidates)
     tile = ScanConfig(block_n=16, block_d=16, block_q=16, warps=4, stages=1)
-    rig.engine.retune({"gemm_min_q": 64, "scan_threshold_min_q": 2, "gemm_rows": 1024, "score_chunk": 256,
-                       "cpu_block_n": 16, "scores_f32_batch": tile})
+    rig.engine.retune({"gemm_min_q": 64 if scores_by == "scan" else 2, "scan_threshold_min_q": 2, "gemm_rows": 1024,
+                       "score_chunk": 256, "cpu_block_n": 16, "scores_f32_batch": tile})
     rig.engine.reserve(2000)
     assert rig.engine.rows.capacity >= 3072 and rig.engine.rows.size == 1100
-    for round_ in range(2):
+    t = np.sort(rig.created)
+    crowds = {"all": [(None, None)] * 4, "a": ["a"] * 4,
+              "windows": [(t[100], None), (None, t[700]), (t[1000], t[1099] + 1.0), (t[5], t[30])]}
+    for label, windows in crowds.items():
         queries = rng.standard_normal((4, rig.engine.dim)).astype(np.float32)
-        ns = [None, b"a"][round_]
-        seqs = [rig.submit(s, queries[s], 8, flags=ALL if ns is None else 0, namespace=ns or b"") for s in range(4)]
+        requests = [(dict(flags=0, namespace=b"a"), rig.live & (rig.namespaces == 0)) if w == "a"
+                    else _window_request(rig, w) for w in windows]
+        seqs = [rig.submit(s, queries[s], 8, **words) for s, (words, _rows) in enumerate(requests)]
         rig.serve()
         plans = [r.plan for (size, _k), r in rig.server._rounds.items() if size == 4]
-        assert plans and all(p.threshold and not p.gemm_rows for p in plans), "rounds select after the scan"
-        eligible = rig.live & (True if ns is None else rig.namespaces == 0)
-        for s in range(4):
-            assert _answered(rig, s, seqs[s]), f"slot {s} not answered"
+        assert plans and all(p.threshold and bool(p.gemm_rows) == (scores_by == "gemm") for p in plans)
+        for s, (_words, eligible) in enumerate(requests):
+            assert _answered(rig, s, seqs[s]), f"{label}: slot {s} not answered"
             view = rig.views[s]
             assert_topk_matches(view.ids[:1, :8], view.scores[:1, :8], rig.ids, rig.vectors, queries[s][None], 8,
-                                eligible, context=f"namespace {ns} slot {s}")
+                                eligible, context=f"{scores_by} {label} slot {s}")
 
 
 @needs_interpreter
@@ -962,8 +1052,13 @@ def test_cuda_server_answers_while_running(make_rig, rng, precision):
         k = int(rng.integers(1, 17))
         query = rng.standard_normal(rig.engine.dim).astype(np.float32)
         ns = [None, b"a", b"b"][i % 3]
-        seq = rig.submit(slot, query, k, flags=ALL if ns is None else 0, namespace=ns or b"")
+        flags, window = ALL if ns is None else 0, {}
         eligible = rig.live & (True if ns is None else rig.namespaces == (0 if ns == b"a" else 1))
+        if i % 4 == 3:  # a window of its own (every fourth: in a namespace or in all)
+            since, until = np.sort(rng.choice(rig.created, 2, replace=False))
+            flags, window = flags | SINCE | UNTIL, dict(since=since, until=until)
+            eligible &= (rig.created >= since) & (rig.created < until)
+        seq = rig.submit(slot, query, k, flags=flags, namespace=ns or b"", **window)
         view = rig.views[slot]
         while int(view.resp_seq[0]) != seq and int(rig.server.handed[slot]) != seq:
             assert rig.server.running(), "the kernel exited while a request was pending"
@@ -971,7 +1066,7 @@ def test_cuda_server_answers_while_running(make_rig, rng, precision):
         if int(view.resp_seq[0]) == seq:
             answered += 1
             assert_topk_matches(view.ids[:1, :k], view.scores[:1, :k], rig.ids, rig.vectors, query[None], k,
-                                eligible, context=f"request {i} namespace {ns}")
+                                eligible, context=f"request {i} namespace {ns} window {window}")
         else:
             handed_k.append(k)
     if precision == "exact":
@@ -992,21 +1087,27 @@ def test_cuda_batch_rounds_of_every_size_answer_a_crowd(make_rig, rng, precision
     # then crowds of several sizes, each served by its own round's graph, smaller after larger:
     # a buffer that one round's capture outgrew and another's graph still used would fault.
     # 40 slots: waiting kernels of 2 warps; 128: of 4 (their warps agree on every value read).
+    # Each size's third crowd asks with windows, each client its own (some open).
     rig = make_rig(precision=precision, dim=256, n=20000, slots=slots, device="cuda", idle_s=5.0)
     assert rig.server.warps == waiting_warps(rig.server.ns) == (2 if slots == 40 else 4)
     rig.server.warm()
+    t = np.sort(rig.created)
     answered = 0
     for crowd in (40, 2, 17, 5, 33, 1):
         rig.active[:] = False
         rig.active[:crowd] = True
-        for _ in range(3):
+        for turn in range(3):
             k = int(rng.integers(1, 17))
             # (held: each size's own graph, at the k bucket that serves k; both are captured)
             kout = min(b for b in rig.server.kouts if b >= k)
             rig.server.start(rig.active, bucket=rig.server.bucket(crowd), kout=kout)
             assert rig.server.running()
             queries = rng.standard_normal((crowd, rig.engine.dim)).astype(np.float32)
-            seqs = [rig.submit(s, queries[s], k) for s in range(crowd)]
+            ends = np.sort(rng.integers(0, len(t), (crowd, 2)), axis=1)
+            windows = [(None, None) if turn < 2 or s % 4 == 0 else (t[a], None) if s % 4 == 1
+                       else (None, t[b]) if s % 4 == 2 else (t[a], t[b] + 1.0) for s, (a, b) in enumerate(ends)]
+            requests = [_window_request(rig, w) for w in windows]
+            seqs = [rig.submit(s, queries[s], k, **requests[s][0]) for s in range(crowd)]
             for s in range(crowd):
                 view = rig.views[s]
                 while int(view.resp_seq[0]) != seqs[s] and int(rig.server.handed[s]) != seqs[s]:
@@ -1014,7 +1115,8 @@ def test_cuda_batch_rounds_of_every_size_answer_a_crowd(make_rig, rng, precision
                 if int(view.resp_seq[0]) == seqs[s]:
                     answered += 1
                     assert_topk_matches(view.ids[:1, :k], view.scores[:1, :k], rig.ids, rig.vectors,
-                                        queries[s][None], k, rig.live, context=f"crowd {crowd} slot {s}")
+                                        queries[s][None], k, requests[s][1],
+                                        context=f"crowd {crowd} slot {s} window {windows[s]}")
                 else:
                     assert precision == "fast", f"crowd {crowd}: slot {s} handed over in exact mode"
             rig.server.stop()

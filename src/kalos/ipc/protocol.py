@@ -234,6 +234,8 @@ class SlotWords:
     req_seq: int
     op_k: int
     nq_flags: int
+    since: int  # float64
+    until: int  # float64
     ns_len: int  # namespace_len in the high half of this word
     ns_bytes: int  # the namespace's NAMESPACE_BYTES bytes start at this word
     resp_seq: int
@@ -259,6 +261,8 @@ class SlotWords:
             req_seq=word(REQUEST_DTYPE, req, "req_seq"),
             op_k=word(REQUEST_DTYPE, req, "op", "k"),
             nq_flags=word(REQUEST_DTYPE, req, "n_queries", "flags"),
+            since=word(REQUEST_DTYPE, req, "since"),
+            until=word(REQUEST_DTYPE, req, "until"),
             ns_len=ns_len_at // 8,
             ns_bytes=ns_at // 8,
             resp_seq=word(RESPONSE_DTYPE, resp, "resp_seq"),

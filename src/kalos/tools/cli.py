@@ -86,7 +86,7 @@ def _build_parser(s: Settings | None = None) -> argparse.ArgumentParser:
                        "kernels read and write the page-locked shared segment directly (for comparisons)")
     serve.add_argument("--gpu-polling", nargs="?", const="graph", default="graph", choices=GPU_POLLING,
                        help="GPU engine: a kernel polls the slots and answers single recalls (k <= 16, all "
-                       "namespaces or one, no time window) by itself while traffic lasts, with no Python on the "
+                       "namespaces or one, a time window or none) by itself while traffic lasts, with no Python on the "
                        "way; it stops after --spin-us without a request. 'graph' (the default, and the value when "
                        "none is given): a CUDA graph that waits for requests, then scans with the whole GPU, the "
                        "requests of several clients in one batch. Beside another process's GPU work it answers "

@@ -9,7 +9,7 @@ crowd is hot, one more process connects and disconnects in a loop, so a connect 
 measured too. Every answer is checked against a float64 brute force of the same query (the ids
 as a set, the scores to 1e-4). ``--crowd-scopes mixed``: a third of the clients recall in all
 namespaces, a third in namespace "default" and a third with a time window, so one pass holds
-several filter groups. Reported per C: p50 / p99 / p99.9 per call, the aggregate recalls/s,
+several filter groups; ``windows``: each client with a time window of its own. Reported per C: p50 / p99 / p99.9 per call, the aggregate recalls/s,
 connect p99 (the crowd's and the late connector's), errors, failed connects, wrong answers, and
 the sweep's queries per pass, time per pass and share of the crowd's time spent answering
 (where the GPU's polling answered most recalls, "q/pass" is its requests per round instead).
@@ -71,8 +71,9 @@ def add_crowd_arguments(parser: argparse.ArgumentParser) -> None:
                         "--serve-arg=fast)")
     parser.add_argument("--crowd-scopes", choices=sorted(SCOPES), default="default",
                         help="--crowd: what the recalls are scoped to: namespace 'default' (what Client.recall "
-                        "uses), or 'mixed' (a third each: 'default', every namespace, a time window; three filter "
-                        "groups per pass) (default: %(default)s)")
+                        "uses), 'mixed' (a third each: 'default', every namespace, a time window) or 'windows' "
+                        "(every namespace, each client its own time window, as agents asking for 'the last hour' "
+                        "send) (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=20261201, help="--crowd: seed of the random rows and queries")
 
 
@@ -98,12 +99,14 @@ def _reference(matrix: np.ndarray, queries: np.ndarray, ids: np.ndarray, k: int)
 
 
 #: What each crowd client's recalls are scoped to: "default" (the namespace an agent's
-#: Client.recall uses unless told otherwise), or "mixed": a third each in "default", in every
-#: namespace, and with a time window, so one pass holds three filter groups (every row is in
-#: "default" and newer than 0, so all three have the same answer).
+#: Client.recall uses unless told otherwise); "mixed": a third each in "default", in every
+#: namespace, and with a time window, so one pass holds three filter groups; "windows": in
+#: every namespace, each client with a window of its own (client i: since i, until 2100 + i
+#: seconds). Every row is in "default" and inside every window, so all have the same answer.
 SCOPES = {
-    "default": ({"namespace": "default"},),
-    "mixed": ({"namespace": None}, {"namespace": "default"}, {"namespace": None, "since": 0.0}),
+    "default": lambda index: {"namespace": "default"},
+    "mixed": lambda index: ({"namespace": None}, {"namespace": "default"}, {"namespace": None, "since": 0.0})[index % 3],
+    "windows": lambda index: {"namespace": None, "since": float(index), "until": 4_102_444_800.0 + index},
 }
 
 
@@ -126,8 +129,7 @@ def _crowd_client(name: str, data: str, k: int, seconds: float, index: int, read
             client = Client(name)  # the default timeout, as agents use it
             client.ping()
             result["connect_s"] = time.perf_counter() - began
-            kinds = SCOPES[scopes]
-            scope = kinds[index % len(kinds)]
+            scope = SCOPES[scopes](index)
             client.recall(queries[index % len(queries)], k=k, **scope)  # warm
         except KalosError as exc:
             result["connect_error"] = f"{type(exc).__name__}: {exc}"

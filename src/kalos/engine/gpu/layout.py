@@ -11,11 +11,11 @@ float64), so an offset is a field's byte offset divided by 8::
     word 0              +------------------------------------------------------+
                         | header (HEADER_DTYPE, 16 words)                       |
                         |   n, nq, k, has_ns, ns, since, until, max_norm,       |
-                        |   k_out, row_err8, spare[6]                           |
+                        |   k_out, row_err8, windows, spare[5]                  |
     word 16             +------------------------------------------------------+
-    + 8 * j             | gather table row j (TABLE_DTYPE, 8 words)             |
+    + 16 * j            | gather table row j (TABLE_DTYPE, 16 words)            |
                         |   query_at, ids_at, scores_at, scale,                 |
-                        |   slot_word, seq, slot, spare                         |
+                        |   slot_word, seq, slot, since, until, spare[7]        |
                         +------------------------------------------------------+
                         | queries float32[max_batch, dim] (the engine's own)    |
                         +------------------------------------------------------+
@@ -23,7 +23,11 @@ float64), so an offset is a field's byte offset divided by 8::
 ``k`` is ``min(k, n)`` (the rows a query can fill), ``k_out`` the columns written (past
 ``k`` they are padding). A table row's ``slot_word``, ``seq`` and ``slot`` are written only by
 the slot server's waiting kernels, for the final kernel that publishes each answer in its
-slot. ``row_err8`` is
+slot. The created_at window ``[since, until)`` is the header's for every query of the batch
+(the engine's own searches: one filter a batch), or, where the header's ``windows`` is 1,
+each query's own in its table row (a slot server's round, whose clients each ask for their
+own window); the waiting kernels write those, and the table's words are read only then.
+``row_err8`` is
 the 8-bit rows' error per unit of query norm (:mod:`kalos.engine.gpu.bounds`), in the
 header so that adds after a CUDA graph's capture are covered.
 
@@ -53,7 +57,8 @@ HEADER_DTYPE = np.dtype([
     ("max_norm", "<f8"),  # the largest row norm ever written (the 16-bit certificate)
     ("k_out", "<i8"),  # result columns to write
     ("row_err8", "<f8"),  # the 8-bit rows' error per unit of query norm
-    ("spare", "<i8", (6,)),
+    ("windows", "<i8"),  # 1: each query's window is its table row's since / until (not the header's)
+    ("spare", "<i8", (5,)),
 ])
 
 TABLE_DTYPE = np.dtype([
@@ -64,7 +69,9 @@ TABLE_DTYPE = np.dtype([
     ("slot_word", "<i8"),  # slot server: the slot's word offset in the segment
     ("seq", "<i8"),  # slot server: the request's req_seq
     ("slot", "<i8"),  # slot server: the slot's index
-    ("spare", "<i8"),  # (a row is a power of two of words: the kernels load it as one tile)
+    ("since", "<f8"),  # with the header's windows: this query's created_at window [since, until),
+    ("until", "<f8"),  # -inf / inf when open
+    ("spare", "<i8", (7,)),  # (a row is a power of two of words: the kernels load it as one tile)
 ])
 
 HOST_CONTROL_DTYPE = np.dtype([

@@ -47,11 +47,14 @@ the kernels run, only a slot whose last request was answered and that no round h
 write into it.
 
 What it serves. A single query (``n_queries == 1``) with ``k <= max_k``, all namespaces or one
-named, no time window, and a query that is finite and non-zero. Anything else (batches, time
-windows, larger k, bad input) is *handed* to the host: the kernel records its ``req_seq`` in
-``handed``, and the sidecar's sweep answers it through the engine's ordinary (batched) path.
-A round leaves the servable requests it does not take (beyond its size, or of another kind)
-pending for the next round. Fast mode re-scores its candidates in float32 and hands the
+named, a created_at window or none, and a query that is finite and non-zero. A round's
+requests share k and namespace; their windows may all differ (each query's is in its
+gather-table row, ``kalos.engine.gpu.layout``): agents asking for "the last hour" each send
+their own. Anything else (batches, where clauses, larger k, bad input, a window the host
+would refuse) is *handed* to the host: the kernel records its ``req_seq`` in ``handed``, and
+the sidecar's sweep answers it through the engine's ordinary (batched) path (with its error,
+for bad input). A round leaves the servable requests it does not take (beyond its size, or
+of another kind) pending for the next round. Fast mode re-scores its candidates in float32 and hands the
 request over when the certificate fails.
 
 Ownership of a slot's answer. A request is the kernel's when the kernel took it, the host's
@@ -319,8 +322,9 @@ class SlotGraphServer:
     def _request_constexprs(self) -> dict:
         """Where the kernels find a slot's fields (kalos.ipc.protocol.SlotWords)."""
         w = self.words
-        return dict(W_REQ=w.req_seq, W_OPK=w.op_k, W_NQF=w.nq_flags, W_NSLEN=w.ns_len, W_NSB=w.ns_bytes,
-                    REQ_WORDS=self._req_words, E_Q=w.queries, D=self.engine.dim, NS=self.ns, NSMAX=_NAME_ROWS,
+        return dict(W_REQ=w.req_seq, W_OPK=w.op_k, W_NQF=w.nq_flags, W_SINCE=w.since, W_UNTIL=w.until,
+                    W_NSLEN=w.ns_len, W_NSB=w.ns_bytes, REQ_WORDS=self._req_words,
+                    F_SINCE=int(RequestFlag.HAS_SINCE), F_UNTIL=int(RequestFlag.HAS_UNTIL), E_Q=w.queries, D=self.engine.dim, NS=self.ns, NSMAX=_NAME_ROWS,
                     BLOCK_DQ=min(2048, next_pow2(self.engine.dim)), ON_GPU=self.on_gpu)
 
     def _rows_to_serve(self) -> int:
@@ -680,8 +684,8 @@ class SlotGraphServer:
         self.taken[:] = 0  # (nothing runs: a round that failed midway may have left one set)
         self._load_slots()
         header = np.zeros(HDR_WORDS, np.int64)
-        eng.fill_header(n, 0, 0, Filter(), header)  # rows, no time window, the certificate's norm: the
-        # waiting kernel fills in the request's words
+        eng.fill_header(n, 0, 0, Filter(), header)  # rows and the certificate's norm: the waiting
+        # kernels fill in the requests' words (windows: each query's own, in its table row)
         self._hctl[HOST_CONTROL.stop] = 1 if exit_at_once else 0
         self._hctl[HOST_CONTROL.stopped] = 0
         with self._on_stream():

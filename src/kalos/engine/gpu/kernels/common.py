@@ -1,5 +1,5 @@
 """What every stage's kernels share: the key encoding, the header's word offsets, the
-filter test, the float32 re-score and its certificate, the query copy, fences and clocks.
+filter tests, the float32 re-score and its certificate, the query copy, fences and clocks.
 
 Keys
 ----
@@ -37,6 +37,7 @@ H_UNTIL = tl.constexpr(_C["H_UNTIL"])
 H_MAX_NORM = tl.constexpr(_C["H_MAX_NORM"])
 H_K_OUT = tl.constexpr(_C["H_K_OUT"])
 H_ROW_ERR8 = tl.constexpr(_C["H_ROW_ERR8"])
+H_WINDOWS = tl.constexpr(_C["H_WINDOWS"])
 T_QUERY_AT = tl.constexpr(_C["T_QUERY_AT"])
 T_IDS_AT = tl.constexpr(_C["T_IDS_AT"])
 T_SCORES_AT = tl.constexpr(_C["T_SCORES_AT"])
@@ -44,6 +45,8 @@ T_SCALE = tl.constexpr(_C["T_SCALE"])
 T_SLOT_WORD = tl.constexpr(_C["T_SLOT_WORD"])
 T_SEQ = tl.constexpr(_C["T_SEQ"])
 T_SLOT = tl.constexpr(_C["T_SLOT"])
+T_SINCE = tl.constexpr(_C["T_SINCE"])
+T_UNTIL = tl.constexpr(_C["T_UNTIL"])
 HCTL_STOP = tl.constexpr(_C["HCTL_STOP"])
 HCTL_ANSWERS = tl.constexpr(_C["HCTL_ANSWERS"])
 HCTL_STOPPED = tl.constexpr(_C["HCTL_STOPPED"])
@@ -61,8 +64,8 @@ del _C
 
 __all__ = [  # the layout's offsets (the loader checks them) and the empty key
     "SENTINEL", "HDR_WORDS", "TAB_WORDS", "H_N", "H_NQ", "H_K", "H_HAS_NS", "H_NS", "H_SINCE", "H_UNTIL",
-    "H_MAX_NORM", "H_K_OUT", "H_ROW_ERR8", "T_QUERY_AT", "T_IDS_AT", "T_SCORES_AT", "T_SCALE",
-    "T_SLOT_WORD", "T_SEQ", "T_SLOT", "HCTL_STOP", "HCTL_ANSWERS", "HCTL_STOPPED", "HCTL_DEMAND", "HCTL_EXPECT",
+    "H_MAX_NORM", "H_K_OUT", "H_ROW_ERR8", "H_WINDOWS", "T_QUERY_AT", "T_IDS_AT", "T_SCORES_AT", "T_SCALE",
+    "T_SLOT_WORD", "T_SEQ", "T_SLOT", "T_SINCE", "T_UNTIL", "HCTL_STOP", "HCTL_ANSWERS", "HCTL_STOPPED", "HCTL_DEMAND", "HCTL_EXPECT",
     "HCTL_T_WAIT", "HCTL_T_STAGED", "HCTL_T_PUBLISHED", "HCTL_T_SEEN", "HCTL_K_WANTED", "CTL_STOPPED", "CTL_TURN", "CTL_ANSWERS",
 ]
 
@@ -191,18 +194,37 @@ def _copy_normalised(src, dst, D: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _filter_words(HDR, HDRF):
-    """The filter's header words: (has_ns, ns, since, until, whether a time window is set)."""
+    """The filter's header words: (has_ns, ns, whether a query of the batch has a time window:
+    the header's, or with H_WINDOWS its own, :func:`_windows`)."""
     since = tl.load(HDRF + H_SINCE)
     until = tl.load(HDRF + H_UNTIL)
     # (!= 0: Triton's interpreter cannot "&" a mask with an "|" of float comparisons)
-    has_time = ((since > float("-inf")) | (until < float("inf"))) != 0
-    return tl.load(HDR + H_HAS_NS), tl.load(HDR + H_NS), since, until, has_time
+    has_time = (((since > float("-inf")) | (until < float("inf"))) != 0) | (tl.load(HDR + H_WINDOWS) != 0)
+    return tl.load(HDR + H_HAS_NS), tl.load(HDR + H_NS), has_time
 
 
 @triton.jit
-def _passes_filter(ok, nsv, ts, has_ns, want_ns, since, until):
-    """``ok`` and the row's namespace ``nsv`` and created_at ``ts`` pass the header's filter."""
-    return ok & ((has_ns == 0) | (nsv.to(tl.int64) == want_ns)) & (ts >= since) & (ts < until)
+def _windows(HDR, HDRF, qs, q_ok):
+    """The created_at windows ``[since, until)`` of the queries ``qs`` (a tensor of their
+    indices; ``q_ok``: which are in the batch): the header's for all, or where its
+    ``windows`` word is set each query's own, from its gather-table row."""
+    own = tl.load(HDR + H_WINDOWS) != 0
+    tab = HDR_WORDS + TAB_WORDS * qs.to(tl.int64)
+    since = tl.load(HDRF + tab + T_SINCE, mask=q_ok & own, other=0.0)
+    until = tl.load(HDRF + tab + T_UNTIL, mask=q_ok & own, other=0.0)
+    return tl.where(own, since, tl.load(HDRF + H_SINCE)), tl.where(own, until, tl.load(HDRF + H_UNTIL))
+
+
+@triton.jit
+def _in_namespace(ok, nsv, has_ns, want_ns):
+    """``ok`` and the row's namespace ``nsv`` passes the header's namespace filter."""
+    return ok & ((has_ns == 0) | (nsv.to(tl.int64) == want_ns))
+
+
+@triton.jit
+def _in_window(ok, ts, since, until):
+    """``ok`` and created_at ``ts`` in ``[since, until)`` (broadcast: rows against queries)."""
+    return ok & (ts >= since) & (ts < until)
 
 
 @triton.jit

@@ -22,6 +22,7 @@ from kalos.engine.gpu.kernels.common import (
     H_N,
     H_NQ,
     H_NS,
+    H_WINDOWS,
     HCTL_STOP,
     HCTL_STOPPED,
     HCTL_T_SEEN,
@@ -34,7 +35,9 @@ from kalos.engine.gpu.kernels.common import (
     T_SCORES_AT,
     T_SEQ,
     T_SLOT,
+    T_SINCE,
     T_SLOT_WORD,
+    T_UNTIL,
     TAB_WORDS,
     _clock_ns,
     _copy_normalised,
@@ -88,8 +91,14 @@ def _word(requests, W: tl.constexpr, REQ_WORDS: tl.constexpr):
 
 
 @triton.jit
-def _namespace_id(request, NS_TAB, NS_IDS, last, W_NQF: tl.constexpr, W_NSLEN: tl.constexpr, W_NSB: tl.constexpr,
-                  REQ_WORDS: tl.constexpr, NSMAX: tl.constexpr):
+def _named(request, flags_all, W_NQF: tl.constexpr, REQ_WORDS: tl.constexpr):
+    """Whether a request (its words, [REQ_WORDS]) names a namespace: no ALL_NAMESPACES flag."""
+    return ((_word(request, W_NQF, REQ_WORDS) >> 32) & flags_all) == 0
+
+
+@triton.jit
+def _namespace_id(request, NS_TAB, NS_IDS, last, flags_all, W_NQF: tl.constexpr, W_NSLEN: tl.constexpr,
+                  W_NSB: tl.constexpr, REQ_WORDS: tl.constexpr, NSMAX: tl.constexpr):
     """The namespace a request (its words) asks for: -1 for all namespaces, the id of a name
     the device table holds, or -2 for any other name (the host answers it: its namespace, or
     its error).
@@ -100,7 +109,7 @@ def _namespace_id(request, NS_TAB, NS_IDS, last, W_NQF: tl.constexpr, W_NSLEN: t
     trip after the request's words arrive (docs/gpu-kernels.md).
     The host empties it whenever the table changes."""
     want_ns = tl.full([], -1, tl.int64)
-    if (_word(request, W_NQF, REQ_WORDS) >> 32) == 0:  # no ALL_NAMESPACES flag: a named request
+    if _named(request, flags_all, W_NQF, REQ_WORDS):
         w8 = tl.arange(0, 8)
         cols = tl.arange(0, REQ_WORDS)
         name = tl.sum(tl.where(cols[None, :] == (W_NSB + w8)[:, None], request[None, :], 0), axis=1)
@@ -152,18 +161,39 @@ def _poll_slots(SEG, at, IN_USE, HCTL, DSEEN, AGREE, use_at, sl, slot_ok, W_REQ:
 
 
 @triton.jit
+def _request_windows(requests, flags_all, W_NQF: tl.constexpr, W_SINCE: tl.constexpr, W_UNTIL: tl.constexpr,
+                     REQ_WORDS: tl.constexpr, F_SINCE: tl.constexpr, F_UNTIL: tl.constexpr):
+    """Each request's created_at window ``[since, until)`` (-inf / inf where it sets no bound)
+    and whether its filter is one the kernels serve: all namespaces or one named, a window
+    whose bounds are finite and in order, nothing else (a where clause). The host answers the
+    others, with its error where the window is not finite or empty (as it would have)."""
+    fl = (_word(requests, W_NQF, REQ_WORDS) >> 32) & 0xFFFFFFFF
+    has_since = (fl & F_SINCE) != 0
+    has_until = (fl & F_UNTIL) != 0
+    since = tl.where(has_since, _word(requests, W_SINCE, REQ_WORDS).to(tl.float64, bitcast=True), float("-inf"))
+    until = tl.where(has_until, _word(requests, W_UNTIL, REQ_WORDS).to(tl.float64, bitcast=True), float("inf"))
+    # (since < until is False where either is NaN; the infinite bounds a client may not send
+    # are named one by one.)
+    served = ((fl & ~(flags_all | F_SINCE | F_UNTIL)) == 0) & (since < until)
+    served = served & ~(has_since & (since == float("-inf"))) & ~(has_until & (until == float("inf")))
+    return since, until, served
+
+
+@triton.jit
 def _servable(requests, pend, op_recall, k_limit, flags_all, W_OPK: tl.constexpr, W_NQF: tl.constexpr,
-              REQ_WORDS: tl.constexpr):
+              W_SINCE: tl.constexpr, W_UNTIL: tl.constexpr, REQ_WORDS: tl.constexpr, F_SINCE: tl.constexpr,
+              F_UNTIL: tl.constexpr):
     """Which pending requests (their words, [slots, REQ_WORDS]) the kernels may answer: a
-    recall of one query, 1 <= k <= k_limit, all namespaces or one named (the namespace and the
-    query are checked later); each one's k; and which are such recalls whatever their k."""
+    recall of one query, 1 <= k <= k_limit, all namespaces or one named, a time window or
+    none (:func:`_request_windows`; the namespace and the query are checked later); each
+    one's k and window; and which are such recalls whatever their k."""
     w1 = _word(requests, W_OPK, REQ_WORDS)
     w2 = _word(requests, W_NQF, REQ_WORDS)
     kk = (w1 >> 32) & 0xFFFFFFFF
-    fl = (w2 >> 32) & 0xFFFFFFFF
-    recall = pend & ((w1 & 0xFFFFFFFF) == op_recall) & ((w2 & 0xFFFFFFFF) == 1) & (kk >= 1)
-    recall = recall & ((fl == flags_all) | (fl == 0))
-    return recall & (kk <= k_limit), kk, recall
+    since, until, filter_ok = _request_windows(requests, flags_all, W_NQF, W_SINCE, W_UNTIL, REQ_WORDS, F_SINCE,
+                                               F_UNTIL)
+    recall = pend & ((w1 & 0xFFFFFFFF) == op_recall) & ((w2 & 0xFFFFFFFF) == 1) & (kk >= 1) & filter_ok
+    return recall & (kk <= k_limit), kk, recall, since, until
 
 
 @triton.jit
@@ -199,17 +229,17 @@ def _time_to_exit(host_now, polls, quiet_since, idle, may_idle, AGREE, stop_at, 
 def _take_request(
     SEG, SEGF, SLOT_AT, IN_USE, TAKEN, DSEEN, HHOF, HCTL, RR, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, k_report,
     k_most, idle, op_recall, flags_all, W_REQ: tl.constexpr, W_OPK: tl.constexpr, W_NQF: tl.constexpr,
-    W_NSLEN: tl.constexpr,
-    W_NSB: tl.constexpr, REQ_WORDS: tl.constexpr, E_Q: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
-    NSMAX: tl.constexpr, BLOCK_DQ: tl.constexpr, ON_GPU: tl.constexpr,
+    W_SINCE: tl.constexpr, W_UNTIL: tl.constexpr, W_NSLEN: tl.constexpr,
+    W_NSB: tl.constexpr, REQ_WORDS: tl.constexpr, F_SINCE: tl.constexpr, F_UNTIL: tl.constexpr, E_Q: tl.constexpr,
+    D: tl.constexpr, NS: tl.constexpr, NSMAX: tl.constexpr, BLOCK_DQ: tl.constexpr, ON_GPU: tl.constexpr,
 ):
     """Polls the slots' ``req_seq`` words until a request this kernel may answer, a stop
-    (the host's stop word) or the idle limit; returns ``(state, slot, seq, k, namespace id)``, state 1
-    (serve that request, its query normalised in float64 into DQ; the query's sum of squares
-    last) or 2 (exit).
+    (the host's stop word) or the idle limit; returns ``(state, slot, seq, k, namespace id,
+    sum of squares, since, until)``, state 1 (serve that request, its query normalised in
+    float64 into DQ) or 2 (exit).
 
-    Served: one query, k <= k_limit, all namespaces or one named in NS_TAB (-1: all), no time
-    window, a finite non-zero query. Every other pending request is handed to the host
+    Served: one query, k <= k_limit, all namespaces or one named in NS_TAB (-1: all), a time
+    window or none (:func:`_request_windows`), a finite non-zero query. Every other pending request is handed to the host
     (HHOF, and DSEEN[NS + slot] here): the sidecar's Python path answers those, batched. The
     servable ones not taken stay pending for the next round (the host, seeing them counted
     in HCTL's demand word, queues batch rounds next). RR is the round-robin turn (no slot
@@ -238,6 +268,8 @@ def _take_request(
     out_k = tl.zeros([], tl.int64)
     out_ns = tl.full([], -1, tl.int64)
     out_ssq = tl.zeros([], tl.float64)
+    out_since = tl.zeros([], tl.float64)
+    out_until = tl.zeros([], tl.float64)
     at = tl.load(SLOT_AT + sl, mask=slot_ok, other=0)
     last_name = tl.load(NS_IDS + NSMAX + tl.arange(0, 16))  # (see _namespace_id)
     while state == 0:
@@ -255,7 +287,8 @@ def _take_request(
             guess = (tl.min(tl.where(pend, turn, NS)) + start) % NS
             ssq = _copy_slot_query(SEGF, DQ, at, sl, guess, E_Q, D, BLOCK_DQ)
             requests = _agree(requests, AGREE, NS + sl[:, None] * REQ_WORDS + rw[None, :], slot_ok[:, None])
-            ok, kk, recall = _servable(requests, pend, op_recall, k_limit, flags_all, W_OPK, W_NQF, REQ_WORDS)
+            ok, kk, recall, since, until = _servable(requests, pend, op_recall, k_limit, flags_all, W_OPK, W_NQF,
+                                                     W_SINCE, W_UNTIL, REQ_WORDS, F_SINCE, F_UNTIL)
             tl.store(HCTL + HCTL_DEMAND, tl.sum(ok.to(tl.int64)))  # (the host sizes the rounds it queues by it)
             _report_k_wanted(HCTL, recall, kk, k_report, k_most)
             best = tl.min(tl.where(ok, turn, NS))
@@ -268,7 +301,7 @@ def _take_request(
                     ssq = _copy_slot_query(SEGF, DQ, at, sl, pick, E_Q, D, BLOCK_DQ)
                 seq = tl.sum(tl.where(sl == pick, req, 0))
                 want_ns = _namespace_id(tl.sum(tl.where(sl[:, None] == pick, requests, 0), axis=0), NS_TAB, NS_IDS,
-                                        last_name, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, NSMAX)
+                                        last_name, flags_all, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, NSMAX)
                 # (Stored whatever the norm; read only if it is finite and non-zero.)
                 if (ssq > 0.0) & (ssq < float("inf")) & (want_ns != -2):
                     out_pick = pick
@@ -276,6 +309,8 @@ def _take_request(
                     out_k = tl.sum(tl.where(sl == pick, kk, 0))
                     out_ns = want_ns
                     out_ssq = ssq
+                    out_since = tl.sum(tl.where(sl == pick, since, 0.0))
+                    out_until = tl.sum(tl.where(sl == pick, until, 0.0))
                     tl.store(RR, (pick + 1) % NS)
                     tl.store(TAKEN + pick, seq)  # (the final kernel clears it once the answer is out)
                     state = 1
@@ -291,7 +326,7 @@ def _take_request(
         if state == 0:
             if _time_to_exit(host_now, polls, quiet_since, idle, polls >= 0, AGREE, stop_at, clock_at, sl, ON_GPU):
                 state = 2
-    return state, out_pick, out_seq, out_k, out_ns, out_ssq
+    return state, out_pick, out_seq, out_k, out_ns, out_ssq, out_since, out_until
 
 
 @triton.jit
@@ -321,9 +356,13 @@ def await_request_kernel(
     W_REQ: tl.constexpr,
     W_OPK: tl.constexpr,
     W_NQF: tl.constexpr,
+    W_SINCE: tl.constexpr,
+    W_UNTIL: tl.constexpr,
     W_NSLEN: tl.constexpr,
     W_NSB: tl.constexpr,
     REQ_WORDS: tl.constexpr,  # a request's words, rounded up to a power of two
+    F_SINCE: tl.constexpr,  # the request flags of a window's bounds (kalos.ipc.protocol.RequestFlag)
+    F_UNTIL: tl.constexpr,
     E_Q: tl.constexpr,
     E_IDS: tl.constexpr,
     E_SC: tl.constexpr,
@@ -336,7 +375,7 @@ def await_request_kernel(
     """The first node of the slot server's CUDA graph (one program): waits for one request.
 
     Polls the slots (:func:`_take_request`), stages the request it takes (query in DQ; k,
-    namespace, the slot's answer offsets, seq and slot in DH, nq = 1) and exits, so the
+    namespace, window, the slot's answer offsets, seq and slot in DH, nq = 1) and exits, so the
     engine's own single-query kernels that follow in the graph scan with the whole GPU, and
     the final kernel publishes the answer in the slot (PUBLISH). On a stop or the idle limit
     it writes nq = 0 (the kernels after it do nothing), marks the server stopped (CTL's stopped)
@@ -349,13 +388,15 @@ def await_request_kernel(
     kk = tl.zeros([], tl.int64)
     want_ns = tl.full([], -1, tl.int64)
     ssq = tl.zeros([], tl.float64)
+    since = tl.zeros([], tl.float64)
+    until = tl.zeros([], tl.float64)
     if tl.load(CTL + CTL_STOPPED, volatile=True) == 0:
         tl.store(HCTL + HCTL_T_WAIT, _clock_ns(ON_GPU))  # phase stamps for diagnostics: waiting since
-        state, pick, seq, kk, want_ns, ssq = _take_request(
+        state, pick, seq, kk, want_ns, ssq, since, until = _take_request(
             SEG, SEGF, SLOT_AT, IN_USE, TAKEN, DSEEN, HHOF, HCTL, CTL + CTL_TURN, DQ, AGREE, NS_TAB, NS_IDS, n_slots, k_limit,
             k_report, k_most,
-            idle, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, E_Q, D, NS, NSMAX,
-            BLOCK_DQ, ON_GPU,
+            idle, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_SINCE, W_UNTIL, W_NSLEN, W_NSB, REQ_WORDS, F_SINCE,
+            F_UNTIL, E_Q, D, NS, NSMAX, BLOCK_DQ, ON_GPU,
         )
     if state == 1:
         tl.store(HCTL + HCTL_T_STAGED, _clock_ns(ON_GPU))  # request staged
@@ -365,6 +406,9 @@ def await_request_kernel(
         tl.store(DH + H_HAS_NS, (want_ns >= 0).to(tl.int64))
         tl.store(DH + H_NS, tl.maximum(want_ns, 0))
         tl.store(DH + H_K_OUT, kk)
+        tl.store(DH + H_WINDOWS, ((since > float("-inf")) | (until < float("inf"))).to(tl.int64))
+        tl.store(DH + HDR_WORDS + T_SINCE, since.to(tl.int64, bitcast=True))
+        tl.store(DH + HDR_WORDS + T_UNTIL, until.to(tl.int64, bitcast=True))
         tl.store(DH + HDR_WORDS + T_IDS_AT, slot_w + E_IDS)
         tl.store(DH + HDR_WORDS + T_SCORES_AT, slot_w * 2 + E_SC)
         tl.store(DH + HDR_WORDS + T_SCALE, (1.0 / tl.sqrt(ssq)).to(tl.int64, bitcast=True))
@@ -378,26 +422,31 @@ def await_request_kernel(
 
 
 @triton.jit
-def _same_kind(requests, first, ok, kind_w, name_w, len_w, W_NQF: tl.constexpr, REQ_WORDS: tl.constexpr):
+def _same_kind(requests, first, ok, kind_w, name_w, len_w, flags_all, W_NQF: tl.constexpr,
+               REQ_WORDS: tl.constexpr):
     """Which servable requests (``ok``; their words ``requests``) are of the kind of ``first``
-    (one request's words): the same op and k, count and flags, and for a named namespace the
-    same name and length (``kind_w``, ``name_w``, ``len_w``: those words' masks; of the
-    length's word only the high half, the low half being the client's sleeping flag)."""
+    (one request's words): the same op and k (``kind_w``: that word's mask), and all
+    namespaces as it, or the same name and length (``name_w``, ``len_w``: those words' masks;
+    of the length's word only the high half, the low half being the client's sleeping flag).
+    Their windows may differ: each query's is its own, in its table row."""
     unlike = requests != first[None, :]
     differ = kind_w[None, :] & unlike
-    if (_word(first, W_NQF, REQ_WORDS) >> 32) == 0:  # a named namespace: the same name too
+    named = _named(first, flags_all, W_NQF, REQ_WORDS)
+    if named:
         differ = differ | (name_w[None, :] & unlike)
         differ = differ | (len_w[None, :] & ((requests >> 32) != (first[None, :] >> 32)))
-    return ok & (tl.sum(differ.to(tl.int32), axis=1) == 0)
+    every = ((_word(requests, W_NQF, REQ_WORDS) >> 32) & flags_all) != 0
+    return ok & (tl.sum(differ.to(tl.int32), axis=1) == 0) & (every != named)
 
 
 @triton.jit
-def _stage_batch(DH, RR, TAKEN, same, ok, turn, start, sl, at, req, first, want_ns, W_OPK: tl.constexpr,
-                 REQ_WORDS: tl.constexpr, E_Q: tl.constexpr, E_IDS: tl.constexpr, E_SC: tl.constexpr,
-                 NS: tl.constexpr, QB: tl.constexpr):
+def _stage_batch(DH, RR, TAKEN, same, ok, turn, start, sl, at, req, first, want_ns, since, until,
+                 W_OPK: tl.constexpr, REQ_WORDS: tl.constexpr, E_Q: tl.constexpr, E_IDS: tl.constexpr,
+                 E_SC: tl.constexpr, NS: tl.constexpr, QB: tl.constexpr):
     """Stages the requests of one kind (``same``) as a batch, up to QB in turn order: a
-    gather-table row each (where its query is and where its answer goes), the header's count,
-    k and namespace (``want_ns``, -1: all), and the next round's turn (RR)."""
+    gather-table row each (where its query is, where its answer goes, its window: ``since``,
+    ``until`` per slot), the header's count, k, namespace (``want_ns``, -1: all) and whether
+    the table's windows apply (one request has one), and the next round's turn (RR)."""
     # Row of each in the batch: its place in turn order among its kind (turn order is slot
     # order rotated to start at the turn's slot).
     same_i = same.to(tl.int32)
@@ -412,6 +461,8 @@ def _stage_batch(DH, RR, TAKEN, same, ok, turn, start, sl, at, req, first, want_
     tl.store(row + T_SLOT_WORD, at, mask=take)
     tl.store(row + T_SEQ, req, mask=take)
     tl.store(row + T_SLOT, sl.to(tl.int64), mask=take)
+    tl.store(row + T_SINCE, since.to(tl.int64, bitcast=True), mask=take)
+    tl.store(row + T_UNTIL, until.to(tl.int64, bitcast=True), mask=take)
     tl.store(TAKEN + sl, req, mask=take)  # (the final kernel clears each once its answer is out)
     k = (_word(first, W_OPK, REQ_WORDS) >> 32) & 0xFFFFFFFF
     tl.store(DH + H_NQ, tl.sum(take.to(tl.int64)))
@@ -419,6 +470,8 @@ def _stage_batch(DH, RR, TAKEN, same, ok, turn, start, sl, at, req, first, want_
     tl.store(DH + H_HAS_NS, (want_ns >= 0).to(tl.int64))
     tl.store(DH + H_NS, tl.maximum(want_ns, 0))
     tl.store(DH + H_K_OUT, k)
+    windowed = take & ((since > float("-inf")) | (until < float("inf")))
+    tl.store(DH + H_WINDOWS, tl.max(windowed.to(tl.int64)))
     # The next turn: the first request left for another round (of another kind, or past QB),
     # so none waits behind a kind that always fits; else after the last one taken.
     left = tl.min(tl.where(ok & ~take, turn, NS))
@@ -436,9 +489,10 @@ def _idle_again(first_seen, AGREE, clock_at, ON_GPU: tl.constexpr):
 def _take_requests(
     SEG, SLOT_AT, IN_USE, TAKEN, DSEEN, HHOF, HCTL, RR, DH, AGREE, NS_TAB, NS_IDS, n_slots, k_limit, k_report, k_most,
     idle, window, gap, window_max, op_recall, flags_all, W_REQ: tl.constexpr, W_OPK: tl.constexpr, W_NQF: tl.constexpr,
-    W_NSLEN: tl.constexpr,
-    W_NSB: tl.constexpr, REQ_WORDS: tl.constexpr, E_Q: tl.constexpr, E_IDS: tl.constexpr, E_SC: tl.constexpr,
-    NS: tl.constexpr, NSMAX: tl.constexpr, QB: tl.constexpr, ON_GPU: tl.constexpr,
+    W_SINCE: tl.constexpr, W_UNTIL: tl.constexpr, W_NSLEN: tl.constexpr,
+    W_NSB: tl.constexpr, REQ_WORDS: tl.constexpr, F_SINCE: tl.constexpr, F_UNTIL: tl.constexpr, E_Q: tl.constexpr,
+    E_IDS: tl.constexpr, E_SC: tl.constexpr, NS: tl.constexpr, NSMAX: tl.constexpr, QB: tl.constexpr,
+    ON_GPU: tl.constexpr,
 ):
     """:func:`_take_request` for a crowd: polls until requests are pending, gathers them, and
     stages up to QB of one kind as one batch; returns the state (1 serve, 2 exit).
@@ -453,7 +507,8 @@ def _take_requests(
     to a round of their own, which would cost the GPU nearly as much. Then, in one round trip, every
     pending request's words (as in :func:`_take_request`, the same fence and ``.cg`` loads).
     Those the kernels must not answer are handed to the host at once. Of the others, the first in round-robin turn
-    picks the batch's kind (k, flags, namespace: one header serves the batch) and the pending
+    picks the batch's kind (k and namespace: one header serves the batch; each query's window
+    is its own, in its table row) and the pending
     requests of that kind join it in turn order, up to QB; the rest stay pending for the next
     round, whose turn begins at the first of them (else after the last one taken: a kind
     that always fits would otherwise keep the turn from another). A table row per request says where
@@ -478,10 +533,11 @@ def _take_requests(
     use_at = stop_at + 16
     at = tl.load(SLOT_AT + sl, mask=slot_ok, other=0)
     last_name = tl.load(NS_IDS + NSMAX + tl.arange(0, 16))  # (see _namespace_id)
-    # The words that say a request's kind: op and k, count and flags, and for a request that
-    # names a namespace its name and the high half of the length's word (the low half is the
-    # client's sleeping flag, which it writes while it waits).
-    kind_w = (rw == W_OPK) | (rw == W_NQF)
+    # The words that say a request's kind: op and k, and for a request that names a namespace
+    # its name and the high half of the length's word (the low half is the client's sleeping
+    # flag, which it writes while it waits). The count, the flags and the window: _servable
+    # and _same_kind.
+    kind_w = rw == W_OPK
     name_w = (rw >= W_NSB) & (rw < W_NSB + 8)
     len_w = rw == W_NSLEN
     while state == 0:
@@ -516,8 +572,8 @@ def _take_requests(
                 requests = tl.load(SEG + at[:, None] + rw[None, :], mask=pend[:, None] & (rw < W_NSB + 8)[None, :],
                                    other=0, cache_modifier=".cg")
                 requests = _agree(requests, AGREE, NS + sl[:, None] * REQ_WORDS + rw[None, :], slot_ok[:, None])
-                ok, kk, recall = _servable(requests, pend, op_recall, k_limit, flags_all, W_OPK, W_NQF,
-                                           REQ_WORDS)
+                ok, kk, recall, since, until = _servable(requests, pend, op_recall, k_limit, flags_all, W_OPK,
+                                                         W_NQF, W_SINCE, W_UNTIL, REQ_WORDS, F_SINCE, F_UNTIL)
                 tl.store(HCTL + HCTL_DEMAND, tl.sum(ok.to(tl.int64)))  # (the host sizes the rounds it queues by it)
                 _report_k_wanted(HCTL, recall, kk, k_report, k_most)
                 give = pend & ~ok
@@ -527,14 +583,15 @@ def _take_requests(
                 if best < NS:
                     pick = (best + start) % NS
                     first = tl.sum(tl.where(sl[:, None] == pick, requests, 0), axis=0)
-                    want_ns = _namespace_id(first, NS_TAB, NS_IDS, last_name, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, NSMAX)
-                    same = _same_kind(requests, first, ok, kind_w, name_w, len_w, W_NQF, REQ_WORDS)
+                    want_ns = _namespace_id(first, NS_TAB, NS_IDS, last_name, flags_all, W_NQF, W_NSLEN, W_NSB,
+                                            REQ_WORDS, NSMAX)
+                    same = _same_kind(requests, first, ok, kind_w, name_w, len_w, flags_all, W_NQF, REQ_WORDS)
                     if want_ns == -2:  # a name the table does not hold: the host answers them all
                         tl.store(DSEEN + NS + sl, req, mask=same)
                         tl.store(HHOF + sl, req, mask=same)
                     else:
-                        _stage_batch(DH, RR, TAKEN, same, ok, turn, start, sl, at, req, first, want_ns, W_OPK,
-                                     REQ_WORDS, E_Q, E_IDS, E_SC, NS, QB)
+                        _stage_batch(DH, RR, TAKEN, same, ok, turn, start, sl, at, req, first, want_ns, since,
+                                     until, W_OPK, REQ_WORDS, E_Q, E_IDS, E_SC, NS, QB)
                         state = 1
                 if state == 0:
                     first_seen, waited, quiet_since = _idle_again(first_seen, AGREE, clock_at, ON_GPU)
@@ -578,9 +635,13 @@ def await_requests_kernel(
     W_REQ: tl.constexpr,
     W_OPK: tl.constexpr,
     W_NQF: tl.constexpr,
+    W_SINCE: tl.constexpr,
+    W_UNTIL: tl.constexpr,
     W_NSLEN: tl.constexpr,
     W_NSB: tl.constexpr,
     REQ_WORDS: tl.constexpr,
+    F_SINCE: tl.constexpr,
+    F_UNTIL: tl.constexpr,
     E_Q: tl.constexpr,
     E_IDS: tl.constexpr,
     E_SC: tl.constexpr,
@@ -600,8 +661,8 @@ def await_requests_kernel(
         state = _take_requests(
             SEG, SLOT_AT, IN_USE, TAKEN, DSEEN, HHOF, HCTL, CTL + CTL_TURN, DH, AGREE, NS_TAB, NS_IDS, n_slots, k_limit,
             k_report, k_most, idle,
-            window, gap, window_max, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_NSLEN, W_NSB, REQ_WORDS, E_Q, E_IDS, E_SC, NS,
-            NSMAX, QB, ON_GPU,
+            window, gap, window_max, op_recall, flags_all, W_REQ, W_OPK, W_NQF, W_SINCE, W_UNTIL, W_NSLEN, W_NSB,
+            REQ_WORDS, F_SINCE, F_UNTIL, E_Q, E_IDS, E_SC, NS, NSMAX, QB, ON_GPU,
         )
     if state == 1:
         tl.store(HCTL + HCTL_T_STAGED, _clock_ns(ON_GPU))

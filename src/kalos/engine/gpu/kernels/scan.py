@@ -18,7 +18,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kalos.engine.gpu.kernels.common import H_N, H_NQ, _filter_words, _merge_sorted, _pack, _passes_filter
+from kalos.engine.gpu.kernels.common import (
+    H_N,
+    H_NQ,
+    _filter_words,
+    _in_namespace,
+    _in_window,
+    _merge_sorted,
+    _pack,
+    _windows,
+)
 
 
 @triton.jit
@@ -113,11 +122,12 @@ def scan_topk_kernel(
     n_progs = tl.num_programs(0)
     n = tl.load(HDR + H_N)
     nq = tl.load(HDR + H_NQ)
-    if FILTER:
-        has_ns, want_ns, since, until, has_time = _filter_words(HDR, HDRF)
     EVEN_D: tl.constexpr = D % BLOCK_D == 0
     qs = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     q_ok = qs < nq
+    if FILTER:
+        has_ns, want_ns, has_time = _filter_words(HDR, HDRF)
+        since, until = _windows(HDR, HDRF, qs, q_ok)  # [BLOCK_Q]: a slot server's queries each have their own
     if pid_q * BLOCK_Q < nq:
         top = tl.full([BLOCK_Q, K], -9223372036854775808, tl.int64)
         n_blocks = tl.cdiv(n, BLOCK_N)
@@ -150,21 +160,25 @@ def scan_topk_kernel(
                         acc = tl.dot(qv, tl.trans(x), acc, input_precision=PREC)
                 sc = acc
             ok = in_rng & (live != 0)
-            if FILTER:
-                ok = _passes_filter(ok, nsv, ts, has_ns, want_ns, since, until)
+            if FILTER:  # [BLOCK_Q, BLOCK_N]: each query's window
+                ok = _in_window(_in_namespace(ok, nsv, has_ns, want_ns)[None, :], ts[None, :], since[:, None],
+                                until[:, None])
+            else:
+                ok = ok[None, :]
             if WRITE_SCORES:
                 # v2: no selection in the streaming loop (its bitonic passes cost block-wide
                 # barriers per block); scores_topk_kernel selects afterwards, in parallel.
                 if BLOCK_Q == 1:
-                    tl.store(OUT + pid_q * stride_out + rows, tl.where(ok, sc1, float("-inf")), mask=in_rng)
+                    tl.store(OUT + pid_q * stride_out + rows, tl.where(tl.reshape(ok, [BLOCK_N]), sc1, float("-inf")),
+                             mask=in_rng)
                 else:
                     offs = qs[:, None].to(tl.int64) * stride_out + rows[None, :]
-                    masked = tl.where(ok[None, :], sc, float("-inf"))
+                    masked = tl.where(ok, sc, float("-inf"))
                     tl.store(OUT + offs, masked, mask=q_ok[:, None] & in_rng[None, :])
                     if GROUP_MAX:
                         tl.store(GM + qs.to(tl.int64) * gm_stride + blk, tl.max(masked, axis=1), mask=q_ok)
             else:
-                keys = tl.where(ok[None, :], _pack(sc, rows[None, :]), -9223372036854775808)
+                keys = tl.where(ok, _pack(sc, rows[None, :]), -9223372036854775808)
                 top = _merge_sorted(top, tl.topk(keys, K))
             blk += n_progs
         if GROUP_MAX:  # (the blocks past n: no stale maximum of an earlier pass is left there)
@@ -222,7 +236,8 @@ def int8_scores_kernel(
         # (The mask's columns first, as in scan_topk_kernel: their latency hides behind the rows'.)
         live = tl.load(LIVE + rows, mask=in_rng, other=0)
         if FILTER:
-            has_ns, want_ns, since, until, has_time = _filter_words(HDR, HDRF)
+            has_ns, want_ns, has_time = _filter_words(HDR, HDRF)
+            since, until = _windows(HDR, HDRF, tl.arange(0, 1), True)
             nsv = tl.load(NS + rows, mask=in_rng & (has_ns != 0), other=0)
             ts = tl.load(TS + rows, mask=in_rng & has_time, other=0.0)
         scale = tl.load(SCALE8 + rows, mask=in_rng, other=0.0)
@@ -243,5 +258,5 @@ def int8_scores_kernel(
         sc = (hi.to(tl.float32) + lo.to(tl.float32) * (1.0 / 256.0)) * s_q * scale
         ok = in_rng & (live != 0)
         if FILTER:
-            ok = _passes_filter(ok, nsv, ts, has_ns, want_ns, since, until)
+            ok = _in_window(_in_namespace(ok, nsv, has_ns, want_ns), ts, since, until)
         tl.store(OUT + rows, tl.where(ok, sc, float("-inf")), mask=in_rng)

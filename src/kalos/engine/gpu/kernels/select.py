@@ -20,41 +20,56 @@ from kalos.engine.gpu.kernels.common import (
     H_NQ,
     H_ROW_ERR8,
     _filter_words,
+    _in_namespace,
+    _in_window,
     _merge_sorted,
     _ordered,
     _pack,
-    _passes_filter,
     _rescore,
+    _windows,
 )
 
 
 @triton.jit
 def _eligible(local, inside, HDR, row_base, limit, LIVE, NS, TS, HDRF, MASK: tl.constexpr, FILTER: tl.constexpr):
-    """(rows, ok) of the slice offsets ``local`` (where ``inside``, below ``limit``): ok = a row
-    in use and, with MASK (the scores came unmasked from a GEMM), live and passing the filter.
-    Only the columns the header's filter uses are read."""
+    """(rows, ok, ts) of the slice offsets ``local`` (where ``inside``, below ``limit``): ok = a
+    row in use and, with MASK (the scores came unmasked from a GEMM), live and in the header's
+    namespace; ts: the rows' created_at where a query of the batch has a time window (else 0),
+    for :func:`_in_query_window`. Only the columns the header's filter uses are read."""
     n = tl.load(HDR + H_N)
     rows = row_base + local
     ok = inside & (rows < n) & (local < limit)
+    ts = tl.zeros(local.shape, tl.float64)
     if MASK:
         ok = ok & (tl.load(LIVE + rows, mask=ok, other=0) != 0)
         if FILTER:
-            has_ns, want_ns, since, until, has_time = _filter_words(HDR, HDRF)
+            has_ns, want_ns, has_time = _filter_words(HDR, HDRF)
             nsv = tl.load(NS + rows, mask=ok & (has_ns != 0), other=0)
             ts = tl.load(TS + rows, mask=ok & has_time, other=0.0)
-            ok = _passes_filter(ok, nsv, ts, has_ns, want_ns, since, until)
-    return rows, ok
+            ok = _in_namespace(ok, nsv, has_ns, want_ns)
+    return rows, ok, ts
+
+
+@triton.jit
+def _in_query_window(ok, ts, q, HDR, HDRF, MASK: tl.constexpr, FILTER: tl.constexpr):
+    """``ok`` (from :func:`_eligible`) and, with MASK and FILTER, in query ``q``'s time window."""
+    if MASK:
+        if FILTER:
+            since, until = _windows(HDR, HDRF, q + tl.arange(0, 1), True)
+            ok = _in_window(ok, ts, since, until)
+    return ok
 
 
 @triton.jit
 def _masked_rows(S, q, local, inside, HDR, stride_s, row_base, width, LIVE, NS, TS, HDRF,
                  MASK: tl.constexpr, FILTER: tl.constexpr):
     """(scores, rows, ok) of query ``q``'s scores at slice offsets ``local`` (where ``inside``):
-    ok = :func:`_eligible` and a finite score."""
+    ok = :func:`_eligible` for ``q`` and a finite score."""
     limit = stride_s if width == 0 else width
     # (The scores' load does not wait for the masks: rows they leave out are masked below.)
     sc = tl.load(S + q.to(tl.int64) * stride_s + local, mask=inside & (local < limit), other=float("-inf"))
-    rows, ok = _eligible(local, inside, HDR, row_base, limit, LIVE, NS, TS, HDRF, MASK, FILTER)
+    rows, ok, ts = _eligible(local, inside, HDR, row_base, limit, LIVE, NS, TS, HDRF, MASK, FILTER)
+    ok = _in_query_window(ok, ts, q, HDR, HDRF, MASK, FILTER)
     sc = tl.where(ok, sc, float("-inf"))
     return sc, rows, ok & (sc > float("-inf"))
 
@@ -171,20 +186,21 @@ def group_max_kernel(
     CHUNK: tl.constexpr, GROUPS: tl.constexpr, FILTER: tl.constexpr, QB: tl.constexpr,
 ):
     """GM[q, j * GROUPS + g] = max of the eligible scores of group g of chunk j: grid (chunks,
-    cdiv(Qb, QB)). A program finds its chunk's eligible rows once for its QB queries: read
-    per query, the mask's columns (live, namespace, created_at: up to 13 bytes a row) cost
-    more than the scores (4)."""
+    cdiv(Qb, QB)). A program reads its chunk's mask columns once for its QB queries (each
+    query then its own time window): read per query, the columns (live, namespace,
+    created_at: up to 13 bytes a row) cost more than the scores (4)."""
     j = tl.program_id(0)
     q0 = tl.program_id(1) * QB
     nq = tl.load(HDR + H_NQ)
     if q0 < nq:
         local = j.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
         limit = stride_s if width == 0 else width
-        _rows, ok = _eligible(local, local >= 0, HDR, row_base, limit, LIVE, NS, TS, HDRF, True, FILTER)
+        _rows, ok, ts = _eligible(local, local >= 0, HDR, row_base, limit, LIVE, NS, TS, HDRF, True, FILTER)
         groups = j * GROUPS + tl.arange(0, GROUPS)
         for i in tl.static_range(QB):  # (unrolled: every query's load in flight at once)
             q = (q0 + i).to(tl.int64)
-            sc = tl.load(S + q * stride_s + local, mask=ok & (q < nq), other=float("-inf"))
+            ok_q = _in_query_window(ok, ts, q, HDR, HDRF, True, FILTER)
+            sc = tl.load(S + q * stride_s + local, mask=ok_q & (q < nq), other=float("-inf"))
             sc = tl.where(sc > float("-inf"), sc, float("-inf"))  # (a NaN is no maximum)
             best = tl.max(tl.reshape(sc, [GROUPS, CHUNK // GROUPS]), axis=1)
             tl.store(GM + q * gm_stride + groups, best, mask=(q < nq) & (groups >= 0))
