@@ -365,7 +365,7 @@ class Pipeline:
                 sc, maxima, picked, cand, over, ws_a, hdr, stride_s, maxima.stride(0), cand.stride(0), stride,
                 out_base, *masks, K=plan.k1, NG=width // group, GROUP=group,
                 STEP=max(1, min(_COLLECT_STEP, _COLLECT_ROWS // group)),
-                MERGE=max(128, 2 * plan.k1), FILTER=filtered, num_warps=4,
+                MERGE=max(128, 2 * plan.k1), FILTER=filtered, MASK=unmasked, num_warps=4,
             )
             return out_base + plan.k1
         tk.scores_topk_kernel[(-(-width // chunk), qb)](

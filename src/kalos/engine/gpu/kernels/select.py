@@ -211,12 +211,13 @@ def collect_kernel(
     S, GM, PICKED, CAND, OVER, OUT, HDR, stride_s, gm_stride, cand_stride, stride_out, out_base, row_base, width,
     LIVE, NS, TS, HDRF,
     K: tl.constexpr, NG: tl.constexpr, GROUP: tl.constexpr, STEP: tl.constexpr, MERGE: tl.constexpr,
-    FILTER: tl.constexpr,
+    FILTER: tl.constexpr, MASK: tl.constexpr = True,
 ):
     """One program per query (grid (Qb,)): tau = the K-th largest of its NG group maxima; the
     keys of every eligible row scoring >= tau, from the groups whose maximum reaches tau
     (listed in PICKED[q], STEP groups at a time), into CAND[q] (K groups' rows fit unless
-    rows tie at tau: OVER[q] = 1 then); their top-K, sorted, to OUT[q, out_base:+K]."""
+    rows tie at tau: OVER[q] = 1 then); their top-K, sorted, to OUT[q, out_base:+K]. MASK:
+    the scores are a GEMM's, unmasked (the scan's came masked: -inf, and are not masked again)."""
     q = tl.program_id(0)
     if q < tl.load(HDR + H_NQ):
         best = tl.load(GM + q.to(tl.int64) * gm_stride + tl.arange(0, NG))
@@ -237,7 +238,7 @@ def collect_kernel(
             group = tl.load(picked + at, mask=at < n_picked, other=0)
             local = (group.to(tl.int64) * GROUP)[:, None] + tl.arange(0, GROUP)[None, :]
             sc, rows, ok = _masked_rows(S, q, local, (at < n_picked)[:, None], HDR, stride_s, row_base, width, LIVE,
-                                        NS, TS, HDRF, True, FILTER)
+                                        NS, TS, HDRF, MASK, FILTER)
             take = tl.reshape((ok & (sc >= tau)).to(tl.int32), [STEP * GROUP])
             slot = count + tl.cumsum(take, axis=0) - 1
             tl.store(cand + slot, tl.reshape(_pack(sc, rows), [STEP * GROUP]), mask=(take != 0) & (slot < room))
