@@ -3,7 +3,7 @@
 # (b886803: call 3's code) and of d036a93 (.snap/trees/s32-base), then the CUDA tests of the
 # slot server (windows in single and batch rounds of every size, both precisions) and of the
 # engine's own searches, for what time is left.
-#   BUDGET_S=340 OUT=$OUT bash benchmarks/results/h100-s32/call4.sh   (carry .snap/trees/s32-base, this folder)
+#   BUDGET_S=335 OUT=$OUT bash benchmarks/results/h100-s32/call4.sh   (as run; carry .snap/trees/s32-base, this folder)
 cd "$(dirname "$0")/../../.."
 source benchmarks/results/h100-s32/lib.sh
 B=.snap/trees/s32-base/src
