@@ -22,9 +22,10 @@ default the server's own choice, the smaller bucket for k <= 8):
 
     PYTHONPATH=src python3 benchmarks/rounds.py --sizes 1,2,8,16,32,64 --k-buckets 8,16
 
-``--windows``: each request carries a time window of its own (the rounds mask each query
-by its own; every row is inside, so the answers are the same). ``--profile 16,64`` then runs a few more rounds of those sizes under the PyTorch profiler and
-prints each kernel's device time per round (where a round's time goes).
+``--windows``: each request carries a time window of its own (the rounds mask each query by its own;
+every row is inside, so the answers are the same). ``--profile 16,64`` then runs a few more rounds
+of those sizes under the PyTorch profiler and prints each kernel's device time per round (where a
+round's time goes).
 """
 from __future__ import annotations
 

@@ -330,18 +330,31 @@ def test_batch_round_answers_a_crowd_in_one_pass_and_keeps_another_kind_for_the_
 
 
 def _window_request(rig, window) -> tuple[dict, np.ndarray]:
-    """The request words of ``window`` ((since, until), either None: open; or "b": namespace
-    b, no window) and the rows it lets through (live too)."""
-    if window == "b":
-        return dict(flags=0, namespace=b"b"), rig.live & (rig.namespaces == 1)
-    since, until = window
-    flags = ALL | (SINCE if since is not None else 0) | (UNTIL if until is not None else 0)
+    """The request words of ``window`` -- ``(since, until)`` in all namespaces or ``(since,
+    until, name)`` in namespace "a" or "b", a bound of None being open; or "a" / "b": that
+    namespace, no window -- and the rows it lets through (live too)."""
+    if isinstance(window, bytes):
+        window = (None, None, window)
+    since, until, *name = window
     inside = rig.live.copy()
+    if name:
+        flags, words = 0, dict(namespace=name[0])
+        inside &= rig.namespaces == (0 if name[0] == b"a" else 1)
+    else:
+        flags, words = ALL, {}
     if since is not None:
+        flags |= SINCE
         inside &= rig.created >= since
     if until is not None:
+        flags |= UNTIL
         inside &= rig.created < until
-    return dict(flags=flags, since=since or 0.0, until=until or 0.0), inside
+    return dict(flags=flags, since=since or 0.0, until=until or 0.0, **words), inside
+
+
+def _live_times(rig) -> np.ndarray:
+    """The live rows' created_at, sorted: a window's bounds at these are rows it must (since)
+    or must not (until) hold."""
+    return np.sort(rig.created[rig.live])
 
 
 @needs_interpreter
@@ -352,10 +365,11 @@ def test_answers_recalls_each_in_its_own_time_window(make_rig, rng, precision, b
     # serves them, each query masked by its own [since, until), the bounds at rows' exact
     # created_at (since inclusive, until exclusive), one window holding fewer rows than k and
     # one holding none. Exact answers them all; fast answers or hands over (certificate).
+    # (t[7], t[9]) holds exactly the rows at t[7] and t[8]; one window is in namespace "a".
     rig = make_rig(precision=precision, slots=8, bucket=bucket)
-    t = np.sort(rig.created)
+    t = _live_times(rig)
     windows = [(None, None), (t[50], None), (None, t[120]), (t[30], t[40]), (t[7], t[9]),
-               (t[-1] + 1.0, None), (t[100], t[101] + 0.5), (None, t[5])]
+               (t[-1] + 1.0, None), (t[60], t[90], b"a"), (None, t[5])]
     queries = rng.standard_normal((8, rig.engine.dim)).astype(np.float32)
     seqs, inside = [], []
     for s, window in enumerate(windows):
@@ -380,24 +394,52 @@ def test_answers_recalls_each_in_its_own_time_window(make_rig, rng, precision, b
 @needs_interpreter
 def test_batch_round_takes_requests_with_different_windows_as_one_kind(make_rig, rng):
     # Windows do not split a crowd: the requests in all namespaces, whatever their windows,
-    # are one round; the namespace "b" ones the next.
-    rig = make_rig(slots=6, server=QueuedGraphServer, depth=1, window_polls=0)
-    t = np.sort(rig.created)
-    windows = [(t[10], None), "b", (None, None), (t[20], t[150]), "b", (None, t[90])]
-    queries = rng.standard_normal((6, rig.engine.dim)).astype(np.float32)
+    # are one round, those in namespace "a" with or without a window the next, "b" the last.
+    rig = make_rig(slots=7, server=QueuedGraphServer, depth=1, window_polls=0)
+    t = _live_times(rig)
+    windows = [(t[10], None), (t[5], t[120], b"a"), (None, None), b"a", (t[20], t[150]), (None, t[90], b"a"), b"b"]
+    queries = rng.standard_normal((7, rig.engine.dim)).astype(np.float32)
     requests = [_window_request(rig, w) for w in windows]
     seqs = [rig.submit(s, queries[s], 4, **words) for s, (words, _rows) in enumerate(requests)]
     server = rig.server
     assert server.start(rig.active) and len(server.gpu) == 1
-    server.step()
-    assert [s for s in range(6) if _answered(rig, s, seqs[s])] == [0, 2, 3, 5]
-    server.running()
-    server.step()
+    answered = []
+    for kind in ([0, 2, 4], [1, 3, 5], [6]):
+        server.step()
+        answered += kind
+        assert [s for s in range(7) if _answered(rig, s, seqs[s])] == sorted(answered), f"the round of {kind}"
+        server.running()
     for s, (_words, rows) in enumerate(requests):
         view = rig.views[s]
-        assert _answered(rig, s, seqs[s]) and int(server.handed[s]) != seqs[s]
+        assert int(server.handed[s]) != seqs[s]
         assert_topk_matches(view.ids[:1, :4], view.scores[:1, :4], rig.ids, rig.vectors, queries[s][None], 4,
                             rows, context=f"slot {s} window {windows[s]}")
+    server.stop()
+
+
+@needs_interpreter
+@ROUNDS
+def test_a_round_after_one_with_windows_reads_no_window_left_behind(make_rig, rng, bucket):
+    # The table rows a round of narrow windows filled are the next round's rows too: that
+    # round's open requests (beside one with a window of its own in a batch) answer from
+    # every row, not from the window left in their row (no start between the two rounds).
+    slots = bucket
+    rig = make_rig(slots=slots, server=QueuedGraphServer, depth=1, window_polls=0)
+    t = _live_times(rig)
+    server = rig.server
+    assert server.start(rig.active)
+    for windows in ([(t[7], t[9])] * slots, [(None, None)] * slots if slots == 1 else
+                    [(t[30], t[60])] + [(None, None)] * (slots - 1)):
+        queries = rng.standard_normal((slots, rig.engine.dim)).astype(np.float32)
+        requests = [_window_request(rig, w) for w in windows]
+        seqs = [rig.submit(s, queries[s], 8, **words) for s, (words, _rows) in enumerate(requests)]
+        server.step()
+        server.running()
+        for s, (_words, rows) in enumerate(requests):
+            view = rig.views[s]
+            assert _answered(rig, s, seqs[s]), f"window {windows[s]}: slot {s} not answered"
+            assert_topk_matches(view.ids[:1, :8], view.scores[:1, :8], rig.ids, rig.vectors, queries[s][None], 8,
+                                rows, context=f"window {windows[s]} slot {s}")
     server.stop()
 
 
@@ -469,7 +511,7 @@ def test_batch_round_selecting_by_threshold_answers_with_empty_groups_and_slices
                        "score_chunk": 256, "cpu_block_n": 16, "scores_f32_batch": tile})
     rig.engine.reserve(2000)
     assert rig.engine.rows.capacity >= 3072 and rig.engine.rows.size == 1100
-    t = np.sort(rig.created)
+    t = _live_times(rig)
     crowds = {"all": [(None, None)] * 4, "a": ["a"] * 4,
               "windows": [(t[100], None), (None, t[700]), (t[1000], t[1099] + 1.0), (t[5], t[30])]}
     for label, windows in crowds.items():
@@ -1091,7 +1133,7 @@ def test_cuda_batch_rounds_of_every_size_answer_a_crowd(make_rig, rng, precision
     rig = make_rig(precision=precision, dim=256, n=20000, slots=slots, device="cuda", idle_s=5.0)
     assert rig.server.warps == waiting_warps(rig.server.ns) == (2 if slots == 40 else 4)
     rig.server.warm()
-    t = np.sort(rig.created)
+    t = _live_times(rig)
     answered = 0
     for crowd in (40, 2, 17, 5, 33, 1):
         rig.active[:] = False

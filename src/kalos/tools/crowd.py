@@ -1,18 +1,19 @@
 """``kalos bench --crowd``: many client processes, each sending single recalls at once.
 
-This is the load Kalos exists for: an LLM host running many agents, each calling
-``Client.recall(q, k)`` one query at a time from its own process. For each crowd size C the
-run starts C client processes against one sidecar; every process connects (its connect time
-is recorded) and warms up, and the crowd starts once all of them are in (a barrier), so that C
-clients really recall at once; each then recalls in a loop for ``--crowd-seconds``. While the
-crowd is hot, one more process connects and disconnects in a loop, so a connect under load is
-measured too. Every answer is checked against a float64 brute force of the same query (the ids
-as a set, the scores to 1e-4). ``--crowd-scopes mixed``: a third of the clients recall in all
-namespaces, a third in namespace "default" and a third with a time window, so one pass holds
-several filter groups; ``windows``: each client with a time window of its own. Reported per C: p50 / p99 / p99.9 per call, the aggregate recalls/s,
-connect p99 (the crowd's and the late connector's), errors, failed connects, wrong answers, and
-the sweep's queries per pass, time per pass and share of the crowd's time spent answering
-(where the GPU's polling answered most recalls, "q/pass" is its requests per round instead).
+This is the load Kalos exists for: an LLM host running many agents, each calling ``Client.recall(q,
+k)`` one query at a time from its own process. For each crowd size C the run starts C client
+processes against one sidecar; every process connects (its connect time is recorded) and warms up,
+and the crowd starts once all of them are in (a barrier), so that C clients really recall at once;
+each then recalls in a loop for ``--crowd-seconds``. While the crowd is hot, one more process
+connects and disconnects in a loop, so a connect under load is measured too. Every answer is checked
+against a float64 brute force of the same query (the ids as a set, the scores to 1e-4).
+``--crowd-scopes mixed``: a third of the clients recall in all namespaces, a third in namespace
+"default" and a third with a time window, so one pass holds several filter groups; ``windows``: each
+client with a time window of its own. Reported per C: p50 / p99 / p99.9 per call, the aggregate
+recalls/s, connect p99 (the crowd's and the late connector's), errors, failed connects, wrong
+answers, and the sweep's queries per pass, time per pass and share of the crowd's time spent
+answering (where the GPU's polling answered most recalls, "q/pass" is its requests per round
+instead).
 
 ``--colocated`` (CUDA) repeats chosen crowd sizes beside a process that keeps the GPU busy
 with bf16 matrix products (a stand-in for the LLM) and reports its rate alone and meanwhile.
@@ -101,11 +102,13 @@ def _reference(matrix: np.ndarray, queries: np.ndarray, ids: np.ndarray, k: int)
 #: What each crowd client's recalls are scoped to: "default" (the namespace an agent's
 #: Client.recall uses unless told otherwise); "mixed": a third each in "default", in every
 #: namespace, and with a time window, so one pass holds three filter groups; "windows": in
-#: every namespace, each client with a window of its own (client i: since i, until 2100 + i
-#: seconds). Every row is in "default" and inside every window, so all have the same answer.
+#: every namespace, each client with a window of its own (client i: from i seconds after
+#: 1970-01-01 to i seconds after 2100-01-01). Every row is in "default" and inside every
+#: window, so all have the same answer.
 SCOPES = {
     "default": lambda index: {"namespace": "default"},
-    "mixed": lambda index: ({"namespace": None}, {"namespace": "default"}, {"namespace": None, "since": 0.0})[index % 3],
+    "mixed": lambda index: ({"namespace": None}, {"namespace": "default"},
+                            {"namespace": None, "since": 0.0})[index % 3],
     "windows": lambda index: {"namespace": None, "since": float(index), "until": 4_102_444_800.0 + index},
 }
 

@@ -324,7 +324,8 @@ class SlotGraphServer:
         w = self.words
         return dict(W_REQ=w.req_seq, W_OPK=w.op_k, W_NQF=w.nq_flags, W_SINCE=w.since, W_UNTIL=w.until,
                     W_NSLEN=w.ns_len, W_NSB=w.ns_bytes, REQ_WORDS=self._req_words,
-                    F_SINCE=int(RequestFlag.HAS_SINCE), F_UNTIL=int(RequestFlag.HAS_UNTIL), E_Q=w.queries, D=self.engine.dim, NS=self.ns, NSMAX=_NAME_ROWS,
+                    F_SINCE=int(RequestFlag.HAS_SINCE), F_UNTIL=int(RequestFlag.HAS_UNTIL), E_Q=w.queries,
+                    D=self.engine.dim, NS=self.ns, NSMAX=_NAME_ROWS,
                     BLOCK_DQ=min(2048, next_pow2(self.engine.dim)), ON_GPU=self.on_gpu)
 
     def _rows_to_serve(self) -> int:

@@ -65,7 +65,8 @@ del _C
 __all__ = [  # the layout's offsets (the loader checks them) and the empty key
     "SENTINEL", "HDR_WORDS", "TAB_WORDS", "H_N", "H_NQ", "H_K", "H_HAS_NS", "H_NS", "H_SINCE", "H_UNTIL",
     "H_MAX_NORM", "H_K_OUT", "H_ROW_ERR8", "H_WINDOWS", "T_QUERY_AT", "T_IDS_AT", "T_SCORES_AT", "T_SCALE",
-    "T_SLOT_WORD", "T_SEQ", "T_SLOT", "T_SINCE", "T_UNTIL", "HCTL_STOP", "HCTL_ANSWERS", "HCTL_STOPPED", "HCTL_DEMAND", "HCTL_EXPECT",
+    "T_SLOT_WORD", "T_SEQ", "T_SLOT", "T_SINCE", "T_UNTIL", "HCTL_STOP", "HCTL_ANSWERS", "HCTL_STOPPED",
+    "HCTL_DEMAND", "HCTL_EXPECT",
     "HCTL_T_WAIT", "HCTL_T_STAGED", "HCTL_T_PUBLISHED", "HCTL_T_SEEN", "HCTL_K_WANTED", "CTL_STOPPED", "CTL_TURN", "CTL_ANSWERS",
 ]
 

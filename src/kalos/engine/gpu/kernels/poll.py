@@ -239,10 +239,10 @@ def _take_request(
     float64 into DQ) or 2 (exit).
 
     Served: one query, k <= k_limit, all namespaces or one named in NS_TAB (-1: all), a time
-    window or none (:func:`_request_windows`), a finite non-zero query. Every other pending request is handed to the host
-    (HHOF, and DSEEN[NS + slot] here): the sidecar's Python path answers those, batched. The
-    servable ones not taken stay pending for the next round (the host, seeing them counted
-    in HCTL's demand word, queues batch rounds next). RR is the round-robin turn (no slot
+    window or none (:func:`_request_windows`), a finite non-zero query. Every other pending
+    request is handed to the host (HHOF, and DSEEN[NS + slot] here): the sidecar's Python path
+    answers those, batched. The servable ones not taken stay pending for the next round (the
+    host, seeing them counted in HCTL's demand word, queues batch rounds next). RR is the round-robin turn (no slot
     starves the others). Every value the warps decide on goes through :func:`_agree`.
 
     Reading a request over the bus: the poll's loads (every slot's ``req_seq``, the host's
