@@ -242,8 +242,9 @@ def _take_request(
     window or none (:func:`_request_windows`), a finite non-zero query. Every other pending
     request is handed to the host (HHOF, and DSEEN[NS + slot] here): the sidecar's Python path
     answers those, batched. The servable ones not taken stay pending for the next round (the
-    host, seeing them counted in HCTL's demand word, queues batch rounds next). RR is the round-robin turn (no slot
-    starves the others). Every value the warps decide on goes through :func:`_agree`.
+    host, seeing them counted in HCTL's demand word, queues batch rounds next). RR is the
+    round-robin turn (no slot starves the others). Every value the warps decide on goes through
+    :func:`_agree`.
 
     Reading a request over the bus: the poll's loads (every slot's ``req_seq``, the host's
     in-use words, the stop word) are volatile, each a fresh fetch. Once a ``req_seq`` has moved, an acquire
@@ -497,24 +498,22 @@ def _take_requests(
     """:func:`_take_request` for a crowd: polls until requests are pending, gathers them, and
     stages up to QB of one kind as one batch; returns the state (1 serve, 2 exit).
 
-    Gathering: once a request is pending, the poll goes on until every slot in use has one
-    (at most QB, and at most the host's ``expect`` word: how many the recent rounds found, so
-    that connected clients that are not asking hold no round), or ``window`` has passed since
-    the first and none came for ``gap``, or ``window_max`` has passed (ns; the interpreter
-    counts polls): clients answered by the same pass and asking again a few microseconds
-    apart share the next, and while a crowd's requests keep coming (more clients than cores
-    come back over tens of microseconds) the round waits for them rather than leave them
-    to a round of their own, which would cost the GPU nearly as much. Then, in one round trip, every
-    pending request's words (as in :func:`_take_request`, the same fence and ``.cg`` loads).
-    Those the kernels must not answer are handed to the host at once. Of the others, the first in round-robin turn
-    picks the batch's kind (k and namespace: one header serves the batch; each query's window
-    is its own, in its table row) and the pending
-    requests of that kind join it in turn order, up to QB; the rest stay pending for the next
-    round, whose turn begins at the first of them (else after the last one taken: a kind
+    Gathering: once a request is pending, the poll goes on until every slot in use has one (at most
+    QB, and at most the host's ``expect`` word: how many the recent rounds found, so that connected
+    clients that are not asking hold no round), or ``window`` has passed since the first and none
+    came for ``gap``, or ``window_max`` has passed (ns; the interpreter counts polls): clients
+    answered by the same pass and asking again a few microseconds apart share the next, and while a
+    crowd's requests keep coming (more clients than cores come back over tens of microseconds) the
+    round waits for them rather than leave them to a round of their own, which would cost the GPU
+    nearly as much. Then, in one round trip, every pending request's words (as in
+    :func:`_take_request`, the same fence and ``.cg`` loads). Those the kernels must not answer are
+    handed to the host at once. Of the others, the first in round-robin turn picks the batch's kind
+    (k and namespace: one header serves the batch; each query's window is its own, in its table row)
+    and the pending requests of that kind join it in turn order, up to QB; the rest stay pending for
+    the next round, whose turn begins at the first of them (else after the last one taken: a kind
     that always fits would otherwise keep the turn from another). A table row per request says where
-    its query is (the stage-in kernel that follows copies and normalises it, and writes its
-    scale: the final kernel hands a zero, NaN or infinite query to the host) and where its
-    answer goes.
+    its query is (the stage-in kernel that follows copies and normalises it, and writes its scale:
+    the final kernel hands a zero, NaN or infinite query to the host) and where its answer goes.
     """
     sl = tl.arange(0, NS)
     slot_ok = sl < n_slots
