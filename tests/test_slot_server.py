@@ -513,7 +513,7 @@ def test_batch_round_selecting_by_threshold_answers_with_empty_groups_and_slices
     assert rig.engine.rows.capacity >= 3072 and rig.engine.rows.size == 1100
     t = _live_times(rig)
     crowds = {"all": [(None, None)] * 4, "a": ["a"] * 4,
-              "windows": [(t[100], None), (None, t[700]), (t[1000], t[1099] + 1.0), (t[5], t[30])]}
+              "windows": [(t[100], None), (None, t[700]), (t[900], t[-1] + 1.0), (t[5], t[30])]}
     for label, windows in crowds.items():
         queries = rng.standard_normal((4, rig.engine.dim)).astype(np.float32)
         requests = [(dict(flags=0, namespace=b"a"), rig.live & (rig.namespaces == 0)) if w == "a"
