@@ -47,15 +47,14 @@ the kernels run, only a slot whose last request was answered and that no round h
 write into it.
 
 What it serves. A single query (``n_queries == 1``) with ``k <= max_k``, all namespaces or one
-named, a created_at window or none, and a query that is finite and non-zero. A round's
-requests share k and namespace; their windows may all differ (each query's is in its
-gather-table row, ``kalos.engine.gpu.layout``): agents asking for "the last hour" each send
-their own. Anything else (batches, where clauses, larger k, bad input, a window the host
-would refuse) is *handed* to the host: the kernel records its ``req_seq`` in ``handed``, and
-the sidecar's sweep answers it through the engine's ordinary (batched) path (with its error,
-for bad input). A round leaves the servable requests it does not take (beyond its size, or
-of another kind) pending for the next round. Fast mode re-scores its candidates in float32 and hands the
-request over when the certificate fails.
+named, a created_at window or none, and a query that is finite and non-zero. A round's requests
+share k and namespace; their windows may all differ (each query's is in its gather-table row,
+``kalos.engine.gpu.layout``): agents asking for "the last hour" each send their own. Anything else
+(batches, where clauses, larger k, bad input, a window the host would refuse) is *handed* to the
+host: the kernel records its ``req_seq`` in ``handed``, and the sidecar's sweep answers it through
+the engine's ordinary (batched) path (with its error, for bad input). A round leaves the servable
+requests it does not take (beyond its size, or of another kind) pending for the next round. Fast
+mode re-scores its candidates in float32 and hands the request over when the certificate fails.
 
 Ownership of a slot's answer. A request is the kernel's when the kernel took it, the host's
 when it is in ``handed``: the two never answer the same one. ``answered`` is the sidecar's own
