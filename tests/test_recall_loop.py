@@ -147,6 +147,7 @@ def _submit(loop: RecallLoop, slots, *, n_queries: int = 1) -> None:
         view.namespace[0], view.namespace_len[0] = b"default", 7
         view.queries[:n_queries] = rng.standard_normal((n_queries, DIM))
         view.req_seq[0] = int(view.req_seq[0]) + 1
+        time.sleep(0.002)
 
 
 def _sweep(loop: RecallLoop) -> np.ndarray:
@@ -278,10 +279,12 @@ def test_the_sweep_thread_keeps_a_pass_in_flight_apart_and_publishes_it_when_it_
     from conftest import wait_until
 
     engine = loop.engine
+    # The crowd is in place before the sweep's first look: a look in the middle of _submit would
+    # see part of it, queue that part and answer the rest synchronously, landing the pass first.
+    _submit(loop, [0, 1, 2])
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
     try:
-        _submit(loop, [0, 1, 2])
         loop.channel.ring()  # as a client's ring does when the sweep sleeps
         wait_until(lambda: engine.passes, "the crowd's pass to be queued", timeout=5)
         time.sleep(0.7)  # longer than the sweep's sleep timeout: it would have slept and looked again
