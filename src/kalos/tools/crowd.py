@@ -9,7 +9,10 @@ connects and disconnects in a loop, so a connect under load is measured too. Eve
 against a float64 brute force of the same query (the ids as a set, the scores to 1e-4).
 ``--crowd-scopes mixed``: a third of the clients recall in all namespaces, a third in namespace
 "default" and a third with a time window, so one pass holds several filter groups; ``windows``: each
-client with a time window of its own. Reported per C: p50 / p99 / p99.9 per call, the aggregate
+client with a time window of its own; ``agents``: the rows spread over 64 namespaces ("agent-0" to
+"agent-63", row i in agent-(i mod 64)), client i recalling in agent-(i mod 64), as agents that each
+keep their own memories do (each answer checked against the float64 top-k of its namespace's rows).
+Reported per C: p50 / p99 / p99.9 per call, the aggregate
 recalls/s, connect p99 (the crowd's and the late connector's), errors, failed connects, wrong
 answers, and the sweep's queries per pass, time per pass and share of the crowd's time spent
 answering (where the GPU's polling answered most recalls, "q/pass" is its requests per round
@@ -74,7 +77,8 @@ def add_crowd_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--crowd: what the recalls are scoped to: namespace 'default' (what Client.recall "
                         "uses), 'mixed' (a third each: 'default', every namespace, a time window) or 'windows' "
                         "(every namespace, each client its own time window, as agents asking for 'the last hour' "
-                        "send) (default: %(default)s)")
+                        "send) or 'agents' (the rows spread over 64 namespaces, client i in agent-(i mod 64): "
+                        "agents each with their own memories) (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=20261201, help="--crowd: seed of the random rows and queries")
 
 
@@ -103,14 +107,43 @@ def _reference(matrix: np.ndarray, queries: np.ndarray, ids: np.ndarray, k: int)
 #: Client.recall uses unless told otherwise); "mixed": a third each in "default", in every
 #: namespace, and with a time window, so one pass holds three filter groups; "windows": in
 #: every namespace, each client with a window of its own (client i: from i seconds after
-#: 1970-01-01 to i seconds after 2100-01-01). Every row is in "default" and inside every
-#: window, so all have the same answer.
+#: 1970-01-01 to i seconds after 2100-01-01); "agents": client i in namespace agent-(i mod 64),
+#: its own memories (:func:`_store_rows`). In the other scopes every row is in "default" and
+#: inside every window, so all have the same answer.
 SCOPES = {
     "default": lambda index: {"namespace": "default"},
     "mixed": lambda index: ({"namespace": None}, {"namespace": "default"},
                             {"namespace": None, "since": 0.0})[index % 3],
     "windows": lambda index: {"namespace": None, "since": float(index), "until": 4_102_444_800.0 + index},
+    "agents": lambda index: {"namespace": f"agent-{index % AGENT_NAMESPACES}"},
 }
+#: The namespaces "agents" spreads the rows over (row i in agent-(i mod this)).
+AGENT_NAMESPACES = 64
+
+
+def _reference_group(scopes: str, index: int) -> int:
+    """Which of the data file's references client ``index`` is checked against: its namespace's
+    under "agents"; the one reference of every row otherwise."""
+    return index % AGENT_NAMESPACES if scopes == "agents" else 0
+
+
+def _store_rows(store: Any, matrix: np.ndarray, queries: np.ndarray, k: int, scopes: str,
+                data: str) -> None:
+    """Adds ``matrix`` to ``store`` as ``scopes`` needs (all in "default", or row i in namespace
+    agent-(i mod AGENT_NAMESPACES)) and writes the queries with their float64 references to
+    ``data``: ``ref_ids``/``ref_scores`` are [groups, queries, k] (:func:`_reference_group`)."""
+    if scopes == "agents":
+        refs = []
+        for group in range(AGENT_NAMESPACES):
+            rows = matrix[group::AGENT_NAMESPACES]
+            ids = store.add(rows, namespace=f"agent-{group}")[0]
+            refs.append(_reference(rows, queries, ids, k))
+        ref_ids, ref_scores = np.stack([r[0] for r in refs]), np.stack([r[1] for r in refs])
+    else:
+        ids = np.concatenate([store.add(matrix[lo : lo + 16384], namespace="default")[0]
+                              for lo in range(0, len(matrix), 16384)])
+        ref_ids, ref_scores = (r[None] for r in _reference(matrix, queries, ids, k))
+    np.savez(data, queries=queries, ref_ids=ref_ids, ref_scores=ref_scores)
 
 
 def _crowd_client(name: str, data: str, k: int, seconds: float, index: int, ready: Any, out: Any,
@@ -121,7 +154,8 @@ def _crowd_client(name: str, data: str, k: int, seconds: float, index: int, read
     from kalos.errors import KalosError
 
     arrays = np.load(data, allow_pickle=False)
-    queries, ref_ids, ref_scores = arrays["queries"], arrays["ref_ids"], arrays["ref_scores"]
+    group = _reference_group(scopes, index)
+    queries, ref_ids, ref_scores = arrays["queries"], arrays["ref_ids"][group], arrays["ref_scores"][group]
     result: dict[str, Any] = {"connect_s": None, "connect_error": None, "errors": 0, "wrong": 0, "error_text": ""}
     samples = np.empty(2_000_000, np.float64)
     done = 0
@@ -316,12 +350,9 @@ def run_crowd(args: argparse.Namespace) -> int:
     name = f"crowd-{os.getpid()}"
     with tempfile.TemporaryDirectory(prefix="kalos-crowd-") as tmp:
         store_path = Path(tmp) / "crowd.db"
-        with Store.open(store_path, dim=dim) as store:
-            ids = np.concatenate([store.add(matrix[lo : lo + 16384], namespace="default")[0]
-                                  for lo in range(0, n, 16384)])
-        ref_ids, ref_scores = _reference(matrix, queries, ids, k)
         data = str(Path(tmp) / "queries.npz")
-        np.savez(data, queries=queries, ref_ids=ref_ids, ref_scores=ref_scores)
+        with Store.open(store_path, dim=dim) as store:
+            _store_rows(store, matrix, queries, k, args.crowd_scopes, data)
         del matrix
         slots = max(sizes + colocated) + 8
         extra = ["--slots", str(slots), *args.serve_args]
