@@ -392,9 +392,9 @@ def test_answers_recalls_each_in_its_own_time_window(make_rig, rng, precision, b
 
 
 @needs_interpreter
-def test_batch_round_takes_requests_with_different_windows_as_one_kind(make_rig, rng):
-    # Windows do not split a crowd: the requests in all namespaces, whatever their windows,
-    # are one round, those in namespace "a" with or without a window the next, "b" the last.
+def test_batch_round_takes_requests_with_different_filters_as_one_kind(make_rig, rng):
+    # Neither windows nor namespaces split a crowd: requests of one k are one round, each
+    # query answered under its own namespace and window.
     rig = make_rig(slots=7, server=QueuedGraphServer, depth=1, window_polls=0)
     t = _live_times(rig)
     windows = [(t[10], None), (t[5], t[120], b"a"), (None, None), b"a", (t[20], t[150]), (None, t[90], b"a"), b"b"]
@@ -403,12 +403,8 @@ def test_batch_round_takes_requests_with_different_windows_as_one_kind(make_rig,
     seqs = [rig.submit(s, queries[s], 4, **words) for s, (words, _rows) in enumerate(requests)]
     server = rig.server
     assert server.start(rig.active) and len(server.gpu) == 1
-    answered = []
-    for kind in ([0, 2, 4], [1, 3, 5], [6]):
-        server.step()
-        answered += kind
-        assert [s for s in range(7) if _answered(rig, s, seqs[s])] == sorted(answered), f"the round of {kind}"
-        server.running()
+    server.step()
+    assert [s for s in range(7) if _answered(rig, s, seqs[s])] == list(range(7))
     for s, (_words, rows) in enumerate(requests):
         view = rig.views[s]
         assert int(server.handed[s]) != seqs[s]
@@ -440,6 +436,35 @@ def test_a_round_after_one_with_windows_reads_no_window_left_behind(make_rig, rn
             assert _answered(rig, s, seqs[s]), f"window {windows[s]}: slot {s} not answered"
             assert_topk_matches(view.ids[:1, :8], view.scores[:1, :8], rig.ids, rig.vectors, queries[s][None], 8,
                                 rows, context=f"window {windows[s]} slot {s}")
+    server.stop()
+
+
+@needs_interpreter
+def test_batch_round_of_several_namespaces_hands_over_an_unknown_one_and_leaves_none_behind(make_rig, rng):
+    # One round: requests in "a", "b", all namespaces, "a" with a window, and a name the table
+    # does not hold, which goes to the host while the others are answered, each in its own
+    # namespace. The next round (no start between) reuses the table rows: its requests in all
+    # namespaces, beside one in "b", answer from every row, not from a namespace left there.
+    rig = make_rig(slots=5, server=QueuedGraphServer, depth=1, window_polls=0)
+    t = _live_times(rig)
+    server = rig.server
+    assert server.start(rig.active)
+    for windows in ([b"a", b"b", (None, None), (t[20], t[150], b"a"), b"zz"],
+                    [(None, None), (None, None), b"b", (None, None), (None, None)]):
+        queries = rng.standard_normal((5, rig.engine.dim)).astype(np.float32)
+        requests = [_window_request(rig, w) if w != b"zz" else (dict(flags=0, namespace=b"zz"), None)
+                    for w in windows]
+        seqs = [rig.submit(s, queries[s], 8, **words) for s, (words, _rows) in enumerate(requests)]
+        server.step()
+        server.running()
+        for s, (_words, rows) in enumerate(requests):
+            if rows is None:
+                assert int(server.handed[s]) == seqs[s] and not _answered(rig, s, seqs[s])
+                continue
+            view = rig.views[s]
+            assert _answered(rig, s, seqs[s]), f"{windows[s]}: slot {s} not answered"
+            assert_topk_matches(view.ids[:1, :8], view.scores[:1, :8], rig.ids, rig.vectors, queries[s][None], 8,
+                                rows, context=f"{windows[s]} slot {s}")
     server.stop()
 
 
@@ -504,7 +529,8 @@ def test_batch_round_selecting_by_threshold_answers_with_empty_groups_and_slices
     written by the scan or its scores by a GEMM (the maxima then by group_max_kernel; scaled
     down: 16-row groups, slices of 1,024 rows), with a capacity past the rows in use: groups
     and a whole slice with no row (maxima -inf, tau -inf there). Answers as the float64
-    reference says, in a namespace, across all of them, and each query in its own window."""
+    reference says, in a namespace, across all of them, each query in its own window, and each
+    in its own namespace."""
     rig = make_rig(n=1100, slots=4, bucket=4, max_k=8)  # (the k bucket of 8: 32 candidates)
     tile = ScanConfig(block_n=16, block_d=16, block_q=16, warps=4, stages=1)
     rig.engine.retune({"gemm_min_q": 64 if scores_by == "scan" else 2, "scan_threshold_min_q": 2, "gemm_rows": 1024,
@@ -512,12 +538,12 @@ def test_batch_round_selecting_by_threshold_answers_with_empty_groups_and_slices
     rig.engine.reserve(2000)
     assert rig.engine.rows.capacity >= 3072 and rig.engine.rows.size == 1100
     t = _live_times(rig)
-    crowds = {"all": [(None, None)] * 4, "a": ["a"] * 4,
-              "windows": [(t[100], None), (None, t[700]), (t[900], t[-1] + 1.0), (t[5], t[30])]}
+    crowds = {"all": [(None, None)] * 4, "a": [b"a"] * 4,
+              "windows": [(t[100], None), (None, t[700]), (t[900], t[-1] + 1.0), (t[5], t[30])],
+              "namespaces": [b"a", b"b", (t[100], t[600], b"a"), (None, None)]}
     for label, windows in crowds.items():
         queries = rng.standard_normal((4, rig.engine.dim)).astype(np.float32)
-        requests = [(dict(flags=0, namespace=b"a"), rig.live & (rig.namespaces == 0)) if w == "a"
-                    else _window_request(rig, w) for w in windows]
+        requests = [_window_request(rig, w) for w in windows]
         seqs = [rig.submit(s, queries[s], 8, **words) for s, (words, _rows) in enumerate(requests)]
         rig.serve()
         plans = [r.plan for (size, _k), r in rig.server._rounds.items() if size == 4]
@@ -1129,7 +1155,8 @@ def test_cuda_batch_rounds_of_every_size_answer_a_crowd(make_rig, rng, precision
     # then crowds of several sizes, each served by its own round's graph, smaller after larger:
     # a buffer that one round's capture outgrew and another's graph still used would fault.
     # 40 slots: waiting kernels of 2 warps; 128: of 4 (their warps agree on every value read).
-    # Each size's third crowd asks with windows, each client its own (some open).
+    # Each size's second crowd asks in namespaces "a", "b" and all, mixed; its third with
+    # windows, each client its own (some open), some of them in a namespace too.
     rig = make_rig(precision=precision, dim=256, n=20000, slots=slots, device="cuda", idle_s=5.0)
     assert rig.server.warps == waiting_warps(rig.server.ns) == (2 if slots == 40 else 4)
     rig.server.warm()
@@ -1146,8 +1173,14 @@ def test_cuda_batch_rounds_of_every_size_answer_a_crowd(make_rig, rng, precision
             assert rig.server.running()
             queries = rng.standard_normal((crowd, rig.engine.dim)).astype(np.float32)
             ends = np.sort(rng.integers(0, len(t), (crowd, 2)), axis=1)
-            windows = [(None, None) if turn < 2 or s % 4 == 0 else (t[a], None) if s % 4 == 1
-                       else (None, t[b]) if s % 4 == 2 else (t[a], t[b] + 1.0) for s, (a, b) in enumerate(ends)]
+            names = [(), (b"a",), (b"b",)]
+            if turn == 0:
+                windows = [(None, None)] * crowd
+            elif turn == 1:
+                windows = [(None, None, *names[s % 3]) for s in range(crowd)]
+            else:
+                windows = [((None, None) if s % 4 == 0 else (t[a], None) if s % 4 == 1 else (None, t[b])
+                            if s % 4 == 2 else (t[a], t[b] + 1.0)) + names[s % 3] for s, (a, b) in enumerate(ends)]
             requests = [_window_request(rig, w) for w in windows]
             seqs = [rig.submit(s, queries[s], k, **requests[s][0]) for s in range(crowd)]
             for s in range(crowd):

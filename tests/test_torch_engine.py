@@ -376,6 +376,10 @@ def test_triton_one_query_and_batch(rng, precision):
     q = unit_queries(rng, 3, 40)
     m.check(q[:1], 8, Filter(namespace=1, since=10.0, until=90.0))
     m.check(q, 5)
+    # A namespace id no row has, -1 included (kalos.server.filters.NOTHING's): no hits, alone or
+    # in a batch (the kernels' "all namespaces" is another value, layout.NS_ALL).
+    m.check(q[:1], 4, Filter(namespace=-1))
+    m.check(q, 4, Filter(namespace=-1))
 
 
 @needs_interpreter

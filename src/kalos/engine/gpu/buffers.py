@@ -182,9 +182,9 @@ def fill_table(tab: np.ndarray, query_at, ids_at, scores_at, scales) -> None:
 
 
 # Header words as plain ints: fill_header runs once per search.
-_N, _NQ, _K, _HAS_NS, _NS, _SINCE, _UNTIL, _MAX_NORM, _ROW_ERR8, _K_OUT, _WINDOWS = (
+_N, _NQ, _K, _HAS_NS, _NS, _SINCE, _UNTIL, _MAX_NORM, _ROW_ERR8, _K_OUT, _OWN_FILTERS = (
     HEADER.n, HEADER.nq, HEADER.k, HEADER.has_ns, HEADER.ns, HEADER.since, HEADER.until, HEADER.max_norm,
-    HEADER.row_err8, HEADER.k_out, HEADER.windows,
+    HEADER.row_err8, HEADER.k_out, HEADER.own_filters,
 )
 
 
@@ -202,7 +202,7 @@ def fill_header(hdr: np.ndarray, hdrf: np.ndarray, n: int, nq: int, k: int, flt:
         hdr[_NS] = int(flt.namespace)
     hdrf[_SINCE] = -np.inf if flt.since is None else float(flt.since)
     hdrf[_UNTIL] = np.inf if flt.until is None else float(flt.until)
-    hdr[_WINDOWS] = 0  # (the batch's window is the header's: one filter a search)
+    hdr[_OWN_FILTERS] = 0  # (the batch's filter is the header's: one filter a search)
     hdrf[_MAX_NORM] = max_norm
     hdrf[_ROW_ERR8] = row_err8
     hdr[_K_OUT] = k  # columns written: past min(k, n) they are padding (-1 / -inf)

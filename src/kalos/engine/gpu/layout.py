@@ -11,11 +11,11 @@ float64), so an offset is a field's byte offset divided by 8::
     word 0              +------------------------------------------------------+
                         | header (HEADER_DTYPE, 16 words)                       |
                         |   n, nq, k, has_ns, ns, since, until, max_norm,       |
-                        |   k_out, row_err8, windows, spare[5]                  |
+                        |   k_out, row_err8, own_filters, spare[5]              |
     word 16             +------------------------------------------------------+
     + 16 * j            | gather table row j (TABLE_DTYPE, 16 words)            |
                         |   query_at, ids_at, scores_at, scale,                 |
-                        |   slot_word, seq, slot, since, until, spare[7]        |
+                        |   slot_word, seq, slot, since, until, ns, spare[6]    |
                         +------------------------------------------------------+
                         | queries float32[max_batch, dim] (the engine's own)    |
                         +------------------------------------------------------+
@@ -23,10 +23,12 @@ float64), so an offset is a field's byte offset divided by 8::
 ``k`` is ``min(k, n)`` (the rows a query can fill), ``k_out`` the columns written (past
 ``k`` they are padding). A table row's ``slot_word``, ``seq`` and ``slot`` are written only by
 the slot server's waiting kernels, for the final kernel that publishes each answer in its
-slot. The created_at window ``[since, until)`` is the header's for every query of the batch
-(the engine's own searches: one filter a batch), or, where the header's ``windows`` is 1,
-each query's own in its table row (a slot server's round, whose clients each ask for their
-own window); the waiting kernels write those, and the table's words are read only then.
+slot. The filter (namespace, created_at window ``[since, until)``) is the header's for every
+query of the batch (the engine's own searches: one filter a batch), or each query's own in its
+table row (``ns``, ``since``, ``until``: a slot server's round, whose clients each ask in
+their own namespace and window) where the header's ``own_filters`` has the bit OWN_WINDOWS
+(the windows) or OWN_NAMESPACES (the namespaces); the waiting kernels write those, and the
+table's words are read only then. A table row's ``ns`` is NS_ALL for all namespaces.
 ``row_err8`` is
 the 8-bit rows' error per unit of query norm (:mod:`kalos.engine.gpu.bounds`), in the
 header so that adds after a CUDA graph's capture are covered.
@@ -57,7 +59,7 @@ HEADER_DTYPE = np.dtype([
     ("max_norm", "<f8"),  # the largest row norm ever written (the 16-bit certificate)
     ("k_out", "<i8"),  # result columns to write
     ("row_err8", "<f8"),  # the 8-bit rows' error per unit of query norm
-    ("windows", "<i8"),  # 1: each query's window is its table row's since / until (not the header's)
+    ("own_filters", "<i8"),  # OWN_WINDOWS | OWN_NAMESPACES: each query's are its table row's
     ("spare", "<i8", (5,)),
 ])
 
@@ -69,9 +71,10 @@ TABLE_DTYPE = np.dtype([
     ("slot_word", "<i8"),  # slot server: the slot's word offset in the segment
     ("seq", "<i8"),  # slot server: the request's req_seq
     ("slot", "<i8"),  # slot server: the slot's index
-    ("since", "<f8"),  # with the header's windows: this query's created_at window [since, until),
-    ("until", "<f8"),  # -inf / inf when open
-    ("spare", "<i8", (7,)),  # (a row is a power of two of words: the kernels load it as one tile)
+    ("since", "<f8"),  # with the header's own_filters: this query's created_at window [since,
+    ("until", "<f8"),  # until), -inf / inf when open,
+    ("ns", "<i8"),  # and its namespace id (NS_ALL: all namespaces)
+    ("spare", "<i8", (6,)),  # (a row is a power of two of words: the kernels load it as one tile)
 ])
 
 HOST_CONTROL_DTYPE = np.dtype([
@@ -107,6 +110,10 @@ def _words(dtype: np.dtype) -> SimpleNamespace:
     return SimpleNamespace(words=dtype.itemsize // 8, **fields)
 
 
+#: The header's own_filters bits, and a table row's ns for all namespaces (no namespace id
+#: takes it: ids are int32).
+OWN_WINDOWS, OWN_NAMESPACES, NS_ALL = 1, 2, -(2**62)
+
 HEADER = _words(HEADER_DTYPE)
 TABLE = _words(TABLE_DTYPE)
 HOST_CONTROL = _words(HOST_CONTROL_DTYPE)
@@ -124,7 +131,8 @@ def kernel_constants() -> dict[str, int]:
     ``H_<field>`` header words, ``T_<field>`` table words, ``HCTL_`` / ``CTL_`` control words
     (upper case; the spare words have none), ``HDR_WORDS`` and ``TAB_WORDS`` (the table starts
     after the header)."""
-    out = {"HDR_WORDS": HDR_WORDS, "TAB_WORDS": TAB_WORDS}
+    out = {"HDR_WORDS": HDR_WORDS, "TAB_WORDS": TAB_WORDS, "OWN_WINDOWS": OWN_WINDOWS,
+           "OWN_NAMESPACES": OWN_NAMESPACES, "NS_ALL": NS_ALL}
     for prefix, words in _PREFIXES:
         out.update({prefix + name.upper(): at for name, at in vars(words).items()
                     if name not in ("words", "spare", "unused")})

@@ -19,10 +19,10 @@ Rounds. While one request at a time is pending a round takes one and runs the si
 kernels (:func:`~kalos.engine.gpu.kernels.poll.await_request_kernel`). With more, a round is
 a batch (:func:`~kalos.engine.gpu.kernels.poll.await_requests_kernel`): once a request is
 pending the kernel waits ``window_s`` for the others, longer while more keep coming (each
-within ``gap_s`` of the last, up to ``window_max_s``), no longer once as many have
-asked as the recent rounds found, or every connected client), then takes every pending
-request of the first one's kind (k, namespace), up to the round's size: a crowd of C agents
-is one pass over the rows, not C. Each size is its own graph, captured at
+within ``gap_s`` of the last, up to ``window_max_s``), no longer once as many have asked as
+the recent rounds found, or every connected client), then takes every pending request of the
+first one's k, whatever their namespaces and windows, up to the round's size: a crowd of C
+agents is one pass over the rows, not C. Each size is its own graph, captured at
 :meth:`SlotGraphServer.warm`. The size follows demand: each round reports how many servable
 requests it found pending; the host queues the next rounds at the power of two that holds
 them (at once when that grows, after ``resize_s`` of smaller rounds when it shrinks).
@@ -48,12 +48,13 @@ write into it.
 
 What it serves. A single query (``n_queries == 1``) with ``k <= max_k``, all namespaces or one
 named, a created_at window or none, and a query that is finite and non-zero. A round's requests
-share k and namespace; their windows may all differ (each query's is in its gather-table row,
-``kalos.engine.gpu.layout``): agents asking for "the last hour" each send their own. Anything else
-(batches, where clauses, larger k, bad input, a window the host would refuse) is *handed* to the
-host: the kernel records its ``req_seq`` in ``handed``, and the sidecar's sweep answers it through
-the engine's ordinary (batched) path (with its error, for bad input). A round leaves the servable
-requests it does not take (beyond its size, or of another kind) pending for the next round. Fast
+share k; their namespaces and windows may all differ (each query's are in its gather-table row,
+``kalos.engine.gpu.layout``): agents each keep their own namespace, and those asking for "the last
+hour" each send their own window. Anything else (batches, where clauses, larger k, a name the
+namespace table does not hold, bad input, a window the host would refuse) is *handed* to the host:
+the kernel records its ``req_seq`` in ``handed``, and the sidecar's sweep answers it through the
+engine's ordinary (batched) path (with its error, for bad input). A round leaves the servable
+requests it does not take (beyond its size, or of another k) pending for the next round. Fast
 mode re-scores its candidates in float32 and hands the request over when the certificate fails.
 
 Ownership of a slot's answer. A request is the kernel's when the kernel took it, the host's

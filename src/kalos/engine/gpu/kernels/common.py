@@ -37,7 +37,7 @@ H_UNTIL = tl.constexpr(_C["H_UNTIL"])
 H_MAX_NORM = tl.constexpr(_C["H_MAX_NORM"])
 H_K_OUT = tl.constexpr(_C["H_K_OUT"])
 H_ROW_ERR8 = tl.constexpr(_C["H_ROW_ERR8"])
-H_WINDOWS = tl.constexpr(_C["H_WINDOWS"])
+H_OWN_FILTERS = tl.constexpr(_C["H_OWN_FILTERS"])
 T_QUERY_AT = tl.constexpr(_C["T_QUERY_AT"])
 T_IDS_AT = tl.constexpr(_C["T_IDS_AT"])
 T_SCORES_AT = tl.constexpr(_C["T_SCORES_AT"])
@@ -47,6 +47,10 @@ T_SEQ = tl.constexpr(_C["T_SEQ"])
 T_SLOT = tl.constexpr(_C["T_SLOT"])
 T_SINCE = tl.constexpr(_C["T_SINCE"])
 T_UNTIL = tl.constexpr(_C["T_UNTIL"])
+T_NS = tl.constexpr(_C["T_NS"])
+OWN_WINDOWS = tl.constexpr(_C["OWN_WINDOWS"])
+OWN_NAMESPACES = tl.constexpr(_C["OWN_NAMESPACES"])
+NS_ALL = tl.constexpr(_C["NS_ALL"])
 HCTL_STOP = tl.constexpr(_C["HCTL_STOP"])
 HCTL_ANSWERS = tl.constexpr(_C["HCTL_ANSWERS"])
 HCTL_STOPPED = tl.constexpr(_C["HCTL_STOPPED"])
@@ -64,8 +68,9 @@ del _C
 
 __all__ = [  # the layout's offsets (the loader checks them) and the empty key
     "SENTINEL", "HDR_WORDS", "TAB_WORDS", "H_N", "H_NQ", "H_K", "H_HAS_NS", "H_NS", "H_SINCE", "H_UNTIL",
-    "H_MAX_NORM", "H_K_OUT", "H_ROW_ERR8", "H_WINDOWS", "T_QUERY_AT", "T_IDS_AT", "T_SCORES_AT", "T_SCALE",
-    "T_SLOT_WORD", "T_SEQ", "T_SLOT", "T_SINCE", "T_UNTIL", "HCTL_STOP", "HCTL_ANSWERS", "HCTL_STOPPED",
+    "H_MAX_NORM", "H_K_OUT", "H_ROW_ERR8", "H_OWN_FILTERS", "T_QUERY_AT", "T_IDS_AT", "T_SCORES_AT", "T_SCALE",
+    "T_SLOT_WORD", "T_SEQ", "T_SLOT", "T_SINCE", "T_UNTIL", "T_NS", "OWN_WINDOWS", "OWN_NAMESPACES", "NS_ALL",
+    "HCTL_STOP", "HCTL_ANSWERS", "HCTL_STOPPED",
     "HCTL_DEMAND", "HCTL_EXPECT",
     "HCTL_T_WAIT", "HCTL_T_STAGED", "HCTL_T_PUBLISHED", "HCTL_T_SEEN", "HCTL_K_WANTED", "CTL_STOPPED", "CTL_TURN", "CTL_ANSWERS",
 ]
@@ -195,37 +200,39 @@ def _copy_normalised(src, dst, D: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _filter_words(HDR, HDRF):
-    """The filter's header words: (has_ns, ns, whether a query of the batch has a time window:
-    the header's, or with H_WINDOWS its own, :func:`_windows`)."""
+    """Whether a query of the batch has a namespace, and one a time window: the header's, or
+    each query's own (the header's own_filters bits, :func:`_query_filters`). The rows'
+    namespace and created_at columns are read only then."""
     since = tl.load(HDRF + H_SINCE)
     until = tl.load(HDRF + H_UNTIL)
+    own = tl.load(HDR + H_OWN_FILTERS)
     # (!= 0: Triton's interpreter cannot "&" a mask with an "|" of float comparisons)
-    has_time = (((since > float("-inf")) | (until < float("inf"))) != 0) | (tl.load(HDR + H_WINDOWS) != 0)
-    return tl.load(HDR + H_HAS_NS), tl.load(HDR + H_NS), has_time
+    has_time = (((since > float("-inf")) | (until < float("inf"))) != 0) | ((own & OWN_WINDOWS) != 0)
+    return (tl.load(HDR + H_HAS_NS) != 0) | ((own & OWN_NAMESPACES) != 0), has_time
 
 
 @triton.jit
-def _windows(HDR, HDRF, qs, q_ok):
-    """The created_at windows ``[since, until)`` of the queries ``qs`` (a tensor of their
-    indices; ``q_ok``: which are in the batch): the header's for all, or where its
-    ``windows`` word is set each query's own, from its gather-table row."""
-    own = tl.load(HDR + H_WINDOWS) != 0
+def _query_filters(HDR, HDRF, qs, q_ok):
+    """The namespace id (NS_ALL: any) and created_at window ``[since, until)`` of the queries
+    ``qs`` (a tensor of their indices; ``q_ok``: which are in the batch): the header's for
+    all, or where its own_filters bits say so each query's own, from its gather-table row."""
+    own = tl.load(HDR + H_OWN_FILTERS)
+    own_ns = (own & OWN_NAMESPACES) != 0
+    own_w = (own & OWN_WINDOWS) != 0
     tab = HDR_WORDS + TAB_WORDS * qs.to(tl.int64)
-    since = tl.load(HDRF + tab + T_SINCE, mask=q_ok & own, other=0.0)
-    until = tl.load(HDRF + tab + T_UNTIL, mask=q_ok & own, other=0.0)
-    return tl.where(own, since, tl.load(HDRF + H_SINCE)), tl.where(own, until, tl.load(HDRF + H_UNTIL))
+    ns = tl.load(HDR + tab + T_NS, mask=q_ok & own_ns, other=NS_ALL)
+    since = tl.load(HDRF + tab + T_SINCE, mask=q_ok & own_w, other=0.0)
+    until = tl.load(HDRF + tab + T_UNTIL, mask=q_ok & own_w, other=0.0)
+    header_ns = tl.where(tl.load(HDR + H_HAS_NS) != 0, tl.load(HDR + H_NS), NS_ALL)
+    return (tl.where(own_ns, ns, header_ns), tl.where(own_w, since, tl.load(HDRF + H_SINCE)),
+            tl.where(own_w, until, tl.load(HDRF + H_UNTIL)))
 
 
 @triton.jit
-def _in_namespace(ok, nsv, has_ns, want_ns):
-    """``ok`` and the row's namespace ``nsv`` passes the header's namespace filter."""
-    return ok & ((has_ns == 0) | (nsv.to(tl.int64) == want_ns))
-
-
-@triton.jit
-def _in_window(ok, ts, since, until):
-    """``ok`` and created_at ``ts`` in ``[since, until)`` (broadcast: rows against queries)."""
-    return ok & (ts >= since) & (ts < until)
+def _passes_filter(ok, nsv, ts, want_ns, since, until):
+    """``ok`` and the row's namespace ``nsv`` is ``want_ns`` (NS_ALL: any) and its created_at
+    ``ts`` is in ``[since, until)`` (broadcast: rows against queries)."""
+    return ok & ((want_ns == NS_ALL) | (nsv.to(tl.int64) == want_ns)) & (ts >= since) & (ts < until)
 
 
 @triton.jit

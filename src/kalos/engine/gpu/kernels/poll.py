@@ -22,7 +22,10 @@ from kalos.engine.gpu.kernels.common import (
     H_N,
     H_NQ,
     H_NS,
-    H_WINDOWS,
+    H_OWN_FILTERS,
+    NS_ALL,
+    OWN_NAMESPACES,
+    OWN_WINDOWS,
     HCTL_STOP,
     HCTL_STOPPED,
     HCTL_T_SEEN,
@@ -35,6 +38,7 @@ from kalos.engine.gpu.kernels.common import (
     T_SCORES_AT,
     T_SEQ,
     T_SLOT,
+    T_NS,
     T_SINCE,
     T_SLOT_WORD,
     T_UNTIL,
@@ -72,13 +76,14 @@ NS_PROBE = tl.constexpr(8)
 
 @triton.jit
 def _name_home(name, name_len, NSMAX: tl.constexpr):
-    """The home row of a namespace name (8 int64 words, zero-padded) in the device table, the
-    same as ``kalos.engine.gpu.slot_server.name_home`` computes on the host: a lookup is one load
-    of NS_PROBE rows, not a walk through the table (a device-memory round trip a step)."""
+    """The home row of a namespace name (8 int64 words, zero-padded; or [slots, 8], a name a
+    slot) in the device table, the same as ``kalos.engine.gpu.slot_server.name_home`` computes
+    on the host: a lookup is one load of NS_PROBE rows, not a walk through the table (a
+    device-memory round trip a step)."""
     w = tl.arange(0, 8)
     fold = (name ^ (name >> 32)) & 0xFFFFFFFF
     mult = ((w * 0x9E37 + 0x7F4B) & 0xFFFF) | 1
-    h = tl.sum(fold * mult.to(tl.int64), axis=0) + name_len * 0x2545
+    h = tl.sum(fold * mult.to(tl.int64), axis=len(name.shape) - 1) + name_len * 0x2545
     return (h ^ (h >> 13) ^ (h >> 29)) & (NSMAX - 1)
 
 
@@ -129,6 +134,37 @@ def _namespace_id(request, NS_TAB, NS_IDS, last, flags_all, W_NQF: tl.constexpr,
                 tl.store(NS_IDS + NSMAX + 8, name_len)
                 tl.store(NS_IDS + NSMAX + 9, want_ns)
     return want_ns
+
+
+@triton.jit
+def _namespace_ids(names, name_len, named, last, NS_TAB, NS_IDS, NSMAX: tl.constexpr):
+    """:func:`_namespace_id` for every slot at once (``names``: [slots, 8] words, ``name_len``,
+    ``named``: the requests that name one; ``last``: as there): -1 for all namespaces, the id of
+    a name the device table holds, -2 for any other. A crowd that keeps to the name found last
+    (agents recalling in "default") skips the table; otherwise every other name's NS_PROBE
+    rows are read, one row of all of them at a time."""
+    w8 = tl.arange(0, 8)
+    last_name = tl.sum(tl.where(tl.arange(0, 16)[None, :] == w8[:, None], last[None, :], 0), axis=1)
+    hit = named & (tl.sum((names == last_name[None, :]).to(tl.int32), axis=1) == 8) & (name_len == _word(last, 8, 16))
+    found = tl.where(hit, _word(last, 9, 16), -2)
+    miss = named & ~hit
+    if tl.sum(miss.to(tl.int32)) > 0:
+        home = _name_home(names, name_len, NSMAX)
+        for p in range(NS_PROBE):  # (a loop, not unrolled: the waiting kernel's registers are few)
+            row = (home + p) & (NSMAX - 1)
+            t_id = tl.load(NS_IDS + row, mask=miss, other=-1)  # -1: a row not in use
+            tab = tl.load(NS_TAB + row[:, None] * 9 + w8[None, :], mask=miss[:, None], other=0)
+            t_len = tl.load(NS_TAB + row * 9 + 8, mask=miss, other=-1)
+            same = miss & (tl.sum((tab == names).to(tl.int32), axis=1) == 8) & (t_len == name_len) & (t_id >= 0)
+            found = tl.where(same, t_id, found)
+        got = miss & (found >= 0)
+        if tl.sum(got.to(tl.int32)) > 0:  # the name found in the lowest slot, for the rounds after
+            slots = tl.arange(0, names.shape[0])
+            pick = tl.min(tl.where(got, slots, names.shape[0]))
+            tl.store(NS_IDS + NSMAX + w8, tl.sum(tl.where((slots == pick)[:, None], names, 0), axis=0))
+            tl.store(NS_IDS + NSMAX + 8, tl.sum(tl.where(slots == pick, name_len, 0)))
+            tl.store(NS_IDS + NSMAX + 9, tl.sum(tl.where(slots == pick, found, 0)))
+    return tl.where(named, found, -1)
 
 
 @triton.jit
@@ -407,9 +443,11 @@ def await_request_kernel(
         tl.store(DH + H_HAS_NS, (want_ns >= 0).to(tl.int64))
         tl.store(DH + H_NS, tl.maximum(want_ns, 0))
         tl.store(DH + H_K_OUT, kk)
-        tl.store(DH + H_WINDOWS, ((since > float("-inf")) | (until < float("inf"))).to(tl.int64))
+        windowed = (since > float("-inf")) | (until < float("inf"))
+        tl.store(DH + H_OWN_FILTERS, tl.where(windowed, OWN_WINDOWS, 0).to(tl.int64))
         tl.store(DH + HDR_WORDS + T_SINCE, since.to(tl.int64, bitcast=True))
         tl.store(DH + HDR_WORDS + T_UNTIL, until.to(tl.int64, bitcast=True))
+        tl.store(DH + HDR_WORDS + T_NS, tl.where(want_ns >= 0, want_ns, NS_ALL))
         tl.store(DH + HDR_WORDS + T_IDS_AT, slot_w + E_IDS)
         tl.store(DH + HDR_WORDS + T_SCORES_AT, slot_w * 2 + E_SC)
         tl.store(DH + HDR_WORDS + T_SCALE, (1.0 / tl.sqrt(ssq)).to(tl.int64, bitcast=True))
@@ -423,31 +461,15 @@ def await_request_kernel(
 
 
 @triton.jit
-def _same_kind(requests, first, ok, kind_w, name_w, len_w, flags_all, W_NQF: tl.constexpr,
-               REQ_WORDS: tl.constexpr):
-    """Which servable requests (``ok``; their words ``requests``) are of the kind of ``first``
-    (one request's words): the same op and k (``kind_w``: that word's mask), and all
-    namespaces as it, or the same name and length (``name_w``, ``len_w``: those words' masks;
-    of the length's word only the high half, the low half being the client's sleeping flag).
-    Their windows may differ: each query's is its own, in its table row."""
-    unlike = requests != first[None, :]
-    differ = kind_w[None, :] & unlike
-    named = _named(first, flags_all, W_NQF, REQ_WORDS)
-    if named:
-        differ = differ | (name_w[None, :] & unlike)
-        differ = differ | (len_w[None, :] & ((requests >> 32) != (first[None, :] >> 32)))
-    every = ((_word(requests, W_NQF, REQ_WORDS) >> 32) & flags_all) != 0
-    return ok & (tl.sum(differ.to(tl.int32), axis=1) == 0) & (every != named)
-
-
-@triton.jit
-def _stage_batch(DH, RR, TAKEN, same, ok, turn, start, sl, at, req, first, want_ns, since, until,
+def _stage_batch(DH, RR, TAKEN, same, ok, turn, start, sl, at, req, first, ns_ids, since, until,
                  W_OPK: tl.constexpr, REQ_WORDS: tl.constexpr, E_Q: tl.constexpr, E_IDS: tl.constexpr,
                  E_SC: tl.constexpr, NS: tl.constexpr, QB: tl.constexpr):
-    """Stages the requests of one kind (``same``) as a batch, up to QB in turn order: a
-    gather-table row each (where its query is, where its answer goes, its window: ``since``,
-    ``until`` per slot), the header's count, k, namespace (``want_ns``, -1: all) and whether
-    the table's windows apply (one request has one), and the next round's turn (RR)."""
+    """Stages the requests of one k (``same``) as a batch, up to QB in turn order: a
+    gather-table row each (where its query is, where its answer goes, its filter: ``ns_ids``
+    (-1: all namespaces), ``since``, ``until`` per slot), the header's count and k, its
+    namespace when the round has one, the own_filters bits (the table's windows where a
+    request has one, the table's namespaces where the round has several), and the next
+    round's turn (RR)."""
     # Row of each in the batch: its place in turn order among its kind (turn order is slot
     # order rotated to start at the turn's slot).
     same_i = same.to(tl.int32)
@@ -464,15 +486,21 @@ def _stage_batch(DH, RR, TAKEN, same, ok, turn, start, sl, at, req, first, want_
     tl.store(row + T_SLOT, sl.to(tl.int64), mask=take)
     tl.store(row + T_SINCE, since.to(tl.int64, bitcast=True), mask=take)
     tl.store(row + T_UNTIL, until.to(tl.int64, bitcast=True), mask=take)
+    tl.store(row + T_NS, tl.where(ns_ids >= 0, ns_ids, NS_ALL), mask=take)
     tl.store(TAKEN + sl, req, mask=take)  # (the final kernel clears each once its answer is out)
     k = (_word(first, W_OPK, REQ_WORDS) >> 32) & 0xFFFFFFFF
     tl.store(DH + H_NQ, tl.sum(take.to(tl.int64)))
     tl.store(DH + H_K, tl.minimum(k, tl.load(DH + H_N)))
-    tl.store(DH + H_HAS_NS, (want_ns >= 0).to(tl.int64))
-    tl.store(DH + H_NS, tl.maximum(want_ns, 0))
+    # One namespace for the whole round (the usual crowd) goes to the header, as one filter a
+    # batch: the scan then tests it per row, not per query; several, to the table rows.
+    lo = tl.min(tl.where(take, ns_ids, 1 << 40))
+    hi = tl.max(tl.where(take, ns_ids, -(1 << 40)))
+    tl.store(DH + H_HAS_NS, ((lo == hi) & (lo >= 0)).to(tl.int64))
+    tl.store(DH + H_NS, tl.where(lo == hi, tl.maximum(lo, 0), 0))
     tl.store(DH + H_K_OUT, k)
-    windowed = take & ((since > float("-inf")) | (until < float("inf")))
-    tl.store(DH + H_WINDOWS, tl.max(windowed.to(tl.int64)))
+    windowed = tl.max((take & ((since > float("-inf")) | (until < float("inf")))).to(tl.int32))
+    own = tl.where(windowed > 0, OWN_WINDOWS, 0) | tl.where(lo != hi, OWN_NAMESPACES, 0)
+    tl.store(DH + H_OWN_FILTERS, own.to(tl.int64))
     # The next turn: the first request left for another round (of another kind, or past QB),
     # so none waits behind a kind that always fits; else after the last one taken.
     left = tl.min(tl.where(ok & ~take, turn, NS))
@@ -508,7 +536,7 @@ def _take_requests(
     nearly as much. Then, in one round trip, every pending request's words (as in
     :func:`_take_request`, the same fence and ``.cg`` loads). Those the kernels must not answer are
     handed to the host at once. Of the others, the first in round-robin turn picks the batch's kind
-    (k and namespace: one header serves the batch; each query's window is its own, in its table row)
+    (k: one header serves the batch; each query's namespace and window are its own, in its table row)
     and the pending requests of that kind join it in turn order, up to QB; the rest stay pending for
     the next round, whose turn begins at the first of them (else after the last one taken: a kind
     that always fits would otherwise keep the turn from another). A table row per request says where
@@ -532,13 +560,6 @@ def _take_requests(
     use_at = stop_at + 16
     at = tl.load(SLOT_AT + sl, mask=slot_ok, other=0)
     last_name = tl.load(NS_IDS + NSMAX + tl.arange(0, 16))  # (see _namespace_id)
-    # The words that say a request's kind: op and k, and for a request that names a namespace
-    # its name and the high half of the length's word (the low half is the client's sleeping
-    # flag, which it writes while it waits). The count, the flags and the window: _servable
-    # and _same_kind.
-    kind_w = rw == W_OPK
-    name_w = (rw >= W_NSB) & (rw < W_NSB + 8)
-    len_w = rw == W_NSLEN
     while state == 0:
         req, pend, n_use, host_now = _poll_slots(SEG, at, IN_USE, HCTL, DSEEN, AGREE, use_at, sl, slot_ok, W_REQ, NS)
         n_pend = tl.sum(pend.to(tl.int32))
@@ -575,23 +596,28 @@ def _take_requests(
                                                          W_NQF, W_SINCE, W_UNTIL, REQ_WORDS, F_SINCE, F_UNTIL)
                 tl.store(HCTL + HCTL_DEMAND, tl.sum(ok.to(tl.int64)))  # (the host sizes the rounds it queues by it)
                 _report_k_wanted(HCTL, recall, kk, k_report, k_most)
-                give = pend & ~ok
+                # Each request's namespace, every name looked up at once (the names' words from the
+                # agreed copy of the requests); a name the table does not hold goes to the host,
+                # which answers with its namespace or its error.
+                names = tl.load(AGREE + NS + sl[:, None] * REQ_WORDS + (W_NSB + tl.arange(0, 8))[None, :],
+                                mask=slot_ok[:, None], other=0)
+                named = ok & (((_word(requests, W_NQF, REQ_WORDS) >> 32) & flags_all) == 0)
+                ns_ids = _namespace_ids(names, (_word(requests, W_NSLEN, REQ_WORDS) >> 32) & 0xFFFFFFFF, named,
+                                        last_name, NS_TAB, NS_IDS, NSMAX)
+                give = pend & (~ok | (ns_ids == -2))
+                ok = ok & ~give
                 tl.store(DSEEN + NS + sl, req, mask=give)
                 tl.store(HHOF + sl, req, mask=give)
                 best = tl.min(tl.where(ok, turn, NS))
                 if best < NS:
+                    # A round takes the requests of the first one's k (one header serves the
+                    # batch), whatever their namespaces and windows: each query's are its own.
                     pick = (best + start) % NS
                     first = tl.sum(tl.where(sl[:, None] == pick, requests, 0), axis=0)
-                    want_ns = _namespace_id(first, NS_TAB, NS_IDS, last_name, flags_all, W_NQF, W_NSLEN, W_NSB,
-                                            REQ_WORDS, NSMAX)
-                    same = _same_kind(requests, first, ok, kind_w, name_w, len_w, flags_all, W_NQF, REQ_WORDS)
-                    if want_ns == -2:  # a name the table does not hold: the host answers them all
-                        tl.store(DSEEN + NS + sl, req, mask=same)
-                        tl.store(HHOF + sl, req, mask=same)
-                    else:
-                        _stage_batch(DH, RR, TAKEN, same, ok, turn, start, sl, at, req, first, want_ns, since,
-                                     until, W_OPK, REQ_WORDS, E_Q, E_IDS, E_SC, NS, QB)
-                        state = 1
+                    same = ok & (_word(requests, W_OPK, REQ_WORDS) == _word(first, W_OPK, REQ_WORDS))
+                    _stage_batch(DH, RR, TAKEN, same, ok, turn, start, sl, at, req, first, ns_ids, since, until,
+                                 W_OPK, REQ_WORDS, E_Q, E_IDS, E_SC, NS, QB)
+                    state = 1
                 if state == 0:
                     first_seen, waited, quiet_since = _idle_again(first_seen, AGREE, clock_at, ON_GPU)
                 last_pend = last_pend * 0

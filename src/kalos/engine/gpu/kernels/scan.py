@@ -22,11 +22,10 @@ from kalos.engine.gpu.kernels.common import (
     H_N,
     H_NQ,
     _filter_words,
-    _in_namespace,
-    _in_window,
     _merge_sorted,
     _pack,
-    _windows,
+    _passes_filter,
+    _query_filters,
 )
 
 
@@ -126,8 +125,8 @@ def scan_topk_kernel(
     qs = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     q_ok = qs < nq
     if FILTER:
-        has_ns, want_ns, has_time = _filter_words(HDR, HDRF)
-        since, until = _windows(HDR, HDRF, qs, q_ok)  # [BLOCK_Q]: a slot server's queries each have their own
+        has_ns, has_time = _filter_words(HDR, HDRF)
+        want_ns, since, until = _query_filters(HDR, HDRF, qs, q_ok)  # [BLOCK_Q]: a slot server's each its own
     if pid_q * BLOCK_Q < nq:
         top = tl.full([BLOCK_Q, K], -9223372036854775808, tl.int64)
         n_blocks = tl.cdiv(n, BLOCK_N)
@@ -143,7 +142,7 @@ def scan_topk_kernel(
             # planner.Tuning). Only the columns a filter uses are read.
             live = tl.load(LIVE + rows, mask=in_rng, other=0)
             if FILTER:
-                nsv = tl.load(NS + rows, mask=in_rng & (has_ns != 0), other=0)
+                nsv = tl.load(NS + rows, mask=in_rng & has_ns, other=0)
                 ts = tl.load(TS + rows, mask=in_rng & has_time, other=0.0)
             if BLOCK_Q == 1:
                 sc1 = _row_scores(X, Qs + pid_q * D, rows, in_rng, D, BLOCK_N, BLOCK_D, HALF)
@@ -160,9 +159,9 @@ def scan_topk_kernel(
                         acc = tl.dot(qv, tl.trans(x), acc, input_precision=PREC)
                 sc = acc
             ok = in_rng & (live != 0)
-            if FILTER:  # [BLOCK_Q, BLOCK_N]: each query's window
-                ok = _in_window(_in_namespace(ok, nsv, has_ns, want_ns)[None, :], ts[None, :], since[:, None],
-                                until[:, None])
+            if FILTER:  # [BLOCK_Q, BLOCK_N]: each query's filter
+                ok = _passes_filter(ok[None, :], nsv[None, :], ts[None, :], want_ns[:, None], since[:, None],
+                                    until[:, None])
             else:
                 ok = ok[None, :]
             if WRITE_SCORES:
@@ -236,9 +235,9 @@ def int8_scores_kernel(
         # (The mask's columns first, as in scan_topk_kernel: their latency hides behind the rows'.)
         live = tl.load(LIVE + rows, mask=in_rng, other=0)
         if FILTER:
-            has_ns, want_ns, has_time = _filter_words(HDR, HDRF)
-            since, until = _windows(HDR, HDRF, tl.arange(0, 1), True)
-            nsv = tl.load(NS + rows, mask=in_rng & (has_ns != 0), other=0)
+            has_ns, has_time = _filter_words(HDR, HDRF)
+            want_ns, since, until = _query_filters(HDR, HDRF, tl.arange(0, 1), True)
+            nsv = tl.load(NS + rows, mask=in_rng & has_ns, other=0)
             ts = tl.load(TS + rows, mask=in_rng & has_time, other=0.0)
         scale = tl.load(SCALE8 + rows, mask=in_rng, other=0.0)
         dq = tl.arange(0, D_POW2)
@@ -258,5 +257,5 @@ def int8_scores_kernel(
         sc = (hi.to(tl.float32) + lo.to(tl.float32) * (1.0 / 256.0)) * s_q * scale
         ok = in_rng & (live != 0)
         if FILTER:
-            ok = _in_window(_in_namespace(ok, nsv, has_ns, want_ns), ts, since, until)
+            ok = _passes_filter(ok, nsv, ts, want_ns, since, until)
         tl.store(OUT + rows, tl.where(ok, sc, float("-inf")), mask=in_rng)

@@ -20,43 +20,43 @@ from kalos.engine.gpu.kernels.common import (
     H_NQ,
     H_ROW_ERR8,
     _filter_words,
-    _in_namespace,
-    _in_window,
     _merge_sorted,
     _ordered,
     _pack,
+    _passes_filter,
+    _query_filters,
     _rescore,
-    _windows,
 )
 
 
 @triton.jit
 def _eligible(local, inside, HDR, row_base, limit, LIVE, NS, TS, HDRF, MASK: tl.constexpr, FILTER: tl.constexpr):
-    """(rows, ok, ts) of the slice offsets ``local`` (where ``inside``, below ``limit``): ok = a
-    row in use and, with MASK (the scores came unmasked from a GEMM), live and in the header's
-    namespace; ts: the rows' created_at where a query of the batch has a time window (else 0),
-    for :func:`_in_query_window`. Only the columns the header's filter uses are read."""
+    """(rows, ok, nsv, ts) of the slice offsets ``local`` (where ``inside``, below ``limit``): ok
+    = a row in use and, with MASK (the scores came unmasked from a GEMM), live; nsv and ts: the
+    rows' namespace and created_at where a query of the batch filters by them (else 0), for
+    :func:`_in_query_filter`. Only the columns the header's filter uses are read."""
     n = tl.load(HDR + H_N)
     rows = row_base + local
     ok = inside & (rows < n) & (local < limit)
+    nsv = tl.zeros(local.shape, tl.int32)
     ts = tl.zeros(local.shape, tl.float64)
     if MASK:
         ok = ok & (tl.load(LIVE + rows, mask=ok, other=0) != 0)
         if FILTER:
-            has_ns, want_ns, has_time = _filter_words(HDR, HDRF)
-            nsv = tl.load(NS + rows, mask=ok & (has_ns != 0), other=0)
+            has_ns, has_time = _filter_words(HDR, HDRF)
+            nsv = tl.load(NS + rows, mask=ok & has_ns, other=0)
             ts = tl.load(TS + rows, mask=ok & has_time, other=0.0)
-            ok = _in_namespace(ok, nsv, has_ns, want_ns)
-    return rows, ok, ts
+    return rows, ok, nsv, ts
 
 
 @triton.jit
-def _in_query_window(ok, ts, q, HDR, HDRF, MASK: tl.constexpr, FILTER: tl.constexpr):
-    """``ok`` (from :func:`_eligible`) and, with MASK and FILTER, in query ``q``'s time window."""
+def _in_query_filter(ok, nsv, ts, q, HDR, HDRF, MASK: tl.constexpr, FILTER: tl.constexpr):
+    """``ok`` (from :func:`_eligible`) and, with MASK and FILTER, in query ``q``'s namespace
+    and time window."""
     if MASK:
         if FILTER:
-            since, until = _windows(HDR, HDRF, q + tl.arange(0, 1), True)
-            ok = _in_window(ok, ts, since, until)
+            want_ns, since, until = _query_filters(HDR, HDRF, q + tl.arange(0, 1), True)
+            ok = _passes_filter(ok, nsv, ts, want_ns, since, until)
     return ok
 
 
@@ -68,8 +68,8 @@ def _masked_rows(S, q, local, inside, HDR, stride_s, row_base, width, LIVE, NS, 
     limit = stride_s if width == 0 else width
     # (The scores' load does not wait for the masks: rows they leave out are masked below.)
     sc = tl.load(S + q.to(tl.int64) * stride_s + local, mask=inside & (local < limit), other=float("-inf"))
-    rows, ok, ts = _eligible(local, inside, HDR, row_base, limit, LIVE, NS, TS, HDRF, MASK, FILTER)
-    ok = _in_query_window(ok, ts, q, HDR, HDRF, MASK, FILTER)
+    rows, ok, nsv, ts = _eligible(local, inside, HDR, row_base, limit, LIVE, NS, TS, HDRF, MASK, FILTER)
+    ok = _in_query_filter(ok, nsv, ts, q, HDR, HDRF, MASK, FILTER)
     sc = tl.where(ok, sc, float("-inf"))
     return sc, rows, ok & (sc > float("-inf"))
 
@@ -187,7 +187,7 @@ def group_max_kernel(
 ):
     """GM[q, j * GROUPS + g] = max of the eligible scores of group g of chunk j: grid (chunks,
     cdiv(Qb, QB)). A program reads its chunk's mask columns once for its QB queries (each
-    query then its own time window): read per query, the columns (live, namespace,
+    query then its own filter): read per query, the columns (live, namespace,
     created_at: up to 13 bytes a row) cost more than the scores (4)."""
     j = tl.program_id(0)
     q0 = tl.program_id(1) * QB
@@ -195,11 +195,11 @@ def group_max_kernel(
     if q0 < nq:
         local = j.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
         limit = stride_s if width == 0 else width
-        _rows, ok, ts = _eligible(local, local >= 0, HDR, row_base, limit, LIVE, NS, TS, HDRF, True, FILTER)
+        _rows, ok, nsv, ts = _eligible(local, local >= 0, HDR, row_base, limit, LIVE, NS, TS, HDRF, True, FILTER)
         groups = j * GROUPS + tl.arange(0, GROUPS)
         for i in tl.static_range(QB):  # (unrolled: every query's load in flight at once)
             q = (q0 + i).to(tl.int64)
-            ok_q = _in_query_window(ok, ts, q, HDR, HDRF, True, FILTER)
+            ok_q = _in_query_filter(ok, nsv, ts, q, HDR, HDRF, True, FILTER)
             sc = tl.load(S + q * stride_s + local, mask=ok_q & (q < nq), other=float("-inf"))
             sc = tl.where(sc > float("-inf"), sc, float("-inf"))  # (a NaN is no maximum)
             best = tl.max(tl.reshape(sc, [GROUPS, CHUNK // GROUPS]), axis=1)
