@@ -626,3 +626,35 @@ def test_groups_with_their_own_filters_and_k_equal_their_searches_one_by_one(rng
     big = [(queries_for(rng, 40, dim), 8, Filter()), (queries_for(rng, 40, dim), 8, Filter(namespace=1))]
     for (queries, k, flt), (got_ids, _s) in zip(big, engine.search_groups(big)):
         np.testing.assert_array_equal(got_ids, engine.search(queries, k, flt)[0])
+
+
+@pytest.mark.parametrize("budget_rows", [0, 300, 10_000])
+def test_row_lists_of_many_namespaces_in_turn_stay_right_within_their_budget(rng, monkeypatch, budget_rows):
+    """Agents each in a namespace of its own ask in turn: each namespace's row list is cached
+    (up to _ROW_LISTS, the least recently used dropped first; gathered while the rows gathered
+    stay within _ROW_LIST_CACHE_BYTES) and answers equal float64's; adds and deletes make new
+    row lists."""
+    n, dim, spaces = 4000, 16, 40  # 100 rows a namespace: selective
+    monkeypatch.setattr(numpy_engine, "_ROW_LIST_CACHE_BYTES", budget_rows * dim * 4)
+    monkeypatch.setattr(numpy_engine, "_ROW_LISTS", 24)
+    engine, ids, raw, ns, t = filled(rng, n, dim, namespaces=np.arange(n) % spaces)
+    for turn in range(3):
+        for space in range(spaces):
+            queries = queries_for(rng, 1 + space % 3, dim)
+            check(engine, queries, 8, Filter(namespace=space), ids, raw, ns == space, context=f"turn {turn} ns {space}")
+            # After the writes the old masks' lists are let go, not kept until they age out.
+            assert len(engine._row_lists) == (min(space + 1, 24) if turn < 2 else 24)
+            gathered = sum(selected[1].nbytes for _mask, selected in engine._row_lists.values()
+                           if selected is not None and selected[1] is not None)
+            assert gathered == engine._gathered_bytes <= budget_rows * dim * 4
+        if turn == 0:  # new rows in every namespace, and some deleted: no row list may be reused
+            more_raw = rng.standard_normal((400, dim)).astype(np.float32)
+            more_ids = random_ids(rng, 400) + 2**50
+            engine.add(more_ids, as_unit_rows(more_raw), np.arange(400, dtype=np.int32) % spaces, np.zeros(400))
+            gone = ids[::7]
+            engine.delete(gone)
+            keep = ~np.isin(ids, gone)
+            ids, raw = np.concatenate([ids[keep], more_ids]), np.concatenate([raw[keep], more_raw])
+            ns, t = np.concatenate([ns[keep], np.arange(400) % spaces]), np.zeros(len(ids))
+    if budget_rows >= 100:
+        assert engine._gathered_bytes > 0  # (the budget held some: the gathered path was taken)

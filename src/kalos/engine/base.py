@@ -27,6 +27,9 @@ __all__ = ["Engine", "Filter", "MISSING_ID", "RowTable"]
 MISSING_ID = -1
 _COMPACT_FRACTION = 0.25
 _COMPACT_MIN_TOMBSTONES = 1024
+#: The masks a RowTable keeps made (one per filter, the oldest dropped first): a crowd of
+#: agents each in a namespace of its own asks with that many filters in turn.
+MASKS_KEPT = 64
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,9 @@ class RowTable:
         self.live_count = 0
         self._row_of: dict[int, int] = {}
         self._masks: dict[Filter, np.ndarray] = {}
+        #: Counts the changes that made the masks made so far stale (an engine's caches of
+        #: what it derived from masks compare it).
+        self.mask_generation = 0
         # A filter without its namespace condition, made once: simplify() runs on every pass.
         self._without_namespace: dict[Filter, Filter] = {}
         # Live rows per namespace id: a filter on a namespace that holds every live row is
@@ -68,6 +74,10 @@ class RowTable:
     @property
     def capacity(self) -> int:
         return len(self.ids)
+
+    def _masks_stale(self) -> None:
+        self._masks.clear()
+        self.mask_generation += 1
 
     @property
     def tombstones(self) -> int:
@@ -112,7 +122,7 @@ class RowTable:
         self.live_count += len(ids)
         values, counts = np.unique(namespaces, return_counts=True)
         self.namespace_live.update(dict(zip(values.tolist(), counts.tolist())))
-        self._masks.clear()
+        self._masks_stale()
         return slice(start, stop)
 
     def tombstone(self, ids: np.ndarray) -> np.ndarray:
@@ -124,7 +134,7 @@ class RowTable:
         values, counts = np.unique(self.namespaces[rows_arr], return_counts=True)
         self.namespace_live.subtract(dict(zip(values.tolist(), counts.tolist())))
         if len(rows_arr):
-            self._masks.clear()
+            self._masks_stale()
         return rows_arr
 
     def set_metadata(self, ids: np.ndarray, metadata: Sequence[Mapping[str, Any] | None]) -> int:
@@ -136,7 +146,7 @@ class RowTable:
         pairs = [(row_of[int(i)], m) for i, m in zip(ids, metadata) if int(i) in row_of]
         if pairs:
             self.meta.write([r for r, _ in pairs], [m for _, m in pairs])
-            self._masks.clear()
+            self._masks_stale()
         return len(pairs)
 
     def simplify(self, flt: Filter) -> Filter:
@@ -168,7 +178,7 @@ class RowTable:
         self.meta.compact(keep)
         self.size = n
         self._row_of = dict(zip(self.ids[:n].tolist(), range(n)))
-        self._masks.clear()
+        self._masks_stale()
         return keep
 
     def mask(self, flt: Filter) -> np.ndarray | None:
@@ -188,7 +198,7 @@ class RowTable:
             mask &= self.created_at[:n] < flt.until
         if flt.where is not None:
             mask &= flt.where.mask(self.meta, n)
-        if len(self._masks) >= 64:  # many time windows or where clauses: drop the oldest
+        if len(self._masks) >= MASKS_KEPT:  # many time windows or where clauses: drop the oldest
             del self._masks[next(iter(self._masks))]
         self._masks[flt] = mask
         return mask

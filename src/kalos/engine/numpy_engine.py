@@ -2,6 +2,7 @@
 a few queries that a crowd of single recalls makes are scored by the native kalos.engine._dots."""
 from __future__ import annotations
 
+import collections
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -9,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kalos.engine.base import Engine, Filter
+from kalos.engine.base import MASKS_KEPT, Engine, Filter
 
 try:  # built at install where a C compiler exists (setup.py); else BLAS scores every pass
     from kalos.engine import _dots
@@ -32,7 +33,10 @@ def native_scores() -> bool:
 # A mask passing at most 1 row in this many is searched as a row list: only its rows are
 # scored (a where clause that picks one user's memories reads a sliver of the matrix).
 _ROW_LIST_FRACTION = 16
-# The rows of a row list are kept gathered (a copy, cached with the mask) up to this size.
+# Row lists are cached with their masks, the most recently used this many (as many as the
+# rows' masks: kalos.engine.base.RowTable.mask), and their rows kept gathered (a copy) up to
+# this many bytes in all.
+_ROW_LISTS = MASKS_KEPT
 _ROW_LIST_CACHE_BYTES = 64 << 20
 
 
@@ -103,8 +107,12 @@ class NumpyEngine(Engine):
         # which costs one pass instead of a boolean gather.
         # Holding the mask itself (not its id) keeps the identity check below sound.
         self._bias_for: tuple[np.ndarray, np.ndarray] | None = None
-        # (mask, (its rows, their vectors or None) or None when not selective): _row_list.
-        self._rows_for: tuple[np.ndarray, tuple[np.ndarray, np.ndarray | None] | None] | None = None
+        # id(mask) -> (mask, (its rows, their vectors or None) or None when not selective),
+        # least recently used first: _row_list. (The mask is held: its id is not reused.)
+        self._row_lists: collections.OrderedDict[
+            int, tuple[np.ndarray, tuple[np.ndarray, np.ndarray | None] | None]] = collections.OrderedDict()
+        self._gathered_bytes = 0
+        self._row_lists_of = 0  # the rows' mask_generation the row lists were made at
 
     def _resize(self, capacity: int) -> None:
         grown = np.zeros((capacity, self.dim), dtype=np.float32)
@@ -249,18 +257,38 @@ class NumpyEngine(Engine):
         return scores[:q]
 
     def _row_list(self, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray | None] | None:
-        """The rows of a selective ``mask`` and, when small enough, their vectors gathered
-        (cached with the mask: a write makes a new mask); None for a mask that passes more."""
-        cached = self._rows_for
-        if cached is not None and cached[0] is mask:
+        """The rows of a selective ``mask`` and, while the cache's bytes hold them, their
+        vectors gathered (cached with the mask until the rows change); None for a mask that
+        passes more."""
+        lists = self._row_lists
+        if self._row_lists_of != self.rows.mask_generation:  # (the rows changed: new masks)
+            lists.clear()
+            self._gathered_bytes = 0
+            self._row_lists_of = self.rows.mask_generation
+        cached = lists.get(id(mask))
+        if cached is not None:
+            lists.move_to_end(id(mask))
             return cached[1]
+        while len(lists) >= _ROW_LISTS:
+            self._forget_row_list(next(iter(lists)))
         selected = None
         if np.count_nonzero(mask) * _ROW_LIST_FRACTION <= len(mask):
             rows = np.flatnonzero(mask)
-            gathered = self._vectors[rows] if len(rows) * self.dim * 4 <= _ROW_LIST_CACHE_BYTES else None
+            size = len(rows) * self.dim * 4
+            # Gathered while the bytes allow; none dropped to make room: a crowd that asks with
+            # more masks in turn than the bytes hold would drop each just before its next use.
+            gathered = None
+            if self._gathered_bytes + size <= _ROW_LIST_CACHE_BYTES:
+                gathered = self._vectors[rows]
+                self._gathered_bytes += size
             selected = (rows, gathered)
-        self._rows_for = (mask, selected)
+        lists[id(mask)] = (mask, selected)
         return selected
+
+    def _forget_row_list(self, key: int) -> None:
+        _mask, selected = self._row_lists.pop(key)
+        if selected is not None and selected[1] is not None:
+            self._gathered_bytes -= selected[1].nbytes
 
     def _search_list(self, queries: np.ndarray, k: int, rows: np.ndarray,
                      gathered: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
