@@ -78,12 +78,9 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="kalos-trace-") as tmp:
         store_path = Path(tmp) / "crowd.db"
-        with Store.open(store_path, dim=args.dim) as store:
-            ids = np.concatenate([store.add(matrix[lo : lo + 16384], namespace="default")[0]
-                                  for lo in range(0, args.n, 16384)])
-        ref_ids, ref_scores = crowd._reference(matrix, queries, ids, args.k)
         data = str(Path(tmp) / "queries.npz")
-        np.savez(data, queries=queries, ref_ids=ref_ids, ref_scores=ref_scores)
+        with Store.open(store_path, dim=args.dim) as store:
+            crowd._store_rows(store, matrix, queries, args.k, "default", data)
         for c in sizes:
             trace = Path(tmp) / f"trace-{c}.npz"
             env = dict(os.environ, KALOS_TRACE_OUT=str(trace))

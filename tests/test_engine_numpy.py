@@ -630,21 +630,26 @@ def test_groups_with_their_own_filters_and_k_equal_their_searches_one_by_one(rng
 
 @pytest.mark.parametrize("budget_rows", [0, 300, 10_000])
 def test_row_lists_of_many_namespaces_in_turn_stay_right_within_their_budget(rng, monkeypatch, budget_rows):
-    """Agents each in a namespace of its own ask in turn: each namespace's row list is cached
-    (up to _ROW_LISTS, the least recently used dropped first; gathered while the rows gathered
-    stay within _ROW_LIST_CACHE_BYTES) and answers equal float64's; adds and deletes make new
-    row lists."""
+    """Agents each in a namespace of its own ask in turn, one of them between every other:
+    each namespace's row list is cached (up to _ROW_LISTS, the least recently used dropped
+    first, so the frequent one stays; gathered while the rows gathered stay within
+    _ROW_LIST_CACHE_BYTES) and answers equal float64's; adds, deletes and a compaction make
+    new row lists."""
     n, dim, spaces = 4000, 16, 40  # 100 rows a namespace: selective
     monkeypatch.setattr(numpy_engine, "_ROW_LIST_CACHE_BYTES", budget_rows * dim * 4)
     monkeypatch.setattr(numpy_engine, "_ROW_LISTS", 24)
     engine, ids, raw, ns, t = filled(rng, n, dim, namespaces=np.arange(n) % spaces)
     for turn in range(3):
-        for space in range(spaces):
-            queries = queries_for(rng, 1 + space % 3, dim)
-            check(engine, queries, 8, Filter(namespace=space), ids, raw, ns == space, context=f"turn {turn} ns {space}")
+        for space in range(1, spaces):
+            for asked in (space, 0):  # namespace 0 between every other
+                queries = queries_for(rng, 1 + asked % 3, dim)
+                check(engine, queries, 8, Filter(namespace=asked), ids, raw, ns == asked,
+                      context=f"turn {turn} ns {asked}")
+            lists = engine._row_lists
+            assert id(engine.rows.mask(Filter(namespace=0))) in lists  # (the most recently used)
             # After the writes the old masks' lists are let go, not kept until they age out.
-            assert len(engine._row_lists) == (min(space + 1, 24) if turn < 2 else 24)
-            gathered = sum(selected[1].nbytes for _mask, selected in engine._row_lists.values()
+            assert len(lists) == min(space + 1, 24)
+            gathered = sum(selected[1].nbytes for _ref, selected in lists.values()
                            if selected is not None and selected[1] is not None)
             assert gathered == engine._gathered_bytes <= budget_rows * dim * 4
         if turn == 0:  # new rows in every namespace, and some deleted: no row list may be reused
@@ -656,5 +661,38 @@ def test_row_lists_of_many_namespaces_in_turn_stay_right_within_their_budget(rng
             keep = ~np.isin(ids, gone)
             ids, raw = np.concatenate([ids[keep], more_ids]), np.concatenate([raw[keep], more_raw])
             ns, t = np.concatenate([ns[keep], np.arange(400) % spaces]), np.zeros(len(ids))
+        elif turn == 1:  # the rows move: a list of the old row numbers would point elsewhere
+            engine.compact()
+            assert engine.rows.size == len(ids)
     if budget_rows >= 100:
         assert engine._gathered_bytes > 0  # (the budget held some: the gathered path was taken)
+
+
+def test_a_row_list_left_ungathered_is_gathered_once_the_bytes_allow(rng, monkeypatch):
+    n, dim = 3000, 8
+    monkeypatch.setattr(numpy_engine, "_ROW_LIST_CACHE_BYTES", 2 * 100 * dim * 4)  # two lists of 100 rows
+    monkeypatch.setattr(numpy_engine, "_ROW_LISTS", 3)
+    created = np.arange(n, dtype=np.float64)
+    engine, ids, raw, ns, t = filled(rng, n, dim, namespaces=np.arange(n) % 30, created_at=created)
+    for space in (0, 1, 2):  # 0 and 1 gathered; 2 not: the bytes are full
+        check(engine, queries_for(rng, 2, dim), 5, Filter(namespace=space), ids, raw, ns == space)
+    late = engine._row_lists[id(engine.rows.mask(Filter(namespace=2)))][1]
+    assert late[1] is None
+    # A filter that is no row list (most rows pass) takes the oldest's place: 0's bytes are free.
+    check(engine, queries_for(rng, 2, dim), 5, Filter(since=10.0), ids, raw, t >= 10.0)
+    assert id(engine.rows.mask(Filter(namespace=0))) not in engine._row_lists
+    check(engine, queries_for(rng, 2, dim), 5, Filter(namespace=2), ids, raw, ns == 2)
+    rows, gathered = engine._row_lists[id(engine.rows.mask(Filter(namespace=2)))][1]
+    np.testing.assert_array_equal(gathered, engine._vectors[rows])
+    assert engine._gathered_bytes == 2 * 100 * dim * 4
+
+
+def test_row_lists_go_with_the_masks_the_rows_drop(rng, monkeypatch):
+    monkeypatch.setattr(engine_base, "MASKS_KEPT", 4)
+    monkeypatch.setattr(numpy_engine, "_ROW_LISTS", 24)
+    engine, ids, raw, ns, t = filled(rng, 2000, 8, namespaces=np.arange(2000) % 20)
+    for space in range(12):
+        check(engine, queries_for(rng, 1, 8), 5, Filter(namespace=space), ids, raw, ns == space)
+        # The rows keep 4 masks; the lists of those they dropped go at the next miss (this one).
+        assert len(engine._row_lists) == min(space + 1, 4)
+        assert all(ref() is not None for ref, _selected in engine._row_lists.values())

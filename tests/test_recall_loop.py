@@ -147,7 +147,6 @@ def _submit(loop: RecallLoop, slots, *, n_queries: int = 1) -> None:
         view.namespace[0], view.namespace_len[0] = b"default", 7
         view.queries[:n_queries] = rng.standard_normal((n_queries, DIM))
         view.req_seq[0] = int(view.req_seq[0]) + 1
-        time.sleep(0.002)
 
 
 def _sweep(loop: RecallLoop) -> np.ndarray:

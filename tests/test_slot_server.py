@@ -235,19 +235,26 @@ def test_namespace_table_resolves_names_that_share_a_home_row_and_hands_over_tho
 
 
 @needs_interpreter
-def test_a_namespace_renamed_in_the_table_is_not_answered_from_the_name_found_last(make_rig, rng):
+@ROUNDS
+def test_a_namespace_renamed_in_the_table_is_not_answered_from_the_names_found_before(make_rig, rng, bucket):
     # The kernels remember the name they resolved last (a request naming it again skips the
-    # table's probe); a new table must make them forget it.
+    # table's probe); a new table must make them forget it. Between the first two rounds the
+    # table stays and each slot of the batch asks in the other name.
     rig = make_rig()
-    q = rng.standard_normal(rig.engine.dim).astype(np.float32)
-    for table, rows_ns in (({b"a": 0, b"b": 1}, 0), ({b"a": 0, b"b": 1}, 0), ({b"a": 1, b"b": 0}, 1)):
+    rig.bucket = bucket
+    slots = [0] if bucket == 1 else [0, 1, 2, 3]
+    q = rng.standard_normal((len(slots), rig.engine.dim)).astype(np.float32)
+    for turn, table in enumerate(({b"a": 0, b"b": 1}, {b"a": 0, b"b": 1}, {b"a": 1, b"b": 0})):
         rig.server.set_namespaces(table)
-        seq = rig.submit(0, q, 4, flags=0, namespace=b"a")
+        names = [(b"a", b"b")[(s + turn) % 2] if bucket > 1 else b"a" for s in slots]
+        seqs = [rig.submit(s, q[s], 4, flags=0, namespace=names[s]) for s in slots]
         rig.serve()
-        view = rig.views[0]
-        assert int(view.resp_seq[0]) == seq
-        assert_topk_matches(view.ids[:1, :4], view.scores[:1, :4], rig.ids, rig.vectors, q[None], 4,
-                            rig.live & (rig.namespaces == rows_ns), context=f"'a' is namespace {rows_ns}")
+        for s in slots:
+            view = rig.views[s]
+            assert int(view.resp_seq[0]) == seqs[s]
+            assert_topk_matches(view.ids[:1, :4], view.scores[:1, :4], rig.ids, rig.vectors, q[s][None], 4,
+                                rig.live & (rig.namespaces == table[names[s]]),
+                                context=f"slot {s}: {names[s]!r} is namespace {table[names[s]]}")
 
 
 @needs_interpreter

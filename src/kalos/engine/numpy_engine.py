@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -33,9 +34,9 @@ def native_scores() -> bool:
 # A mask passing at most 1 row in this many is searched as a row list: only its rows are
 # scored (a where clause that picks one user's memories reads a sliver of the matrix).
 _ROW_LIST_FRACTION = 16
-# Row lists are cached with their masks, the most recently used this many (as many as the
-# rows' masks: kalos.engine.base.RowTable.mask), and their rows kept gathered (a copy) up to
-# this many bytes in all.
+# Row lists are cached while the rows keep their masks (kalos.engine.base.RowTable.mask),
+# the most recently used this many, and their rows kept gathered (a copy) up to this many
+# bytes in all.
 _ROW_LISTS = MASKS_KEPT
 _ROW_LIST_CACHE_BYTES = 64 << 20
 
@@ -107,10 +108,11 @@ class NumpyEngine(Engine):
         # which costs one pass instead of a boolean gather.
         # Holding the mask itself (not its id) keeps the identity check below sound.
         self._bias_for: tuple[np.ndarray, np.ndarray] | None = None
-        # id(mask) -> (mask, (its rows, their vectors or None) or None when not selective),
-        # least recently used first: _row_list. (The mask is held: its id is not reused.)
+        # id(mask) -> (a weak reference to the mask, (its rows, their vectors or None) or None
+        # when not selective), least recently used first: _row_list. (Weak: the rows' own cache
+        # decides how long a mask lives; the reference tells a reused id from the same mask.)
         self._row_lists: collections.OrderedDict[
-            int, tuple[np.ndarray, tuple[np.ndarray, np.ndarray | None] | None]] = collections.OrderedDict()
+            int, tuple[weakref.ref, tuple[np.ndarray, np.ndarray | None] | None]] = collections.OrderedDict()
         self._gathered_bytes = 0
         self._row_lists_of = 0  # the rows' mask_generation the row lists were made at
 
@@ -127,7 +129,7 @@ class NumpyEngine(Engine):
         self._vectors[:n] = self._vectors[keep]
 
     def _vector_bytes(self) -> int:
-        return self._vectors.nbytes
+        return self._vectors.nbytes + self._gathered_bytes  # (the row lists' copies too)
 
     def _bias(self, mask: np.ndarray) -> np.ndarray:
         cached = self._bias_for
@@ -258,35 +260,44 @@ class NumpyEngine(Engine):
 
     def _row_list(self, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray | None] | None:
         """The rows of a selective ``mask`` and, while the cache's bytes hold them, their
-        vectors gathered (cached with the mask until the rows change); None for a mask that
-        passes more."""
+        vectors gathered (cached while the rows keep the mask: until they change or drop it);
+        None for a mask that passes more."""
         lists = self._row_lists
         if self._row_lists_of != self.rows.mask_generation:  # (the rows changed: new masks)
             lists.clear()
             self._gathered_bytes = 0
             self._row_lists_of = self.rows.mask_generation
-        cached = lists.get(id(mask))
-        if cached is not None:
-            lists.move_to_end(id(mask))
-            return cached[1]
+        key = id(mask)
+        cached = lists.get(key)
+        if cached is not None and cached[0]() is mask:
+            lists.move_to_end(key)
+            selected = cached[1]
+            if selected is not None and selected[1] is None:  # (bytes freed since: gather it now)
+                selected = self._gathered(selected[0])
+                lists[key] = (cached[0], selected)
+            return selected
+        for dead in [k for k, (ref, _selected) in lists.items() if ref() is None]:  # masks the rows dropped
+            self._forget_row_list(dead)
         while len(lists) >= _ROW_LISTS:
             self._forget_row_list(next(iter(lists)))
         selected = None
         if np.count_nonzero(mask) * _ROW_LIST_FRACTION <= len(mask):
-            rows = np.flatnonzero(mask)
-            size = len(rows) * self.dim * 4
-            # Gathered while the bytes allow; none dropped to make room: a crowd that asks with
-            # more masks in turn than the bytes hold would drop each just before its next use.
-            gathered = None
-            if self._gathered_bytes + size <= _ROW_LIST_CACHE_BYTES:
-                gathered = self._vectors[rows]
-                self._gathered_bytes += size
-            selected = (rows, gathered)
-        lists[id(mask)] = (mask, selected)
+            selected = self._gathered(np.flatnonzero(mask))
+        lists[key] = (weakref.ref(mask), selected)
         return selected
 
+    def _gathered(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """``rows`` and their vectors gathered, if the cache's bytes allow (none is dropped to
+        make room: a crowd that asks with more masks in turn than the bytes hold would drop
+        each just before its next use); else ``rows`` and None."""
+        size = len(rows) * self.dim * 4
+        if self._gathered_bytes + size > _ROW_LIST_CACHE_BYTES:
+            return rows, None
+        self._gathered_bytes += size
+        return rows, self._vectors[rows]
+
     def _forget_row_list(self, key: int) -> None:
-        _mask, selected = self._row_lists.pop(key)
+        _ref, selected = self._row_lists.pop(key)
         if selected is not None and selected[1] is not None:
             self._gathered_bytes -= selected[1].nbytes
 

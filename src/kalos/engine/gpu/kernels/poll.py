@@ -491,8 +491,8 @@ def _stage_batch(DH, RR, TAKEN, same, ok, turn, start, sl, at, req, first, ns_id
     k = (_word(first, W_OPK, REQ_WORDS) >> 32) & 0xFFFFFFFF
     tl.store(DH + H_NQ, tl.sum(take.to(tl.int64)))
     tl.store(DH + H_K, tl.minimum(k, tl.load(DH + H_N)))
-    # One namespace for the whole round (the usual crowd) goes to the header, as one filter a
-    # batch: the scan then tests it per row, not per query; several, to the table rows.
+    # One namespace for the whole round (the usual crowd) goes to the header: the kernels then
+    # read no table row's namespace; several, to the table rows (own_filters).
     lo = tl.min(tl.where(take, ns_ids, 1 << 40))
     hi = tl.max(tl.where(take, ns_ids, -(1 << 40)))
     tl.store(DH + H_HAS_NS, ((lo == hi) & (lo >= 0)).to(tl.int64))
