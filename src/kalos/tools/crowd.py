@@ -110,6 +110,8 @@ def _reference(matrix: np.ndarray, queries: np.ndarray, ids: np.ndarray, k: int)
 #: 1970-01-01 to i seconds after 2100-01-01); "agents": client i in namespace agent-(i mod 64),
 #: its own memories (:func:`_store_rows`). In the other scopes every row is in "default" and
 #: inside every window, so all have the same answer.
+#: The namespaces "agents" spreads the rows over (row i in agent-(i mod this)).
+AGENT_NAMESPACES = 64
 SCOPES = {
     "default": lambda index: {"namespace": "default"},
     "mixed": lambda index: ({"namespace": None}, {"namespace": "default"},
@@ -117,8 +119,6 @@ SCOPES = {
     "windows": lambda index: {"namespace": None, "since": float(index), "until": 4_102_444_800.0 + index},
     "agents": lambda index: {"namespace": f"agent-{index % AGENT_NAMESPACES}"},
 }
-#: The namespaces "agents" spreads the rows over (row i in agent-(i mod this)).
-AGENT_NAMESPACES = 64
 
 
 def _reference_group(scopes: str, index: int) -> int:
@@ -338,6 +338,10 @@ def run_crowd(args: argparse.Namespace) -> int:
 
     sizes = parse_crowd(args.crowd)
     colocated = parse_crowd(args.colocated) if getattr(args, "colocated", "") else []
+    if args.crowd_scopes == "agents" and args.n // AGENT_NAMESPACES < args.k:
+        raise SystemExit(f"--crowd-scopes agents: --n {args.n:,} gives each of the {AGENT_NAMESPACES} namespaces "
+                         f"{args.n // AGENT_NAMESPACES} rows, fewer than -k {args.k}; give --n >= "
+                         f"{AGENT_NAMESPACES * args.k:,}")
     rng = np.random.default_rng(args.seed)
     n, dim, k = args.n, args.dim, args.k
     print(f"crowd bench: N={n:,} x dim {dim}, k={k}, device {args.device}, {os.cpu_count()} CPUs, "

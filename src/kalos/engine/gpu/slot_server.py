@@ -169,7 +169,7 @@ class SlotGraphServer:
     A round's graph: a waiting kernel (one program polls the slots and stages what it takes:
     :func:`~kalos.engine.gpu.kernels.poll.await_request_kernel`, one request, for a single
     client; :func:`~kalos.engine.gpu.kernels.poll.await_requests_kernel`, a crowd's requests of
-    one kind, then the stage-in of their queries), then the engine's own kernels for that many
+    one k, then the stage-in of their queries), then the engine's own kernels for that many
     queries (the scan over the whole GPU, the selection, the final kernel, which publishes each
     answer in its slot). :meth:`start` picks the first round from the clients connected
     (:meth:`bucket`), the demand the later ones. :meth:`running`, which the sidecar's sweep

@@ -1,8 +1,8 @@
 """The slot server's waiting kernels (:class:`kalos.engine.gpu.slot_server.SlotGraphServer`):
 one program polls the slots' ``req_seq`` words in the page-locked segment and stages what the
 engine's kernels that follow in the graph answer: one request for the single-query kernels
-(:func:`await_request_kernel`), or a crowd's requests of one kind as a batch
-(:func:`await_requests_kernel`). Both hand over to the host only what the kernels must not
+(:func:`await_request_kernel`), or a crowd's requests of one k as a batch, whatever their
+namespaces and time windows (:func:`await_requests_kernel`). Both hand over to the host only what the kernels must not
 answer; the rest waits for the next round. Also the namespace table's lookup.
 """
 from __future__ import annotations
