@@ -12,11 +12,10 @@ against a float64 brute force of the same query (the ids as a set, the scores to
 client with a time window of its own; ``agents``: the rows spread over 64 namespaces ("agent-0" to
 "agent-63", row i in agent-(i mod 64)), client i recalling in agent-(i mod 64), as agents that each
 keep their own memories do (each answer checked against the float64 top-k of its namespace's rows).
-Reported per C: p50 / p99 / p99.9 per call, the aggregate
-recalls/s, connect p99 (the crowd's and the late connector's), errors, failed connects, wrong
-answers, and the sweep's queries per pass, time per pass and share of the crowd's time spent
-answering (where the GPU's polling answered most recalls, "q/pass" is its requests per round
-instead).
+Reported per C: p50 / p99 / p99.9 per call, the aggregate recalls/s, connect p99 (the crowd's and
+the late connector's), errors, failed connects, wrong answers, and the sweep's queries per pass,
+time per pass and share of the crowd's time spent answering (where the GPU's polling answered most
+recalls, "q/pass" is its requests per round instead).
 
 ``--colocated`` (CUDA) repeats chosen crowd sizes beside a process that keeps the GPU busy
 with bf16 matrix products (a stand-in for the LLM) and reports its rate alone and meanwhile.
@@ -103,6 +102,9 @@ def _reference(matrix: np.ndarray, queries: np.ndarray, ids: np.ndarray, k: int)
     return top_ids, top_scores
 
 
+#: The namespaces "agents" spreads the rows over (row i in agent-(i mod this)).
+AGENT_NAMESPACES = 64
+
 #: What each crowd client's recalls are scoped to: "default" (the namespace an agent's
 #: Client.recall uses unless told otherwise); "mixed": a third each in "default", in every
 #: namespace, and with a time window, so one pass holds three filter groups; "windows": in
@@ -110,8 +112,6 @@ def _reference(matrix: np.ndarray, queries: np.ndarray, ids: np.ndarray, k: int)
 #: 1970-01-01 to i seconds after 2100-01-01); "agents": client i in namespace agent-(i mod 64),
 #: its own memories (:func:`_store_rows`). In the other scopes every row is in "default" and
 #: inside every window, so all have the same answer.
-#: The namespaces "agents" spreads the rows over (row i in agent-(i mod this)).
-AGENT_NAMESPACES = 64
 SCOPES = {
     "default": lambda index: {"namespace": "default"},
     "mixed": lambda index: ({"namespace": None}, {"namespace": "default"},
