@@ -5,21 +5,23 @@
 # toward the one-namespace crowd's 152; it was 20 us above it in session 33's call 1). Run from
 # a checkout of b34ad3c(+) with `git apply benchmarks/results/h100-s33/candidate-slot-names.patch`,
 # against b34ad3c itself (.snap/trees/s33-ns: `git archive b34ad3c src`): the batch rounds' CUDA
-# test (exact, 40 slots), then the 'agents' crowd at 16 and 64 of both trees and this tree's
-# "default" crowd at 16 and 64, default `kalos serve --device cuda` (65,536 x 1024, k = 8, 2 s a
-# crowd).
-#   BUDGET_S=260 OUT=$OUT bash benchmarks/results/h100-s33/next.sh   (carry .snap/trees/s33-ns, this folder, h100-s32)
+# test (exact, 40 slots) and the GPU-polling sidecar's (session 33's call 1 stopped it at its
+# time limit, untested on the per-query namespaces), then the 'agents' crowd at 1, 4, 16, 64 of
+# both trees and the "default" crowd at 16 and 64 of both, default `kalos serve --device cuda`
+# (65,536 x 1024, k = 8, 2 s a crowd).
+#   BUDGET_S=560 OUT=$OUT bash benchmarks/results/h100-s33/next.sh   (carry .snap/trees/s33-ns, this folder, h100-s32)
 cd "$(dirname "$0")/../../.."
 source benchmarks/results/h100-s32/lib.sh
 B=.snap/trees/s33-ns/src
 build_fence src $B
 nvidia-smi --query-gpu=name --format=csv,noheader
 echo "=== cuda tests $(date +%T)"
-PYTHONPATH=src timeout -s INT -k 5 ${TESTS_S:-110} python3 -m pytest -v -p no:cacheprovider -m cuda \
-  tests/test_slot_server.py -k "every_size and exact-40" > $OUT/cuda-tests.txt 2>&1
+PYTHONPATH=src timeout -s INT -k 5 ${TESTS_S:-240} python3 -m pytest -v -p no:cacheprovider -m cuda \
+  tests/test_slot_server.py -k "every_size and exact-40 or sidecar_with_gpu_polling" > $OUT/cuda-tests.txt 2>&1
 grep -E "PASSED|FAILED|ERROR|passed|failed" $OUT/cuda-tests.txt | tail -5
-NEED_S=40 INTO=agents CROWD=16,64 crowd src this-agents "" --crowd-scopes agents
-NEED_S=40 INTO=agents CROWD=16,64 crowd $B base-agents "" --crowd-scopes agents
+NEED_S=40 INTO=agents CROWD=1,4,16,64 crowd src this-agents "" --crowd-scopes agents
+NEED_S=40 INTO=agents CROWD=1,4,16,64 crowd $B base-agents "" --crowd-scopes agents
 NEED_S=25 INTO=default CROWD=16,64 crowd src this ""
+NEED_S=25 INTO=default CROWD=16,64 crowd $B base ""
 echo "=== done ${SECONDS}s"
 summary
