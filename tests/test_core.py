@@ -1011,6 +1011,17 @@ def _expect(out: Any, kind: str, count: int) -> list[tuple]:
     return got
 
 
+def _expect_each(out: Any, counts: dict[str, int]) -> dict[str, list[tuple]]:
+    """:func:`_expect` of several kinds of message, in whatever order they come."""
+    got: dict[str, list[tuple]] = {kind: [] for kind in counts}
+    while any(len(got[kind]) < n for kind, n in counts.items()):
+        msg = out.get(timeout=DEADLINE_S * 2)
+        assert msg[0] != "error", msg[2]
+        assert msg[0] in got and len(got[msg[0]]) < counts[msg[0]], f"unexpected {msg[:3]}"
+        got[msg[0]].append(msg)
+    return got
+
+
 def test_a_sidecar_killed_while_it_sleeps_is_noticed_and_the_next_one_found(sidecars, store_dir, rng):
     """kill -9 while the sidecar sleeps leaves its sleeping word set, so the next request rings
     its bell, whose other end died with it: SidecarUnavailable (it was a bare BrokenPipeError
@@ -1065,14 +1076,13 @@ def test_kill9_sidecar_clients_fail_fast_then_recover_and_acked_adds_survive(sid
 
     second = sidecars.start(store, name=name, dim=DIM)  # same store, same name
     restarted.set()
-    recovered = _expect(out, "recovered", n_recallers)
-    for _kind, pid, retries, hits in recovered:
+    # The recallers' recoveries and the writer's resumption race each other: either may come first.
+    after = _expect_each(out, {"recovered": n_recallers, "writer-resumed": 1})
+    for _kind, pid, retries, hits in after["recovered"]:
         assert retries == 0, f"client {pid} needed {retries} retries after the restart"
         for qi, (hit_ids, hit_scores) in enumerate(hits):
             assert_topk_matches(hit_ids[None], hit_scores[None], base_ids, base, queries[qi], k, padded=False,
                                 context=f"client {pid} after restart, query {qi}")
-    msg = out.get(timeout=DEADLINE_S * 2)
-    assert msg[0] == "writer-resumed", msg
     stop.set()
     msg = out.get(timeout=DEADLINE_S * 2)
     assert msg[0] == "acked", msg
