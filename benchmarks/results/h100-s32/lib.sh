@@ -19,6 +19,13 @@ crowd() { # tree label [colocated sizes] [crowd.py args...]   (CROWD: the sizes,
   pkill -9 -f "kalos[ ]serve" 2>/dev/null
   grep -E "Traceback|Error" $file | head -4
 }
+cuda_tests() { # seconds pytest-args...   (this tree's CUDA tests, into $OUT/cuda-tests.txt; added in session 33)
+  local limit=$1; shift
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  echo "=== cuda tests $(date +%T)"
+  PYTHONPATH=src timeout -s INT -k 5 $limit python3 -m pytest -v -p no:cacheprovider -m cuda "$@" > $OUT/cuda-tests.txt 2>&1
+  grep -E "PASSED|FAILED|ERROR|passed|failed" $OUT/cuda-tests.txt | tail -8
+}
 rounds() { # label tree [rounds.py args...]
   local label=$1 tree=$2; shift 2
   (( SECONDS + ${NEED_S:-60} < budget )) || { echo "--- skipped rounds $label: ${SECONDS}s gone"; return 1; }

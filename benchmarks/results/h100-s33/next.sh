@@ -14,11 +14,7 @@ cd "$(dirname "$0")/../../.."
 source benchmarks/results/h100-s32/lib.sh
 B=.snap/trees/s33-ns/src
 build_fence src $B
-nvidia-smi --query-gpu=name --format=csv,noheader
-echo "=== cuda tests $(date +%T)"
-PYTHONPATH=src timeout -s INT -k 5 ${TESTS_S:-240} python3 -m pytest -v -p no:cacheprovider -m cuda \
-  tests/test_slot_server.py -k "every_size and exact-40 or sidecar_with_gpu_polling" > $OUT/cuda-tests.txt 2>&1
-grep -E "PASSED|FAILED|ERROR|passed|failed" $OUT/cuda-tests.txt | tail -5
+cuda_tests ${TESTS_S:-240} tests/test_slot_server.py -k "every_size and exact-40 or sidecar_with_gpu_polling"
 NEED_S=40 INTO=agents CROWD=1,4,16,64 crowd src this-agents "" --crowd-scopes agents
 NEED_S=40 INTO=agents CROWD=1,4,16,64 crowd $B base-agents "" --crowd-scopes agents
 NEED_S=25 INTO=default CROWD=16,64 crowd src this ""
