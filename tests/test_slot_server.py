@@ -237,9 +237,9 @@ def test_namespace_table_resolves_names_that_share_a_home_row_and_hands_over_tho
 @needs_interpreter
 @ROUNDS
 def test_a_namespace_renamed_in_the_table_is_not_answered_from_the_names_found_before(make_rig, rng, bucket):
-    # The kernels remember the name they resolved last (a request naming it again skips the
-    # table's probe); a new table must make them forget it. Between the first two rounds the
-    # table stays and each slot of the batch asks in the other name.
+    # The kernels remember the name they resolved last, and a batch round each slot's (a request
+    # naming it again skips the table's probe); a new table must make them forget both. Between
+    # the first two rounds the table stays and each slot of the batch asks in the other name.
     rig = make_rig()
     rig.bucket = bucket
     slots = [0] if bucket == 1 else [0, 1, 2, 3]

@@ -278,8 +278,9 @@ class SlotGraphServer:
         if getattr(engine.kernels.NS_PROBE, "value", engine.kernels.NS_PROBE) != _NAME_PROBE:
             raise AssertionError("the kernels and the host disagree on the namespace table's probe")
         self._ns_tab = torch.zeros((_NAME_ROWS, 9), dtype=torch.int64, device=dev)
-        # The ids, then the name the kernels found last (8 words, length, id: _namespace_id).
-        self._ns_ids = torch.full((_NAME_ROWS + 16,), -1, dtype=torch.int64, device=dev)
+        # The ids, then the name the kernels found last (8 words, length, id: _namespace_id),
+        # then each slot's last (16 words a slot: _namespace_ids); a length of -1 is none.
+        self._ns_ids = torch.full((_NAME_ROWS + 16 + 16 * self.ns,), -1, dtype=torch.int64, device=dev)
         self._names: dict[bytes, int] = {}
         self._stream = torch.cuda.Stream(device=dev, priority=-100) if self.on_gpu else None
         self.launches = 0
@@ -384,7 +385,7 @@ class SlotGraphServer:
         if any(ns_id < 0 for ns_id in names.values()):
             raise InvalidArgument("namespace ids must be >= 0 (-1 marks an unused row of the table)")
         tab = np.zeros((_NAME_ROWS, 9), np.int64)
-        ids = np.full(_NAME_ROWS + 16, -1, np.int64)  # (the name found last: none)
+        ids = np.full(len(self._ns_ids), -1, np.int64)  # (the names found last, the slots' too: none)
         for name, ns_id in names.items():
             if len(name) > 8 * _NAME_WORDS:
                 # The kernels compare the first 8 words and the length: a longer name is never in

@@ -140,14 +140,22 @@ def _namespace_id(request, NS_TAB, NS_IDS, last, flags_all, W_NQF: tl.constexpr,
 def _namespace_ids(names, name_len, named, last, NS_TAB, NS_IDS, NSMAX: tl.constexpr):
     """:func:`_namespace_id` for every slot at once (``names``: [slots, 8] words, ``name_len``,
     ``named``: the requests that name one; ``last``: as there): -1 for all namespaces, the id of
-    a name the device table holds, -2 for any other. A crowd that keeps to the name found last
-    (agents recalling in "default") skips the table; otherwise every other name's NS_PROBE
-    rows are read, one row of all of them at a time."""
+    a name the device table holds, -2 for any other. A request naming the name found last, or
+    the one its own slot named before (NS_IDS[NSMAX + 16:], 16 words a slot: 8 words, length,
+    id; agents keep to their own namespace), skips the table; every other name's NS_PROBE rows
+    are read, one row of all of them at a time, and it becomes its slot's."""
     w8 = tl.arange(0, 8)
+    slots = tl.arange(0, names.shape[0])
     last_name = tl.sum(tl.where(tl.arange(0, 16)[None, :] == w8[:, None], last[None, :], 0), axis=1)
     hit = named & (tl.sum((names == last_name[None, :]).to(tl.int32), axis=1) == 8) & (name_len == _word(last, 8, 16))
     found = tl.where(hit, _word(last, 9, 16), -2)
-    miss = named & ~hit
+    own = NS_IDS + NSMAX + 16 + slots * 16
+    asked = named & ~hit
+    own_name = tl.load(own[:, None] + w8[None, :], mask=asked[:, None], other=0)
+    own_len = tl.load(own + 8, mask=asked, other=-1)  # -1: none yet, or the table changed
+    own_hit = asked & (tl.sum((own_name == names).to(tl.int32), axis=1) == 8) & (own_len == name_len)
+    found = tl.where(own_hit, tl.load(own + 9, mask=own_hit, other=-2), found)
+    miss = asked & ~own_hit
     if tl.sum(miss.to(tl.int32)) > 0:
         home = _name_home(names, name_len, NSMAX)
         for p in range(NS_PROBE):  # (a loop, not unrolled: the waiting kernel's registers are few)
@@ -158,8 +166,10 @@ def _namespace_ids(names, name_len, named, last, NS_TAB, NS_IDS, NSMAX: tl.const
             same = miss & (tl.sum((tab == names).to(tl.int32), axis=1) == 8) & (t_len == name_len) & (t_id >= 0)
             found = tl.where(same, t_id, found)
         got = miss & (found >= 0)
+        tl.store(own[:, None] + w8[None, :], names, mask=got[:, None])
+        tl.store(own + 8, name_len, mask=got)
+        tl.store(own + 9, found, mask=got)
         if tl.sum(got.to(tl.int32)) > 0:  # the name found in the lowest slot, for the rounds after
-            slots = tl.arange(0, names.shape[0])
             pick = tl.min(tl.where(got, slots, names.shape[0]))
             tl.store(NS_IDS + NSMAX + w8, tl.sum(tl.where((slots == pick)[:, None], names, 0), axis=0))
             tl.store(NS_IDS + NSMAX + 8, tl.sum(tl.where(slots == pick, name_len, 0)))
@@ -381,8 +391,8 @@ def await_request_kernel(
     DQ,  # [D] float32 device: the request's query, normalised
     AGREE,  # [NS * (REQ_WORDS + 2) + 16] int64 device scratch (_agree)
     NS_TAB,  # [NSMAX, 9] int64: known namespaces' names (8 words, zero-padded) and lengths
-    NS_IDS,  # [NSMAX + 16] int64: their ids (>= 0; -1 marks a row not in use), then the name found
-    #          last (see _namespace_id)
+    NS_IDS,  # [NSMAX + 16 + NS * 16] int64: their ids (>= 0; -1 marks a row not in use), then the
+    #          name found last (see _namespace_id), then each slot's (_namespace_ids)
     n_slots,
     k_limit,  # largest k this round serves (its k bucket's; larger ones go to the host)
     k_report,  # a pending single recall with a larger k is reported in HCTL's k_wanted
@@ -646,7 +656,7 @@ def await_requests_kernel(
     DH,  # the header + QB gather-table rows the kernels after this one read
     AGREE,  # [NS * (REQ_WORDS + 2) + 16] int64 device scratch (_agree)
     NS_TAB,  # [NSMAX, 9] int64: known namespaces (see await_request_kernel)
-    NS_IDS,  # [NSMAX + 16] int64: their ids, then the name found last
+    NS_IDS,  # [NSMAX + 16 + NS * 16] int64: their ids, the name found last, each slot's (_namespace_ids)
     n_slots,
     k_limit,  # largest k this round serves (its k bucket's; larger ones go to the host)
     k_report,  # a pending single recall with a larger k is reported in HCTL's k_wanted
