@@ -99,8 +99,10 @@ class FakeEngine:
         assert k_max == layout.max_k
         self.places_attached = True
 
-    def search_places_start(self, places, k, flt=Filter()) -> FakePass:
-        return self.search_attached_start(None, None, self.loop._ids_at[places], None, k, flt)
+    def search_places_start(self, places, k, flt=Filter(), namespaces=None) -> FakePass:
+        queued = self.search_attached_start(None, None, self.loop._ids_at[places], None, k, flt)
+        queued.k, queued.flt, queued.namespaces = k, flt, namespaces
+        return queued
 
 
 class NoExpiry:
@@ -138,13 +140,16 @@ def loop():
     segment.close()
 
 
-def _submit(loop: RecallLoop, slots, *, n_queries: int = 1) -> None:
-    """Single recalls (or batches) of namespace "default" from ``slots``, one more request each."""
+def _submit(loop: RecallLoop, slots, *, n_queries: int = 1, namespaces=None, k: int = K) -> None:
+    """Single recalls (or batches) from ``slots``, one more request each: in namespace "default",
+    or each in its entry of ``namespaces`` (None: all namespaces)."""
     rng = np.random.default_rng(0)
-    for slot in slots:
+    for at, slot in enumerate(slots):
         view = loop.channel.slots[slot]
-        view.op[0], view.k[0], view.n_queries[0], view.flags[0] = int(Op.RECALL), K, n_queries, 0
-        view.namespace[0], view.namespace_len[0] = b"default", 7
+        name = b"default" if namespaces is None else namespaces[at]
+        flags = int(RequestFlag.ALL_NAMESPACES) if name is None else 0
+        view.op[0], view.k[0], view.n_queries[0], view.flags[0] = int(Op.RECALL), k, n_queries, flags
+        view.namespace[0], view.namespace_len[0] = name or b"", len(name or b"")
         view.queries[:n_queries] = rng.standard_normal((n_queries, DIM))
         view.req_seq[0] = int(view.req_seq[0]) + 1
 
@@ -269,6 +274,53 @@ def test_where_clauses_and_time_windows_are_never_queued(loop):
     assert not engine.passes and engine.synchronous == 2  # one pass per filter
     assert _published(loop, [0, 1, 2, 3])
     assert all(int(channel.columns.status[s]) == 0 for s in range(4))
+
+
+def test_agents_in_namespaces_of_their_own_share_one_queued_pass(loop):
+    """A crowd of single recalls that differ in their namespaces (and k) alone is one pass, each
+    query in its own namespace's id (-1: all); a namespace that holds nothing is answered at once
+    with no hits; anything else in the crowd (a time window, a malformed name) sends it to the
+    mixed path, one pass per filter."""
+    engine, channel = loop.engine, loop.channel
+    columns = channel.columns
+    loop._namespaces.update({b"agent-a": 1, b"agent-b": 2})
+    channel.deactivate(4)
+    channel.activate(4, wake_pair()[0])  # (a generation of its own: answers go by each slot's)
+    _submit(loop, [0], namespaces=[b"agent-a"], k=2)
+    _submit(loop, [1, 2, 3], namespaces=[b"agent-b", None, b"agent-a"])
+    _submit(loop, [4], namespaces=[b"agent-new"], k=2)  # a new agent: nothing stored yet
+    _submit(loop, [5], namespaces=[b"default"], k=3)
+    assert _sweep(loop).tolist() == [0, 1, 2, 3, 4, 5]
+    assert len(engine.passes) == 1 and engine.synchronous == 0
+    queued = engine.passes[0]
+    assert queued.slots.tolist() == [0, 1, 2, 3, 5] and queued.k == K and queued.flt == Filter()
+    assert queued.namespaces.tolist() == [1, 2, -1, 1, 0]
+    assert _published(loop, [4]) and not _published(loop, [0, 1, 2, 3, 5])
+    assert int(columns.status[4]) == 0 and int(columns.n_results[4]) == 2 and columns.ids_row0[4, :2].tolist() == [-1, -1]
+    queued.landed = True
+    _sweep(loop)
+    assert _published(loop, [0, 1, 2, 3, 5]) and not loop._flights
+    assert [int(columns.n_results[s]) for s in (0, 1, 2, 3, 5)] == [2, K, K, K, 3]
+    assert all(int(columns.status[s]) == 0 for s in (0, 1, 2, 3, 5))
+    # A time window in the crowd: the mixed path (searched here, one pass per filter).
+    _submit(loop, [0, 1], namespaces=[b"agent-a", b"agent-b"])
+    channel.slots[1].flags[0] = int(RequestFlag.HAS_SINCE)
+    channel.slots[1].since[0] = 0.0
+    _sweep(loop)
+    assert len(engine.passes) == 1 and engine.synchronous == 2 and _published(loop, [0, 1])
+    # A name that is no UTF-8 gets its error at once; the others still share one pass.
+    _submit(loop, [2, 3, 6], namespaces=[b"agent-a", b"\xff\xfe", b"agent-b"])
+    _sweep(loop)
+    assert len(engine.passes) == 2 and engine.passes[1].namespaces.tolist() == [1, 2]
+    assert _published(loop, [3]) and not _published(loop, [2, 6])
+    assert int(columns.status[3]) == ErrorCode.INVALID_QUERY and "UTF-8" in channel.slots[3].read_message()
+    engine.passes[1].landed = True
+    _sweep(loop)
+    assert _published(loop, [2, 6]) and int(columns.status[2]) == int(columns.status[6]) == 0
+    # Every agent new: all answered at once, nothing queued.
+    _submit(loop, [0, 1], namespaces=[b"agent-c", b"agent-d"])
+    _sweep(loop)
+    assert len(engine.passes) == 2 and _published(loop, [0, 1])
 
 
 def test_the_sweep_thread_keeps_a_pass_in_flight_apart_and_publishes_it_when_it_lands(loop):

@@ -8,6 +8,8 @@ random data prints its seed (set KALOS_TEST_SEED to replay one).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import mmap
 import os
@@ -861,6 +863,76 @@ def test_places_answer_as_the_float64_reference(rng, precision, device):
         eng.detach_host()
     with pytest.raises(InvalidArgument, match="attach_places"):  # detached: the places went too
         eng.search_places_start(np.array([0]), k)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=needs_interpreter),
+                                    pytest.param("cuda", marks=[cuda, needs_cuda])])
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_places_each_in_its_own_namespace_answer_as_the_float64_reference(rng, precision, device):
+    """search_places_start with ``namespaces``: one pass in which each place's query keeps to
+    its own namespace (-1: all of them), under the filter's time window, answered as the float64
+    reference of that namespace; the same for more places than a batch holds (searched at once,
+    namespace by namespace); in fast mode a failed certificate is re-run in each query's own
+    namespace; a namespace given twice, or namespaces of the wrong shape, are refused, nothing
+    written."""
+    d, k, k_max, n_places = 32, 6, 8, 11
+    eng = TorchEngine(d, device=device, backend="triton", precision=precision, capacity=8, max_batch=8)
+    m = Mirror(eng, rng)
+    m.add(220)
+    base = rng.standard_normal(d)
+    # Where fast mode's certificate fails: more near-duplicates in each namespace than it keeps.
+    m.add(150, base + 1e-5 * rng.standard_normal((150, d)))
+    buf, query_at, ids_at, scores_at = places_buffer(n_places, d, k_max)
+    f32 = np.frombuffer(buf, np.float32)
+    raw = rng.standard_normal((n_places, d))
+    raw[1] = base + 1e-4 * rng.standard_normal(d)  # next to the near-duplicates
+    raw[4] = base + 1e-4 * rng.standard_normal(d)
+    for j in range(n_places):
+        f32[query_at[j] : query_at[j] + d] = raw[j]
+    unit = as_unit_rows(raw)
+    eng.attach_host(buf)
+    try:
+        eng.attach_places(query_at, ids_at, scores_at, k_max)
+        places = np.array([0, 1, 2, 3, 4, 5, 6])
+        namespaces = np.array([0, 1, 2, -1, 2, 0, 1, 1, -1, 0, 2])  # (of every place)
+        before = bytes(buf)
+        own = namespaces[places]
+        for bad, flt in ((own, Filter(namespace=1)), (own[:3], Filter()), (own.astype(float), Filter()),
+                         (list(own), Filter()), (own.astype(np.uint64), Filter()), (np.where(own < 0, -2, own), Filter()),
+                         (np.where(own == 2, 2**31, own), Filter())):
+            with pytest.raises(InvalidArgument, match="namespace"):
+                eng.search_places_start(places, k, flt, namespaces=bad)
+        assert bytes(buf) == before
+        i64 = np.frombuffer(buf, np.int64)
+        window = Filter(since=10.0, until=90.0)
+        fallbacks = eng.stats["fallbacks"]
+        for flt, chosen in ((Filter(), places), (window, places), (Filter(), np.array([9, 5, 4])),
+                            (window, np.array([1, 6, 7]))):  # (the last all in namespace 1)
+            own = namespaces[chosen]
+            for at in ids_at[chosen]:
+                i64[at : at + k] = -7  # (no answer left from an earlier pass passes for this one's)
+            scales = eng.search_places_start(chosen, k, flt, namespaces=own).finish()
+            assert (np.isfinite(scales) & (scales > 0)).all()
+            got_ids, got_sc = read_attached(buf, ids_at[chosen], scores_at[chosen], k)
+            for row, (place, ns_id) in enumerate(zip(chosen.tolist(), own.tolist())):
+                mine = dataclasses.replace(flt, namespace=None if ns_id < 0 else ns_id)
+                (ref_ids, ref_sc), = m.reference(unit[place : place + 1], mine)
+                assert_topk(got_ids[row], got_sc[row], ref_ids, ref_sc, k)
+        if precision == "fast":
+            assert eng.stats["fallbacks"] > fallbacks
+        # More places than a batch holds: at once, namespace by namespace.
+        many = np.arange(n_places)[::-1].copy()
+        own = namespaces[many]
+        for at in ids_at[many]:
+            i64[at : at + k] = -7
+        eng.search_places_start(many, k, window, namespaces=own).finish()
+        got_ids, got_sc = read_attached(buf, ids_at[many], scores_at[many], k)
+        for row, (place, ns_id) in enumerate(zip(many.tolist(), own.tolist())):
+            mine = dataclasses.replace(window, namespace=None if ns_id < 0 else ns_id)
+            (ref_ids, ref_sc), = m.reference(unit[place : place + 1], mine)
+            assert_topk(got_ids[row], got_sc[row], ref_ids, ref_sc, k)
+    finally:
+        eng.detach_host()
 
 
 @needs_interpreter

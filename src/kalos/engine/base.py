@@ -238,7 +238,8 @@ class Engine(ABC):
     #: ``attach_host(buffer)``, ``detach_host()``, ``search_attached(...)`` and its queued form
     #: ``search_attached_start(...)``: queries read and answers written in place in a host
     #: buffer (the sidecar's segment: zero copy); ``attach_places(...)`` and
-    #: ``search_places_start(places, k, flt)``: single queries at places of it declared once.
+    #: ``search_places_start(places, k, flt, namespaces=None)``: single queries at places of it
+    #: declared once (each in a namespace of its own where ``namespaces`` says so).
     supports_attached_host: bool = False
     #: ``bind_stream()``, ``unbind_stream()``: the calling thread's GPU work on the engine's stream.
     supports_streams: bool = False

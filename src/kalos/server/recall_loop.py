@@ -298,14 +298,19 @@ class RecallLoop:
 
         Single recalls (one query, all namespaces or one, no time window: what an agent sends)
         are read from the slots' columns in a few NumPy calls and searched as one batch per
-        namespace, so a pass costs about the same whether 1 or 64 clients are waiting. Anything
-        else (batches, time windows, pings, malformed requests) is read slot by slot.
+        namespace (on a zero-copy GPU engine one batch whatever their namespaces:
+        :meth:`_answer_agents`), so a pass costs about the same whether 1 or 64 clients are
+        waiting. Anything else (batches, time windows, pings, malformed requests) is read slot
+        by slot.
         """
         self._expire_due()
         started = time.perf_counter()
         if len(slots) > 1:
             uniform = self._uniform_key(slots)
-            if uniform is not None and self._answer_uniform(slots, seqs, generations, started, *uniform):
+            if uniform is not None:
+                if self._answer_uniform(slots, seqs, generations, started, *uniform):
+                    return
+            elif self._answer_agents(slots, seqs, generations, started):
                 return
         self._land_all()  # (this pass is answered here and now: those queued before it first)
         if len(slots) == 1:  # one client: scalar reads cost less than the columns' NumPy calls
@@ -384,6 +389,69 @@ class RecallLoop:
         if self._flights:
             return False
         self._publish(slots, seqs, generations, self._searching(self._answer_group, slots, ks, flt), started)
+        return True
+
+    def _answer_agents(self, slots: np.ndarray, seqs: np.ndarray, generations: np.ndarray | None,
+                       started: float) -> bool:
+        """Queues one pass on the GPU for a crowd of single recalls that differ in their
+        namespaces alone (agents that each keep their own memories; zero copy, no GPU polling):
+        each query's namespace is its own (``search_places_start``'s ``namespaces``), where the
+        mixed path would scan the rows once per namespace. A namespace that holds nothing, or a
+        malformed name (its error), is answered at once. False, nothing answered, for any other
+        crowd (:meth:`_answer_mixed` answers it)."""
+        if not self.zero_copy or self._polling.server is not None:
+            return False
+        columns = self.channel.columns
+        ks = columns.k[slots]
+        flags = columns.flags[slots]
+        if not ((columns.op[slots] == _RECALL) & (columns.n_queries[slots] == 1) & (ks >= 1)
+                & (ks <= self.layout.max_k) & ((flags | _ALL_NAMESPACES) == _ALL_NAMESPACES)).all():
+            return False
+        ns_ids = np.full(len(slots), -1, np.int64)  # (all namespaces)
+        now = np.zeros(len(slots), dtype=bool)  # answered here: a namespace that holds nothing, or an error
+        answered_now = 0
+        named = np.flatnonzero((flags & _ALL_NAMESPACES) == 0)
+        if len(named):
+            names = columns.namespace[slots[named]]  # bytes, trailing NULs dropped
+            if (columns.namespace_len[slots[named]] != np.char.str_len(names)).any():
+                return False  # a length word that disagrees with the bytes: read as each slot says
+            unique, inverse = np.unique(names, return_inverse=True)
+            for group, name in enumerate(unique.tolist()):
+                members = named[inverse == group]
+                key = (0, name, None, None, 0)
+                flt = self._filters.get(key)
+                if flt is None:
+                    try:
+                        flt = self._filter_for(*key)
+                    except KalosError as exc:  # a malformed name: its requests get the error
+                        for index in slots[members].tolist():
+                            self._answer_error(self.channel.slots[index], exc)
+                        now[members] = True
+                        continue
+                if flt is _NOTHING:
+                    answered_now += self._answer_nothing(slots[members], ks[members])
+                    now[members] = True
+                else:
+                    ns_ids[members] = flt.namespace
+        if now.any():
+            done = np.flatnonzero(now)
+            self._publish(slots[done], seqs[done], None if generations is None else generations[done], answered_now,
+                          started)
+            if now.all():
+                return True
+            keep = np.flatnonzero(~now)
+            slots, seqs, ks, ns_ids = slots[keep], seqs[keep], ks[keep], ns_ids[keep]
+            generations = None if generations is None else generations[keep]
+        try:
+            search = self.engine.search_places_start(slots, int(ks.max()), _NO_FILTER, namespaces=ns_ids)
+        except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
+            log.exception("engine search failed")
+            for index in slots.tolist():
+                self._answer_error(self.channel.slots[index], ServerError(f"search failed: {type(exc).__name__}: {exc}"))
+            self._publish(slots, seqs, generations, 0, started)
+            return True
+        self._in_flight[slots] = True
+        self._flights.append(_Flight(slots, seqs, generations, ks, search, started))
         return True
 
     # -- passes in flight ----------------------------------------------------------------

@@ -43,6 +43,7 @@ their own; they share the staging sides, the graphs and ``settle`` with the rest
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import threading
 from typing import Callable, Mapping
@@ -54,7 +55,7 @@ from kalos.engine.base import MISSING_ID, Engine, Filter
 from kalos.engine.gpu.bounds import fast_error_terms, int8_error_terms
 from kalos.engine.gpu.buffers import AttachedHost, HostBuffer, Staging, fill_header, fill_table, register_host_buffer
 from kalos.engine.gpu.columns import DeviceColumns
-from kalos.engine.gpu.layout import TAB_WORDS, TABLE, check_kernel_layout
+from kalos.engine.gpu.layout import HEADER, NS_ALL, OWN_NAMESPACES, TAB_WORDS, TABLE, check_kernel_layout
 from kalos.engine.gpu.pipeline import Pipeline
 from kalos.engine.gpu.planner import (
     DEFAULT_TUNING,
@@ -73,7 +74,20 @@ from kalos.errors import InvalidArgument, InvalidQuery
 __all__ = ["AttachedPass", "TorchEngine", "load_kernels"]
 
 _NO_FILTER = Filter()
+# The largest namespace id (RowTable's namespace column is int32).
+_NAMESPACE_ID_MAX = 2**31 - 1
 _HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _by_namespace(namespaces: np.ndarray):
+    """(namespace id, indices) of each id in ``namespaces`` (-1: all namespaces)."""
+    unique, inverse = np.unique(namespaces, return_inverse=True)
+    return [(int(ns_id), np.flatnonzero(inverse == at)) for at, ns_id in enumerate(unique.tolist())]
+
+
+def _with_namespace(flt: Filter, ns_id: int) -> Filter:
+    """``flt`` (which names no namespace) in namespace ``ns_id`` (-1: all of them)."""
+    return flt if ns_id < 0 else dataclasses.replace(flt, namespace=ns_id)
 
 
 def load_kernels(require_interpreter: bool):
@@ -624,11 +638,17 @@ class TorchEngine(Engine):
         fill_table(table, query_at, ids_at, scores_at, np.nan)  # (NaN: the stage-in kernel normalises)
         self._places, self._places_k = table, int(k_max)
 
-    def search_places_start(self, places: np.ndarray, k: int, flt: Filter = Filter()) -> "AttachedPass":
+    def search_places_start(self, places: np.ndarray, k: int, flt: Filter = Filter(),
+                            namespaces: np.ndarray | None = None) -> "AttachedPass":
         """:meth:`search_attached_start` of the single queries at ``places`` (a 1-d integer array
         of indices of the places :meth:`attach_places` declared), normalised on the device:
         the sweep's pass of a crowd, which checks only that ``k`` and the indices are in range.
-        The pass's ``finish()`` returns the scales applied, as search_attached_start's does."""
+        The pass's ``finish()`` returns the scales applied, as search_attached_start's does.
+
+        ``namespaces`` (signed integers, one per place: an engine namespace id, a filter's
+        ``namespace``, or -1 for all namespaces) gives each query a namespace of its own, in
+        place of ``flt``'s (which must then name none): a crowd of agents that each keep their
+        own memories is one pass over the rows, not one per namespace."""
         table = self._places
         if table is None:
             raise InvalidArgument("search_places_start needs attach_places first")
@@ -643,14 +663,36 @@ class TorchEngine(Engine):
             lo, hi = (int(places[0]),) * 2 if nq == 1 else (int(places.min()), int(places.max()))
             if lo < 0 or hi >= len(table):
                 raise InvalidArgument(f"places must be in [0, {len(table)}): got {lo}..{hi}")
+        if namespaces is not None:
+            if flt.namespace is not None:
+                raise InvalidArgument("give each place's namespace or the filter's, not both")
+            if not (isinstance(namespaces, np.ndarray) and namespaces.shape == places.shape
+                    and namespaces.dtype.kind == "i"):
+                raise InvalidArgument("namespaces must be a 1-d signed integer array, one id per place")
+            if nq and not ((namespaces == -1) | ((namespaces >= 0) & (namespaces <= _NAMESPACE_ID_MAX))).all():
+                raise InvalidArgument(f"namespace ids must be -1 (all) or in [0, {_NAMESPACE_ID_MAX}]")
+            if nq and (namespaces == namespaces[0]).all():  # one namespace: the header's, as without
+                flt = _with_namespace(flt, int(namespaces[0]))
+                namespaces = None
+            else:
+                namespaces = namespaces.astype(np.int64)  # (a copy too)
         rows = table[places]  # (a copy: the caller may reuse its array while the pass flies)
         if not self._queueable(nq, flt):
-            return self.search_attached_start(rows[:, TABLE.query_at], None, rows[:, TABLE.ids_at],
-                                              rows[:, TABLE.scores_at], k, flt)
+            if namespaces is None:
+                return self.search_attached_start(rows[:, TABLE.query_at], None, rows[:, TABLE.ids_at],
+                                                  rows[:, TABLE.scores_at], k, flt)
+            scales = np.empty(nq)
+            for ns_id, members in _by_namespace(namespaces):
+                at = rows[members]
+                scales[members] = self.search_attached(at[:, TABLE.query_at], None, at[:, TABLE.ids_at],
+                                                       at[:, TABLE.scores_at], k, _with_namespace(flt, ns_id))
+            return AttachedPass.finished(scales)
         side = self._free_side()
+        if namespaces is not None:
+            rows[:, TABLE.ns] = np.where(namespaces >= 0, namespaces, NS_ALL)
         self.stagings[side].h_tab[:nq] = rows
-        return self._queue_pass(nq, k, self.rows.simplify(flt), True, side, None,
-                                rows[:, TABLE.query_at], rows[:, TABLE.ids_at], rows[:, TABLE.scores_at])
+        return self._queue_pass(nq, k, self.rows.simplify(flt), True, side, None, rows[:, TABLE.query_at],
+                                rows[:, TABLE.ids_at], rows[:, TABLE.scores_at], namespaces)
 
     def _queueable(self, nq: int, flt: Filter) -> bool:
         """Whether a pass of ``nq`` attached queries under ``flt`` can be queued (two staging
@@ -700,29 +742,33 @@ class TorchEngine(Engine):
         self.stagings[side].set_table(nq, query_at, ids_at, scores_at, scales)
         return self._queue_pass(nq, k, flt, device_norms, side, scales, query_at, ids_at, scores_at)
 
-    def _launch_plan(self, nq: int, k: int, flt: Filter, device_norms: bool, side: int) -> tuple[tuple, bool]:
+    def _launch_plan(self, nq: int, k: int, filtered: bool, device_norms: bool, side: int) -> tuple[tuple, bool]:
         """(graph key, certified) of a queued pass of ``nq`` attached queries on staging
         ``side``, derived once per shape and rows in use (the plans and graphs a key names
         go with a retune, and so do these)."""
         n = self.rows.size
-        shape = (nq, k, flt.is_trivial, device_norms, side, n, self.rows.capacity)
+        shape = (nq, k, filtered, device_norms, side, n, self.rows.capacity)
         plan = self._launch_plans.get(shape)
         if plan is None:
             if len(self._launch_plans) > 256:  # the rows in use change with every add
                 self._launch_plans.clear()
             kind = self.scan_kind(nq, k, self.precision)
-            key = self._key(kind, nq, k, flt, True, True, True, device_norms, side)
+            key = self._key(kind, nq, k, filtered, True, True, True, device_norms, side)
             plan = self._launch_plans[shape] = (key, kind != "f32" and n > fast_candidates(k))
         return plan
 
     def _queue_pass(self, nq: int, k: int, flt: Filter, device_norms: bool, side: int, scales,
-                    query_at: np.ndarray, ids_at: np.ndarray, scores_at: np.ndarray) -> "AttachedPass":
-        """Queues the pass whose gather table staging ``side`` holds already; ``scales``: the
-        host's (None with ``device_norms``); ``query_at``, ``ids_at``, ``scores_at``: the
-        table's offsets again, which only a fallback re-run reads."""
+                    query_at: np.ndarray, ids_at: np.ndarray, scores_at: np.ndarray,
+                    namespaces: np.ndarray | None = None) -> "AttachedPass":
+        """Queues the pass whose gather table staging ``side`` holds already (with each query's
+        namespace where ``namespaces`` is given); ``scales``: the host's (None with
+        ``device_norms``); ``query_at``, ``ids_at``, ``scores_at`` and ``namespaces``: the
+        table's again, which only a fallback re-run reads."""
         st = self.stagings[side]
-        key, certified = self._launch_plan(nq, k, flt, device_norms, side)
+        key, certified = self._launch_plan(nq, k, not flt.is_trivial or namespaces is not None, device_norms, side)
         self.fill_header(self.rows.size, nq, k, flt, staging=st)
+        if namespaces is not None:
+            st.h_hdr[HEADER.own_filters] = OWN_NAMESPACES
         self.stats["searches"] += nq
         self._run(key, None, wait=False)
         event = None
@@ -754,7 +800,12 @@ class TorchEngine(Engine):
                 queries = self._gather(query_at[bad], got[bad])
                 ids = np.empty((len(bad), k), np.int64)
                 scores = np.empty((len(bad), k), np.float32)
-                self._triton_batch(queries, k, flt, ids, scores, True, "f32", None)
+                if namespaces is None:
+                    self._triton_batch(queries, k, flt, ids, scores, True, "f32", None)
+                else:
+                    for ns_id, members in _by_namespace(namespaces[bad]):
+                        self._triton_batch(queries[members], k, _with_namespace(flt, ns_id), RowSink(ids, members),
+                                           RowSink(scores, members), True, "f32", None)
                 self._scatter(ids, scores, ids_at[bad], scores_at[bad], k)
             return got
 
@@ -852,7 +903,7 @@ class TorchEngine(Engine):
         else:
             with self.on_stream():
                 self.staging.d_q[:nq].copy_(queries, non_blocking=True)
-        self._run(self._key(kind, nq, k, flt, want_ids, host_q, False), live, wait=False)
+        self._run(self._key(kind, nq, k, not flt.is_trivial, want_ids, host_q, False), live, wait=False)
 
     def _triton_finish(self, queries, k, flt, out_i, out_s, want_ids, kind, live) -> None:
         """Waits for the batch :meth:`_triton_start` queued; copies its results out."""
@@ -868,13 +919,14 @@ class TorchEngine(Engine):
             redo = queries[bad] if isinstance(queries, np.ndarray) else queries[torch.from_numpy(bad).to(queries.device)]
             self._triton_batch(redo, k, flt, RowSink(out_i, bad), RowSink(out_s, bad), want_ids, "f32", live)
 
-    def _key(self, kind: str, nq: int, k: int, flt: Filter, want_ids: bool, host_q: bool, attached: bool,
+    def _key(self, kind: str, nq: int, k: int, filtered: bool, want_ids: bool, host_q: bool, attached: bool,
              device_norms: bool = False, side: int = 0) -> tuple:
-        """The graph key of a batch: what its launches depend on (attached last: detach_host)."""
+        """The graph key of a batch: what its launches depend on (attached last: detach_host);
+        ``filtered``: whether its queries have a namespace or window (the header's or their own)."""
         qb, kp = next_pow2(nq), k_bucket(k)
         plan = self.pipeline.plan(kind, qb, kp)
         slices = -(-self.rows.size // plan.gemm_rows) if plan.gemm_rows else 0
-        return (kind, qb, kp, not flt.is_trivial, want_ids, host_q, slices, device_norms, side, attached)
+        return (kind, qb, kp, filtered, want_ids, host_q, slices, device_norms, side, attached)
 
     def _run(self, key, live, *, wait: bool = True) -> None:
         """Replays the graph of ``key`` (capturing it on first use), or launches eagerly; waits
@@ -943,7 +995,7 @@ class TorchEngine(Engine):
         """The CUDA graph that a search of ``nq`` host queries (no filter) replays, None until
         one ran: benchmarks time a replay alone."""
         kind = self.scan_kind(nq, k, precision or self.precision)
-        return self._graphs.get(self._key(kind, nq, k, _NO_FILTER, True, True, False))
+        return self._graphs.get(self._key(kind, nq, k, False, True, True, False))
 
     def plan(self, q: int, k: int, precision: str | None = None) -> Plan:
         """The launch plan (tiles, programs, merge levels) a batch of q queries would use."""

@@ -27,8 +27,9 @@ slot. The filter (namespace, created_at window ``[since, until)``) is the header
 query of the batch (the engine's own searches: one filter a batch), or each query's own in its
 table row (``ns``, ``since``, ``until``: a slot server's round, whose clients each ask in
 their own namespace and window) where the header's ``own_filters`` has the bit OWN_WINDOWS
-(the windows) or OWN_NAMESPACES (the namespaces); the waiting kernels write those, and the
-table's words are read only then. A table row's ``ns`` is NS_ALL for all namespaces.
+(the windows) or OWN_NAMESPACES (the namespaces); the waiting kernels write those (and the
+host, for a sweep's pass of agents: ``TorchEngine.search_places_start``), and the table's
+words are read only then. A table row's ``ns`` is NS_ALL for all namespaces.
 ``row_err8`` is
 the 8-bit rows' error per unit of query norm (:mod:`kalos.engine.gpu.bounds`), in the
 header so that adds after a CUDA graph's capture are covered.
