@@ -375,16 +375,7 @@ class RecallLoop:
             self._publish(slots, seqs, generations, self._answer_nothing(slots, ks), started)
             return True
         if self.zero_copy and self._polling.server is None and flt.where is None:
-            try:
-                search = self.engine.search_places_start(slots, int(ks[0]), flt)
-            except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
-                log.exception("engine search failed")
-                for index in slots.tolist():
-                    self._answer_error(self.channel.slots[index], ServerError(f"search failed: {type(exc).__name__}: {exc}"))
-                self._publish(slots, seqs, generations, 0, started)
-                return True
-            self._in_flight[slots] = True
-            self._flights.append(_Flight(slots, seqs, generations, ks, search, started))
+            self._queue_places(slots, seqs, generations, ks, started, int(ks[0]), flt)
             return True
         if self._flights:
             return False
@@ -442,17 +433,23 @@ class RecallLoop:
             keep = np.flatnonzero(~now)
             slots, seqs, ks, ns_ids = slots[keep], seqs[keep], ks[keep], ns_ids[keep]
             generations = None if generations is None else generations[keep]
+        self._queue_places(slots, seqs, generations, ks, started, int(ks.max()), _NO_FILTER, ns_ids)
+        return True
+
+    def _queue_places(self, slots: np.ndarray, seqs: np.ndarray, generations: np.ndarray | None, ks: np.ndarray,
+                      started: float, k: int, flt: Filter, namespaces: np.ndarray | None = None) -> None:
+        """Queues the GPU pass of the single recalls in ``slots`` (``search_places_start``),
+        published when it lands; a pass the engine refuses answers each client with the error."""
         try:
-            search = self.engine.search_places_start(slots, int(ks.max()), _NO_FILTER, namespaces=ns_ids)
+            search = self.engine.search_places_start(slots, k, flt, namespaces=namespaces)
         except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
             log.exception("engine search failed")
             for index in slots.tolist():
                 self._answer_error(self.channel.slots[index], ServerError(f"search failed: {type(exc).__name__}: {exc}"))
             self._publish(slots, seqs, generations, 0, started)
-            return True
+            return
         self._in_flight[slots] = True
         self._flights.append(_Flight(slots, seqs, generations, ks, search, started))
-        return True
 
     # -- passes in flight ----------------------------------------------------------------
 
