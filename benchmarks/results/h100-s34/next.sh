@@ -2,7 +2,9 @@
 # For the next session's first device call (session 34 had no device time left for it): the
 # kernel cleanups in candidate-kernel-helpers.patch (a `_windowed` helper for the three copies of
 # "(since > -inf) | (until < inf)", `_slice_limit` for select.py's two copies, `_named` where
-# _take_requests spelled it out; interpreter tests pass) compiled on a GPU, and the CUDA tests
+# _take_requests spelled it out; the namespace lookup's name entries declared once, as
+# layout.NAME_ENTRY_DTYPE, where the kernels and the slot server wrote offsets 8, 9 and 16;
+# interpreter tests pass) compiled on a GPU, and the CUDA tests
 # of what session 34 changed after its last call (the places tests with the namespaces'
 # validation and the one-namespace shortcut). Predicted: no change in any crowd (the helpers are
 # inlined). Run from a checkout of 1e58364(+) with `git apply
