@@ -44,8 +44,9 @@ from types import SimpleNamespace
 import numpy as np
 
 __all__ = [
-    "HEADER_DTYPE", "TABLE_DTYPE", "HOST_CONTROL_DTYPE", "DEVICE_CONTROL_DTYPE",
-    "HEADER", "TABLE", "HOST_CONTROL", "DEVICE_CONTROL", "HDR_WORDS", "TAB_WORDS", "HCTL_WORDS", "CTL_WORDS",
+    "HEADER_DTYPE", "TABLE_DTYPE", "HOST_CONTROL_DTYPE", "DEVICE_CONTROL_DTYPE", "NAME_ENTRY_DTYPE",
+    "HEADER", "TABLE", "HOST_CONTROL", "DEVICE_CONTROL", "NAME_ENTRY", "HDR_WORDS", "TAB_WORDS", "HCTL_WORDS",
+    "CTL_WORDS",
     "kernel_constants", "check_kernel_layout",
 ]
 
@@ -98,6 +99,16 @@ DEVICE_CONTROL_DTYPE = np.dtype([
     ("answers", "<i8"),
 ])
 
+#: A name in the slot server's namespace lookup (``SlotGraphServer``'s NS_IDS buffer: the
+#: NSMAX rows' ids, then the entry of the name the kernels found last, then one entry a slot
+#: for the name it named last; a ``length`` of -1 is no name).
+NAME_ENTRY_DTYPE = np.dtype([
+    ("name", "<i8", (8,)),  # the namespace's name, zero-padded
+    ("length", "<i8"),  # its length in bytes
+    ("id", "<i8"),  # its namespace id
+    ("spare", "<i8", (6,)),  # (16 words: a power of two the kernels load in one range)
+])
+
 
 def _words(dtype: np.dtype) -> SimpleNamespace:
     """Field name -> word index (8-byte words), and ``words``: the dtype's size in words."""
@@ -119,20 +130,22 @@ HEADER = _words(HEADER_DTYPE)
 TABLE = _words(TABLE_DTYPE)
 HOST_CONTROL = _words(HOST_CONTROL_DTYPE)
 DEVICE_CONTROL = _words(DEVICE_CONTROL_DTYPE)
+NAME_ENTRY = _words(NAME_ENTRY_DTYPE)
 HDR_WORDS = HEADER.words
 TAB_WORDS = TABLE.words
 HCTL_WORDS = HOST_CONTROL.words
 CTL_WORDS = DEVICE_CONTROL.words
 
-_PREFIXES = (("H_", HEADER), ("T_", TABLE), ("HCTL_", HOST_CONTROL), ("CTL_", DEVICE_CONTROL))
+_PREFIXES = (("H_", HEADER), ("T_", TABLE), ("HCTL_", HOST_CONTROL), ("CTL_", DEVICE_CONTROL),
+             ("NE_", NAME_ENTRY))
 
 
 def kernel_constants() -> dict[str, int]:
     """The kernels' constexpr names and the offsets this declaration gives them:
     ``H_<field>`` header words, ``T_<field>`` table words, ``HCTL_`` / ``CTL_`` control words
-    (upper case; the spare words have none), ``HDR_WORDS`` and ``TAB_WORDS`` (the table starts
-    after the header)."""
-    out = {"HDR_WORDS": HDR_WORDS, "TAB_WORDS": TAB_WORDS, "OWN_WINDOWS": OWN_WINDOWS,
+    (upper case; the spare words have none), ``NE_`` a name entry's words, ``HDR_WORDS`` and
+    ``TAB_WORDS`` (the table starts after the header), ``NE_WORDS``."""
+    out = {"HDR_WORDS": HDR_WORDS, "TAB_WORDS": TAB_WORDS, "NE_WORDS": NAME_ENTRY.words, "OWN_WINDOWS": OWN_WINDOWS,
            "OWN_NAMESPACES": OWN_NAMESPACES, "NS_ALL": NS_ALL}
     for prefix, words in _PREFIXES:
         out.update({prefix + name.upper(): at for name, at in vars(words).items()

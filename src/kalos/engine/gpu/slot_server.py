@@ -86,7 +86,15 @@ import torch
 from kalos.engine.base import Filter
 from kalos.engine.gpu.buffers import NO_BOUND
 from kalos.engine.gpu.engine import TorchEngine
-from kalos.engine.gpu.layout import CTL_WORDS, DEVICE_CONTROL, HCTL_WORDS, HDR_WORDS, HOST_CONTROL, TAB_WORDS
+from kalos.engine.gpu.layout import (
+    CTL_WORDS,
+    DEVICE_CONTROL,
+    HCTL_WORDS,
+    HDR_WORDS,
+    HOST_CONTROL,
+    NAME_ENTRY,
+    TAB_WORDS,
+)
 from kalos.engine.gpu.pipeline import GemmScratch, SplitBuffers
 from kalos.engine.gpu.planner import STAGE_SPLIT_MAX, Plan, k_bucket, next_pow2
 from kalos.errors import InvalidArgument
@@ -278,9 +286,10 @@ class SlotGraphServer:
         if getattr(engine.kernels.NS_PROBE, "value", engine.kernels.NS_PROBE) != _NAME_PROBE:
             raise AssertionError("the kernels and the host disagree on the namespace table's probe")
         self._ns_tab = torch.zeros((_NAME_ROWS, 9), dtype=torch.int64, device=dev)
-        # The ids, then the name the kernels found last (8 words, length, id: _namespace_id),
-        # then each slot's last (16 words a slot: _namespace_ids); a length of -1 is none.
-        self._ns_ids = torch.full((_NAME_ROWS + 16 + 16 * self.ns,), -1, dtype=torch.int64, device=dev)
+        # The ids, then the name entry the kernels found last (NAME_ENTRY_DTYPE: _namespace_id),
+        # then each slot's last (_namespace_ids); a length of -1 is none.
+        self._ns_ids = torch.full((_NAME_ROWS + NAME_ENTRY.words * (1 + self.ns),), -1, dtype=torch.int64,
+                                  device=dev)
         self._names: dict[bytes, int] = {}
         self._stream = torch.cuda.Stream(device=dev, priority=-100) if self.on_gpu else None
         self.launches = 0

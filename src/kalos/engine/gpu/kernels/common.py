@@ -27,6 +27,10 @@ SENTINEL = -(2**63)
 _C = kernel_constants()
 HDR_WORDS = tl.constexpr(_C["HDR_WORDS"])
 TAB_WORDS = tl.constexpr(_C["TAB_WORDS"])
+NE_WORDS = tl.constexpr(_C["NE_WORDS"])
+NE_NAME = tl.constexpr(_C["NE_NAME"])
+NE_LENGTH = tl.constexpr(_C["NE_LENGTH"])
+NE_ID = tl.constexpr(_C["NE_ID"])
 H_N = tl.constexpr(_C["H_N"])
 H_NQ = tl.constexpr(_C["H_NQ"])
 H_K = tl.constexpr(_C["H_K"])
@@ -199,6 +203,12 @@ def _copy_normalised(src, dst, D: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _windowed(since, until):
+    """Whether a created_at window ``[since, until)`` bounds anything (-inf / inf: no bound)."""
+    return (since > float("-inf")) | (until < float("inf"))
+
+
+@triton.jit
 def _filter_words(HDR, HDRF):
     """Whether a query of the batch has a namespace, and one a time window: the header's, or
     each query's own (the header's own_filters bits, :func:`_query_filters`). The rows'
@@ -207,7 +217,7 @@ def _filter_words(HDR, HDRF):
     until = tl.load(HDRF + H_UNTIL)
     own = tl.load(HDR + H_OWN_FILTERS)
     # (!= 0: Triton's interpreter cannot "&" a mask with an "|" of float comparisons)
-    has_time = (((since > float("-inf")) | (until < float("inf"))) != 0) | ((own & OWN_WINDOWS) != 0)
+    has_time = (_windowed(since, until) != 0) | ((own & OWN_WINDOWS) != 0)
     return (tl.load(HDR + H_HAS_NS) != 0) | ((own & OWN_NAMESPACES) != 0), has_time
 
 

@@ -32,6 +32,10 @@ from kalos.engine.gpu.kernels.common import (
     HCTL_T_STAGED,
     HCTL_T_WAIT,
     HDR_WORDS,
+    NE_ID,
+    NE_LENGTH,
+    NE_NAME,
+    NE_WORDS,
     T_IDS_AT,
     T_QUERY_AT,
     T_SCALE,
@@ -46,6 +50,7 @@ from kalos.engine.gpu.kernels.common import (
     _clock_ns,
     _copy_normalised,
     _fence_system,
+    _windowed,
 )
 from kalos.ipc.protocol import SEQ_COUNTER_BITS
 
@@ -97,7 +102,8 @@ def _word(requests, W: tl.constexpr, REQ_WORDS: tl.constexpr):
 
 @triton.jit
 def _named(request, flags_all, W_NQF: tl.constexpr, REQ_WORDS: tl.constexpr):
-    """Whether a request (its words, [REQ_WORDS]) names a namespace: no ALL_NAMESPACES flag."""
+    """Whether a request (its words, [REQ_WORDS]; or [slots, REQ_WORDS]) names a namespace: no
+    ALL_NAMESPACES flag."""
     return ((_word(request, W_NQF, REQ_WORDS) >> 32) & flags_all) == 0
 
 
@@ -108,8 +114,8 @@ def _namespace_id(request, NS_TAB, NS_IDS, last, flags_all, W_NQF: tl.constexpr,
     the device table holds, or -2 for any other name (the host answers it: its namespace, or
     its error).
 
-    ``last`` ([16] int64, loaded before the poll) is the name found last (NS_IDS[NSMAX:]:
-    8 words, length, id; length -1 when none): a request naming it again (every request
+    ``last`` ([NE_WORDS] int64, loaded before the poll) is the name found last (NS_IDS[NSMAX:],
+    a name entry: kalos.engine.gpu.layout.NAME_ENTRY_DTYPE; length -1 when none): a request naming it again (every request
     of a client that keeps to one namespace) skips the table's probe, a device-memory round
     trip after the request's words arrive (docs/gpu-kernels.md).
     The host empties it whenever the table changes."""
@@ -119,9 +125,10 @@ def _namespace_id(request, NS_TAB, NS_IDS, last, flags_all, W_NQF: tl.constexpr,
         cols = tl.arange(0, REQ_WORDS)
         name = tl.sum(tl.where(cols[None, :] == (W_NSB + w8)[:, None], request[None, :], 0), axis=1)
         name_len = (_word(request, W_NSLEN, REQ_WORDS) >> 32) & 0xFFFFFFFF
-        last_name = tl.sum(tl.where(tl.arange(0, 16)[None, :] == w8[:, None], last[None, :], 0), axis=1)
-        if (tl.sum((last_name == name).to(tl.int32)) == 8) & (_word(last, 8, 16) == name_len):
-            want_ns = _word(last, 9, 16)
+        last_name = tl.sum(tl.where(tl.arange(0, NE_WORDS)[None, :] == w8[:, None] + NE_NAME, last[None, :], 0),
+                           axis=1)
+        if (tl.sum((last_name == name).to(tl.int32)) == 8) & (_word(last, NE_LENGTH, NE_WORDS) == name_len):
+            want_ns = _word(last, NE_ID, NE_WORDS)
         else:
             probe = (_name_home(name, name_len, NSMAX) + tl.arange(0, NS_PROBE)) & (NSMAX - 1)
             t_id = tl.load(NS_IDS + probe)  # -1: a row not in use
@@ -130,9 +137,9 @@ def _namespace_id(request, NS_TAB, NS_IDS, last, flags_all, W_NQF: tl.constexpr,
             same = (tl.sum((tab == name[None, :]).to(tl.int32), axis=1) == 8) & (t_len == name_len)
             want_ns = tl.max(tl.where(same & (t_id >= 0), t_id, -2))
             if want_ns >= 0:
-                tl.store(NS_IDS + NSMAX + w8, name)
-                tl.store(NS_IDS + NSMAX + 8, name_len)
-                tl.store(NS_IDS + NSMAX + 9, want_ns)
+                tl.store(NS_IDS + NSMAX + NE_NAME + w8, name)
+                tl.store(NS_IDS + NSMAX + NE_LENGTH, name_len)
+                tl.store(NS_IDS + NSMAX + NE_ID, want_ns)
     return want_ns
 
 
@@ -141,20 +148,21 @@ def _namespace_ids(names, name_len, named, last, NS_TAB, NS_IDS, NSMAX: tl.const
     """:func:`_namespace_id` for every slot at once (``names``: [slots, 8] words, ``name_len``,
     ``named``: the requests that name one; ``last``: as there): -1 for all namespaces, the id of
     a name the device table holds, -2 for any other. A request naming the name found last, or
-    the one its own slot named before (NS_IDS[NSMAX + 16:], 16 words a slot: 8 words, length,
-    id; agents keep to their own namespace), skips the table; every other name's NS_PROBE rows
+    the one its own slot named before (a name entry a slot after the one found last; agents
+    keep to their own namespace), skips the table; every other name's NS_PROBE rows
     are read, one row of all of them at a time, and it becomes its slot's."""
     w8 = tl.arange(0, 8)
     slots = tl.arange(0, names.shape[0])
-    last_name = tl.sum(tl.where(tl.arange(0, 16)[None, :] == w8[:, None], last[None, :], 0), axis=1)
-    hit = named & (tl.sum((names == last_name[None, :]).to(tl.int32), axis=1) == 8) & (name_len == _word(last, 8, 16))
-    found = tl.where(hit, _word(last, 9, 16), -2)
-    own = NS_IDS + NSMAX + 16 + slots * 16
+    last_name = tl.sum(tl.where(tl.arange(0, NE_WORDS)[None, :] == w8[:, None] + NE_NAME, last[None, :], 0), axis=1)
+    hit = (named & (tl.sum((names == last_name[None, :]).to(tl.int32), axis=1) == 8)
+           & (name_len == _word(last, NE_LENGTH, NE_WORDS)))
+    found = tl.where(hit, _word(last, NE_ID, NE_WORDS), -2)
+    own = NS_IDS + NSMAX + NE_WORDS + slots * NE_WORDS
     asked = named & ~hit
-    own_name = tl.load(own[:, None] + w8[None, :], mask=asked[:, None], other=0)
-    own_len = tl.load(own + 8, mask=asked, other=-1)  # -1: none yet, or the table changed
+    own_name = tl.load(own[:, None] + NE_NAME + w8[None, :], mask=asked[:, None], other=0)
+    own_len = tl.load(own + NE_LENGTH, mask=asked, other=-1)  # -1: none yet, or the table changed
     own_hit = asked & (tl.sum((own_name == names).to(tl.int32), axis=1) == 8) & (own_len == name_len)
-    found = tl.where(own_hit, tl.load(own + 9, mask=own_hit, other=-2), found)
+    found = tl.where(own_hit, tl.load(own + NE_ID, mask=own_hit, other=-2), found)
     miss = asked & ~own_hit
     if tl.sum(miss.to(tl.int32)) > 0:
         home = _name_home(names, name_len, NSMAX)
@@ -166,14 +174,14 @@ def _namespace_ids(names, name_len, named, last, NS_TAB, NS_IDS, NSMAX: tl.const
             same = miss & (tl.sum((tab == names).to(tl.int32), axis=1) == 8) & (t_len == name_len) & (t_id >= 0)
             found = tl.where(same, t_id, found)
         got = miss & (found >= 0)
-        tl.store(own[:, None] + w8[None, :], names, mask=got[:, None])
-        tl.store(own + 8, name_len, mask=got)
-        tl.store(own + 9, found, mask=got)
+        tl.store(own[:, None] + NE_NAME + w8[None, :], names, mask=got[:, None])
+        tl.store(own + NE_LENGTH, name_len, mask=got)
+        tl.store(own + NE_ID, found, mask=got)
         if tl.sum(got.to(tl.int32)) > 0:  # the name found in the lowest slot, for the rounds after
             pick = tl.min(tl.where(got, slots, names.shape[0]))
-            tl.store(NS_IDS + NSMAX + w8, tl.sum(tl.where((slots == pick)[:, None], names, 0), axis=0))
-            tl.store(NS_IDS + NSMAX + 8, tl.sum(tl.where(slots == pick, name_len, 0)))
-            tl.store(NS_IDS + NSMAX + 9, tl.sum(tl.where(slots == pick, found, 0)))
+            tl.store(NS_IDS + NSMAX + NE_NAME + w8, tl.sum(tl.where((slots == pick)[:, None], names, 0), axis=0))
+            tl.store(NS_IDS + NSMAX + NE_LENGTH, tl.sum(tl.where(slots == pick, name_len, 0)))
+            tl.store(NS_IDS + NSMAX + NE_ID, tl.sum(tl.where(slots == pick, found, 0)))
     return tl.where(named, found, -1)
 
 
@@ -318,7 +326,7 @@ def _take_request(
     out_since = tl.zeros([], tl.float64)
     out_until = tl.zeros([], tl.float64)
     at = tl.load(SLOT_AT + sl, mask=slot_ok, other=0)
-    last_name = tl.load(NS_IDS + NSMAX + tl.arange(0, 16))  # (see _namespace_id)
+    last_name = tl.load(NS_IDS + NSMAX + tl.arange(0, NE_WORDS))  # (see _namespace_id)
     while state == 0:
         req, pend, _n_use, host_now = _poll_slots(SEG, at, IN_USE, HCTL, DSEEN, AGREE, use_at, sl, slot_ok, W_REQ,
                                                   NS)
@@ -391,8 +399,8 @@ def await_request_kernel(
     DQ,  # [D] float32 device: the request's query, normalised
     AGREE,  # [NS * (REQ_WORDS + 2) + 16] int64 device scratch (_agree)
     NS_TAB,  # [NSMAX, 9] int64: known namespaces' names (8 words, zero-padded) and lengths
-    NS_IDS,  # [NSMAX + 16 + NS * 16] int64: their ids (>= 0; -1 marks a row not in use), then the
-    #          name found last (see _namespace_id), then each slot's (_namespace_ids)
+    NS_IDS,  # [NSMAX + NE_WORDS * (1 + NS)] int64: their ids (>= 0; -1 marks a row not in use),
+    #          then the name entry found last (see _namespace_id), then each slot's (_namespace_ids)
     n_slots,
     k_limit,  # largest k this round serves (its k bucket's; larger ones go to the host)
     k_report,  # a pending single recall with a larger k is reported in HCTL's k_wanted
@@ -453,8 +461,7 @@ def await_request_kernel(
         tl.store(DH + H_HAS_NS, (want_ns >= 0).to(tl.int64))
         tl.store(DH + H_NS, tl.maximum(want_ns, 0))
         tl.store(DH + H_K_OUT, kk)
-        windowed = (since > float("-inf")) | (until < float("inf"))
-        tl.store(DH + H_OWN_FILTERS, tl.where(windowed, OWN_WINDOWS, 0).to(tl.int64))
+        tl.store(DH + H_OWN_FILTERS, tl.where(_windowed(since, until), OWN_WINDOWS, 0).to(tl.int64))
         tl.store(DH + HDR_WORDS + T_SINCE, since.to(tl.int64, bitcast=True))
         tl.store(DH + HDR_WORDS + T_UNTIL, until.to(tl.int64, bitcast=True))
         tl.store(DH + HDR_WORDS + T_NS, tl.where(want_ns >= 0, want_ns, NS_ALL))
@@ -508,7 +515,7 @@ def _stage_batch(DH, RR, TAKEN, same, ok, turn, start, sl, at, req, first, ns_id
     tl.store(DH + H_HAS_NS, ((lo == hi) & (lo >= 0)).to(tl.int64))
     tl.store(DH + H_NS, tl.where(lo == hi, tl.maximum(lo, 0), 0))
     tl.store(DH + H_K_OUT, k)
-    windowed = tl.max((take & ((since > float("-inf")) | (until < float("inf")))).to(tl.int32))
+    windowed = tl.max((take & _windowed(since, until)).to(tl.int32))
     own = tl.where(windowed > 0, OWN_WINDOWS, 0) | tl.where(lo != hi, OWN_NAMESPACES, 0)
     tl.store(DH + H_OWN_FILTERS, own.to(tl.int64))
     # The next turn: the first request left for another round (of another kind, or past QB),
@@ -569,7 +576,7 @@ def _take_requests(
     expect_at = clock_at + 1
     use_at = stop_at + 16
     at = tl.load(SLOT_AT + sl, mask=slot_ok, other=0)
-    last_name = tl.load(NS_IDS + NSMAX + tl.arange(0, 16))  # (see _namespace_id)
+    last_name = tl.load(NS_IDS + NSMAX + tl.arange(0, NE_WORDS))  # (see _namespace_id)
     while state == 0:
         req, pend, n_use, host_now = _poll_slots(SEG, at, IN_USE, HCTL, DSEEN, AGREE, use_at, sl, slot_ok, W_REQ, NS)
         n_pend = tl.sum(pend.to(tl.int32))
@@ -611,7 +618,7 @@ def _take_requests(
                 # which answers with its namespace or its error.
                 names = tl.load(AGREE + NS + sl[:, None] * REQ_WORDS + (W_NSB + tl.arange(0, 8))[None, :],
                                 mask=slot_ok[:, None], other=0)
-                named = ok & (((_word(requests, W_NQF, REQ_WORDS) >> 32) & flags_all) == 0)
+                named = ok & _named(requests, flags_all, W_NQF, REQ_WORDS)
                 ns_ids = _namespace_ids(names, (_word(requests, W_NSLEN, REQ_WORDS) >> 32) & 0xFFFFFFFF, named,
                                         last_name, NS_TAB, NS_IDS, NSMAX)
                 give = pend & (~ok | (ns_ids == -2))
@@ -656,7 +663,7 @@ def await_requests_kernel(
     DH,  # the header + QB gather-table rows the kernels after this one read
     AGREE,  # [NS * (REQ_WORDS + 2) + 16] int64 device scratch (_agree)
     NS_TAB,  # [NSMAX, 9] int64: known namespaces (see await_request_kernel)
-    NS_IDS,  # [NSMAX + 16 + NS * 16] int64: their ids, the name found last, each slot's (_namespace_ids)
+    NS_IDS,  # [NSMAX + NE_WORDS * (1 + NS)] int64: their ids, the name found last, each slot's
     n_slots,
     k_limit,  # largest k this round serves (its k bucket's; larger ones go to the host)
     k_report,  # a pending single recall with a larger k is reported in HCTL's k_wanted

@@ -30,6 +30,12 @@ from kalos.engine.gpu.kernels.common import (
 
 
 @triton.jit
+def _slice_limit(stride_s, width):
+    """The slice offsets a scores row holds: its ``width`` (0: the whole row, ``stride_s``)."""
+    return stride_s if width == 0 else width
+
+
+@triton.jit
 def _eligible(local, inside, HDR, row_base, limit, LIVE, NS, TS, HDRF, MASK: tl.constexpr, FILTER: tl.constexpr):
     """(rows, ok, nsv, ts) of the slice offsets ``local`` (where ``inside``, below ``limit``): ok
     = a row in use and, with MASK (the scores came unmasked from a GEMM), live; nsv and ts: the
@@ -65,7 +71,7 @@ def _masked_rows(S, q, local, inside, HDR, stride_s, row_base, width, LIVE, NS, 
                  MASK: tl.constexpr, FILTER: tl.constexpr):
     """(scores, rows, ok) of query ``q``'s scores at slice offsets ``local`` (where ``inside``):
     ok = :func:`_eligible` for ``q`` and a finite score."""
-    limit = stride_s if width == 0 else width
+    limit = _slice_limit(stride_s, width)
     # (The scores' load does not wait for the masks: rows they leave out are masked below.)
     sc = tl.load(S + q.to(tl.int64) * stride_s + local, mask=inside & (local < limit), other=float("-inf"))
     rows, ok, nsv, ts = _eligible(local, inside, HDR, row_base, limit, LIVE, NS, TS, HDRF, MASK, FILTER)
@@ -194,7 +200,7 @@ def group_max_kernel(
     nq = tl.load(HDR + H_NQ)
     if q0 < nq:
         local = j.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
-        limit = stride_s if width == 0 else width
+        limit = _slice_limit(stride_s, width)
         _rows, ok, nsv, ts = _eligible(local, local >= 0, HDR, row_base, limit, LIVE, NS, TS, HDRF, True, FILTER)
         groups = j * GROUPS + tl.arange(0, GROUPS)
         for i in tl.static_range(QB):  # (unrolled: every query's load in flight at once)
