@@ -277,10 +277,12 @@ def test_where_clauses_and_time_windows_are_never_queued(loop):
 
 
 def test_agents_in_namespaces_of_their_own_share_one_queued_pass(loop):
-    """A crowd of single recalls that differ in their namespaces (and k) alone is one pass, each
-    query in its own namespace's id (-1: all); a namespace that holds nothing is answered at once
-    with no hits; anything else in the crowd (a time window, a malformed name) sends it to the
-    mixed path, one pass per filter."""
+    """A crowd of single recalls that differ in their namespaces (and k) is one pass, each query
+    in its own namespace's id (-1: all); a namespace that holds nothing is answered at once with
+    no hits; what else the crowd holds (a time window, a where clause, a name whose length word
+    disagrees with its bytes) is answered by the mixed path, after the pass."""
+    from kalos.where import compile_where
+
     engine, channel = loop.engine, loop.channel
     columns = channel.columns
     loop._namespaces.update({b"agent-a": 1, b"agent-b": 2})
@@ -302,25 +304,48 @@ def test_agents_in_namespaces_of_their_own_share_one_queued_pass(loop):
     assert _published(loop, [0, 1, 2, 3, 5]) and not loop._flights
     assert [int(columns.n_results[s]) for s in (0, 1, 2, 3, 5)] == [2, K, K, K, 3]
     assert all(int(columns.status[s]) == 0 for s in (0, 1, 2, 3, 5))
-    # A time window in the crowd: the mixed path (searched here, one pass per filter).
-    _submit(loop, [0, 1], namespaces=[b"agent-a", b"agent-b"])
+    # Slots that change namespace, or name a namespace new since: each query in its new one
+    # (the name each slot named last is remembered, never trusted past a change).
+    loop._namespaces[b"agent-new"] = 3
+    _submit(loop, [0, 1, 3, 4], namespaces=[b"agent-b", b"agent-a", b"agent-a", b"agent-new"])
+    _sweep(loop)
+    assert len(engine.passes) == 2 and engine.passes[1].namespaces.tolist() == [2, 1, 1, 3]
+    engine.passes[1].landed = True
+    _sweep(loop)
+    # A time window and a where clause in the crowd: searched here, one pass per filter, after
+    # the agents' pass (queued, then landed first).
+    handle = loop._filter_for.__self__.register(compile_where({"user": "u1"}))
+    _submit(loop, [0, 1, 2, 3], namespaces=[b"agent-a", b"agent-b", b"agent-b", b"agent-a"])
     channel.slots[1].flags[0] = int(RequestFlag.HAS_SINCE)
     channel.slots[1].since[0] = 0.0
+    channel.slots[2].flags[0] = int(RequestFlag.HAS_WHERE)
+    channel.slots[2].where_handle[0] = handle
     _sweep(loop)
-    assert len(engine.passes) == 1 and engine.synchronous == 2 and _published(loop, [0, 1])
+    assert len(engine.passes) == 3 and engine.passes[2].slots.tolist() == [0, 3]
+    assert engine.passes[2].namespaces.tolist() == [1, 1] and engine.synchronous == 2
+    assert _published(loop, [0, 1, 2, 3]) and not loop._flights
+    assert all(int(columns.status[s]) == 0 for s in range(4))
+    # A length word that disagrees with the name's bytes, in a slot that named that name
+    # before: read as the slot says ("age", which holds nothing), the others still one pass.
+    _submit(loop, [0, 1, 3], namespaces=[b"agent-a", b"agent-b", b"agent-a"])
+    channel.slots[3].namespace_len[0] = 3
+    _sweep(loop)
+    assert len(engine.passes) == 4 and engine.passes[3].slots.tolist() == [0, 1]
+    assert engine.synchronous == 2 and _published(loop, [3]) and not loop._flights
+    assert int(columns.status[3]) == 0 and columns.ids_row0[3, :K].tolist() == [-1] * K
     # A name that is no UTF-8 gets its error at once; the others still share one pass.
     _submit(loop, [2, 3, 6], namespaces=[b"agent-a", b"\xff\xfe", b"agent-b"])
     _sweep(loop)
-    assert len(engine.passes) == 2 and engine.passes[1].namespaces.tolist() == [1, 2]
+    assert len(engine.passes) == 5 and engine.passes[4].namespaces.tolist() == [1, 2]
     assert _published(loop, [3]) and not _published(loop, [2, 6])
     assert int(columns.status[3]) == ErrorCode.INVALID_QUERY and "UTF-8" in channel.slots[3].read_message()
-    engine.passes[1].landed = True
+    engine.passes[4].landed = True
     _sweep(loop)
     assert _published(loop, [2, 6]) and int(columns.status[2]) == int(columns.status[6]) == 0
     # Every agent new: all answered at once, nothing queued.
     _submit(loop, [0, 1], namespaces=[b"agent-c", b"agent-d"])
     _sweep(loop)
-    assert len(engine.passes) == 2 and _published(loop, [0, 1])
+    assert len(engine.passes) == 5 and _published(loop, [0, 1])
 
 
 def test_the_sweep_thread_keeps_a_pass_in_flight_apart_and_publishes_it_when_it_lands(loop):

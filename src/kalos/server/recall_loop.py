@@ -142,8 +142,12 @@ class RecallLoop:
         self.zero_copy = False  # the engine reads the queries in the slots: attach()
         self._flights: collections.deque[_Flight] = collections.deque()  # queued passes, oldest first
         self._in_flight = np.zeros(layout.n_slots, dtype=bool)  # their slots (not pending again)
-        # One row of each column _uniform_key compares across a crowd's slots, read into these.
+        # The namespace each slot named last (its bytes and length words) and its id: -1 none yet.
         columns = channel.columns
+        self._slot_name = np.zeros(layout.n_slots, columns.namespace.dtype)
+        self._slot_name_len = np.zeros(layout.n_slots, columns.namespace_len.dtype)
+        self._slot_namespace = np.full(layout.n_slots, -1, np.int64)
+        # One row of each column _uniform_key compares across a crowd's slots, read into these.
         self._alike = {name: np.empty(getattr(columns, name).shape[1:] or (1,), getattr(columns, name).dtype)
                        for name in ("kind", "where_handle", "namespace_words", "namespace_len")}
         # The k of every slot of a uniform crowd (_uniform_key), sliced from one array per k:
@@ -299,7 +303,7 @@ class RecallLoop:
         Single recalls (one query, all namespaces or one, no time window: what an agent sends)
         are read from the slots' columns in a few NumPy calls and searched as one batch per
         namespace (on a zero-copy GPU engine one batch whatever their namespaces:
-        :meth:`_answer_agents`), so a pass costs about the same whether 1 or 64 clients are
+        :meth:`_queue_singles`), so a pass costs about the same whether 1 or 64 clients are
         waiting. Anything else (batches, time windows, pings, malformed requests) is read slot
         by slot.
         """
@@ -310,8 +314,10 @@ class RecallLoop:
             if uniform is not None:
                 if self._answer_uniform(slots, seqs, generations, started, *uniform):
                     return
-            elif self._answer_agents(slots, seqs, generations, started):
-                return
+            elif self.zero_copy and self._polling.server is None:
+                slots, seqs, generations = self._queue_singles(slots, seqs, generations, started)
+                if not len(slots):
+                    return
         self._land_all()  # (this pass is answered here and now: those queued before it first)
         if len(slots) == 1:  # one client: scalar reads cost less than the columns' NumPy calls
             n_queries = self._searching(self._answer_each, slots)
@@ -382,59 +388,63 @@ class RecallLoop:
         self._publish(slots, seqs, generations, self._searching(self._answer_group, slots, ks, flt), started)
         return True
 
-    def _answer_agents(self, slots: np.ndarray, seqs: np.ndarray, generations: np.ndarray | None,
-                       started: float) -> bool:
-        """Queues one pass on the GPU for a crowd of single recalls that differ in their
-        namespaces alone (agents that each keep their own memories; zero copy, no GPU polling):
-        each query's namespace is its own (``search_places_start``'s ``namespaces``), where the
+    def _queue_singles(self, slots: np.ndarray, seqs: np.ndarray, generations: np.ndarray | None,
+                       started: float) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Queues one GPU pass (zero copy, no GPU polling) for the single recalls of a crowd
+        that differ in namespace and k (agents that each keep their own memories): each query
+        is searched in its own namespace (``search_places_start``'s ``namespaces``), where the
         mixed path would scan the rows once per namespace. A namespace that holds nothing, or a
-        malformed name (its error), is answered at once. False, nothing answered, for any other
-        crowd (:meth:`_answer_mixed` answers it)."""
-        if not self.zero_copy or self._polling.server is not None:
-            return False
+        malformed name (its error), is answered at once. Returns the rest of the crowd (other
+        requests, where clauses, time windows, a name whose length word disagrees with its
+        bytes) for the mixed path."""
         columns = self.channel.columns
         ks = columns.k[slots]
         flags = columns.flags[slots]
-        if not ((columns.op[slots] == _RECALL) & (columns.n_queries[slots] == 1) & (ks >= 1)
-                & (ks <= self.layout.max_k) & ((flags | _ALL_NAMESPACES) == _ALL_NAMESPACES)).all():
-            return False
+        plain = ((columns.op[slots] == _RECALL) & (columns.n_queries[slots] == 1) & (ks >= 1)
+                 & (ks <= self.layout.max_k) & ((flags | _ALL_NAMESPACES) == _ALL_NAMESPACES))
         ns_ids = np.full(len(slots), -1, np.int64)  # (all namespaces)
         now = np.zeros(len(slots), dtype=bool)  # answered here: a namespace that holds nothing, or an error
         answered_now = 0
-        named = np.flatnonzero((flags & _ALL_NAMESPACES) == 0)
+        named = np.flatnonzero(plain & ((flags & _ALL_NAMESPACES) == 0))
         if len(named):
-            names = columns.namespace[slots[named]]  # bytes, trailing NULs dropped
-            if (columns.namespace_len[slots[named]] != np.char.str_len(names)).any():
-                return False  # a length word that disagrees with the bytes: read as each slot says
-            unique, inverse = np.unique(names, return_inverse=True)
-            for group, name in enumerate(unique.tolist()):
-                members = named[inverse == group]
+            at = slots[named]
+            names = columns.namespace[at]  # bytes, trailing NULs dropped: read once
+            # The name each slot named last and its id: agents keep to their own namespace, and
+            # an id, once given, is the name's for the sidecar's life.
+            known = ((self._slot_namespace[at] >= 0) & (self._slot_name[at] == names)
+                     & (self._slot_name_len[at] == columns.namespace_len[at]))
+            ns_ids[named[known]] = self._slot_namespace[at[known]]
+            for i in np.flatnonzero(~known).tolist():
+                slot, name, member = int(at[i]), bytes(names[i]), int(named[i])
+                if len(name) != int(columns.namespace_len[slot]):
+                    plain[member] = False  # a length word that disagrees with the bytes: read as the slot says
+                    continue
                 key = (0, name, None, None, 0)
                 flt = self._filters.get(key)
                 if flt is None:
                     try:
                         flt = self._filter_for(*key)
-                    except KalosError as exc:  # a malformed name: its requests get the error
-                        for index in slots[members].tolist():
-                            self._answer_error(self.channel.slots[index], exc)
-                        now[members] = True
+                    except KalosError as exc:  # a malformed name: its request gets the error
+                        self._answer_error(self.channel.slots[slot], exc)
+                        now[member] = True
                         continue
                 if flt is _NOTHING:
-                    answered_now += self._answer_nothing(slots[members], ks[members])
-                    now[members] = True
-                else:
-                    ns_ids[members] = flt.namespace
+                    answered_now += self._answer_nothing(slots[member : member + 1], ks[member : member + 1])
+                    now[member] = True
+                    continue
+                ns_ids[member] = flt.namespace
+                self._slot_name[slot], self._slot_name_len[slot] = name, len(name)
+                self._slot_namespace[slot] = flt.namespace
         if now.any():
             done = np.flatnonzero(now)
             self._publish(slots[done], seqs[done], None if generations is None else generations[done], answered_now,
                           started)
-            if now.all():
-                return True
-            keep = np.flatnonzero(~now)
-            slots, seqs, ks, ns_ids = slots[keep], seqs[keep], ks[keep], ns_ids[keep]
-            generations = None if generations is None else generations[keep]
-        self._queue_places(slots, seqs, generations, ks, started, int(ks.max()), _NO_FILTER, ns_ids)
-        return True
+        queued = np.flatnonzero(plain & ~now)
+        if len(queued):
+            self._queue_places(slots[queued], seqs[queued], None if generations is None else generations[queued],
+                               ks[queued], started, int(ks[queued].max()), _NO_FILTER, ns_ids[queued])
+        rest = np.flatnonzero(~plain)
+        return slots[rest], seqs[rest], None if generations is None else generations[rest]
 
     def _queue_places(self, slots: np.ndarray, seqs: np.ndarray, generations: np.ndarray | None, ks: np.ndarray,
                       started: float, k: int, flt: Filter, namespaces: np.ndarray | None = None) -> None:
