@@ -22,9 +22,11 @@ import numpy as np
 from kalos.errors import InvalidArgument, InvalidQuery
 from kalos.where import MetaColumns, Where
 
-__all__ = ["Engine", "Filter", "MISSING_ID", "RowTable"]
+__all__ = ["Engine", "Filter", "MISSING_ID", "NAMESPACE_DTYPE", "RowTable"]
 
 MISSING_ID = -1
+#: A row's namespace id (``RowTable.namespaces``): its range is the namespace ids an engine holds.
+NAMESPACE_DTYPE = np.int32
 _COMPACT_FRACTION = 0.25
 _COMPACT_MIN_TOMBSTONES = 1024
 #: The masks a RowTable keeps made (one per filter, the oldest dropped first): a crowd of
@@ -54,7 +56,7 @@ class RowTable:
     def __init__(self, capacity: int = 1024) -> None:
         capacity = max(1, capacity)
         self.ids = np.full(capacity, MISSING_ID, dtype=np.int64)
-        self.namespaces = np.zeros(capacity, dtype=np.int32)
+        self.namespaces = np.zeros(capacity, dtype=NAMESPACE_DTYPE)
         self.created_at = np.zeros(capacity, dtype=np.float64)
         self.live = np.zeros(capacity, dtype=bool)
         self.meta = MetaColumns(capacity)
@@ -281,7 +283,7 @@ class Engine(ABC):
             raise InvalidArgument(f"expected vectors of shape ({n}, {self.dim}), got {vectors.shape}")
         if metadata is not None and len(metadata) != n:
             raise InvalidArgument(f"{len(metadata)} metadata entries for {n} rows")
-        namespaces = np.broadcast_to(np.asarray(namespaces, dtype=np.int32), (n,))
+        namespaces = np.broadcast_to(np.asarray(namespaces, dtype=NAMESPACE_DTYPE), (n,))
         created_at = np.broadcast_to(np.asarray(created_at, dtype=np.float64), (n,))
         if n == 0:
             return

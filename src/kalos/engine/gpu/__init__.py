@@ -2,6 +2,7 @@
 
 ==================  ==========================================================================
 ``engine``          :class:`TorchEngine`: the :class:`~kalos.engine.base.Engine` over the parts below
+``attached``        searches in place in an attached host buffer, and their passes in flight
 ``layout``          the staging header, gather table and slot-server control words, declared once
 ``buffers``         page-locked host memory: :class:`HostBuffer`, the staging area, attached buffers
 ``columns``         the rows on the device (float32 / 16-bit / 8-bit copies, filter columns)
