@@ -797,6 +797,14 @@ def places_buffer(n_places: int, dim: int, k_max: int):
     return buf, query_at, ids_at, scores_at
 
 
+def fill_places(buf, query_at: np.ndarray, raw: np.ndarray) -> None:
+    """Writes query ``j`` (``raw[j]`` as float32, of any length) at float32 element
+    ``query_at[j]`` of ``buf``."""
+    f32 = np.frombuffer(buf, np.float32)
+    for at, row in zip(query_at.tolist(), raw):
+        f32[at : at + len(row)] = row
+
+
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=needs_interpreter),
                                     pytest.param("cuda", marks=[cuda, needs_cuda])])
 @pytest.mark.parametrize("precision", ["exact", "fast"])
@@ -814,12 +822,10 @@ def test_places_answer_as_the_float64_reference(rng, precision, device):
     base = rng.standard_normal(d)
     m.add(40, base + 1e-5 * rng.standard_normal((40, d)))  # where fast mode's certificate fails
     buf, query_at, ids_at, scores_at = places_buffer(n_places, d, k_max)
-    f32 = np.frombuffer(buf, np.float32)
     raw = rng.standard_normal((n_places, d)) * rng.uniform(0.01, 100, (n_places, 1))
     raw[2] = 50 * (base + 1e-4 * rng.standard_normal(d))  # next to the near-duplicates
     raw[5] = 0.0  # no direction
-    for j in range(n_places):
-        f32[query_at[j] : query_at[j] + d] = raw[j]
+    fill_places(buf, query_at, raw)
     unit = as_unit_rows(np.where(np.abs(raw).sum(axis=1, keepdims=True) > 0, raw, 1.0))
     eng.attach_host(buf)
     try:
@@ -858,7 +864,7 @@ def test_places_answer_as_the_float64_reference(rng, precision, device):
             if i == 2 and precision == "fast":  # re-run from the places of a queued pass
                 assert eng.stats["fallbacks"] >= 1
         with pytest.raises(InvalidArgument, match="outside"):
-            eng.attach_places(query_at, ids_at, scores_at + len(f32), k_max)
+            eng.attach_places(query_at, ids_at, scores_at + len(buf) // 4, k_max)  # (float32 elements)
     finally:
         eng.detach_host()
     with pytest.raises(InvalidArgument, match="attach_places"):  # detached: the places went too
@@ -883,12 +889,10 @@ def test_places_each_in_its_own_namespace_answer_as_the_float64_reference(rng, p
     # Where fast mode's certificate fails: more near-duplicates in each namespace than it keeps.
     m.add(150, base + 1e-5 * rng.standard_normal((150, d)))
     buf, query_at, ids_at, scores_at = places_buffer(n_places, d, k_max)
-    f32 = np.frombuffer(buf, np.float32)
     raw = rng.standard_normal((n_places, d))
     raw[1] = base + 1e-4 * rng.standard_normal(d)  # next to the near-duplicates
     raw[4] = base + 1e-4 * rng.standard_normal(d)
-    for j in range(n_places):
-        f32[query_at[j] : query_at[j] + d] = raw[j]
+    fill_places(buf, query_at, raw)
     unit = as_unit_rows(raw)
     eng.attach_host(buf)
     try:
