@@ -38,6 +38,7 @@ class FakePass:
         return self.landed
 
     def finish(self) -> np.ndarray:
+        self.engine.log.append("land")
         if self.fail:
             raise RuntimeError("the kernel faulted")
         self.engine.write_answers(self.slots)
@@ -55,6 +56,7 @@ class FakeEngine:
         self.loop: RecallLoop | None = None
         self.passes: list[FakePass] = []
         self.synchronous = 0
+        self.log: list[str] = []  # "queue", "land", "search": what ran, in order
         self.directionless: set[int] = set()
 
     def __len__(self) -> int:
@@ -80,12 +82,14 @@ class FakeEngine:
     def search_attached(self, query_at, scales, ids_at, scores_at, k, flt=Filter()) -> np.ndarray:
         slots = self._slots(np.asarray(ids_at))
         self.synchronous += 1
+        self.log.append("search")
         self.write_answers(slots)
         return self._scales(slots) if scales is None else np.asarray(scales, dtype=np.float64)
 
     def search_attached_start(self, query_at, scales, ids_at, scores_at, k, flt=Filter()) -> FakePass:
         slots = self._slots(np.asarray(ids_at))
         queued = FakePass(self, slots, self._scales(slots))
+        self.log.append("queue")
         self.passes.append(queued)
         return queued
 
@@ -312,6 +316,8 @@ def test_agents_in_namespaces_of_their_own_share_one_queued_pass(loop):
     assert len(engine.passes) == 2 and engine.passes[1].namespaces.tolist() == [2, 1, 1, 3]
     engine.passes[1].landed = True
     _sweep(loop)
+    assert _published(loop, [0, 1, 3, 4]) and all(int(columns.status[s]) == 0 for s in (0, 1, 3, 4))
+    assert loop.metrics.queries == 10  # each answered once: 6, then 4
     # A time window and a where clause in the crowd: searched here, one pass per filter, after
     # the agents' pass (queued, then landed first).
     handle = loop._filter_for.__self__.register(compile_where({"user": "u1"}))
@@ -320,10 +326,12 @@ def test_agents_in_namespaces_of_their_own_share_one_queued_pass(loop):
     channel.slots[1].since[0] = 0.0
     channel.slots[2].flags[0] = int(RequestFlag.HAS_WHERE)
     channel.slots[2].where_handle[0] = handle
+    engine.log.clear()
     _sweep(loop)
     assert len(engine.passes) == 3 and engine.passes[2].slots.tolist() == [0, 3]
     assert engine.passes[2].namespaces.tolist() == [1, 1] and engine.synchronous == 2
-    assert _published(loop, [0, 1, 2, 3]) and not loop._flights
+    assert engine.log == ["queue", "land", "search", "search"]
+    assert _published(loop, [0, 1, 2, 3]) and not loop._flights and loop.metrics.queries == 14
     assert all(int(columns.status[s]) == 0 for s in range(4))
     # A length word that disagrees with the name's bytes, in a slot that named that name
     # before: read as the slot says ("age", which holds nothing), the others still one pass.
@@ -342,10 +350,25 @@ def test_agents_in_namespaces_of_their_own_share_one_queued_pass(loop):
     engine.passes[4].landed = True
     _sweep(loop)
     assert _published(loop, [2, 6]) and int(columns.status[2]) == int(columns.status[6]) == 0
+    # The same bad name again (and twice in one pass): its error each time, never remembered.
+    _submit(loop, [3, 5], namespaces=[b"\xff\xfe", b"\xff\xfe"])
+    _sweep(loop)
+    assert _published(loop, [3, 5]) and len(engine.passes) == 5
+    assert int(columns.status[3]) == int(columns.status[5]) == ErrorCode.INVALID_QUERY
+    # A client that left while the pass flew, between slots answered at once: the others get
+    # their answers, the newcomer none.
+    _submit(loop, [0, 1, 2, 3], namespaces=[b"agent-a", b"agent-e", b"agent-b", b"agent-a"])
+    _sweep(loop)
+    assert engine.passes[5].slots.tolist() == [0, 2, 3] and _published(loop, [1])
+    channel.deactivate(2)
+    channel.activate(2, wake_pair()[0])
+    engine.passes[5].landed = True
+    _sweep(loop)
+    assert _published(loop, [0, 3]) and int(columns.resp_seq[2]) == rest_seq(int(channel.generation[2]))
     # Every agent new: all answered at once, nothing queued.
     _submit(loop, [0, 1], namespaces=[b"agent-c", b"agent-d"])
     _sweep(loop)
-    assert len(engine.passes) == 5 and _published(loop, [0, 1])
+    assert len(engine.passes) == 6 and _published(loop, [0, 1])
 
 
 def test_the_sweep_thread_keeps_a_pass_in_flight_apart_and_publishes_it_when_it_lands(loop):

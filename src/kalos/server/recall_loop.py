@@ -414,27 +414,35 @@ class RecallLoop:
             known = ((self._slot_namespace[at] >= 0) & (self._slot_name[at] == names)
                      & (self._slot_name_len[at] == columns.namespace_len[at]))
             ns_ids[named[known]] = self._slot_namespace[at[known]]
+            resolved: dict[bytes, Filter | KalosError] = {}  # this pass's names not remembered
+            nothing: list[int] = []
             for i in np.flatnonzero(~known).tolist():
                 slot, name, member = int(at[i]), bytes(names[i]), int(named[i])
                 if len(name) != int(columns.namespace_len[slot]):
                     plain[member] = False  # a length word that disagrees with the bytes: read as the slot says
                     continue
-                key = (0, name, None, None, 0)
-                flt = self._filters.get(key)
+                flt = resolved.get(name)
                 if flt is None:
-                    try:
-                        flt = self._filter_for(*key)
-                    except KalosError as exc:  # a malformed name: its request gets the error
-                        self._answer_error(self.channel.slots[slot], exc)
-                        now[member] = True
-                        continue
-                if flt is _NOTHING:
-                    answered_now += self._answer_nothing(slots[member : member + 1], ks[member : member + 1])
+                    key = (0, name, None, None, 0)
+                    flt = self._filters.get(key)
+                    if flt is None:
+                        try:
+                            flt = self._filter_for(*key)
+                        except KalosError as exc:  # a malformed name
+                            flt = exc
+                    resolved[name] = flt
+                if isinstance(flt, KalosError):
+                    self._answer_error(self.channel.slots[slot], flt)
                     now[member] = True
-                    continue
-                ns_ids[member] = flt.namespace
-                self._slot_name[slot], self._slot_name_len[slot] = name, len(name)
-                self._slot_namespace[slot] = flt.namespace
+                elif flt is _NOTHING:
+                    nothing.append(member)
+                else:
+                    ns_ids[member] = flt.namespace
+                    self._slot_name[slot], self._slot_name_len[slot] = name, len(name)
+                    self._slot_namespace[slot] = flt.namespace
+            if nothing:
+                now[nothing] = True
+                answered_now += self._answer_nothing(slots[nothing], ks[nothing])
         if now.any():
             done = np.flatnonzero(now)
             self._publish(slots[done], seqs[done], None if generations is None else generations[done], answered_now,

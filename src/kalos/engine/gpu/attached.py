@@ -325,7 +325,7 @@ class AttachedSearches:
 
     def _queueable(self, nq: int, flt: Filter) -> bool:
         """Whether a pass of ``nq`` attached queries under ``flt`` can be queued (two staging
-        areas, Triton on CUDA, rows to scan, no where mask); else it runs at once."""
+        areas, rows to scan, no where mask); else it runs at once."""
         return (self.stagings[1] is not None and 0 < nq <= self.max_batch and self.rows.size > 0
                 and flt.where is None)
 
