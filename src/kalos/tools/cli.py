@@ -120,7 +120,8 @@ def _build_parser(s: Settings | None = None) -> argparse.ArgumentParser:
                        help="also serve the seed article's recall_shm_t protocol (top-8 over all namespaces)")
     serve.add_argument("--seed-compat-shm", default="/kalos_recall_shm",
                        help="POSIX shared-memory name of the seed-compat segment (default: %(default)s)")
-    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                       help="the least severe log records the sidecar writes to stderr (default: %(default)s)")
 
     add = commands.add_parser(
         "add", help="add memories from a .npy or JSONL file",
@@ -128,7 +129,7 @@ def _build_parser(s: Settings | None = None) -> argparse.ArgumentParser:
         '{"vector": [...], "text": "...", "metadata": {...}, "namespace": "...", "key": "..."} (text, metadata, '
         'namespace, key optional). A row whose key already exists in its namespace replaces that memory (upsert).',
     )
-    add.add_argument("file", type=Path)
+    add.add_argument("file", type=Path, help="the .npy matrix or JSONL file of memories (described above)")
     _add_name(add)
     add.add_argument("--namespace", default="default", help="namespace for rows that name none (default: %(default)s)")
     add.add_argument("--batch", type=int, default=4096, help="rows per add request (default: %(default)s)")

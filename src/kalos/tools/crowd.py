@@ -445,11 +445,13 @@ def _one_crowd_marked(name: str, data: str, k: int, clients: int, seconds: float
 
 
 if __name__ == "__main__":  # python -m kalos.tools.crowd: the same as kalos bench --crowd
-    _parser = argparse.ArgumentParser(description="kalos bench --crowd")
-    _parser.add_argument("--n", type=int, default=65536)
-    _parser.add_argument("--dim", type=int, default=1024)
-    _parser.add_argument("-k", type=int, default=8)
-    _parser.add_argument("--device", default="cpu")
-    _parser.add_argument("--json", type=Path, default=None)
+    _parser = argparse.ArgumentParser(
+        description="kalos bench --crowd: C client processes sending single recalls at once against one sidecar "
+                    "on a temporary store of N x dim random unit rows, every answer checked against float64")
+    _parser.add_argument("--n", type=int, default=65536, help="memories in the sidecar's store (default: 65536)")
+    _parser.add_argument("--dim", type=int, default=1024, help="their dimension (default: 1024)")
+    _parser.add_argument("-k", type=int, default=8, help="k of every recall (default: 8)")
+    _parser.add_argument("--device", default="cpu", help="the sidecar's device: cpu, cuda or cuda:N (default: cpu)")
+    _parser.add_argument("--json", type=Path, default=None, help="also write the crowds' rows to this JSON file")
     add_crowd_arguments(_parser)
     sys.exit(run_crowd(_parser.parse_args()))

@@ -19,12 +19,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kalos.engine.base import MISSING_ID, RowTable
+from kalos.engine.base import MISSING_ID, NAMESPACE_DTYPE, RowTable
 from kalos.engine.gpu.bounds import quantize_rows
 
 __all__ = ["DeviceColumns"]
 
 _WRITE_STEP = 16384  # rows per float64 temporary of a write (not one of a whole bulk load)
+# The row table's namespace column as torch names it: the device copy mirrors it.
+_NAMESPACE_TORCH_DTYPE = torch.from_numpy(np.empty(0, NAMESPACE_DTYPE)).dtype
 _COMPACT_BYTES = 64 << 20  # one chunk of a compaction's row moves
 
 
@@ -48,7 +50,7 @@ class DeviceColumns:
         self.x8 = torch.zeros((capacity, d), dtype=torch.int8, device=dev) if self.int8 else None
         self.scale8 = torch.ones(capacity, dtype=torch.float32, device=dev) if self.int8 else None
         self.live = torch.zeros(capacity, dtype=torch.uint8, device=dev)
-        self.ns = torch.zeros(capacity, dtype=torch.int32, device=dev)
+        self.ns = torch.zeros(capacity, dtype=_NAMESPACE_TORCH_DTYPE, device=dev)
         self.ts = torch.zeros(capacity, dtype=torch.float64, device=dev)
         self.ids = torch.full((capacity,), MISSING_ID, dtype=torch.int64, device=dev)
 
