@@ -219,7 +219,8 @@ def bench_size(n_items: int, dim: int, recalls: int, rng: np.random.Generator, c
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1000,50000", help="store sizes, comma-separated")
-    parser.add_argument("--dim", type=int, default=384)
+    parser.add_argument("--dim", type=int, default=384,
+                        help="the random vectors' dimension (--text-coroutines: always 384) (default: %(default)s)")
     parser.add_argument("--recalls", type=int, default=3000, help="timed recalls per line")
     parser.add_argument("--coroutines", default="16", help="coroutine counts of the last lines, comma-separated")
     parser.add_argument("--only-coroutines", action="store_true", help="only the coroutines' lines")

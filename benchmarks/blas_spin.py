@@ -121,9 +121,12 @@ def measure(variant: str, env_extra: dict[str, str], n: int, dim: int, tmp: str,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="800x384,65536x384,65536x1024")
+    parser.add_argument("--sizes", default="800x384,65536x384,65536x1024",
+                        help="store sizes as NxDIM (rows x dimension), comma-separated (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=20, help="recalls after idleness per row")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="ways of running the sidecar's BLAS (VARIANTS in this script), comma-separated "
+                        "(default: all: %(default)s)")
     parser.add_argument("--text", action="store_true", help="also time recall_text (needs the embed extra)")
     args = parser.parse_args()
     print(f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, NumPy {np.__version__}")

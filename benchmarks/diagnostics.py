@@ -238,21 +238,24 @@ def kernel_medians(fn, reps: int) -> dict:
 
 def slot_server_main() -> None:
     ap = argparse.ArgumentParser(prog="diagnostics.py slot-server", description=SLOT_SERVER)
-    ap.add_argument("--n", type=int, default=65536)
-    ap.add_argument("--dim", type=int, default=1024)
-    ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=2000)
-    ap.add_argument("--checks", type=int, default=300)
+    ap.add_argument("--n", type=int, default=65536, help="rows (random unit vectors) (default: %(default)s)")
+    ap.add_argument("--dim", type=int, default=1024, help="their dimension (default: %(default)s)")
+    ap.add_argument("--k", type=int, default=8, help="k of the timed round trips (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=2000,
+                    help="timed round trips per latency line, after 200 warm-up ones (default: %(default)s)")
+    ap.add_argument("--checks", type=int, default=300,
+                    help="correctness requests per variant (random slot, k 1 to 16) (default: %(default)s)")
     ap.add_argument("--variants", default="graph:3",
                     help="exact mode: graph:DEPTH[:KEY=VALUE+...[:WARPS]] (engine tuning), comma-separated")
-    ap.add_argument("--fast-variants", default="graph:3")
+    ap.add_argument("--fast-variants", default="graph:3",
+                    help="fast mode: the same format as --variants (default: %(default)s)")
     ap.add_argument("--gap-us", type=float, default=0,
                     help="also time named requests this far apart (the next round already waiting)")
     ap.add_argument("--timeline", type=int, default=0, metavar="ROUNDS",
                     help="kernel start/end times of ROUNDS rounds (torch.profiler, CUPTI)")
     ap.add_argument("--ceiling", action="store_true",
                     help="kernel times of torch.mv over the scanned rows and of the engine's own search (CUPTI)")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, metavar="FILE", help="also write the table's rows to FILE as JSON")
     args = ap.parse_args()
     rng = np.random.default_rng(1)
     n, dim = args.n, args.dim
@@ -500,9 +503,10 @@ def host_pointer_check(stream) -> None:
 
 def gpu_main() -> int:
     ap = argparse.ArgumentParser(prog="diagnostics.py gpu", description=GPU)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--n", type=int, default=65536)
-    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), metavar="DIR",
+                    help="folder for diag.jsonl (the full run only) (default: $OUT, else the current folder)")
+    ap.add_argument("--n", type=int, default=65536, help="rows (random unit vectors) (default: %(default)s)")
+    ap.add_argument("--dim", type=int, default=1024, help="their dimension (default: %(default)s)")
     ap.add_argument("--batches", default="", help="only profile the graphs of these batch sizes (e.g. 64,256)")
     ap.add_argument("--precisions", default="exact,fast", help="with --batches: these precisions (default: both)")
     ap.add_argument("--thresholds", default="on,off", help="with --batches: threshold selection on, off, or both")
@@ -592,12 +596,15 @@ def top_frames(path: Path, limit: int = 25) -> None:
 
 def profile_main() -> int:
     ap = argparse.ArgumentParser(prog="diagnostics.py profile", description=PROFILE)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--n", type=int, default=65536)
-    ap.add_argument("--dim", type=int, default=1024)
-    ap.add_argument("--seconds", type=float, default=8.0)
-    ap.add_argument("--rate", type=int, default=2000)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--device", default="cuda", help="the sidecar's --device (default: %(default)s)")
+    ap.add_argument("--n", type=int, default=65536,
+                    help="rows in the store (random unit vectors) (default: %(default)s)")
+    ap.add_argument("--dim", type=int, default=1024, help="their dimension (default: %(default)s)")
+    ap.add_argument("--seconds", type=float, default=8.0,
+                    help="py-spy's recording time, in seconds; the timed loop runs 1 s less (default: %(default)s)")
+    ap.add_argument("--rate", type=int, default=2000, help="py-spy's samples per second (default: %(default)s)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), metavar="DIR",
+                    help="folder for py-spy's {sidecar,client}.txt and .err (default: $OUT, else the current folder)")
     ap.add_argument("--extra", default="", help="extra arguments for kalos serve")
     ap.add_argument("--batch", type=int, default=1, help="queries per call (recall_many above 1)")
     args = ap.parse_args()
@@ -654,6 +661,10 @@ PARTS = {"slot-server": slot_server_main, "gpu": gpu_main, "profile": profile_ma
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in PARTS:
-        raise SystemExit(f"usage: diagnostics.py {{{','.join(PARTS)}}} [options]  (see the docstring)")
+        usage = f"usage: diagnostics.py {{{','.join(PARTS)}}} [options]   (diagnostics.py PART --help: its options)"
+        if len(sys.argv) == 2 and sys.argv[1] in ("-h", "--help"):
+            print(f"{usage}\n\n{__doc__.strip()}")
+            raise SystemExit(0)
+        raise SystemExit(usage)
     part = PARTS[sys.argv.pop(1)]
     raise SystemExit(part() or 0)

@@ -51,15 +51,21 @@ def timed(call, repeats: int, gap_s: float) -> np.ndarray:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n", type=int, default=65536)
-    ap.add_argument("--dim", type=int, default=1024)
-    ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=2000)
-    ap.add_argument("--gap-us", type=float, default=200)
-    ap.add_argument("--precisions", default="exact,fast")
-    ap.add_argument("--polling", default="graph")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--n", type=int, default=65536,
+                    help="rows in the store (random unit vectors) (default: %(default)s)")
+    ap.add_argument("--dim", type=int, default=1024, help="their dimension (default: %(default)s)")
+    ap.add_argument("--k", type=int, default=8, help="k of every recall (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=2000,
+                    help="timed recalls per way, after 200 untimed ones (default: %(default)s)")
+    ap.add_argument("--gap-us", type=float, default=200,
+                    help="the gap ways' pause between recalls, in microseconds (default: %(default)s)")
+    ap.add_argument("--precisions", default="exact,fast",
+                    help="the sidecar's --precision, one sidecar each, comma-separated: exact, fast "
+                    "(default: %(default)s)")
+    ap.add_argument("--polling", default="graph",
+                    help="the sidecar's --gpu-polling: graph or off (default: %(default)s)")
+    ap.add_argument("--device", default="cuda", help="the sidecar's --device (default: %(default)s)")
+    ap.add_argument("--json", default=None, metavar="FILE", help="also write the table's rows to FILE as JSON")
     args = ap.parse_args()
     rng = np.random.default_rng(1)
     x = rng.standard_normal((args.n, args.dim), dtype=np.float32)

@@ -60,9 +60,10 @@ def main() -> None:
     ap.add_argument("--queries", help="extra queries (.npy); the rows themselves are always queried too")
     ap.add_argument("--save-vectors", help="write the embedded rows here and stop")
     ap.add_argument("--save-queries", help="with --save-vectors: write the embedded questions here")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--json")
+    ap.add_argument("--device", default="cuda",
+                    help="the GPU engine's torch device, cuda or cuda:N (default: %(default)s)")
+    ap.add_argument("--k", type=int, default=8, help="k of every search (default: %(default)s)")
+    ap.add_argument("--json", metavar="FILE", help="also write each first pass's figures to FILE as JSON")
     args = ap.parse_args()
     from kalos.engine.base import as_unit_rows
 

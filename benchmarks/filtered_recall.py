@@ -115,9 +115,10 @@ def _in_process(args: argparse.Namespace, matrix: np.ndarray, metadata: list[dic
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--n", type=int, default=65536)
-    parser.add_argument("--dim", type=int, default=384)
-    parser.add_argument("-k", type=int, default=8)
+    parser.add_argument("--n", type=int, default=65536,
+                        help="rows (random unit vectors with metadata) (default: %(default)s)")
+    parser.add_argument("--dim", type=int, default=384, help="their dimension (default: %(default)s)")
+    parser.add_argument("-k", type=int, default=8, help="k of every recall (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (the engine and the sidecar's --device)")
     parser.add_argument("--precision", default="exact", help="the GPU engine's precision (exact or fast)")
     parser.add_argument("--recalls", type=int, default=1500, help="timed recalls per case and side")

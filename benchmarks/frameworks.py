@@ -355,10 +355,13 @@ def table(rows: list[Row]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--memories", type=int, default=2000)
-    parser.add_argument("--dim", type=int, default=384)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--memories", type=int, default=2000,
+                        help="items stored before the timed operations, in each part (default: %(default)s)")
+    parser.add_argument("--dim", type=int, default=384, help="the embeddings' dimension (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=300,
+                        help="LangGraph loop steps (and reads after them); mem0 searches (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=1,
+                        help="seed of the generated texts, keys, vectors and queries (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="the sidecar's --device (cpu, or cuda on a GPU machine)")
     parser.add_argument("--postgres-dsn", default=None,
                         help="PostgresStore on this database instead of a throwaway server started here")

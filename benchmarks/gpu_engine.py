@@ -442,13 +442,19 @@ def table() -> None:
 
 def main() -> int:
     global LOG
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--dry", action="store_true")
-    ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--sizes", default="65536,1048576")
-    ap.add_argument("--batches", default="1,8,64,256")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), metavar="DIR",
+                    help="folder for results.jsonl and log.txt, made if missing "
+                    "(default: $OUT, else the current folder)")
+    ap.add_argument("--dry", action="store_true",
+                    help="only the correctness part, at N=400, D=48, on the CPU (to check the script itself)")
+    ap.add_argument("--iters", type=int, default=200,
+                    help="timed searches per line and sweep tile (fewer above N=65,536) (default: %(default)s)")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the tile sweep")
+    ap.add_argument("--sizes", default="65536,1048576",
+                    help="row counts N of the timings, comma-separated (D=1024, k=8) (default: %(default)s)")
+    ap.add_argument("--batches", default="1,8,64,256",
+                    help="queries per search (Q) of the timings, comma-separated (default: %(default)s)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     LOG = open(os.path.join(args.out, "log.txt"), "w")

@@ -151,7 +151,8 @@ def main() -> int:
     parser.add_argument("--skip-start", action="store_true", help="only the propagation rows")
     parser.add_argument("--poll-us", type=float, default=0.0,
                         help="pause between B's recalls while waiting for the id (default: 0, back to back)")
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None, metavar="FILE",
+                        help="also write the results to FILE as JSON")
     args = parser.parse_args()
     rng = np.random.default_rng(7)
     runtime = tempfile.mkdtemp(prefix="kb", dir="/tmp")

@@ -173,7 +173,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1, help="runs of the variants, alternated")
     ap.add_argument("--windows", action="store_true",
                     help="each request with a created_at window of its own (every row inside: the same answers)")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME:PRECISION:JSON")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:PRECISION:JSON",
+                    help="a variant to run, repeatable: PRECISION exact or fast, JSON Tuning.replace overrides "
+                    "(default: the default tuning, exact and fast)")
     ap.add_argument("--profile", default="", metavar="B1,B2",
                     help="after the timed rounds of these sizes, each kernel's device time per round (torch.profiler)")
     ap.add_argument("--profile-rounds", type=int, default=40, help="rounds under the profiler, per size in --profile")

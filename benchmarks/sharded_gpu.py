@@ -71,11 +71,13 @@ def measure(label: str, engine, queries: np.ndarray, k: int, iters: int, floor_u
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=1 << 24)
-    ap.add_argument("--dim", type=int, default=1024)
-    ap.add_argument("-k", type=int, default=8)
+    ap.add_argument("--n", type=int, default=1 << 24, help="rows (random unit vectors, float32) (default: %(default)s)")
+    ap.add_argument("--dim", type=int, default=1024, help="their dimension (default: %(default)s)")
+    ap.add_argument("-k", type=int, default=8, help="k of every search (default: %(default)s)")
     ap.add_argument("--devices", default="cuda:0,cuda:1", help="the sharded layout (default: %(default)s)")
-    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--iters", type=int, default=200,
+                    help="timed single-query searches per layout; batches of 64: a tenth, at least 10 "
+                    "(default: %(default)s)")
     ap.add_argument("--skip-single", action="store_true", help="only the sharded layout")
     args = ap.parse_args()
     n, dim, k = args.n, args.dim, args.k

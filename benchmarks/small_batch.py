@@ -56,14 +56,22 @@ def _times(fn, repeats: int) -> np.ndarray:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=65536)
-    ap.add_argument("--dim", type=int, default=1024)
-    ap.add_argument("-k", type=int, default=8)
-    ap.add_argument("--qs", default="1,2,4,8,16,32,64")
-    ap.add_argument("--repeats", type=int, default=200)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--precisions", default="exact,fast")
-    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--n", type=int, default=65536, help="rows (random unit vectors) (default: %(default)s)")
+    ap.add_argument("--dim", type=int, default=1024, help="their dimension (default: %(default)s)")
+    ap.add_argument("-k", type=int, default=8, help="k of every search (default: %(default)s)")
+    ap.add_argument("--qs", default="1,2,4,8,16,32,64",
+                    help="queries per search (Q), comma-separated, each 1 to 512 (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=200,
+                    help="timed searches per line, after 10 untimed; the CPU engine's: a twentieth, at least 5 "
+                    "(default: %(default)s)")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="the GPU engine's tuning variants (VARIANTS in this script), comma-separated "
+                    "(default: all: %(default)s)")
+    ap.add_argument("--precisions", default="exact,fast",
+                    help="the GPU engine's precisions, comma-separated: exact, fast; '' times no GPU engine "
+                    "(default: %(default)s)")
+    ap.add_argument("--device", default="cuda",
+                    help="torch device of the baseline and the GPU engine: cuda, cuda:N or cpu (default: %(default)s)")
     ap.add_argument("--numpy", action="store_true", help="also time the CPU engine (NumpyEngine) at each Q")
     args = ap.parse_args()
     qs = [int(q) for q in args.qs.split(",")]

@@ -57,13 +57,19 @@ def summarise(trace: Path, seconds: float) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--crowd", default="1,16,64")
-    parser.add_argument("--seconds", type=float, default=3.0)
-    parser.add_argument("--n", type=int, default=65536)
-    parser.add_argument("--dim", type=int, default=1024)
-    parser.add_argument("-k", type=int, default=8)
-    parser.add_argument("--serve-arg", dest="serve_args", action="append", default=[])
-    parser.add_argument("--label", default="")
+    parser.add_argument("--crowd", default="1,16,64", metavar="C1,C2,...",
+                        help="crowd sizes (client processes), comma-separated; one sidecar each (default: %(default)s)")
+    parser.add_argument("--seconds", type=float, default=3.0,
+                        help="how long each crowd recalls, in seconds; the summary covers the trace's last as "
+                        "many seconds (default: %(default)s)")
+    parser.add_argument("--n", type=int, default=65536,
+                        help="rows in the store (random unit vectors) (default: %(default)s)")
+    parser.add_argument("--dim", type=int, default=1024, help="their dimension (default: %(default)s)")
+    parser.add_argument("-k", type=int, default=8, help="k of every recall (default: %(default)s)")
+    parser.add_argument("--serve-arg", dest="serve_args", action="append", default=[], metavar="ARG",
+                        help="one more kalos serve argument (one word), repeatable, given with an = sign: "
+                        "--serve-arg=--precision --serve-arg=fast")
+    parser.add_argument("--label", default="", help="a label for the table's title (default: none)")
     parser.add_argument("--device", default="cuda", help="cuda (cpu: only to try the harness; no passes are traced)")
     args = parser.parse_args()
 

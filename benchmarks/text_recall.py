@@ -515,7 +515,9 @@ def main() -> None:
                         "--serve-args='--gpu-polling'")
     parser.add_argument("--rounds", type=int, default=None,
                         help="questions per timed path (default 300; 1000 in the scaled run on cuda)")
-    parser.add_argument("--import-rows", type=int, default=10_000)
+    parser.add_argument("--import-rows", type=int, default=10_000,
+                        help="short passages for kalos import through the sidecar's ONNX runtime (0: none); "
+                        "--torch-import-rows takes the first of them (default: %(default)s)")
     parser.add_argument("--torch-import-rows", type=int, default=2_000,
                         help="rows of the import through the sidecar's sentence-transformers runtime")
     args = parser.parse_args()

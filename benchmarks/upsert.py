@@ -29,11 +29,11 @@ from kalos.server.launcher import SidecarProcess
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dim", type=int, default=384)
+    parser.add_argument("--dim", type=int, default=384, help="the rows' dimension (default: %(default)s)")
     parser.add_argument("--rows", type=int, default=1000, help="rows per call (default: %(default)s)")
     parser.add_argument("--calls", type=int, default=20, help="calls per kind and block (default: %(default)s)")
     parser.add_argument("--blocks", type=int, default=3, help="alternating blocks (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=22)
+    parser.add_argument("--seed", type=int, default=22, help="seed of the random rows (default: %(default)s)")
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
 

@@ -6,7 +6,6 @@ per-process wake-up, not the system calls, is the cost).
     python3 benchmarks/wake_cost.py 8; python3 benchmarks/wake_cost.py 32
 """
 import ctypes
-import errno
 import mmap
 import multiprocessing as mp
 import os
