@@ -5,12 +5,12 @@ per-process wake-up, not the system calls, is the cost).
 
     python3 benchmarks/wake_cost.py 8; python3 benchmarks/wake_cost.py 32
 """
+import argparse
 import ctypes
 import mmap
 import multiprocessing as mp
 import os
 import platform
-import sys
 import time
 
 import numpy as np
@@ -33,7 +33,9 @@ class futex:  # the two calls, through libc's syscall()
         cls._call(cls._nr, ctypes.c_void_p(address), 1, 0x7FFFFFFF, None, None, 0)
 
 
-C = int(sys.argv[1]); R = 300
+_parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+_parser.add_argument("clients", type=int, metavar="C", help="sleeping client processes to wake, each round")
+C = _parser.parse_args().clients; R = 300
 buf = mmap.mmap(-1, 4096)
 word = np.frombuffer(buf, dtype=np.uint32, count=2)
 addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
