@@ -911,7 +911,8 @@ def test_places_each_in_its_own_namespace_answer_as_the_float64_reference(rng, p
         window = Filter(since=10.0, until=90.0)
         fallbacks = eng.stats["fallbacks"]
         for flt, chosen in ((Filter(), places), (window, places), (Filter(), np.array([9, 5, 4])),
-                            (window, np.array([1, 6, 7]))):  # (the last all in namespace 1)
+                            (window, np.array([1, 6, 7])),  # (all in namespace 1)
+                            (Filter(), np.array([4])), (window, np.array([3]))):  # (one place: a pass of one)
             own = namespaces[chosen]
             for at in ids_at[chosen]:
                 i64[at : at + k] = -7  # (no answer left from an earlier pass passes for this one's)
