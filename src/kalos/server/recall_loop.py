@@ -302,8 +302,8 @@ class RecallLoop:
 
         Single recalls (one query, all namespaces or one, no time window: what an agent sends)
         are read from the slots' columns in a few NumPy calls and searched as one batch per
-        namespace (on a zero-copy GPU engine one batch whatever their namespaces:
-        :meth:`_queue_singles`), so a pass costs about the same whether 1 or 64 clients are
+        namespace (on a zero-copy GPU engine without GPU polling, one queued batch whatever their
+        namespaces: :meth:`_queue_singles`), so a pass costs about the same whether 1 or 64 clients are
         waiting. Anything else (batches, time windows, pings, malformed requests) is read slot
         by slot.
         """
