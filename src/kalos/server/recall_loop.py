@@ -81,6 +81,11 @@ def _alike_row(column: np.ndarray, slots: np.ndarray, scratch: np.ndarray) -> np
     return scratch
 
 
+def _pick(generations: np.ndarray | None, at: np.ndarray) -> np.ndarray | None:
+    """The slots' generations at ``at`` (None: the channel checks none)."""
+    return None if generations is None else generations[at]
+
+
 @dataclasses.dataclass(slots=True)
 class _Flight:
     """A crowd's pass queued on the GPU: what publishing its answers needs once it lands."""
@@ -388,6 +393,16 @@ class RecallLoop:
         self._publish(slots, seqs, generations, self._searching(self._answer_group, slots, ks, flt), started)
         return True
 
+    def _single_recalls(self, slots: np.ndarray, allowed_flags: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The k and flags of ``slots``, read once, and which of them are single recalls (one
+        query, a k in range) that carry no flag but ``allowed_flags``."""
+        columns = self.channel.columns
+        ks = columns.k[slots]
+        flags = columns.flags[slots]
+        single = ((columns.op[slots] == _RECALL) & (columns.n_queries[slots] == 1) & (ks >= 1)
+                  & (ks <= self.layout.max_k) & ((flags | allowed_flags) == allowed_flags))
+        return ks, flags, single
+
     def _queue_singles(self, slots: np.ndarray, seqs: np.ndarray, generations: np.ndarray | None,
                        started: float) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Queues one GPU pass (zero copy, no GPU polling) for the single recalls of a crowd
@@ -398,10 +413,7 @@ class RecallLoop:
         requests, where clauses, time windows, a name whose length word disagrees with its
         bytes) for the mixed path."""
         columns = self.channel.columns
-        ks = columns.k[slots]
-        flags = columns.flags[slots]
-        plain = ((columns.op[slots] == _RECALL) & (columns.n_queries[slots] == 1) & (ks >= 1)
-                 & (ks <= self.layout.max_k) & ((flags | _ALL_NAMESPACES) == _ALL_NAMESPACES))
+        ks, flags, plain = self._single_recalls(slots, _ALL_NAMESPACES)
         ns_ids = np.full(len(slots), -1, np.int64)  # (all namespaces)
         now = np.zeros(len(slots), dtype=bool)  # answered here: a namespace that holds nothing, or an error
         answered_now = 0
@@ -445,14 +457,13 @@ class RecallLoop:
                 answered_now += self._answer_nothing(slots[nothing], ks[nothing])
         if now.any():
             done = np.flatnonzero(now)
-            self._publish(slots[done], seqs[done], None if generations is None else generations[done], answered_now,
-                          started)
+            self._publish(slots[done], seqs[done], _pick(generations, done), answered_now, started)
         queued = np.flatnonzero(plain & ~now)
         if len(queued):
-            self._queue_places(slots[queued], seqs[queued], None if generations is None else generations[queued],
-                               ks[queued], started, int(ks[queued].max()), _NO_FILTER, ns_ids[queued])
+            self._queue_places(slots[queued], seqs[queued], _pick(generations, queued), ks[queued], started,
+                               int(ks[queued].max()), _NO_FILTER, ns_ids[queued])
         rest = np.flatnonzero(~plain)
-        return slots[rest], seqs[rest], None if generations is None else generations[rest]
+        return slots[rest], seqs[rest], _pick(generations, rest)
 
     def _queue_places(self, slots: np.ndarray, seqs: np.ndarray, generations: np.ndarray | None, ks: np.ndarray,
                       started: float, k: int, flt: Filter, namespaces: np.ndarray | None = None) -> None:
@@ -520,11 +531,7 @@ class RecallLoop:
     def _answer_mixed(self, slots: np.ndarray, deferred: list[_Deferred] | None) -> int:
         """Requests of several kinds: single recalls grouped (:meth:`_answer_singles`), the rest
         read slot by slot (``deferred``: see :meth:`_searching`)."""
-        columns = self.channel.columns
-        ks = columns.k[slots]
-        flags = columns.flags[slots]
-        single = (columns.op[slots] == _RECALL) & (columns.n_queries[slots] == 1)
-        single &= (ks >= 1) & (ks <= self.layout.max_k) & ((flags | _SINGLE_FLAGS) == _SINGLE_FLAGS)
+        ks, flags, single = self._single_recalls(slots, _SINGLE_FLAGS)
         n_queries = self._answer_singles(slots[single], ks[single], flags[single], deferred) if single.any() else 0
         if not single.all():
             n_queries += self._answer_each(slots[~single], deferred)
