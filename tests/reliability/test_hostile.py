@@ -3,7 +3,8 @@
 Slots. A rogue process takes a slot like any client (hello over the control socket), maps the
 segment itself and writes hypothesis-generated requests into its slot: structure-aware fields
 (op, k and batch size beyond the slot's max_k / max_batch, namespace lengths past the namespace
-field, unknown flags, NaN/inf/empty time windows, NaN/inf/zero/subnormal/huge query rows),
+field, unknown flags, the where flag naming a clause nobody registered, NaN/inf/empty time
+windows, NaN/inf/zero/subnormal/huge query rows),
 raw random request bytes, garbage over its own response words, and request sequence numbers
 out of order (repeated, going back, jumping). For every request a model of the sidecar's rules
 predicts the allowed answers: the set of error codes the request deserves, or success, in which
@@ -51,7 +52,8 @@ from kalos import Client
 from kalos.errors import ErrorCode, InvalidArgument
 from kalos.ipc.channel import wake_pair
 from kalos.ipc.control import PROTOCOL_VERSION
-from kalos.ipc.protocol import HEADER_DTYPE, MESSAGE_BYTES, NAMESPACE_BYTES, REQUEST_DTYPE, Layout, Op, SlotView
+from kalos.ipc.protocol import (HEADER_DTYPE, MESSAGE_BYTES, NAMESPACE_BYTES, REQUEST_DTYPE, Layout, Op, RequestFlag,
+                                SlotView)
 from kalos.validation import check_namespace
 from reliability._support import ItemTable, check_row, honest, raw_connection, tracebacks
 
@@ -62,6 +64,7 @@ NAMESPACES = {"honest": 400, "other": 60}  # "default" exists too, empty
 REQUEST_BYTES = REQUEST_DTYPE.itemsize
 _PREFIX = struct.Struct("<IQ")
 IQ, PROTO, INTERNAL = int(ErrorCode.INVALID_QUERY), int(ErrorCode.PROTOCOL), int(ErrorCode.INTERNAL)
+UNKNOWN_FILTER = int(ErrorCode.UNKNOWN_FILTER)
 
 
 def _fuzz_settings(examples: int) -> settings:
@@ -131,7 +134,7 @@ slot_case = st.fixed_dictionaries({
     "op": mostly(st.just(int(Op.RECALL)), st.one_of(st.just(int(Op.PING)), u32)),
     "k": mostly(st.integers(1, MAX_K), u32),
     "n": mostly(st.integers(1, MAX_BATCH), u32),
-    "flags": mostly(st.integers(0, 7), u32),
+    "flags": mostly(st.integers(0, 7), st.one_of(st.sampled_from([8, 9, 15, 16]), u32)),
     "since": mostly(st.floats(900, 1500), any_float),
     "until": mostly(st.floats(1500, 2100), a_time),
     "namespace": mostly(st.sampled_from([b"honest", b"other", b"default"]),
@@ -157,8 +160,10 @@ def allowed_statuses(view: SlotView, layout: Layout, known: set[bytes]) -> set[i
         return {IQ}
     errors = set()
     n, k, flags = int(view.n_queries[0]), int(view.k[0]), int(view.flags[0])
-    if not 1 <= n <= layout.max_batch or not 1 <= k <= layout.max_k or flags & ~7:
+    if not 1 <= n <= layout.max_batch or not 1 <= k <= layout.max_k or flags & ~15:
         errors.add(IQ)
+    if flags & RequestFlag.HAS_WHERE and not flags & ~15:  # nobody registered a where clause here
+        errors.add(UNKNOWN_FILTER)
     if not flags & 1 and view.read_namespace() not in known:
         # A valid name that never held a memory is answered with no hits (issue 22); bytes that
         # are no namespace name (not UTF-8, control characters, empty, too long) are refused.
