@@ -471,6 +471,38 @@ def test_bench_refuses_bad_arguments_before_measuring(runtime_dir, args, fragmen
     assert_user_error(kalos("bench", *args, timeout=20), "bench", fragment)
 
 
+def test_bench_crowd_runs_the_issues_benchmark_on_the_cpu(runtime_dir, tmp_path):
+    """The crowd benchmark a user runs (``kalos bench --crowd``), small: every crowd answered,
+    checked against float64 (the command exits 1 on a wrong answer), and its rows say who
+    answered them."""
+    out = tmp_path / "crowd.json"
+    result = kalos("bench", "--crowd", "1,3", "--n", "512", "--dim", "16", "--crowd-seconds", "0.3",
+                   "--crowd-scopes", "agents", "--json", out)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["clients"] for row in rows] == [1, 3]
+    for row in rows:
+        assert row["recalls"] > 0 and row["failed_connects"] == row["errors"] == row["wrong"] == 0, row
+        assert row["answered_by"] == "sweep" and row["queries_per_pass"] >= 1 and row["pass_us"] > 0, row
+    assert "q/pass pass us  busy" in result.stdout
+
+
+def test_bench_crowd_leaves_the_sweeps_columns_out_where_gpu_polling_answered(monkeypatch, capsys):
+    from kalos.tools import crowd
+
+    counts = iter([crowd._Passes(queries=10, passes=5, busy_s=0.001, gpu_polled=0, gpu_rounds=0),
+                   crowd._Passes(queries=12, passes=6, busy_s=0.003, gpu_polled=640, gpu_rounds=20)])
+    monkeypatch.setattr(crowd, "_passes", lambda name: next(counts))
+    fields = dict(clients=64, p50_us=1.0, p99_us=2.0, p999_us=3.0, recalls_per_s=4.0, connect_p99_ms=5.0,
+                  late_connect_p99_ms=6.0, failed_connects=0, late_connect_failures=0, errors=0, wrong=0,
+                  recalls=640, first_error=None)
+    row = crowd._with_passes("name", 2.0, lambda: dict(fields))
+    assert row["answered_by"] == "gpu polling" and row["queries_per_pass"] == 32.0
+    assert row["pass_us"] is None and row["sweep_busy"] is None
+    crowd._print_rows("title", [row])
+    assert capsys.readouterr().out.splitlines()[-1].split()[-3:] == ["32.0", "-", "-"]
+
+
 def test_bench_on_cuda_without_a_gpu_says_so(runtime_dir):
     from kalos.engine import cuda_available
 

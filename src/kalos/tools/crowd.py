@@ -15,7 +15,7 @@ keep their own memories do (each answer checked against the float64 top-k of its
 Reported per C: p50 / p99 / p99.9 per call, the aggregate recalls/s, connect p99 (the crowd's and
 the late connector's), errors, failed connects, wrong answers, and the sweep's queries per pass,
 time per pass and share of the crowd's time spent answering (where the GPU's polling answered most
-recalls, "q/pass" is its requests per round instead).
+recalls, "q/pass" is its requests per round instead, and the sweep's two columns read "-").
 
 ``--colocated`` (CUDA) repeats chosen crowd sizes beside a process that keeps the GPU busy
 with bf16 matrix products (a stand-in for the LLM) and reports its rate alone and meanwhile.
@@ -251,6 +251,27 @@ def _passes(name: str) -> _Passes:
                    int(stats.get("gpu_polled", 0)), int(stats.get("gpu_rounds", 0)))
 
 
+def _with_passes(name: str, seconds: float, crowd: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Runs ``crowd`` and adds to its row who answered it and in passes of how many: the sweep's
+    queries per pass, time per pass and share of the crowd's time spent answering (near 100%: the
+    sweep is the bottleneck; well below: the clients are), or, where the GPU's polling answered
+    most recalls, its requests per round (the sweep's figures then describe only the few requests
+    the kernel handed over, so they are left out)."""
+    before = _passes(name)
+    row = crowd()
+    after = _passes(name)
+    swept = after.queries - before.queries
+    passes = max(1, after.passes - before.passes)
+    polled, rounds = after.gpu_polled - before.gpu_polled, after.gpu_rounds - before.gpu_rounds
+    if polled > swept and rounds > 0:
+        row.update(answered_by="gpu polling", queries_per_pass=polled / rounds, pass_us=None, sweep_busy=None)
+    else:
+        busy_s = after.busy_s - before.busy_s
+        row.update(answered_by="sweep", queries_per_pass=swept / passes, pass_us=busy_s / passes * 1e6,
+                   sweep_busy=busy_s / seconds)
+    return row
+
+
 def _pct(values: np.ndarray, q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else float("nan")
 
@@ -317,6 +338,10 @@ def _one_crowd(name: str, data: str, k: int, clients: int, seconds: float, scope
     }
 
 
+def _cell(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def _print_rows(title: str, rows: list[dict[str, Any]]) -> None:
     print(f"\n{title}")
     print(f"{'C':>4} {'p50 us':>9} {'p99 us':>9} {'p99.9 us':>9} {'recalls/s':>11} {'conn p99 ms':>11} "
@@ -326,8 +351,8 @@ def _print_rows(title: str, rows: list[dict[str, Any]]) -> None:
         print(f"{r['clients']:>4} {r['p50_us']:>9.1f} {r['p99_us']:>9.1f} {r['p999_us']:>9.1f} "
               f"{r['recalls_per_s']:>11,.0f} {r['connect_p99_ms']:>11.2f} {r['late_connect_p99_ms']:>16.2f} "
               f"{r['failed_connects'] + r['late_connect_failures']:>6} {r['errors']:>6} {r['wrong']:>6} "
-              f"{r['recalls']:>9,} {r.get('queries_per_pass', float('nan')):>6.1f} "
-              f"{r.get('pass_us', float('nan')):>7.1f} {r.get('sweep_busy', float('nan')):>5.0%}")
+              f"{r['recalls']:>9,} {r['queries_per_pass']:>6.1f} {_cell(r['pass_us'], '.1f'):>7} "
+              f"{_cell(r['sweep_busy'], '.0%'):>5}")
         if r["first_error"]:
             print(f"     first error: {r['first_error']}")
 
@@ -363,23 +388,13 @@ def run_crowd(args: argparse.Namespace) -> int:
         with SidecarProcess(store_path, name=name, device=args.device, extra_args=extra, ready_timeout=900) as sidecar:
             print(f"  {sidecar.ready_line}", flush=True)
             for c in sizes:
-                before = _passes(name)
-                row = _one_crowd(name, data, k, c, args.crowd_seconds, args.crowd_scopes)
-                after = _passes(name)
-                passes = max(1, after.passes - before.passes)
-                swept = after.queries - before.queries
-                row["queries_per_pass"] = swept / passes
-                # What one pass costs the sweep, and how much of the crowd's time it was answering
-                # (near 100%: the sweep is the bottleneck; well below: the clients are).
-                row["pass_us"] = (after.busy_s - before.busy_s) / passes * 1e6
-                row["sweep_busy"] = (after.busy_s - before.busy_s) / args.crowd_seconds
-                polled, rounds = after.gpu_polled - before.gpu_polled, after.gpu_rounds - before.gpu_rounds
-                if polled > swept and rounds > 0:  # GPU polling answered most: its rounds
-                    row["queries_per_pass"] = polled / rounds
+                row = _with_passes(name, args.crowd_seconds,
+                                   lambda: _one_crowd(name, data, k, c, args.crowd_seconds, args.crowd_scopes))
                 report["rows"].append(row)
                 print(f"  C={c}: p50 {row['p50_us']:.1f} us, p99 {row['p99_us']:.1f}, "
                       f"{row['recalls_per_s']:,.0f} recalls/s, failed {row['failed_connects']}, "
-                      f"errors {row['errors']}, wrong {row['wrong']}, {row['queries_per_pass']:.1f} queries per pass",
+                      f"errors {row['errors']}, wrong {row['wrong']}, {row['queries_per_pass']:.1f} queries per "
+                      f"{'round' if row['answered_by'] == 'gpu polling' else 'pass'}",
                       flush=True)
             if colocated:
                 report["colocated"] = _colocated(name, data, k, colocated, args)
@@ -418,7 +433,8 @@ def _colocated(name: str, data: str, k: int, sizes: list[int], args: argparse.Na
             if hog.stdout.readline().strip() != "busy":
                 raise RuntimeError("the GEMM process did not start")
             # Its rate is counted from the crowd's start (the signal marks it).
-            row = _one_crowd_marked(name, data, k, c, args.crowd_seconds, hog, args.crowd_scopes)
+            row = _with_passes(name, args.crowd_seconds, lambda: _one_crowd_marked(
+                name, data, k, c, args.crowd_seconds, hog, args.crowd_scopes))
             shared = hog.stdout.readline().split()
             row["gemm_tflops_alone"] = float(alone[1]) if alone else float("nan")
             row["gemm_tflops_during"] = float(shared[1]) if shared else float("nan")
