@@ -484,7 +484,7 @@ def _damaged_finding(where: str, ids: list[int]) -> Finding:
     shown = ", ".join(str(i) for i in ids[:20]) + (", ..." if len(ids) > 20 else "")
     return Finding("store", PROBLEM, f"{where}: {len(ids):,} item(s) have damaged vectors (not finite unit vectors): "
                    f"ids {shown}; a sidecar quarantines them (does not serve them)",
-                   f"delete them (`Client.delete([...])`) and add them again from their source")
+                   "delete them (`Client.delete([...])`) and add them again from their source")
 
 
 def serve_command(name: str, store: Any) -> str:
