@@ -57,7 +57,7 @@ def as_matrix(
     value: Any, dim: int, *, single: bool, what: str = "query", error: type[KalosError] = InvalidQuery
 ) -> np.ndarray:
     if single and type(value) is np.ndarray and value.dtype is _FLOAT32 and value.shape == (dim,):
-        return value[None]  # a recall's usual query passes every check below: skip them (~0.3 us)
+        return value[None]  # a recall's usual query passes every check below: skip them (the hot path)
     try:
         array = np.asarray(value)
         # Real numbers only, as add's check_vectors: float32 conversion dropped the imaginary
@@ -107,7 +107,7 @@ def where_clause(where: Any) -> Where | None:
     """``where=`` compiled (InvalidArgument names a bad part); None for no filter or ``{}``.
 
     Compiled clauses are remembered by their structure: compiling (validation and the canonical
-    JSON) costs 10-20 us, a recall's whole client side a few."""
+    JSON) costs several times the rest of a recall's client side."""
     if where is None or type(where) is Where:
         return None if where is None or where.is_trivial else where
     try:

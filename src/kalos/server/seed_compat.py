@@ -96,13 +96,9 @@ with a back-off that doubles from 50 us to 1 ms, and to 2 ms once idle for a sec
 a request is picked up within a sweep (microseconds) at the price of one busy core for
 ``spin_us`` after every request. After idle, a request waits for the current sleep to end:
 at most ~1.1 ms in the first second (an agent's burst of recalls), ~2.2 ms after that; every
-wake-up costs CPU, so halving the pick-up doubles the idle cost. Measured with
-tests/seed/bench_seed_compat.py and the C client (the H200 host's 16-core Xeon; CPU store,
-N = 4,096 x 1,024): the idle server thread costs 1.0-1.3 % of one core; pick-up after ~20 ms
-idle p50 0.55-0.65 ms, p99 1.1-1.2 ms; after ~1.5 s idle p50 ~0.95 ms, p99 2.2-5.4 ms (20
-samples); the hot handshake adds 22-28 us (p50) to the search itself. On the loaded 2-core
-VM where Kalos is developed a bare C nanosleep(1 ms) loop alone costs ~2 % of a core, which
-is why the long-idle sleep is 2 ms and not 1 ms.
+wake-up costs CPU, so halving the pick-up doubles the idle cost. The long-idle sleep is 2 ms and
+not 1 ms because on a loaded small host a bare 1 ms sleep loop alone takes a visible share of a
+core. The pick-up and idle figures: BENCHMARKS.md, "Seed compatibility".
 """
 from __future__ import annotations
 
