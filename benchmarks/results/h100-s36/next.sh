@@ -9,6 +9,10 @@
 # 3. `--gpu-polling off`, agents each in their own namespace, C = 1-64 with the co-located case,
 #    HEAD against c5539f3 (.snap/trees/s35-base): c7224a2 and 54bcfe6 never ran on a GPU.
 #    Predicted: the same as session 35's call 3 within its noise (C = 64 about 100k recalls/s).
+# 4. What a recall costs the client process by itself on this host (benchmarks/client_cost.py:
+#    4.7-4.9 us p50 on the 2-vCPU VM in session 36). Predicted: about 3x that (this host's Python
+#    ran sum(range(10000)) 3x slower in session 26): at C = 64, four clients a core, some 50 us of
+#    each round would be the clients' own Python.
 #   mkdir -p .snap/trees/s35-base && git archive c5539f3 src | tar -x -C .snap/trees/s35-base
 #   BUDGET_S=590 OUT=$OUT bash benchmarks/results/h100-s36/next.sh
 #     (carry .snap/trees/s35-base, benchmarks/results/h100-s36, benchmarks/results/h100-s32)
@@ -26,5 +30,7 @@ done
 OFF="--serve-arg=--gpu-polling --serve-arg=off"
 NEED_S=100 INTO=off-agents crowd src this-off-agents 16,64 --crowd-scopes agents $OFF
 NEED_S=100 INTO=off-agents crowd $B base-off-agents 16,64 --crowd-scopes agents $OFF
+echo "=== client cost $(date +%T) (${SECONDS}s)"
+PYTHONPATH=src timeout 90 python3 benchmarks/client_cost.py > $OUT/client-cost.txt 2>&1; cat $OUT/client-cost.txt
 echo "=== done ${SECONDS}s"
 summary
