@@ -7,6 +7,7 @@ fences, reading the hits back).
 """
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -75,4 +76,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("``", "")).parse_args()
     raise SystemExit(main())
