@@ -160,10 +160,12 @@ def allowed_statuses(view: SlotView, layout: Layout, known: set[bytes]) -> set[i
         return {IQ}
     errors = set()
     n, k, flags = int(view.n_queries[0]), int(view.k[0]), int(view.flags[0])
+    # In the sidecar's order: the request's words, then the where handle before the rest of
+    # the filter and the rows.
     if not 1 <= n <= layout.max_batch or not 1 <= k <= layout.max_k or flags & ~15:
-        errors.add(IQ)
-    if flags & RequestFlag.HAS_WHERE and not flags & ~15:  # nobody registered a where clause here
-        errors.add(UNKNOWN_FILTER)
+        return {IQ}
+    if flags & RequestFlag.HAS_WHERE:  # nobody registered a where clause with this sidecar
+        return {UNKNOWN_FILTER}
     if not flags & 1 and view.read_namespace() not in known:
         # A valid name that never held a memory is answered with no hits (issue 22); bytes that
         # are no namespace name (not UTF-8, control characters, empty, too long) are refused.
@@ -177,12 +179,11 @@ def allowed_statuses(view: SlotView, layout: Layout, known: set[bytes]) -> set[i
         errors.add(IQ)
     elif since is not None and until is not None and since >= until:
         errors.add(IQ)
-    if 1 <= n <= layout.max_batch:
-        rows = view.queries[:n].astype(np.float64)
-        with np.errstate(over="ignore", invalid="ignore"):
-            norms = np.einsum("ij,ij->i", rows, rows)
-        if not np.all(np.isfinite(rows)) or not np.all(norms > 0):
-            errors.add(IQ)
+    rows = view.queries[:n].astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        norms = np.einsum("ij,ij->i", rows, rows)
+    if not np.all(np.isfinite(rows)) or not np.all(norms > 0):
+        errors.add(IQ)
     return errors or {0}
 
 

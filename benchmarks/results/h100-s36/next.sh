@@ -21,6 +21,8 @@ source benchmarks/results/h100-s32/lib.sh
 B=.snap/trees/s35-base/src
 [ -d $B ] || { echo "missing $B: see this script's header"; exit 1; }
 build_fence src $B
+echo "=== client cost $(date +%T) (${SECONDS}s)"
+PYTHONPATH=src timeout 60 python3 benchmarks/client_cost.py > $OUT/client-cost.txt 2>&1; cat $OUT/client-cost.txt
 cuda_tests 120 tests/test_torch_engine.py -k places
 FAST="--serve-arg=--precision --serve-arg=fast"
 for n in 1024 65536; do
@@ -30,7 +32,5 @@ done
 OFF="--serve-arg=--gpu-polling --serve-arg=off"
 NEED_S=100 INTO=off-agents crowd src this-off-agents 16,64 --crowd-scopes agents $OFF
 NEED_S=100 INTO=off-agents crowd $B base-off-agents 16,64 --crowd-scopes agents $OFF
-echo "=== client cost $(date +%T) (${SECONDS}s)"
-PYTHONPATH=src timeout 90 python3 benchmarks/client_cost.py > $OUT/client-cost.txt 2>&1; cat $OUT/client-cost.txt
 echo "=== done ${SECONDS}s"
 summary

@@ -337,8 +337,8 @@ class Sidecar:
                 self._follower = self.store.follower(rows.mark, apply=self._apply_followed, lock=self._write_lock)
             self.load_seconds = time.perf_counter() - started
             # A GPU sidecar's answer often comes after the CPU default's spin: a client that slept
-            # then would pay a wake-up on most recalls (benchmarks/profile_e2e.py measures it), so
-            # its clients spin longer. Clients that set their own spin_us keep it.
+            # then would pay a wake-up on most recalls, so its clients spin longer. Clients that
+            # set their own spin_us keep it.
             on_gpu = str(self.engine.device).startswith("cuda")
             if isinstance(self.engine, numpy_engine.NumpyEngine) and not numpy_engine.native_scores():
                 # (Otherwise silent: a crowd's passes would just be slower, and only doctor says why.)
