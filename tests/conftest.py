@@ -94,7 +94,9 @@ def run_guarded(cmd: list[str], timeout: float = DEADLINE_S) -> subprocess.Compl
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        # The whole session it leads: a child that inherited the pipes (a crowd's client) would
+        # otherwise keep communicate() waiting for their end.
+        os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         raise AssertionError(f"{cmd} hung (killed after {timeout} s); stderr: {err}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
