@@ -10,8 +10,8 @@
 #    HEAD against c5539f3 (.snap/trees/s35-base): c7224a2 and 54bcfe6 never ran on a GPU.
 #    Predicted: the same as session 35's call 3 within its noise (C = 64 about 100k recalls/s).
 # 4. What a recall costs the client process by itself on this host (benchmarks/client_cost.py:
-#    4.7-4.9 us p50 on the 2-vCPU VM in session 36). Predicted: about 3x that (this host's Python
-#    ran sum(range(10000)) 3x slower in session 26): at C = 64, four clients a core, some 50 us of
+#    4.8-8.3 us p50 on the 2-vCPU VM in session 36, cpu-s36/client-cost.txt). Predicted: about 3x that (this host's Python
+#    ran sum(range(10000)) 3x slower in session 26): at C = 64, four clients a core, 60 us or more of
 #    each round would be the clients' own Python.
 #   mkdir -p .snap/trees/s35-base && git archive c5539f3 src | tar -x -C .snap/trees/s35-base
 #   BUDGET_S=590 OUT=$OUT bash benchmarks/results/h100-s36/next.sh
