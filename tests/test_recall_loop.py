@@ -264,7 +264,7 @@ def test_where_clauses_and_time_windows_are_never_queued(loop):
     from kalos.where import compile_where
 
     engine, channel = loop.engine, loop.channel
-    handle = loop._filter_for.__self__.register(compile_where({"user": "u1"}))
+    handle = loop._filter.__self__.register(compile_where({"user": "u1"}))
     _submit(loop, [0, 1])
     for slot in (0, 1):
         channel.slots[slot].flags[0] = int(RequestFlag.HAS_WHERE)
@@ -320,7 +320,7 @@ def test_agents_in_namespaces_of_their_own_share_one_queued_pass(loop):
     assert loop.metrics.queries == 10  # each answered once: 6, then 4
     # A time window and a where clause in the crowd: searched here, one pass per filter, after
     # the agents' pass (queued, then landed first).
-    handle = loop._filter_for.__self__.register(compile_where({"user": "u1"}))
+    handle = loop._filter.__self__.register(compile_where({"user": "u1"}))
     _submit(loop, [0, 1, 2, 3], namespaces=[b"agent-a", b"agent-b", b"agent-b", b"agent-a"])
     channel.slots[1].flags[0] = int(RequestFlag.HAS_SINCE)
     channel.slots[1].since[0] = 0.0

@@ -72,6 +72,12 @@ class FilterCache:
                     del self.wheres[old]
         return handle
 
+    def get(self, key: FilterKey) -> Filter:
+        """The engine filter of a request's words ``key``: the cached one, else :meth:`filter_for`'s
+        (a KalosError names what is wrong with them)."""
+        flt = self.cached.get(key)
+        return flt if flt is not None else self.filter_for(*key)
+
     def filter_for(self, flags: int, namespace_bytes: bytes, since: float | None, until: float | None,
                    where_handle: int = 0) -> Filter:
         """The engine filter a request's words describe (validated, then cached)."""

@@ -81,6 +81,11 @@ def _alike_row(column: np.ndarray, slots: np.ndarray, scratch: np.ndarray) -> np
     return scratch
 
 
+def _search_failed(exc: Exception) -> ServerError:
+    """What a client hears of an engine failure (a bug, logged where it was caught)."""
+    return ServerError(f"search failed: {type(exc).__name__}: {exc}")
+
+
 def _pick(generations: np.ndarray | None, at: np.ndarray) -> np.ndarray | None:
     """The slots' generations at ``at`` (None: the channel checks none)."""
     return None if generations is None else generations[at]
@@ -135,8 +140,7 @@ class RecallLoop:
         self.metrics = metrics
         self.cohort = cohort
         # Bound once: the pass reads them at one attribute's cost, as it read them off the sidecar.
-        self._filters = filters.cached
-        self._filter_for = filters.filter_for
+        self._filter = filters.get
         self._namespaces = filters.namespaces
         self._polling = polling
         self._expire_due = expirer.expire_due
@@ -373,15 +377,12 @@ class RecallLoop:
         """Answers a crowd of one kind (:meth:`_uniform_key`) as one group, or queues its pass
         on the GPU (zero copy, no GPU polling, no where clause); False, nothing answered, when
         passes are in flight and this one cannot be queued behind them."""
-        flt = self._filters.get(key)
-        if flt is None:
-            try:
-                flt = self._filter_for(*key)
-            except KalosError as exc:
-                for index in slots.tolist():
-                    self._answer_error(self.channel.slots[index], exc)
-                self._publish(slots, seqs, generations, 0, started)
-                return True
+        try:
+            flt = self._filter(key)
+        except KalosError as exc:
+            self._answer_errors(slots, exc)
+            self._publish(slots, seqs, generations, 0, started)
+            return True
         if flt is _NOTHING:
             self._publish(slots, seqs, generations, self._answer_nothing(slots, ks), started)
             return True
@@ -435,13 +436,10 @@ class RecallLoop:
                     continue
                 flt = resolved.get(name)
                 if flt is None:
-                    key = (0, name, None, None, 0)
-                    flt = self._filters.get(key)
-                    if flt is None:
-                        try:
-                            flt = self._filter_for(*key)
-                        except KalosError as exc:  # a malformed name
-                            flt = exc
+                    try:
+                        flt = self._filter((0, name, None, None, 0))
+                    except KalosError as exc:  # a malformed name
+                        flt = exc
                     resolved[name] = flt
                 if isinstance(flt, KalosError):
                     self._answer_error(self.channel.slots[slot], flt)
@@ -473,8 +471,7 @@ class RecallLoop:
             search = self.engine.search_places_start(slots, k, flt, namespaces=namespaces)
         except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
             log.exception("engine search failed")
-            for index in slots.tolist():
-                self._answer_error(self.channel.slots[index], ServerError(f"search failed: {type(exc).__name__}: {exc}"))
+            self._answer_errors(slots, _search_failed(exc))
             self._publish(slots, seqs, generations, 0, started)
             return
         self._in_flight[slots] = True
@@ -490,8 +487,7 @@ class RecallLoop:
             scales = flight.search.finish()
         except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
             log.exception("engine search failed")
-            for index in slots.tolist():
-                self._answer_error(self.channel.slots[index], ServerError(f"search failed: {type(exc).__name__}: {exc}"))
+            self._answer_errors(slots, _search_failed(exc))
             answered = 0
         else:
             usable = np.isfinite(scales) & (scales > 0)
@@ -591,10 +587,9 @@ class RecallLoop:
             else:
                 key = (_ALL_NAMESPACES | _HAS_WHERE, b"", None, None, handle)
                 try:
-                    groups.append((slots[everywhere], ks[everywhere], self._filters.get(key) or self._filter_for(*key)))
+                    groups.append((slots[everywhere], ks[everywhere], self._filter(key)))
                 except KalosError as exc:
-                    for index in slots[everywhere].tolist():
-                        self._answer_error(self.channel.slots[index], exc)
+                    self._answer_errors(slots[everywhere], exc)
         named, named_ks = slots[~everywhere], ks[~everywhere]
         if len(named):
             names = columns.namespace[named]  # bytes, trailing NULs dropped
@@ -610,14 +605,11 @@ class RecallLoop:
                 unique, inverse = np.unique(names, return_inverse=True)
             for group, name in enumerate(unique.tolist()):
                 members = inverse == group
-                flt = self._filters.get((wflags, name, None, None, wkey))
-                if flt is None:
-                    try:
-                        flt = self._filter_for(wflags, name, None, None, wkey)
-                    except KalosError as exc:
-                        for index in named[members].tolist():
-                            self._answer_error(self.channel.slots[index], exc)
-                        continue
+                try:
+                    flt = self._filter((wflags, name, None, None, wkey))
+                except KalosError as exc:
+                    self._answer_errors(named[members], exc)
+                    continue
                 if flt is _NOTHING:
                     answered += self._answer_nothing(named[members], named_ks[members])
                     continue
@@ -651,8 +643,7 @@ class RecallLoop:
             return len(slots)
 
         def fail(exc: Exception) -> None:
-            for index in slots.tolist():
-                self._answer_error(self.channel.slots[index], ServerError(f"search failed: {type(exc).__name__}: {exc}"))
+            self._answer_errors(slots, _search_failed(exc))
 
         deferred.append(_Deferred(batch, k_max, flt, deliver, fail))
 
@@ -663,8 +654,7 @@ class RecallLoop:
             slots, ks = self._search_singles(slots, ks, flt)
         except Exception as exc:  # a bug, not the caller's fault: report it, keep serving
             log.exception("engine search failed")
-            for index in slots.tolist():
-                self._answer_error(self.channel.slots[index], ServerError(f"search failed: {type(exc).__name__}: {exc}"))
+            self._answer_errors(slots, _search_failed(exc))
             return 0
         columns = self.channel.columns
         columns.n_results[slots] = ks
@@ -777,7 +767,7 @@ class RecallLoop:
 
     def _fail_members(self, members: list, exc: Exception) -> None:
         for view, *_ in members:
-            self._answer_error(view, ServerError(f"search failed: {type(exc).__name__}: {exc}"))
+            self._answer_error(view, _search_failed(exc))
 
     @staticmethod
     def _complete_members(members: list) -> None:
@@ -858,6 +848,11 @@ class RecallLoop:
                 self._answer_error(view, InvalidQuery("a query has no direction to compare by cosine"))
         return answered
 
+    def _answer_errors(self, slots: np.ndarray, exc: KalosError) -> None:
+        """Answers each of ``slots`` with ``exc`` (the caller publishes them)."""
+        for index in slots.tolist():
+            self._answer_error(self.channel.slots[index], exc)
+
     def _answer_error(self, view: SlotView, exc: KalosError) -> None:
         self.metrics.record_error()
         view.n_results[0] = 0
@@ -889,9 +884,7 @@ class RecallLoop:
                float(view.since[0]) if flags & _HAS_SINCE else None,
                float(view.until[0]) if flags & _HAS_UNTIL else None,
                int(view.where_handle[0]) if flags & _HAS_WHERE else 0)
-        flt = self._filters.get(key)
-        if flt is None:
-            flt = self._filter_for(*key)
+        flt = self._filter(key)
         rows = view.queries[:n]
         if n > 1 and self.zero_copy:
             return op, k, flt, rows, _NO_SCALES  # the GPU engine normalises batches (_search_in_place)
