@@ -269,9 +269,9 @@ def test_add_of_a_corrupt_npy_file(sidecars, store_dir, runtime_dir):
 
 
 def test_add_of_a_jsonl_file_that_is_not_utf8(sidecars, store_dir, runtime_dir):
-    """BUG: cli._read_jsonl iterates a text-mode UTF-8 file without catching
-    UnicodeDecodeError: a Latin-1 file ends in a traceback (exit 1), not a one-line error
-    naming the line, with exit 2."""
+    """BUG: the add command's JSON-lines reader (kalos.tools.vector_files) iterated a text-mode
+    UTF-8 file without catching UnicodeDecodeError: a Latin-1 file ended in a traceback (exit 1),
+    not a one-line error naming the line, with exit 2."""
     name = unique_name("enc")
     sidecars.start(store_dir / "enc.db", name=name, dim=DIM)
     path = store_dir / "latin1.jsonl"

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import shlex
 import sys
@@ -16,7 +15,7 @@ import numpy as np
 from kalos.config import DEFAULT_GPU_WINDOW_US, GPU_POLLING, Settings, default_store_path, environment_help, settings
 from kalos.errors import DimensionMismatch, EmbedderUnavailable, InvalidArgument, KalosError
 from kalos.server.sidecar_embed import EMBED_RUNTIMES
-from kalos.validation import check_keys
+from kalos.tools.vector_files import check_rows, load_npy, read_vector_jsonl
 
 __all__ = ["main"]
 
@@ -397,92 +396,6 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_jsonl(path: Path, default_namespace: str,
-                dim: int) -> dict[str, list[tuple[list[float], str | None, dict | None, str | None]]]:
-    """The file's rows ``(vector, text, metadata, key)`` by namespace; InvalidArgument naming the
-    line of the first bad one (a key repeated within a namespace too: nothing is sent then)."""
-    groups: dict[str, list[tuple[list[float], str | None, dict | None, str | None]]] = {}
-    key_lines: dict[tuple[str, str], int] = {}
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise InvalidArgument(f"{path}:{number}: not UTF-8 text: {exc}") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InvalidArgument(f"{path}:{number}: not valid JSON: {exc}") from None
-            if not isinstance(row, dict) or not isinstance(row.get("vector"), list):
-                raise InvalidArgument(f"{path}:{number}: expected an object with a \"vector\" list")
-            # Checked per line, so that the message names it (one matrix of all rows would only
-            # say that its shape is "inhomogeneous").
-            vector = row["vector"]
-            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in vector):
-                raise InvalidArgument(f"{path}:{number}: \"vector\" must be a list of numbers")
-            if len(vector) != dim:
-                raise InvalidArgument(f"{path}:{number}: \"vector\" has {len(vector)} numbers; the sidecar's store "
-                                      f"holds dimension {dim}")
-            # JSON as Python reads it allows NaN and Infinity; refused here, by line, before any add.
-            if not all(math.isfinite(x) for x in vector):
-                raise InvalidArgument(f"{path}:{number}: \"vector\" contains NaN or infinity")
-            if not any(vector):
-                raise InvalidArgument(f"{path}:{number}: \"vector\" is all zeros (no direction to compare by cosine)")
-            text, metadata = row.get("text"), row.get("metadata")
-            if text is not None and not isinstance(text, str):
-                raise InvalidArgument(f"{path}:{number}: \"text\" must be a string")
-            if metadata is not None and not isinstance(metadata, dict):
-                raise InvalidArgument(f"{path}:{number}: \"metadata\" must be an object")
-            namespace = row.get("namespace", default_namespace)
-            if not isinstance(namespace, str):
-                raise InvalidArgument(f"{path}:{number}: \"namespace\" must be a string")
-            key = row.get("key")
-            if key is not None:
-                try:
-                    check_keys([key])
-                except InvalidArgument as exc:
-                    raise InvalidArgument(f"{path}:{number}: \"key\": {exc}") from None
-                first = key_lines.setdefault((namespace, key), number)
-                if first != number:
-                    raise InvalidArgument(f"{path}:{number}: key {key!r} is also on line {first} (namespace {namespace!r})")
-            groups.setdefault(namespace, []).append((row["vector"], text, metadata, key))
-    return groups
-
-
-def _load_npy(path: Path) -> np.ndarray:
-    try:
-        matrix = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as exc:
-        raise InvalidArgument(f"{path}: not a readable .npy array ({exc})") from None
-    if not isinstance(matrix, np.ndarray) or matrix.dtype.kind not in "iuf" or matrix.ndim not in (1, 2):
-        raise InvalidArgument(f"{path}: expected a 1-D or 2-D numeric array")
-    return matrix
-
-
-def _check_rows(path: Path, matrix: np.ndarray, dim: int) -> np.ndarray:
-    """The whole matrix as float32, checked before anything is sent: a bad row found by the add
-    of a later batch would leave the earlier batches stored, and be named by its index in that
-    batch. InvalidArgument names the file's row (counting from 0)."""
-    if matrix.shape[1] != dim:
-        raise InvalidArgument(f"{path}: the vectors have dimension {matrix.shape[1]}; the sidecar's store holds "
-                              f"dimension {dim}")
-    if len(matrix) == 0:
-        raise InvalidArgument(f"{path} holds no rows")
-    with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf, reported below
-        matrix = np.ascontiguousarray(matrix, dtype=np.float32)
-    bad = np.flatnonzero(~np.isfinite(matrix).all(axis=1))
-    if len(bad):
-        raise InvalidArgument(f"{path}: row {bad[0]} (counting from 0) contains NaN or infinity"
-                              + (f", as do {len(bad) - 1} more rows" if len(bad) > 1 else "") + "; nothing was added")
-    zero = np.flatnonzero(~matrix.any(axis=1))
-    if len(zero):
-        raise InvalidArgument(f"{path}: row {zero[0]} (counting from 0) is all zeros (no direction to compare by "
-                              "cosine); nothing was added")
-    return matrix
-
-
 def _add(args: argparse.Namespace) -> int:
     from kalos.client.client import Client
 
@@ -497,19 +410,19 @@ def _add(args: argparse.Namespace) -> int:
     with Client(args.name) as client:
         added = updated = 0
         if args.file.suffix == ".npy":
-            matrix = _load_npy(args.file)
+            matrix = load_npy(args.file)
             if matrix.ndim == 1:
                 matrix = matrix[None, :]
-            matrix = _check_rows(args.file, matrix, client.dim)
+            matrix = check_rows(args.file, matrix, client.dim)
             for start in range(0, len(matrix), args.batch):
                 added += len(client.add(matrix[start : start + args.batch], namespace=args.namespace, ttl=args.ttl))
         else:
-            for namespace, all_rows in _read_jsonl(args.file, args.namespace, client.dim).items():
+            for namespace, all_rows in read_vector_jsonl(args.file, args.namespace, client.dim).items():
                 # One add carries keys for all its rows or none: keyed and unkeyed rows apart.
                 for rows in ([r for r in all_rows if r[3] is None], [r for r in all_rows if r[3] is not None]):
                     for start in range(0, len(rows), args.batch):
                         chunk = rows[start : start + args.batch]
-                        vectors = np.asarray([r[0] for r in chunk], dtype=np.float32)  # rows checked by _read_jsonl
+                        vectors = np.asarray([r[0] for r in chunk], dtype=np.float32)  # rows checked by read_vector_jsonl
                         keys = None if chunk[0][3] is None else [r[3] for r in chunk]
                         # An upsert keeps the id of the memory it replaces: only a look-up tells
                         # "updated" from "added", for the summary.
@@ -536,7 +449,7 @@ def _recall(args: argparse.Namespace) -> int:
         except ValueError:
             raise InvalidArgument(f"--vector must be comma-separated numbers, got {args.vector!r}") from None
     else:
-        matrix = _load_npy(args.npy)
+        matrix = load_npy(args.npy)
         if matrix.ndim == 2 and not 0 <= args.row < len(matrix):
             raise InvalidArgument(f"--row {args.row}: {args.npy} has {len(matrix)} rows (0 to {len(matrix) - 1})")
         if matrix.ndim == 1 and args.row != 0:
