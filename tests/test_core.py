@@ -1044,6 +1044,63 @@ def test_a_sidecar_killed_while_it_sleeps_is_noticed_and_the_next_one_found(side
         assert client.recall(q, k=1).ids.tolist() == [int(ids[3])]
 
 
+def test_a_recall_whose_sidecar_exits_is_asked_again_once_on_either_path(sidecars, store_dir, rng, monkeypatch):
+    """A recall that finds its sidecar gone (SidecarExited) reconnects and asks once more, then
+    lets the caller hear of it: the same for recall's usual call (a float32 vector, which takes
+    Client._recall_one) as for the general path (a float64 vector, a time window)."""
+    from kalos.ipc.channel import ClientChannel, SidecarExited
+
+    name = unique_name("again")
+    sidecars.start(store_dir / "a.db", name=name, dim=DIM)
+    vectors = rng.standard_normal((20, DIM)).astype(np.float32)
+    with Client(name, timeout=2.0) as client:
+        ids = client.add(vectors)
+        assert client.recall(vectors[4], k=1).ids.tolist() == [int(ids[4])]
+        connects = []
+        connect = Client._connect
+
+        def gone(self, seq):
+            raise SidecarExited("the sidecar exited (faked)")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(Client, "_connect", lambda self: connects.append(1) or connect(self))
+            patch.setattr(ClientChannel, "wait", gone)
+            for query, window in ((vectors[4], {}), (vectors[4].astype(np.float64), {}),
+                                  (vectors[4], {"since": 0.0})):
+                with client._lock:
+                    client._connection()  # (the case before left it disconnected)
+                connects.clear()
+                with pytest.raises(SidecarExited):
+                    client.recall(query, k=1, **window)
+                assert len(connects) == 1, f"{query.dtype} {window}: {len(connects)} reconnects"
+        assert client.recall(vectors[4], k=1).ids.tolist() == [int(ids[4])]
+
+
+def test_single_recall_refuses_what_the_general_path_refuses(sidecars, store_dir, rng):
+    """Recall's usual call and the general path check alike: the shortcut is taken only for a
+    float32 vector of the store's dimension and an int k in range, and a bad namespace is refused
+    before anything is written (the next recall is answered correctly)."""
+    name = unique_name("refuse")
+    sidecars.start(store_dir / "r.db", name=name, dim=DIM)
+    vectors = rng.standard_normal((20, DIM)).astype(np.float32)
+    with Client(name, timeout=2.0) as client:
+        ids = client.add(vectors)
+        q = vectors[7]
+        with pytest.raises(DimensionMismatch):
+            client.recall(q[:-1], k=1)
+        for bad_k in (0, client.max_k + 1, True, 1.0):
+            with pytest.raises(InvalidQuery):
+                client.recall(q, k=bad_k)
+        for bad_namespace in ("", "a\x00b", 7):
+            with pytest.raises(InvalidQuery):
+                client.recall(q, k=1, namespace=bad_namespace)
+        with pytest.raises(InvalidQuery):
+            client.recall(np.full(DIM, np.nan, np.float32), k=1)
+        assert client.recall(q, k=1).ids.tolist() == [int(ids[7])]
+        assert client.recall(q, k=np.int64(2)).ids.tolist()[0] == int(ids[7])
+        assert client.recall(q.astype(np.float64), k=1).ids.tolist() == [int(ids[7])]
+
+
 def test_kill9_sidecar_clients_fail_fast_then_recover_and_acked_adds_survive(sidecars, children, store_dir, seed):
     rng = np.random.default_rng(seed)
     name = unique_name("kill")

@@ -557,7 +557,7 @@ class AsyncClient:
                     continue
                 slot = conn.channel.slot
                 if single:
-                    return single_hits(slot, k)
+                    return single_hits(conn.channel.hit_ids, conn.channel.hit_scores, k)
                 ids[start:stop] = slot.ids[: stop - start, :k]
                 scores[start:stop] = slot.scores[: stop - start, :k]
                 start = stop

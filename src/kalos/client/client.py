@@ -89,6 +89,9 @@ __all__ = ["Client", "Recall", "RecallBatch", "Item", "Hit", "Page"]
 _CONTROL_POLL_S = 0.05
 
 
+_FLOAT32 = np.dtype(np.float32)
+
+
 class _Connection:
     """One hello'd connection: control socket, segment, slot channel, bell (the wake socket)."""
 
@@ -323,7 +326,44 @@ class Client:
         is the true top-k of the matching memories however few match. Fewer than k hits come
         back when fewer memories match.
         """
+        if where is None and since is None and until is None:
+            hits = self._recall_one(vector, k, namespace)
+            if hits is not None:
+                return hits
         return self._recall(vector, k, namespace, since, until, single=True, where=where)
+
+    def _recall_one(self, vector: Any, k: Any, namespace: Any) -> Recall | None:
+        """:meth:`recall`'s usual call (one float32 vector of the store's dimension, an int k,
+        no window, no where) on a connection already made, without the general path's layers:
+        while a crowd's clients share the cores, each round of the sidecar waits for the
+        clients' own Python, so that is kept short. None, with nothing written, where the call
+        is not that one: :meth:`_recall` then takes it."""
+        with self._lock:
+            conn = self._conn
+            if (conn is None or self._pid != os.getpid() or type(vector) is not np.ndarray
+                    or vector.dtype is not _FLOAT32 or type(k) is not int):
+                return None
+            layout = conn.layout
+            if vector.shape != (layout.dim,) or not 0 < k <= layout.max_k:
+                return None
+            request = request_words(k, namespace, None, None)  # (InvalidQuery for a bad namespace)
+            channel = conn.channel
+            channel.query_row[:] = vector
+            key = (Op.RECALL, 1, request)
+            if key != self._last_request:
+                channel.slot.write_request(Op.RECALL, 1, *request)
+                self._last_request = key
+            try:
+                status = channel.wait(channel.submit())
+            except SidecarUnavailable as exc:
+                self._drop()
+                if not isinstance(exc, SidecarExited):
+                    raise
+                # Asked again once, of a sidecar that is back already, as _recall does.
+                return self._recall(vector, k, namespace, None, None, single=True, retried=True)
+            if status:
+                raise error_from_code(status, channel.slot.read_message())
+            return single_hits(channel.hit_ids, channel.hit_scores, k)
 
     def recall_many(
         self, matrix: Any, k: int = 8, namespace: str | None = "default",
@@ -335,9 +375,10 @@ class Client:
 
     def _recall(
         self, queries: Any, k: int, namespace: str | None, since: Any, until: Any, *, single: bool,
-        where: Any = None,
+        where: Any = None, retried: bool = False,
     ) -> Recall | RecallBatch:
-        """A :class:`Recall` (``single``) or a :class:`RecallBatch`."""
+        """A :class:`Recall` (``single``) or a :class:`RecallBatch`; ``retried``: the sidecar
+        exited under this call once already (it is not asked again after another exit)."""
         clause = where_clause(where)
         with self._lock:
             conn = self._connection()
@@ -355,7 +396,7 @@ class Client:
                 scores = np.empty((q, k), np.float32)
             step = layout.max_batch
             start = 0
-            retried = where_retried = False
+            where_retried = False
             while start < q:
                 stop = min(q, start + step)
                 try:
@@ -388,7 +429,7 @@ class Client:
                     continue
                 slot = conn.channel.slot
                 if single:
-                    return single_hits(slot, k)
+                    return single_hits(conn.channel.hit_ids, conn.channel.hit_scores, k)
                 ids[start:stop] = slot.ids[: stop - start, :k]
                 scores[start:stop] = slot.scores[: stop - start, :k]
                 start = stop

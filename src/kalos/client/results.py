@@ -12,7 +12,6 @@ import numpy as np
 
 from kalos.engine.base import MISSING_ID
 from kalos.errors import ProtocolMismatch
-from kalos.ipc.protocol import SlotView
 from kalos.validation import Item
 
 __all__ = ["Recall", "RecallBatch", "Hit", "Page", "item_from_reply", "single_hits"]
@@ -120,10 +119,11 @@ class Page:
         return f"Page({len(self.items)} items, next_cursor={self.next_cursor!r})"
 
 
-def single_hits(slot: SlotView, k: int) -> Recall:
-    """A single recall's answer straight from its slot: the hits, without the -1 / -inf padding."""
-    hits = slot.ids[0, :k].copy()
-    hit_scores = slot.scores[0, :k].copy()
+def single_hits(ids: np.ndarray, scores: np.ndarray, k: int) -> Recall:
+    """A single recall's answer straight from its slot's first row of hits (``ids``, ``scores``):
+    its ``k`` hits, without the -1 / -inf padding."""
+    hits = ids[:k].copy()
+    hit_scores = scores[:k].copy()
     if hits[k - 1] == MISSING_ID:  # fewer than k matched: the padding trails the hits
         n = int(np.argmax(hits == MISSING_ID))
         hits, hit_scores = hits[:n], hit_scores[:n]

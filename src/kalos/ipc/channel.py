@@ -134,6 +134,10 @@ class ClientChannel:
         self.layout = layout
         self.header = HeaderView(segment.buf)
         self.slot = SlotView(segment.buf, layout, slot)
+        # The slot's first query row and row of hits, viewed once: a single recall's.
+        self.query_row = self.slot.queries[0]
+        self.hit_ids = self.slot.ids[0]
+        self.hit_scores = self.slot.scores[0]
         self._wake = wake
         self._wake_fd = wake.fileno()
         self._epoch = epoch
