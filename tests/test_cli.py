@@ -483,6 +483,7 @@ def test_bench_crowd_runs_the_issues_benchmark_on_the_cpu(runtime_dir, tmp_path)
     assert [row["clients"] for row in rows] == [1, 3]
     for row in rows:
         assert row["recalls"] > 0 and row["failed_connects"] == row["errors"] == row["wrong"] == 0, row
+        assert row["checked"] == row["recalls"], row
         assert row["answered_by"] == "sweep" and row["queries_per_pass"] >= 1 and row["pass_us"] > 0, row
     assert "q/pass pass us  busy" in result.stdout
 
@@ -495,7 +496,7 @@ def test_bench_crowd_leaves_the_sweeps_columns_out_where_gpu_polling_answered(mo
     monkeypatch.setattr(crowd, "_passes", lambda name: next(counts))
     fields = dict(clients=64, p50_us=1.0, p99_us=2.0, p999_us=3.0, recalls_per_s=4.0, connect_p99_ms=5.0,
                   late_connect_p99_ms=6.0, failed_connects=0, late_connect_failures=0, errors=0, wrong=0,
-                  recalls=640, first_error=None)
+                  recalls=640, checked=640, first_error=None)
     row = crowd._with_passes("name", 2.0, lambda: dict(fields))
     assert row["answered_by"] == "gpu polling" and row["queries_per_pass"] == 32.0
     assert row["pass_us"] is None and row["sweep_busy"] is None

@@ -9,11 +9,12 @@ namespace of its own (the rows spread over 64 namespaces), each answer its names
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from conftest import unique_name
 
 from kalos.store.sqlite import Store
-from kalos.tools.crowd import _one_crowd, _passes, _store_rows, _unit
+from kalos.tools.crowd import _one_crowd, _passes, _store_rows, _unit, _wrong_answers
 
 
 @pytest.mark.parametrize("scopes", ["mixed", "agents"])
@@ -33,8 +34,26 @@ def test_a_crowd_of_sixteen_processes_gets_every_answer_right(sidecars, store_di
     assert row["complete"], row["first_error"]  # all 16 were in before the crowd started
     assert row["failed_connects"] == 0, row["first_error"]
     assert row["errors"] == 0, row["first_error"]
-    assert row["wrong"] == 0
+    assert row["wrong"] == 0 and row["checked"] == row["recalls"] > 0
     assert row["fewest_by_one_client"] >= 1  # every client was answered, none starved
     # Concurrent single recalls are gathered: passes hold more than one query on average.
     assert (queries_after - queries_before) / (passes_after - passes_before) > 1.0
     assert row["late_connects"] >= 5 and row["late_connect_failures"] == 0, row["first_error"]
+
+
+def test_the_crowds_checker_tells_a_wrong_answer(rng):
+    """The crowd checks its answers after the timed loop (_wrong_answers): the ids as a set (a tie
+    may order them either way), the scores in order to 1e-4; a short answer is wrong."""
+    ref_ids = np.stack([rng.permutation(100)[:8] for _ in range(5)])[None]  # [group, query, k]
+    ref_scores = np.sort(rng.random((1, 5, 8)), axis=2)[:, :, ::-1]
+    asked = np.array([3, 0, 3, 4])
+    ids, scores = ref_ids[0][asked].copy(), ref_scores[0][asked].astype(np.float32)
+    assert _wrong_answers(asked, ids, scores, ref_ids[0], ref_scores[0]) == 0
+    ids[1, [2, 5]] = ids[1, [5, 2]]  # two tied hits swapped: still right
+    assert _wrong_answers(asked, ids, scores, ref_ids[0], ref_scores[0]) == 0
+    ids[0, 7] = 1000  # a memory not in the top-k
+    scores[2, 3] += 2e-4  # a score off
+    ids[3, 7], scores[3, 7] = -1, -np.inf  # a short answer, padded
+    assert _wrong_answers(asked, ids, scores, ref_ids[0], ref_scores[0]) == 3
+    scores[1, 0] = np.nan
+    assert _wrong_answers(asked, ids, scores, ref_ids[0], ref_scores[0]) == 4
