@@ -6,7 +6,9 @@
 # 4. if time is left, its floor: C = 16 and 64 over 1,024 rows.
 # Predictions as call1.sh and call2.sh: the client's cost on this host about 3x the VM's and
 # ~1.2 us x 3 less on this tree; the crowd C = 1 a few us under c5539f3, C = 16 and 64 a few
-# percent faster; the floor at C = 64 near 150 us.
+# percent faster; the floor at C = 64 near 150 us. Both trees run this checkout's crowd.py, whose
+# clients check their answers after the crowd (ea9ff64), no longer between recalls: predicted,
+# C = 64 some 10-20 us faster than session 35's records for either tree.
 #   BUDGET_S=560 OUT=$OUT bash benchmarks/results/h100-s37/call3.sh   (carry .snap/trees/s35-base)
 cd "$(dirname "$0")/../../.."
 source benchmarks/results/h100-s32/lib.sh
