@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from conftest import run_guarded
 
 from kalos.errors import InvalidArgument, ProtocolMismatch, SidecarUnavailable
 from kalos.ipc.channel import ClientChannel, SidecarChannel, wake_pair
@@ -195,6 +196,27 @@ def test_segment_is_a_sealed_memfd_with_its_pages_reserved(shm_name):
         other.close()  # idempotent
     finally:
         seg.close()
+
+
+def test_a_view_that_outlives_its_segment_stays_readable(tmp_path):
+    """A NumPy view of the segment that outlives Segment.close() (a traceback's frame holding a
+    slot's words, formatted with its locals after the sidecar died) keeps the pages mapped.
+    close() used to unmap by force, which NumPy's views do not stop: reading one killed the
+    process with SIGSEGV. (In a child process, so that a crash fails this test alone.)"""
+    script = tmp_path / "outlive.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from kalos.ipc.segment import Segment\n"
+        "seg = Segment.create('kalos-test-outlive', 4096)\n"
+        "view = np.ndarray((4,), np.uint64, seg.buf, 64)\n"
+        "view[:] = 7\n"
+        "seg.close()\n"
+        "seg.close()\n"
+        "print(int(view.sum()))\n"
+    )
+    result = run_guarded([sys.executable, str(script)])
+    assert result.returncode == 0, (result.returncode, result.stderr)
+    assert result.stdout.strip() == "28"
 
 
 def test_attaching_refuses_an_unsealed_file(tmp_path):

@@ -1076,10 +1076,75 @@ def test_a_recall_whose_sidecar_exits_is_asked_again_once_on_either_path(sidecar
         assert client.recall(vectors[4], k=1).ids.tolist() == [int(ids[4])]
 
 
+def test_a_sidecar_back_with_another_dimension_is_named_alike_on_either_path(sidecars, store_dir, rng,
+                                                                            monkeypatch):
+    """After an exit, the recall is asked again of the sidecar that answers now; if that one holds
+    another dimension, the short path and the general path both say so (SidecarUnavailable "came
+    back with another dimension"), not a DimensionMismatch of the caller's query, and neither
+    shows the first exit as its cause."""
+    from kalos.ipc.channel import ClientChannel, SidecarExited
+    from kalos.ipc.segment import Endpoint
+
+    name, other = unique_name("dimx"), unique_name("dimy")
+    sidecars.start(store_dir / "x.db", name=name, dim=DIM)
+    sidecars.start(store_dir / "y.db", name=other, dim=DIM + 8)
+    q = rng.standard_normal(DIM).astype(np.float32)
+    for query in (q, q.astype(np.float64)):
+        with Client(name, timeout=2.0) as client:
+            client.add(rng.standard_normal((4, DIM)).astype(np.float32))
+            wait = ClientChannel.wait
+            exits = []
+
+            def exits_once(self, seq):
+                if not exits:
+                    exits.append(seq)
+                    raise SidecarExited("the sidecar exited (faked)")
+                return wait(self, seq)
+
+            with monkeypatch.context() as patch:
+                patch.setattr(ClientChannel, "wait", exits_once)
+                client._endpoint = Endpoint(other)  # the sidecar found after the exit
+                with pytest.raises(SidecarUnavailable, match="another dimension") as caught:
+                    client.recall(query, k=1)
+            shown = caught.value.__cause__ or (None if caught.value.__suppress_context__ else caught.value.__context__)
+            assert exits and shown is None, query.dtype
+
+
+def test_the_usual_recall_takes_its_short_path_and_rewrites_what_other_calls_changed(sidecars, store_dir, rng,
+                                                                                    monkeypatch):
+    """Recall's usual call skips the general path (Client._recall is not called), and the request
+    words it keeps from its last call are written again after any other call changed them in the
+    slot: a recall in namespace "a" after a recall_many, a where, a ping, a window and a short
+    recall in namespace "b" answers from "a"."""
+    name = unique_name("short")
+    sidecars.start(store_dir / "s.db", name=name, dim=DIM)
+    a = rng.standard_normal((30, DIM)).astype(np.float32)
+    b = rng.standard_normal((30, DIM)).astype(np.float32)
+    with Client(name, timeout=2.0) as client:
+        ids_a = client.add(a, namespace="a", metadata=[{"i": i} for i in range(30)])
+        client.add(b, namespace="b")
+        general = []
+        original = Client._recall
+        monkeypatch.setattr(Client, "_recall", lambda self, *args, **kw: general.append(args) or original(self, *args, **kw))
+        others = {
+            "recall_many": lambda: client.recall_many(b[:3], k=2, namespace="b"),
+            "where": lambda: client.recall(a[0], k=3, namespace="a", where={"i": {"$gte": 0}}),
+            "ping": client.ping,
+            "window": lambda: client.recall(b[1], k=2, namespace="b", since=0.0),
+            "all namespaces": lambda: client.recall(b[1], k=4, namespace=None),
+            "short, in b": lambda: client.recall(b[2], k=5, namespace="b"),
+        }
+        for label, other in others.items():
+            other()
+            general.clear()
+            hits = client.recall(a[5], k=1, namespace="a")
+            assert hits.ids.tolist() == [int(ids_a[5])], f"after {label}"
+            assert not general, f"after {label}: the usual call took the general path"
+
+
 def test_single_recall_refuses_what_the_general_path_refuses(sidecars, store_dir, rng):
     """Recall's usual call and the general path check alike: the shortcut is taken only for a
-    float32 vector of the store's dimension and an int k in range, and a bad namespace is refused
-    before anything is written (the next recall is answered correctly)."""
+    float32 vector of the store's dimension and an int k in range, and a bad namespace is refused."""
     name = unique_name("refuse")
     sidecars.start(store_dir / "r.db", name=name, dim=DIM)
     vectors = rng.standard_normal((20, DIM)).astype(np.float32)

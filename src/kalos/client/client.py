@@ -337,7 +337,8 @@ class Client:
         no window, no where) on a connection already made, without the general path's layers:
         while a crowd's clients share the cores, each round of the sidecar waits for the
         clients' own Python, so that is kept short. None, with nothing written, where the call
-        is not that one: :meth:`_recall` then takes it."""
+        is not that one: :meth:`_recall` then takes it. A bad namespace is refused here, as
+        there (InvalidQuery), before anything is written."""
         with self._lock:
             conn = self._conn
             if (conn is None or self._pid != os.getpid() or type(vector) is not np.ndarray
@@ -355,15 +356,21 @@ class Client:
                 self._last_request = key
             try:
                 status = channel.wait(channel.submit())
-            except SidecarUnavailable as exc:
+            except SidecarExited:
                 self._drop()
-                if not isinstance(exc, SidecarExited):
-                    raise
-                # Asked again once, of a sidecar that is back already, as _recall does.
-                return self._recall(vector, k, namespace, None, None, single=True, retried=True)
-            if status:
-                raise error_from_code(status, channel.slot.read_message())
-            return single_hits(channel.hit_ids, channel.hit_scores, k)
+            except SidecarUnavailable:
+                self._drop()
+                raise
+            else:
+                if status:
+                    raise error_from_code(status, channel.slot.read_message())
+                return single_hits(channel.hit_ids, channel.hit_scores, k)
+            # The sidecar exited: asked again once, of a sidecar that is back already, as
+            # _recall does (and with its errors: the first exit is not chained to them).
+            conn = self._connect()
+            if conn.layout.dim != layout.dim or conn.layout.max_k < k:
+                raise SidecarUnavailable("the sidecar came back with another dimension or max_k")
+            return self._recall(vector, k, namespace, None, None, single=True, retried=True)
 
     def recall_many(
         self, matrix: Any, k: int = 8, namespace: str | None = "default",

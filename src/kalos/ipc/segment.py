@@ -143,16 +143,15 @@ class Segment:
         return self._fd
 
     def close(self) -> None:
-        """Unmaps; views into the segment must be dropped first (else the mmap stays open)."""
-        if self.buf is not None:
-            self.buf.release()
-            self.buf = None
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                pass  # numpy views still alive; the mapping goes when they do
-            self._mmap = None
+        """Lets go of the mapping: it is unmapped once no view into it is left (at once when
+        the caller dropped its views first, as the sidecar and the client do).
+
+        Not unmapped here by force: a NumPy array made on ``buf`` keeps the memoryview alive
+        but holds no export of it, so ``release()`` and ``mmap.close()`` would both succeed and
+        leave a view that outlived its owner (a traceback's frame, a caller's reference)
+        pointing at unmapped memory: reading it killed the process with SIGSEGV."""
+        self.buf = None
+        self._mmap = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

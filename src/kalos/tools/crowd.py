@@ -213,8 +213,8 @@ def _crowd_client(name: str, data: str, k: int, seconds: float, index: int, read
                 done += 1
                 i += 1
         checked = min(done, kept)
-        result["checked"] = checked
         result["wrong"] = _wrong_answers(asked[:checked], got_ids[:checked], got_scores[:checked], ref_ids, ref_scores)
+        result["checked"] = checked  # (after the check: a check that failed leaves 0 checked)
     finally:
         result["samples"] = samples[:done]
         out.put((index, result))

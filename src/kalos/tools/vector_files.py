@@ -17,7 +17,7 @@ __all__ = ["check_rows", "load_npy", "read_vector_jsonl"]
 
 
 def read_vector_jsonl(path: Path, default_namespace: str,
-                dim: int) -> dict[str, list[tuple[list[float], str | None, dict | None, str | None]]]:
+                      dim: int) -> dict[str, list[tuple[list[float], str | None, dict | None, str | None]]]:
     """The file's rows ``(vector, text, metadata, key)`` by namespace; InvalidArgument naming the
     line of the first bad one (a key repeated within a namespace too: nothing is sent then)."""
     groups: dict[str, list[tuple[list[float], str | None, dict | None, str | None]]] = {}
