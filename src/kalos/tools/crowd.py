@@ -213,8 +213,13 @@ def _crowd_client(name: str, data: str, k: int, seconds: float, index: int, read
                 done += 1
                 i += 1
         checked = min(done, kept)
-        result["wrong"] = _wrong_answers(asked[:checked], got_ids[:checked], got_scores[:checked], ref_ids, ref_scores)
-        result["checked"] = checked  # (after the check: a check that failed leaves 0 checked)
+        try:
+            result["wrong"] = _wrong_answers(asked[:checked], got_ids[:checked], got_scores[:checked], ref_ids,
+                                             ref_scores)
+        except Exception as exc:  # noqa: BLE001 - answers nobody could check count as wrong: loud
+            result["wrong"] = checked
+            result["error_text"] = f"the answers' check failed: {type(exc).__name__}: {exc}"
+        result["checked"] = checked
     finally:
         result["samples"] = samples[:done]
         out.put((index, result))
