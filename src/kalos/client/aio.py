@@ -35,7 +35,9 @@ import numpy as np
 from kalos.client.client import Client, _Connection, _one_round_trip, _register_where, _SidecarEmbedder
 from kalos.client.results import Hit, Page, Recall, RecallBatch, single_hits
 from kalos.client.embed import embed_queries
-from kalos.client.requests import TimeLike, check_k, filter_words, recall_request, where_clause, with_where
+from kalos.client.requests import (
+    TimeLike, check_k, check_same_layout, filter_words, recall_request, where_clause, with_where,
+)
 from kalos.errors import InvalidArgument, KalosError, SidecarUnavailable, UnknownFilter, error_from_code
 from kalos.ipc.channel import SidecarExited
 from kalos.ipc.protocol import Layout, Op
@@ -551,8 +553,7 @@ class AsyncClient:
                     conn = await self._slot_connection()
                     if clause is not None:  # a new sidecar: its own handles
                         request = await self._where_request(conn, plain, clause)
-                    if conn.layout.dim != layout.dim or conn.layout.max_k < k:
-                        raise SidecarUnavailable("the sidecar came back with another dimension or max_k") from None
+                    check_same_layout(conn.layout, layout, k)
                     step = conn.layout.max_batch
                     continue
                 slot = conn.channel.slot

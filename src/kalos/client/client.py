@@ -29,6 +29,7 @@ from kalos.client.requests import (
     as_matrix,
     check_k,
     check_limit,
+    check_same_layout,
     decode_cursor,
     encode_cursor,
     filter_words,
@@ -368,8 +369,7 @@ class Client:
             # The sidecar exited: asked again once, of a sidecar that is back already, as
             # _recall does (and with its errors: the first exit is not chained to them).
             conn = self._connect()
-            if conn.layout.dim != layout.dim or conn.layout.max_k < k:
-                raise SidecarUnavailable("the sidecar came back with another dimension or max_k")
+            check_same_layout(conn.layout, layout, k)
             return self._recall(vector, k, namespace, None, None, single=True, retried=True)
 
     def recall_many(
@@ -395,8 +395,7 @@ class Client:
             if clause is not None:  # (registering may reconnect: the connection is looked up again)
                 request = self._where_request(plain, clause)
                 conn = self._connection()
-                if conn.layout.dim != layout.dim or conn.layout.max_k < k:
-                    raise SidecarUnavailable("the sidecar came back with another dimension or max_k")
+                check_same_layout(conn.layout, layout, k)
             q = len(rows)
             if not single:
                 ids = np.empty((q, k), np.int64)
@@ -430,8 +429,7 @@ class Client:
                     if clause is not None:  # a new sidecar: its own handles
                         request = self._where_request(plain, clause)
                         conn = self._connection()
-                    if conn.layout.dim != layout.dim or conn.layout.max_k < k:
-                        raise SidecarUnavailable("the sidecar came back with another dimension or max_k") from None
+                    check_same_layout(conn.layout, layout, k)
                     step = conn.layout.max_batch
                     continue
                 slot = conn.channel.slot

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kalos.errors import DimensionMismatch, InvalidArgument, InvalidQuery, KalosError
+from kalos.errors import DimensionMismatch, InvalidArgument, InvalidQuery, KalosError, SidecarUnavailable
 from kalos.ipc.protocol import Layout, RequestFlag
 from kalos.validation import MAX_ID, MAX_LIST_LIMIT, MAX_NAMESPACE_BYTES, check_keys, check_namespace
 from kalos.where import Where, compile_where
@@ -94,6 +94,13 @@ def recall_request(
     rows = as_matrix(queries, layout.dim, single=single)
     k = check_k(k, layout.max_k)
     return rows, k, request_words(k, namespace, since, until)
+
+
+def check_same_layout(layout: Layout, checked: Layout, k: int) -> None:
+    """SidecarUnavailable unless the sidecar found again (``layout``) takes the request that was
+    checked against ``checked``: the same dimension, at least its ``k``."""
+    if layout.dim != checked.dim or layout.max_k < k:
+        raise SidecarUnavailable("the sidecar came back with another dimension or max_k") from None
 
 
 def check_k(k: Any, max_k: int) -> int:
