@@ -32,7 +32,8 @@ from typing import Any, Callable, NamedTuple, Sequence, TypeVar
 
 import numpy as np
 
-from kalos.client.client import Client, _Connection, _one_round_trip, _register_where, _SidecarEmbedder
+from kalos.client.client import Client, _register_where, _SidecarEmbedder
+from kalos.client.connection import Connection
 from kalos.client.results import Hit, Page, Recall, RecallBatch, single_hits
 from kalos.client.embed import embed_queries
 from kalos.client.requests import (
@@ -159,7 +160,7 @@ class AsyncClient:
         self._control: Client | None = None
         self._layout: Layout | None = None
         # (connection, seq) of a request submitted and not yet answered (its waiter was cancelled).
-        self._outstanding: tuple[_Connection, int] | None = None
+        self._outstanding: tuple[Connection, int] | None = None
         # Where clauses registered with the sidecar: canonical JSON -> (its epoch, handle).
         self._where_handles: dict[str, tuple[int, int]] = {}
         # Connections being opened in worker threads, shared by every caller until done.
@@ -222,7 +223,7 @@ class AsyncClient:
             recaller._connection()  # reconnects (or, after a fork, drops the parent's slot first)
         return recaller
 
-    async def _slot_connection(self) -> _Connection:
+    async def _slot_connection(self) -> Connection:
         """The recall connection, connected now (slot lock held)."""
         recaller = self._recaller
         if recaller is not None and recaller._conn is not None and recaller._pid == os.getpid():
@@ -500,7 +501,7 @@ class AsyncClient:
             return await self._in_thread("recall_many", matrix, k, namespace, since, until, where=where, **kwargs)
         return await self._recall(matrix, k, namespace, since, until, single=False, where=where)
 
-    async def _where_request(self, conn: _Connection, request: tuple[Any, ...], clause: Any) -> tuple[Any, ...]:
+    async def _where_request(self, conn: Connection, request: tuple[Any, ...], clause: Any) -> tuple[Any, ...]:
         """:meth:`Client._where_request`: the clause registered through the control client (in a
         worker thread) on first use with this sidecar."""
         cached = self._where_handles.get(clause.key)
@@ -575,7 +576,7 @@ class AsyncClient:
                 raise
 
     async def _round_trip(
-        self, conn: _Connection, rows: np.ndarray, request: tuple[Any, ...], op: Op = Op.RECALL
+        self, conn: Connection, rows: np.ndarray, request: tuple[Any, ...], op: Op = Op.RECALL
     ) -> None:
         """One request through the slot (slot lock held)."""
         if self._outstanding is not None:
@@ -593,7 +594,7 @@ class AsyncClient:
         if status:
             raise error_from_code(status, channel.slot.read_message())
 
-    async def _wait(self, conn: _Connection, seq: int) -> int:
+    async def _wait(self, conn: Connection, seq: int) -> int:
         """:meth:`ClientChannel.wait` without blocking the loop: the answer's status (0: in the slot)."""
         channel = conn.channel
         slot = channel.slot
@@ -612,7 +613,7 @@ class AsyncClient:
         return int(slot.status[0])
 
     @staticmethod
-    async def _sleep(conn: _Connection, seq: int) -> None:
+    async def _sleep(conn: Connection, seq: int) -> None:
         """:meth:`ClientChannel._block` on the event loop: the same Dekker handshake, then the
         wake socket (rung by the sidecar) and the control socket (its death) awaited through
         ``loop.add_reader``, in slices after which the heartbeat is checked."""
@@ -693,7 +694,7 @@ class AsyncClient:
         if isinstance(embedder, _SidecarEmbedder):
             async with self._slot_lock():
                 conn = await self._slot_connection()
-                if _one_round_trip(conn, texts):
+                if conn.fits_one_recall_text(texts):
                     if self._outstanding is not None:  # (a cancelled recall's answer: see _round_trip)
                         await self._wait(conn, self._outstanding[1])
                         self._outstanding = None

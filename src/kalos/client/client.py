@@ -1,8 +1,9 @@
 """What an LLM service imports: :class:`Client`.
 
-Length: the client and its connection; one job (the caller's side of the sidecar), many calls.
-How a call's arguments are checked and encoded is :mod:`kalos.client.requests`, what the calls
-return :mod:`kalos.client.results`, both shared with :mod:`kalos.client.aio`.
+Length: the client; one job (the caller's side of the sidecar), many calls. Its connection (the
+hello, the segment, the slot channel) is :mod:`kalos.client.connection`, how a call's arguments
+are checked and encoded :mod:`kalos.client.requests`, what the calls return
+:mod:`kalos.client.results`, all shared with :mod:`kalos.client.aio`.
 
 Recalls go through the client's slot in shared memory and never touch a socket; writes
 (add, update, delete, drop_namespace) and lookups (get, list, count, stats) go over the control
@@ -15,15 +16,13 @@ import dataclasses
 import math
 import os
 import secrets
-import socket
 import threading
-import time
 import weakref
 from typing import Any, Sequence
 
 import numpy as np
 
-from kalos.config import open_runtime_dir, settings
+from kalos.config import settings
 from kalos.client.requests import (
     TimeLike,
     as_matrix,
@@ -41,6 +40,7 @@ from kalos.client.requests import (
     where_clause,
     with_where,
 )
+from kalos.client.connection import Connection
 from kalos.client.results import Hit, Page, Recall, RecallBatch, item_from_reply, single_hits
 from kalos.errors import (
     DimensionMismatch,
@@ -50,22 +50,19 @@ from kalos.errors import (
     UnknownFilter,
     error_from_code,
 )
-from kalos.ipc.channel import CROWDED_WAITS, ClientChannel, SidecarExited, wake_pair
+from kalos.ipc.channel import SidecarExited
 from kalos.ipc.control import (
-    PROTOCOL_VERSION,
     ConnectionClosed,
     array_blob,
     blob_array,
     encode_message,
     frame_too_large,
     raise_for_reply,
-    recv_fd,
     recv_frame,
-    send_fd,
     send_frame,
 )
-from kalos.ipc.protocol import Layout, Op
-from kalos.ipc.segment import Endpoint, Segment
+from kalos.ipc.protocol import Op
+from kalos.ipc.segment import Endpoint
 from kalos.validation import (
     UNSET,
     Item,
@@ -86,122 +83,7 @@ from kalos.where import Where, compile_where
 
 __all__ = ["Client", "Recall", "RecallBatch", "Item", "Hit", "Page"]
 
-#: How often a control operation that waits on the socket checks the sidecar's heartbeat.
-_CONTROL_POLL_S = 0.05
-
-
 _FLOAT32 = np.dtype(np.float32)
-
-
-class _Connection:
-    """One hello'd connection: control socket, segment, slot channel, bell (the wake socket)."""
-
-    sock: socket.socket | None = None
-    segment: Segment | None = None
-    channel: ClientChannel | None = None
-    wake: socket.socket | None = None  # this client's end of its bell (kalos.ipc.channel.wake_pair)
-    max_message_bytes = 0
-    ops: frozenset[str] = frozenset()  # the hello's optional operations (e.g. "recall_text")
-
-    def __init__(self, endpoint: Endpoint, timeout: float, spin_s: float | None) -> None:
-        directory = None
-        try:
-            # Checked and opened like the sidecar's (owner, mode, no symlink), and connected
-            # through its descriptor: a path swapped after the check cannot redirect the client.
-            directory = open_runtime_dir()
-            path = directory.path / endpoint.socket_name
-            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-            self.sock.settimeout(timeout)
-            connect_until = time.monotonic() + timeout
-            while True:
-                try:
-                    self.sock.connect(directory.entry(endpoint.socket_name))
-                    break
-                except (FileNotFoundError, ConnectionRefusedError):
-                    raise SidecarUnavailable(
-                        f"no sidecar named {endpoint.name!r} is running (nothing listens at {path}); "
-                        f"start one with: kalos serve --name {endpoint.name}"
-                    ) from None
-                except BlockingIOError:
-                    # A Unix socket answers EAGAIN while the sidecar's listen backlog is full (a
-                    # burst of clients, a flood): wait for room within the timeout instead of
-                    # escaping as a bare BlockingIOError (tests/reliability/test_hostile.py).
-                    if time.monotonic() >= connect_until:
-                        raise SidecarUnavailable(
-                            f"sidecar {endpoint.name!r} accepted no connection within {timeout:g} s (backlog full)"
-                        ) from None
-                    time.sleep(0.005)
-            directory.close()
-            theirs, self.wake = wake_pair()
-            try:
-                send_frame(self.sock, {"op": "hello", "protocol": PROTOCOL_VERSION, "pid": os.getpid()})
-                send_fd(self.sock, theirs.fileno())
-            finally:
-                theirs.close()  # (the sidecar holds its own copy once sent)
-            reply = raise_for_reply(recv_frame(self.sock, max_bytes=1 << 20)[0])
-            source = f"the segment of sidecar {endpoint.name!r}"
-            self.segment = Segment.attach(recv_fd(self.sock), source=source)
-            self.layout = Layout.read_header(self.segment.buf, source=source)
-            expected = (reply["dim"], reply["max_k"], reply["max_batch"], reply["n_slots"])
-            if (self.layout.dim, self.layout.max_k, self.layout.max_batch, self.layout.n_slots) != expected:
-                raise ProtocolMismatch(f"{source} does not match the sidecar's hello {expected}")
-            self.epoch = int(reply["epoch"])
-            if spin_s is None:  # the sidecar's advice (longer for a GPU sidecar), else the default
-                advised = reply.get("client_spin_us")
-                ok = isinstance(advised, (int, float)) and not isinstance(advised, bool) and 0 <= advised <= 1e5
-                spin_s = (advised if ok else settings().client_spin_us) / 1e6
-            crowded = reply.get("client_crowded")
-            if crowded not in CROWDED_WAITS:  # a sidecar from before the advice: nap unless it said not to
-                crowded = "sleep" if reply.get("client_naps") is False else "nap"
-            self.channel = ClientChannel(
-                self.segment, self.layout, int(reply["slot"]), wake=self.wake, control=self.sock,
-                epoch=self.epoch, timeout=timeout, spin_s=spin_s, crowded=crowded,
-            )
-            # The epoch only: the hello's reply has just shown the sidecar alive, while its
-            # heartbeat stamp may still be stale (a sidecar resumed after SIGSTOP answers the hello
-            # before its heartbeat thread runs again).
-            self.channel.check_epoch()
-            # Timeout mode from here on: every control operation waits in steps of
-            # _CONTROL_POLL_S and checks the sidecar's heartbeat between them (_control), so a
-            # stopped sidecar cannot hold a send or a receive past the client's timeout.
-            self.sock.settimeout(_CONTROL_POLL_S)
-            ops = reply.get("ops")
-            self.ops = frozenset(op for op in ops if isinstance(op, str)) if isinstance(ops, list) else frozenset()
-            limit = reply.get("max_message_bytes")
-            self.max_message_bytes = (
-                limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0
-                else settings().max_message_bytes
-            )
-        except (ConnectionClosed, socket.timeout, BrokenPipeError, ConnectionResetError) as exc:
-            self.close()
-            raise SidecarUnavailable(f"the sidecar did not complete the hello ({type(exc).__name__}: {exc})") from None
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            if directory is not None:
-                directory.close()
-
-    def close(self) -> None:
-        self.channel = None  # drop the slot's numpy views before unmapping
-        if self.segment is not None:
-            self.segment.close()
-            self.segment = None
-        if self.wake is not None:
-            self.wake.close()
-            self.wake = None
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-
-    def __del__(self) -> None:
-        # A Client dropped without close() (or an integration's hidden one) would otherwise
-        # keep its wake socket and the segment's descriptor, and with them the
-        # sidecar's memory of an old segment after a restart, until the process exits.
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - at interpreter exit, modules may be gone already
-            pass
 
 
 #: Every live Client, for the fork handler below.
@@ -256,7 +138,7 @@ class Client:
         self._spin_s = None if spin_us is None else spin_us / 1e6
         self._endpoint = Endpoint(name)
         self._lock = threading.RLock()
-        self._conn: _Connection | None = None
+        self._conn: Connection | None = None
         self._pid = os.getpid()
         self._last_request: tuple[Any, ...] | None = None
         # Where clauses registered with the sidecar: canonical JSON -> (its epoch, handle).
@@ -270,12 +152,12 @@ class Client:
 
     # -- connection ------------------------------------------------------------------------
 
-    def _connect(self) -> _Connection:
-        self._conn = _Connection(self._endpoint, self.timeout, self._spin_s)
+    def _connect(self) -> Connection:
+        self._conn = Connection(self._endpoint, self.timeout, self._spin_s)
         self._last_request = None
         return self._conn
 
-    def _connection(self) -> _Connection:
+    def _connection(self) -> Connection:
         if self._pid != os.getpid():  # forked: the slot belongs to the parent; close our copies
             self._drop()
             self._pid = os.getpid()
@@ -450,14 +332,14 @@ class Client:
             cached = self._where_handles[clause.key] = _register_where(self, clause)
         return with_where(request, cached[1])
 
-    def _round_trip(self, conn: _Connection, rows: np.ndarray, request: tuple[Any, ...], op: Op = Op.RECALL) -> None:
+    def _round_trip(self, conn: Connection, rows: np.ndarray, request: tuple[Any, ...], op: Op = Op.RECALL) -> None:
         channel = conn.channel
         self._write_request(conn, rows, request, op)
         status = channel.wait(channel.submit())
         if status:
             raise error_from_code(status, channel.slot.read_message())
 
-    def _write_request(self, conn: _Connection, rows: np.ndarray, request: tuple[Any, ...], op: Op = Op.RECALL) -> None:
+    def _write_request(self, conn: Connection, rows: np.ndarray, request: tuple[Any, ...], op: Op = Op.RECALL) -> None:
         """Writes one request into the slot, not yet submitted (also :class:`kalos.client.aio.AsyncClient`'s,
         which then waits without blocking its event loop)."""
         slot = conn.channel.slot
@@ -756,7 +638,7 @@ class Client:
                         raise self._unavailable(f"{again} (retrying {op})", request_id) from None
 
     @staticmethod
-    def _waiter(conn: _Connection) -> Any:
+    def _waiter(conn: Connection) -> Any:
         """The deadline of a control operation: it waits while the sidecar shows signs of life
         (its heartbeat) and fails once it has shown none for the client's timeout."""
         channel = conn.channel
@@ -893,7 +775,7 @@ class Client:
         if isinstance(self.embedder, _SidecarEmbedder):
             with self._lock:
                 conn = self._connection()
-                fused = _one_round_trip(conn, texts)
+                fused = conn.fits_one_recall_text(texts)
             if fused:
                 return self._recall_texts_in_sidecar(texts, int(k), namespace, since, until, clause)
         from kalos.client.embed import embed_queries
@@ -1002,14 +884,6 @@ class _SidecarEmbedder:
 
     def __repr__(self) -> str:
         return f"SidecarEmbedder({self.name!r}, dim={self.dim}, runtime={self.runtime!r})"
-
-
-def _one_round_trip(conn: _Connection, texts: list[str]) -> bool:
-    """Whether the sidecar of ``conn`` can recall ``texts`` in one control round trip (op
-    ``recall_text``): it names the op, and the texts fit one slot's batch and one message
-    (16: a character's most bytes in JSON, as _SidecarEmbedder's frames count them)."""
-    return ("recall_text" in conn.ops and len(texts) <= conn.layout.max_batch
-            and sum(map(len, texts)) <= (conn.max_message_bytes or settings().max_message_bytes) // 16)
 
 
 def _register_where(client: "Client", clause: Where) -> tuple[int, int]:
