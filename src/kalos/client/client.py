@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from kalos.config import settings
+from kalos.client.connection import Connection
 from kalos.client.requests import (
     TimeLike,
     as_matrix,
@@ -40,7 +41,6 @@ from kalos.client.requests import (
     where_clause,
     with_where,
 )
-from kalos.client.connection import Connection
 from kalos.client.results import Hit, Page, Recall, RecallBatch, item_from_reply, single_hits
 from kalos.errors import (
     DimensionMismatch,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from typing import Sequence
 
 from kalos.config import open_runtime_dir, settings
 from kalos.errors import ProtocolMismatch, SidecarUnavailable
@@ -25,10 +26,10 @@ from kalos.ipc.control import (
 from kalos.ipc.protocol import Layout
 from kalos.ipc.segment import Endpoint, Segment
 
-__all__ = ["Connection", "CONTROL_POLL_S"]
+__all__ = ["Connection"]
 
 #: How often a control operation that waits on the socket checks the sidecar's heartbeat.
-CONTROL_POLL_S = 0.05
+_CONTROL_POLL_S = 0.05
 
 
 class Connection:
@@ -38,10 +39,15 @@ class Connection:
     segment: Segment | None = None
     channel: ClientChannel | None = None
     wake: socket.socket | None = None  # this client's end of its bell (kalos.ipc.channel.wake_pair)
-    max_message_bytes = 0
+    layout: Layout
+    epoch: int
+    max_message_bytes: int = 0
     ops: frozenset[str] = frozenset()  # the hello's optional operations (e.g. "recall_text")
 
     def __init__(self, endpoint: Endpoint, timeout: float, spin_s: float | None) -> None:
+        """Connects to the sidecar of ``endpoint`` and says hello (``spin_s`` None: the sidecar's
+        advice). Raises SidecarUnavailable when none answers within ``timeout``, ProtocolMismatch
+        when its segment does not match its hello; a failed hello keeps nothing open."""
         directory = None
         try:
             # Checked and opened like the sidecar's (owner, mode, no symlink), and connected
@@ -100,9 +106,9 @@ class Connection:
             # before its heartbeat thread runs again).
             self.channel.check_epoch()
             # Timeout mode from here on: every control operation waits in steps of
-            # CONTROL_POLL_S and checks the sidecar's heartbeat between them (_control), so a
+            # _CONTROL_POLL_S and checks the sidecar's heartbeat between them (Client._control), so a
             # stopped sidecar cannot hold a send or a receive past the client's timeout.
-            self.sock.settimeout(CONTROL_POLL_S)
+            self.sock.settimeout(_CONTROL_POLL_S)
             ops = reply.get("ops")
             self.ops = frozenset(op for op in ops if isinstance(op, str)) if isinstance(ops, list) else frozenset()
             limit = reply.get("max_message_bytes")
@@ -120,14 +126,16 @@ class Connection:
             if directory is not None:
                 directory.close()
 
-    def fits_one_recall_text(self, texts: list[str]) -> bool:
+    def fits_one_recall_text(self, texts: Sequence[str]) -> bool:
         """Whether this sidecar can recall ``texts`` in one control round trip (op
         ``recall_text``): it names the op, and the texts fit one slot's batch and one message
-        (16: a character's most bytes in JSON, as the sidecar embedder's frames count them)."""
+        (16: a character's most bytes in JSON, as kalos.client.client._SidecarEmbedder's frames
+        count them)."""
         return ("recall_text" in self.ops and len(texts) <= self.layout.max_batch
                 and sum(map(len, texts)) <= (self.max_message_bytes or settings().max_message_bytes) // 16)
 
     def close(self) -> None:
+        """Unmaps the segment (once no view of it is left) and closes the sockets; idempotent."""
         self.channel = None  # drop the slot's numpy views before unmapping
         if self.segment is not None:
             self.segment.close()
