@@ -16,13 +16,7 @@
 #   mkdir -p .snap/trees/s38base && git archive c744af8 src | tar -x -C .snap/trees/s38base
 #   BUDGET_S=560 OUT=$OUT bash benchmarks/results/h100-s38/call1.sh   (carry both)
 cd "$(dirname "$0")/../../.."
-source benchmarks/results/h100-s32/lib.sh
-B=.snap/trees/s38base/src
-[ -d $B ] && [ -f .snap/crowd-old/crowd.py ] || { echo "missing $B or .snap/crowd-old: see the header"; exit 1; }
-grep -q GIL_SWITCH_INTERVAL_S src/kalos/server/sidecar.py \
-  || patch -p1 -s < benchmarks/results/h100-s38/candidate-switch-interval.patch || exit 1
-nvidia-smi --query-gpu=name --format=csv,noheader
-build_fence src $B
+source benchmarks/results/h100-s38/prelude.sh
 NEED_S=100 INTO=default crowd src this 16,64
 NEED_S=100 INTO=default crowd $B base 16,64
 echo "=== old crowd.py on base $(date +%T) (${SECONDS}s)"; echo "##### base-oldcrowd" >> $OUT/crowd-connects.txt

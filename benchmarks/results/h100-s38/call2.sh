@@ -6,13 +6,7 @@
 # session 37's late connects slow; with the sweep, the patch's late-connect p99 under 3 ms.
 #   (the .snap trees as in call1.sh's header)  BUDGET_S=220 OUT=$OUT bash benchmarks/results/h100-s38/call2.sh
 cd "$(dirname "$0")/../../.."
-source benchmarks/results/h100-s32/lib.sh
-B=.snap/trees/s38base/src
-[ -d $B ] && [ -f .snap/crowd-old/crowd.py ] || { echo "missing $B or .snap/crowd-old: see call1.sh's header"; exit 1; }
-grep -q GIL_SWITCH_INTERVAL_S src/kalos/server/sidecar.py \
-  || patch -p1 -s < benchmarks/results/h100-s38/candidate-switch-interval.patch || exit 1
-nvidia-smi --query-gpu=name --format=csv,noheader
-build_fence src $B
+source benchmarks/results/h100-s38/prelude.sh
 NEED_S=30 INTO=connects CROWD=32,64 crowd $B base-newcrowd ""
 echo "=== old crowd.py on base $(date +%T) (${SECONDS}s)"; echo "##### base-oldcrowd" >> $OUT/crowd-connects.txt
 (( SECONDS + 30 < budget )) && PYTHONPATH=$B timeout $(( budget - SECONDS )) python3 .snap/crowd-old/crowd.py --device cuda \

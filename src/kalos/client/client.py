@@ -863,7 +863,7 @@ class _SidecarEmbedder:
         texts = check_embed_texts(texts)
         out = np.empty((len(texts), self.dim), np.float32)
         with self._client._lock:
-            limit = self._client._connection().max_message_bytes or settings().max_message_bytes
+            limit = self._client._connection().max_message_bytes
         # JSON writes a character as up to 12 bytes (a surrogate pair of \uXXXX): a frame of this
         # many characters fits.
         budget = max(1, limit // 16)

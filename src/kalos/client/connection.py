@@ -132,7 +132,7 @@ class Connection:
         (16: a character's most bytes in JSON, as kalos.client.client._SidecarEmbedder's frames
         count them)."""
         return ("recall_text" in self.ops and len(texts) <= self.layout.max_batch
-                and sum(map(len, texts)) <= (self.max_message_bytes or settings().max_message_bytes) // 16)
+                and sum(map(len, texts)) <= self.max_message_bytes // 16)
 
     def close(self) -> None:
         """Unmaps the segment (once no view of it is left) and closes the sockets; idempotent."""
