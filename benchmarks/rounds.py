@@ -155,6 +155,7 @@ def profile_round(server: SlotGraphServer, kout: int | None, rounds: int, seqs: 
     for event in profiler.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             per_kernel.setdefault(event.name[:60], []).append(event.device_time)
+    print(f"    kernels of a round of {b} (its timed row follows):", flush=True)
     for name, times in sorted(per_kernel.items(), key=lambda kv: -sum(kv[1])):
         print(f"    {name:60s} {len(times) / rounds:5.2f} a round, median {np.median(times):7.2f} us", flush=True)
 
