@@ -1142,6 +1142,30 @@ def test_the_usual_recall_takes_its_short_path_and_rewrites_what_other_calls_cha
             assert not general, f"after {label}: the usual call took the general path"
 
 
+def test_a_vector_from_another_process_takes_the_short_path_and_a_big_endian_one_the_general(
+        sidecars, store_dir, rng, monkeypatch):
+    """A float32 vector unpickled (as a multiprocessing queue hands it over: its dtype equals
+    float32 but is another object) takes recall's short path; a big-endian float32 one, whose
+    bytes the slot cannot take as they are, takes the general path; both answer alike."""
+    import pickle
+
+    name = unique_name("pickled")
+    sidecars.start(store_dir / "p.db", name=name, dim=DIM)
+    vectors = rng.standard_normal((20, DIM)).astype(np.float32)
+    with Client(name, timeout=2.0) as client:
+        ids = client.add(vectors)
+        general = []
+        original = Client._recall
+        monkeypatch.setattr(Client, "_recall", lambda self, *args, **kw: general.append(args) or original(self, *args, **kw))
+        unpickled = pickle.loads(pickle.dumps(vectors[6]))
+        assert unpickled.dtype is not np.dtype(np.float32), "the case this test is for"
+        assert client.recall(unpickled, k=1).ids.tolist() == [int(ids[6])]
+        assert not general, "an unpickled float32 vector took the general path"
+        big_endian = vectors[6].astype(">f4")
+        assert client.recall(big_endian, k=1).ids.tolist() == [int(ids[6])]
+        assert len(general) == 1, "a big-endian vector skipped the general path"
+
+
 def test_single_recall_refuses_what_the_general_path_refuses(sidecars, store_dir, rng):
     """Recall's usual call and the general path check alike: the shortcut is taken only for a
     float32 vector of the store's dimension and an int k in range, and a bad namespace is refused."""

@@ -225,8 +225,8 @@ class Client:
         with self._lock:
             conn = self._conn
             if (conn is None or self._pid != os.getpid() or type(vector) is not np.ndarray
-                    or vector.dtype is not _FLOAT32 or type(k) is not int):
-                return None
+                    or (vector.dtype is not _FLOAT32 and vector.dtype != _FLOAT32) or type(k) is not int):
+                return None  # (an unpickled array's float32 is equal, not the same object)
             layout = conn.layout
             if vector.shape != (layout.dim,) or not 0 < k <= layout.max_k:
                 return None
