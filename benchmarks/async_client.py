@@ -2,12 +2,13 @@
 
     PYTHONPATH=src python3 benchmarks/async_client.py [--sizes 1000,50000] [--dim 384] [--recalls 3000]
 
-For each store size: a CPU sidecar is started on a fresh store of random vectors, then single
-recalls (k=8, one query after another) are timed from the sync client and from the async one
-(one coroutine awaiting each recall in turn), each with its default spin and with none
-(``spin_us=0`` / ``max_spin_us=0``: every answer through the wake eventfd, in ``poll`` for the
-sync client, through ``loop.add_reader`` for the async one), in alternating blocks so that a
-busy shared machine skews both alike; ``ping`` (a bare round trip, no search) the same way.
+For each store size: a sidecar (``--device``, default cpu) is started on a fresh store of random
+vectors, then single recalls (k=8, one query after another) are timed from the sync client and
+from the async one (one coroutine awaiting each recall in turn), each with its default spin and
+with none (``spin_us=0`` / ``max_spin_us=0``: every answer through the wake socket, in ``poll``
+for the sync client, through ``loop.add_reader`` for the async one), and the async one with
+``max_spin_us=50`` (its fixed spin before session 39), in alternating blocks so that a busy
+shared machine skews all alike; ``ping`` (a bare round trip, no search) the same way.
 Last, C coroutines (``--coroutines``, default 16) recall at once through one AsyncClient, one
 query after another each: the latency each sees (queueing on the slot included), the recalls/s,
 the requests the slot carried for them (concurrent single recalls go together, up to the
@@ -174,10 +175,10 @@ def bench_text(coroutines: list[int], recalls: int) -> None:
 
 
 def bench_size(n_items: int, dim: int, recalls: int, rng: np.random.Generator, coroutines: list[int],
-               only_coroutines: bool) -> None:
+               only_coroutines: bool, device: str) -> None:
     tmp = tempfile.mkdtemp(prefix="kab", dir="/tmp")
     name = f"async-bench-{os.getpid()}-{n_items}"
-    sidecar = SidecarProcess(os.path.join(tmp, "store.db"), name=name, dim=dim, device="cpu")
+    sidecar = SidecarProcess(os.path.join(tmp, "store.db"), name=name, dim=dim, device=device)
     try:
         matrix = rng.standard_normal((n_items, dim)).astype(np.float32)
         with Client(name, timeout=30.0) as client:
@@ -191,14 +192,16 @@ def bench_size(n_items: int, dim: int, recalls: int, rng: np.random.Generator, c
             return queries[next(counter) % len(queries)]
 
         sides: dict[str, list[float]] = {k: [] for k in
-                                         ("sync recall", "async recall", "sync recall, spin 0",
-                                          "async recall, spin 0",
+                                         ("sync recall", "async recall", "async recall, max spin 50",
+                                          "sync recall, spin 0", "async recall, spin 0",
                                           "sync ping", "async ping")}
         per_block = max(1, recalls // BLOCKS)
-        print(f"\n{n_items:,} items x dim {dim}, k=8, CPU sidecar, {os.cpu_count()} cores")
+        print(f"\n{n_items:,} items x dim {dim}, k=8, {device} sidecar, {os.cpu_count()} cores")
         for _ in range(0 if only_coroutines else BLOCKS):
             sides["sync recall"] += time_sync(name, lambda c: c.recall(next_query(), k=8), per_block)
             sides["async recall"] += time_async(name, lambda c: c.recall(next_query(), k=8), per_block)
+            sides["async recall, max spin 50"] += time_async(name, lambda c: c.recall(next_query(), k=8), per_block,
+                                                             max_spin_us=50)
             sides["sync recall, spin 0"] += time_sync(name, lambda c: c.recall(next_query(), k=8), per_block,
                                                       spin_us=0)
             sides["async recall, spin 0"] += time_async(name, lambda c: c.recall(next_query(), k=8), per_block,
@@ -224,6 +227,7 @@ def main() -> int:
     parser.add_argument("--recalls", type=int, default=3000, help="timed recalls per line")
     parser.add_argument("--coroutines", default="16", help="coroutine counts of the last lines, comma-separated")
     parser.add_argument("--only-coroutines", action="store_true", help="only the coroutines' lines")
+    parser.add_argument("--device", default="cpu", help="the sidecar's device, cpu or cuda (default: %(default)s)")
     parser.add_argument("--text-coroutines", default="", metavar="C1,C2,...",
                         help="instead: C coroutines calling recall_text against a CPU sidecar that embeds")
     args = parser.parse_args()
@@ -237,7 +241,7 @@ def main() -> int:
             return 0
         for size in (int(s) for s in args.sizes.split(",")):
             bench_size(size, args.dim, args.recalls, rng, [int(c) for c in args.coroutines.split(",")],
-                       args.only_coroutines)
+                       args.only_coroutines, args.device)
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
     return 0

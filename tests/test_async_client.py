@@ -231,6 +231,40 @@ def test_bad_input_raises_what_the_sync_client_raises(served: Served) -> None:
         run(lambda: AsyncClient(served.name, timeout=0).connect())
 
 
+def test_a_recall_spins_its_whole_budget_only_while_answers_come_within_it(served: Served, rng) -> None:
+    """The spin on the event loop: max_spin_us while this client's answers typically come within
+    it, SHORT_SPIN_US (or max_spin_us, if smaller) once they take longer, back to max_spin_us
+    after quick answers; 0 never spins. A real recall's wait is noted."""
+    from kalos.client.aio import DEFAULT_MAX_SPIN_US, SHORT_SPIN_US
+
+    client = AsyncClient(served.name)
+    assert client._spin_s() == DEFAULT_MAX_SPIN_US / 1e6, "a new client spins its whole budget"
+    for _ in range(3):
+        client._note_wait(0.010)  # a CPU sidecar searching a large store
+    assert client._spin_s() == SHORT_SPIN_US / 1e6
+    for _ in range(100):
+        client._note_wait(DEFAULT_MAX_SPIN_US / 1e6 / 2)
+    assert client._spin_s() == DEFAULT_MAX_SPIN_US / 1e6, "quick answers bring the whole spin back"
+    small = AsyncClient(served.name, max_spin_us=20.0)
+    small._note_wait(0.010)
+    assert small._spin_s() == 20e-6, "never more than max_spin_us"
+    never = AsyncClient(served.name, max_spin_us=0.0)
+    assert never._spin_s() == 0.0
+    never._note_wait(0.010)
+    assert never._spin_s() == 0.0
+
+    q = rng.standard_normal(DIM).astype(np.float32)
+
+    async def scenario() -> None:
+        async with AsyncClient(served.name, timeout=10.0) as recaller:
+            for _ in range(5):
+                hit = await recaller.recall(q, k=3)
+                served.model.check(hit, q, 3, context="adaptive spin")
+            assert recaller._typical_wait_s > 0, "the recalls' waits were not noted"
+
+    run(scenario)
+
+
 def test_sixty_four_concurrent_coroutines_each_get_their_own_answer(served: Served) -> None:
     jobs = []
     for i in range(64):

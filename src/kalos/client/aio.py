@@ -4,9 +4,10 @@ Recalls (``recall``, ``recall_many``, ``recall_text``, ``recall_texts``, ``ping`
 (but a ``recall_text`` the sidecar embeds: its one control round trip waits in a worker thread):
 the request is written into the slot and submitted exactly as the sync client does (its own
 validation and request building, :meth:`Client._write_request`), then the answer is waited
-for without blocking the event loop: a short, bounded spin on ``resp_seq`` (an answer that
-comes within tens of microseconds is read with no system call and no trip through the loop;
-a longer spin would hold every other coroutine of the loop), then the same
+for without blocking the event loop for long: a bounded spin on ``resp_seq`` (an answer that
+comes within it is read with no system call and no trip through the loop; the spin holds every
+other coroutine of the loop, so it is long only while this client's answers typically come
+within it: :data:`DEFAULT_MAX_SPIN_US`, :data:`SHORT_SPIN_US`), then the same
 Dekker handshake as :meth:`kalos.ipc.channel.ClientChannel._block` (``client_sleeping = 1``, full
 fence, re-read ``resp_seq``) and an await on the wake socket through ``loop.add_reader``. The
 slot's control socket is watched the same way, so a sidecar that dies wakes the waiter at
@@ -45,13 +46,20 @@ from kalos.ipc.protocol import Layout, Op
 from kalos.ipc.sync import full_fence
 from kalos.validation import Item, check_embed_texts
 
-__all__ = ["AsyncClient", "DEFAULT_MAX_SPIN_US"]
+__all__ = ["AsyncClient", "DEFAULT_MAX_SPIN_US", "SHORT_SPIN_US"]
 
 #: The longest a recall busy-polls its slot on the event loop before it sleeps on the wake
-#: socket. Spinning holds the loop (no other coroutine runs meanwhile), so it stays far below
-#: the sync client's 100 us (CPU sidecar) or 1 ms (GPU sidecar): only answers that are
-#: practically there already are caught by it.
-DEFAULT_MAX_SPIN_US = 50.0
+#: socket, while this client's answers typically come within it. Spinning holds the loop (no
+#: other coroutine runs meanwhile), so it stays below the sync client's 1 ms (GPU sidecar);
+#: sleeping costs the sidecar's bell and a trip through the loop, which a GPU sidecar's single
+#: recalls, answered soon after a shorter spin, would pay every time.
+DEFAULT_MAX_SPIN_US = 250.0
+#: The spin once this client's answers typically take longer than its ``max_spin_us`` (a CPU
+#: sidecar searching a large store): a longer one would hold the loop for nothing.
+SHORT_SPIN_US = 50.0
+#: The weight of the newest wait in the typical one (an exponential average): a slow answer
+#: shortens the spin of the next few recalls, until quick answers bring the average back.
+_WAIT_WEIGHT = 1 / 8
 
 _T = TypeVar("_T")
 _WAKE = "wake"
@@ -106,7 +114,9 @@ class AsyncClient:
     Every method of :class:`Client` is a coroutine here, with the same arguments, results and
     errors. ``timeout`` and the other keyword arguments (``spin_us``, ``embedder``, ...) are
     :class:`Client`'s, passed on as they are. ``max_spin_us`` caps the busy-poll on the event
-    loop before a recall sleeps (:data:`DEFAULT_MAX_SPIN_US`).
+    loop before a recall sleeps (:data:`DEFAULT_MAX_SPIN_US`; 0: never spin); while this
+    client's answers typically take longer than that, a recall spins :data:`SHORT_SPIN_US` at
+    most.
 
     Constructing one does not connect: ``async with``, :meth:`connect` or the first call does,
     in a worker thread (the hello is a blocking socket exchange).
@@ -154,6 +164,8 @@ class AsyncClient:
         self.timeout = timeout
         self._client_kwargs = client_kwargs
         self._max_spin_s = max_spin_us / 1e6
+        # How long this client's answers typically take (the exponential average of its waits).
+        self._typical_wait_s = 0.0
         # Owns the recall slot; touched only on the event loop with the slot lock held.
         self._recaller: Client | None = None
         # Control operations, called in worker threads (the sync Client is thread-safe).
@@ -601,16 +613,29 @@ class AsyncClient:
         resp_seq = slot.resp_seq
         want = np.uint64(seq)  # (uint64 against uint64: exact past 2**53, and no conversion per look)
         if resp_seq[0] != want:
-            spin_s = min(channel.spin_budget_s(), self._max_spin_s)
+            clock = time.perf_counter
+            started = clock()
+            spin_s = min(channel.spin_budget_s(), self._spin_s())
             if spin_s > 0:
-                clock = time.perf_counter
-                spin_until = clock() + spin_s
+                spin_until = started + spin_s
                 while resp_seq[0] != want and clock() < spin_until:
                     pass
             if resp_seq[0] != want:
                 await self._sleep(conn, seq)
+            self._note_wait(clock() - started)
         full_fence()  # acquire: resp_seq is read before the response fields and result rows
         return int(slot.status[0])
+
+    def _spin_s(self) -> float:
+        """How long the next wait may spin: ``max_spin_us`` while this client's answers typically
+        come within it, else :data:`SHORT_SPIN_US` at most."""
+        if self._typical_wait_s <= self._max_spin_s:
+            return self._max_spin_s
+        return min(self._max_spin_s, SHORT_SPIN_US / 1e6)
+
+    def _note_wait(self, waited_s: float) -> None:
+        """Folds a wait for an answer into the typical one."""
+        self._typical_wait_s += (waited_s - self._typical_wait_s) * _WAIT_WEIGHT
 
     @staticmethod
     async def _sleep(conn: Connection, seq: int) -> None:
