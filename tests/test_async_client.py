@@ -234,7 +234,8 @@ def test_bad_input_raises_what_the_sync_client_raises(served: Served) -> None:
 def test_a_recall_spins_its_whole_budget_only_while_answers_come_within_it(served: Served, rng) -> None:
     """The spin on the event loop: max_spin_us while this client's answers typically come within
     it, SHORT_SPIN_US (or max_spin_us, if smaller) once they take longer, back to max_spin_us
-    after quick answers; 0 never spins. A real recall's wait is noted."""
+    after quick answers; 0 never spins. A real recall's wait is noted. A request that carries
+    several coroutines' recalls spins SHORT_SPIN_US at most, a lone recall after it the whole."""
     from kalos.client.aio import DEFAULT_MAX_SPIN_US, SHORT_SPIN_US
 
     client = AsyncClient(served.name)
@@ -254,6 +255,8 @@ def test_a_recall_spins_its_whole_budget_only_while_answers_come_within_it(serve
     assert never._spin_s() == 0.0
 
     q = rng.standard_normal(DIM).astype(np.float32)
+    queries = rng.standard_normal((8, DIM)).astype(np.float32)
+    spins: list[tuple[int, float]] = []  # (callers in the request, the spin allowed)
 
     async def scenario() -> None:
         async with AsyncClient(served.name, timeout=10.0) as recaller:
@@ -261,8 +264,24 @@ def test_a_recall_spins_its_whole_budget_only_while_answers_come_within_it(serve
                 hit = await recaller.recall(q, k=3)
                 served.model.check(hit, q, 3, context="adaptive spin")
             assert recaller._typical_wait_s > 0, "the recalls' waits were not noted"
+            recaller._typical_wait_s = 0.0  # (as if answers came at once: only the callers decide)
+            answers = recaller._answers
+
+            async def counted(batch: list[Any], args: tuple[Any, ...]) -> list[Any]:
+                spins.append((len(batch), recaller._spin_s()))
+                return await answers(batch, args)
+
+            recaller._answers = counted  # type: ignore[method-assign]
+            hits = await asyncio.gather(*(recaller.recall(row, k=3) for row in queries))
+            for row, hit in zip(queries, hits):
+                served.model.check(hit, row, 3, context="several callers")
+            await recaller.recall(q, k=3)
+            assert recaller._spin_s() == DEFAULT_MAX_SPIN_US / 1e6, "after the several callers' request"
 
     run(scenario)
+    several = [spin for callers, spin in spins if callers > 1]
+    assert several and all(spin == SHORT_SPIN_US / 1e6 for spin in several), spins
+    assert spins[-1] == (1, DEFAULT_MAX_SPIN_US / 1e6), spins
 
 
 def test_sixty_four_concurrent_coroutines_each_get_their_own_answer(served: Served) -> None:

@@ -23,6 +23,7 @@ as they are) and the same errors.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -60,6 +61,10 @@ SHORT_SPIN_US = 50.0
 #: The weight of the newest wait in the typical one (an exponential average): a slow answer
 #: shortens the spin of the next few recalls, until quick answers bring the average back.
 _WAIT_WEIGHT = 1 / 8
+#: True while the task's request carries the recalls of several callers (:meth:`AsyncClient._send_next`):
+#: the answer before it woke callers that are ready to run, and a long spin would hold them
+#: until this answer too is in; such a request spins :data:`SHORT_SPIN_US` at most.
+_SEVERAL_CALLERS: contextvars.ContextVar[bool] = contextvars.ContextVar("kalos_several_callers", default=False)
 
 _T = TypeVar("_T")
 _WAKE = "wake"
@@ -115,8 +120,8 @@ class AsyncClient:
     errors. ``timeout`` and the other keyword arguments (``spin_us``, ``embedder``, ...) are
     :class:`Client`'s, passed on as they are. ``max_spin_us`` caps the busy-poll on the event
     loop before a recall sleeps (:data:`DEFAULT_MAX_SPIN_US`; 0: never spin); while this
-    client's answers typically take longer than that, a recall spins :data:`SHORT_SPIN_US` at
-    most.
+    client's answers typically take longer than that, or a request carries several coroutines'
+    recalls, it spins :data:`SHORT_SPIN_US` at most.
 
     Constructing one does not connect: ``async with``, :meth:`connect` or the first call does,
     in a worker thread (the hello is a blocking socket exchange).
@@ -445,6 +450,7 @@ class AsyncClient:
             queue.groups[key] = group
         if not batch:
             return
+        several = _SEVERAL_CALLERS.set(len(batch) > 1)
         try:
             answers = await self._answers(batch, group.args)
         except asyncio.CancelledError:
@@ -464,6 +470,8 @@ class AsyncClient:
             if not isinstance(exc, Exception):  # (KeyboardInterrupt, SystemExit: theirs too)
                 raise
             return
+        finally:
+            _SEVERAL_CALLERS.reset(several)
         for waiting, answer in zip(batch, answers):
             if waiting.future.done():
                 continue
@@ -628,8 +636,8 @@ class AsyncClient:
 
     def _spin_s(self) -> float:
         """How long the next wait may spin: ``max_spin_us`` while this client's answers typically
-        come within it, else :data:`SHORT_SPIN_US` at most."""
-        if self._typical_wait_s <= self._max_spin_s:
+        come within it and the request is one caller's, else :data:`SHORT_SPIN_US` at most."""
+        if self._typical_wait_s <= self._max_spin_s and not _SEVERAL_CALLERS.get():
             return self._max_spin_s
         return min(self._max_spin_s, SHORT_SPIN_US / 1e6)
 
