@@ -166,7 +166,7 @@ async def until_sleeping(client: AsyncClient, task: asyncio.Task) -> None:
 # -- exact answers ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("max_spin_us", [0.0, 50.0, 5000.0], ids=["sleep-path", "default-spin", "long-spin"])
+@pytest.mark.parametrize("max_spin_us", [0.0, 50.0, 5000.0], ids=["sleep-path", "short-spin", "long-spin"])
 def test_recalls_equal_the_float64_reference(served: Served, max_spin_us: float) -> None:
     cases = [("default", 1, None, None), ("default", 10, None, None), ("alpha", 37, None, None),
              (None, 64, None, None), ("beta", 20, None, None), ("default", 25, 1_050.0, 1_120.0),
@@ -231,57 +231,124 @@ def test_bad_input_raises_what_the_sync_client_raises(served: Served) -> None:
         run(lambda: AsyncClient(served.name, timeout=0).connect())
 
 
-def test_a_recall_spins_its_whole_budget_only_while_answers_come_within_it(served: Served, rng) -> None:
-    """The spin on the event loop: max_spin_us while this client's answers typically come within
-    it, SHORT_SPIN_US (or max_spin_us, if smaller) once they take longer, back to max_spin_us
-    after quick answers; 0 never spins. A real recall's wait is noted. A request that carries
-    several coroutines' recalls spins SHORT_SPIN_US at most, a lone recall after it the whole."""
-    from kalos.client.aio import DEFAULT_MAX_SPIN_US, SHORT_SPIN_US
+def test_the_spin_shortens_after_missed_answers_and_a_probe_brings_it_back() -> None:
+    """The spin rule by itself: the whole budget while it catches the answers; SHORT_SPIN_US after
+    _MISSES_TO_SHORTEN whole spins in a row missed theirs (fewer do not), with every
+    _PROBE_EVERY-th wait spinning the whole again; a caught probe brings the whole spin back, a
+    missed one does not; never more than the budget, none at 0; with other callers waiting,
+    the short spin (several callers in the request, or a caller queued behind it), and their
+    misses do not count."""
+    from kalos.client.aio import _MISSES_TO_SHORTEN, _PROBE_EVERY, _SEVERAL_CALLERS, SHORT_SPIN_US, _Group, _Queue
 
-    client = AsyncClient(served.name)
-    assert client._spin_s() == DEFAULT_MAX_SPIN_US / 1e6, "a new client spins its whole budget"
-    for _ in range(3):
-        client._note_wait(0.010)  # a CPU sidecar searching a large store
-    assert client._spin_s() == SHORT_SPIN_US / 1e6
-    for _ in range(100):
-        client._note_wait(DEFAULT_MAX_SPIN_US / 1e6 / 2)
-    assert client._spin_s() == DEFAULT_MAX_SPIN_US / 1e6, "quick answers bring the whole spin back"
-    small = AsyncClient(served.name, max_spin_us=20.0)
-    small._note_wait(0.010)
-    assert small._spin_s() == 20e-6, "never more than max_spin_us"
-    never = AsyncClient(served.name, max_spin_us=0.0)
-    assert never._spin_s() == 0.0
-    never._note_wait(0.010)
-    assert never._spin_s() == 0.0
+    whole, short = 250e-6, SHORT_SPIN_US / 1e6
+    client = AsyncClient("unused")
+    assert client._spin_for(whole) == whole
+    for _ in range(_MISSES_TO_SHORTEN - 1):
+        client._note_spin(caught=False)
+    client._note_spin(caught=True)  # a catch in between: the count starts again
+    for _ in range(_MISSES_TO_SHORTEN - 1):
+        client._note_spin(caught=False)
+    assert client._spin_for(whole) == whole, "fewer misses in a row than the rule's do not shorten it"
+    client._note_spin(caught=False)
+    plan = [client._spin_for(whole) for _ in range(2 * _PROBE_EVERY)]
+    assert plan.count(whole) == 2 and plan.count(short) == 2 * _PROBE_EVERY - 2, plan
+    assert plan[_PROBE_EVERY - 1] == whole, "the probe is every _PROBE_EVERY-th short wait"
+    client._note_spin(caught=False)  # a missed probe: still short
+    assert client._spin_for(whole) == short
+    client._note_spin(caught=True)  # a caught probe
+    assert client._spin_for(whole) == whole
+    assert client._spin_for(20e-6) == 20e-6 and client._spin_for(0.0) == 0.0
+    token = _SEVERAL_CALLERS.set(True)
+    try:
+        assert client._spin_for(whole) == short
+        for _ in range(2 * _MISSES_TO_SHORTEN):
+            client._note_spin(caught=False)
+    finally:
+        _SEVERAL_CALLERS.reset(token)
+    assert client._spin_for(whole) == whole, "misses with other callers waiting do not count"
+    queued = client._queues.setdefault("vector", _Queue())
+    queued.groups["key"] = _Group(("vector", 8, "default", None, None, None), [])
+    assert client._spin_for(whole) == short, "a caller queued behind the request"
+    for _ in range(2 * _MISSES_TO_SHORTEN):
+        client._note_spin(caught=False)
+    queued.groups.clear()
+    assert client._spin_for(whole) == whole, "nobody queued any more, and those misses did not count"
+
+
+def test_recalls_wait_by_the_spin_rule_and_several_callers_spin_short(served: Served, rng) -> None:
+    """On real recalls: a wait that finds no answer yet asks the rule with the whole budget the
+    channel and max_spin_us allow (the smaller), and reports what that whole spin caught; a
+    request with several callers in it is made as "several callers", a lone one is not, and
+    while callers queue behind them both spin short; a recall_many of several requests lets the
+    loop run between them."""
+    from kalos.client.aio import _SEVERAL_CALLERS, DEFAULT_MAX_SPIN_US, SHORT_SPIN_US
 
     q = rng.standard_normal(DIM).astype(np.float32)
     queries = rng.standard_normal((8, DIM)).astype(np.float32)
-    spins: list[tuple[int, float]] = []  # (callers in the request, the spin allowed)
+    asked: list[tuple[float, float]] = []  # (whole budget, the spin planned)
+    noted: list[bool] = []
+    requests: list[tuple[int, bool]] = []  # (callers in the request, made as several callers)
 
     async def scenario() -> None:
-        async with AsyncClient(served.name, timeout=10.0) as recaller:
-            for _ in range(5):
-                hit = await recaller.recall(q, k=3)
-                served.model.check(hit, q, 3, context="adaptive spin")
-            assert recaller._typical_wait_s > 0, "the recalls' waits were not noted"
-            recaller._typical_wait_s = 0.0  # (as if answers came at once: only the callers decide)
-            answers = recaller._answers
+        async with AsyncClient(served.name, timeout=10.0, spin_us=1000.0) as recaller:
+            channel_budget = (await recaller._slot_connection()).channel.spin_budget_s()
+            whole = min(channel_budget, DEFAULT_MAX_SPIN_US / 1e6)
+            plan, note, answers = recaller._spin_for, recaller._note_spin, recaller._answers
+
+            def planned(whole_s: float) -> float:
+                asked.append((whole_s, plan(whole_s)))
+                return asked[-1][1]
+
+            def noting(*, caught: bool) -> None:
+                noted.append(caught)
+                note(caught=caught)
 
             async def counted(batch: list[Any], args: tuple[Any, ...]) -> list[Any]:
-                spins.append((len(batch), recaller._spin_s()))
+                requests.append((len(batch), _SEVERAL_CALLERS.get()))
                 return await answers(batch, args)
 
+            recaller._spin_for, recaller._note_spin = planned, noting  # type: ignore[method-assign]
             recaller._answers = counted  # type: ignore[method-assign]
-            hits = await asyncio.gather(*(recaller.recall(row, k=3) for row in queries))
+            for _ in range(200):  # (an answer already in at the first look asks nothing)
+                served.model.check(await recaller.recall(q, k=3), q, 3, context="lone")
+                if asked:
+                    break
+            assert asked and all(budget == whole for budget, _ in asked), (asked, channel_budget)
+            assert len(noted) == sum(spin == whole > 0 for _, spin in asked), "each whole spin's outcome is noted"
+            assert requests and all(not several for _, several in requests), requests
+            requests.clear()
+            gathered = len(asked)
+            async with recaller._slot_lock():  # the first request waits for the slot: the others queue
+                tasks = [asyncio.ensure_future(recaller.recall(row, k=3)) for row in queries]
+                await asyncio.sleep(0)
+            hits = await asyncio.gather(*tasks)
             for row, hit in zip(queries, hits):
                 served.model.check(hit, row, 3, context="several callers")
-            await recaller.recall(q, k=3)
-            assert recaller._spin_s() == DEFAULT_MAX_SPIN_US / 1e6, "after the several callers' request"
+            assert requests == [(1, False), (len(queries) - 1, True)], requests
+            assert all(spin <= SHORT_SPIN_US / 1e6 for _, spin in asked[gathered:]), asked[gathered:]
+
+            ticks = 0
+
+            async def ticker() -> None:
+                nonlocal ticks
+                while True:
+                    ticks += 1
+                    await asyncio.sleep(0)
+
+            seen: list[int] = []  # the ticks at each request
+
+            async def at_once(conn: Any, rows: np.ndarray, request: Any, op: Any = None) -> None:
+                seen.append(ticks)  # (answered at once, as a spin that catches its answer: no suspension)
+
+            beat = asyncio.get_running_loop().create_task(ticker())
+            await asyncio.sleep(0)
+            recaller._round_trip = at_once  # type: ignore[method-assign]
+            many = rng.standard_normal((3 * recaller._layout.max_batch, DIM)).astype(np.float32)
+            await recaller.recall_many(many, k=3)
+            beat.cancel()
+            assert len(seen) == 3 and seen[0] < seen[1] < seen[2], f"the loop did not run between requests: {seen}"
 
     run(scenario)
-    several = [spin for callers, spin in spins if callers > 1]
-    assert several and all(spin == SHORT_SPIN_US / 1e6 for spin in several), spins
-    assert spins[-1] == (1, DEFAULT_MAX_SPIN_US / 1e6), spins
 
 
 def test_sixty_four_concurrent_coroutines_each_get_their_own_answer(served: Served) -> None:

@@ -1145,8 +1145,8 @@ def test_the_usual_recall_takes_its_short_path_and_rewrites_what_other_calls_cha
 def test_a_vector_from_another_process_takes_the_short_path_and_a_big_endian_one_the_general(
         sidecars, store_dir, rng, monkeypatch):
     """A float32 vector unpickled (as a multiprocessing queue hands it over: its dtype equals
-    float32 but is another object) takes recall's short path; a big-endian float32 one, whose
-    bytes the slot cannot take as they are, takes the general path; both answer alike."""
+    float32 but is another object) takes recall's short path; a big-endian float32 one (not equal
+    to float32) takes the general path; both answer alike."""
     import pickle
 
     name = unique_name("pickled")

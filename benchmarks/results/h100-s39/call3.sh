@@ -11,7 +11,7 @@
 #   mkdir -p .snap/trees/s35-c5f1b05 && git archive c5f1b05 src | tar -x -C .snap/trees/s35-c5f1b05
 #   mkdir -p .snap/trees/noshort && git archive HEAD src | tar -x -C .snap/trees/noshort, then
 #     in its client/client.py, _recall_one returns None first
-#   BUDGET_S=300 OUT=$OUT bash benchmarks/results/h100-s39/call3.sh
+#   BUDGET_S=330 OUT=$OUT bash benchmarks/results/h100-s39/call3.sh
 #     (carry .snap/trees/{s35-base,s35-c5f1b05,noshort}, benchmarks/results/h100-s39)
 cd "$(dirname "$0")/../../.."
 source benchmarks/results/h100-s32/lib.sh

@@ -6,8 +6,8 @@ the request is written into the slot and submitted exactly as the sync client do
 validation and request building, :meth:`Client._write_request`), then the answer is waited
 for without blocking the event loop for long: a bounded spin on ``resp_seq`` (an answer that
 comes within it is read with no system call and no trip through the loop; the spin holds every
-other coroutine of the loop, so it is long only while this client's answers typically come
-within it: :data:`DEFAULT_MAX_SPIN_US`, :data:`SHORT_SPIN_US`), then the same
+other coroutine of the loop, so it is long only while it catches this client's answers and no
+other caller of this client waits: :data:`DEFAULT_MAX_SPIN_US`, :data:`SHORT_SPIN_US`), then the same
 Dekker handshake as :meth:`kalos.ipc.channel.ClientChannel._block` (``client_sleeping = 1``, full
 fence, re-read ``resp_seq``) and an await on the wake socket through ``loop.add_reader``. The
 slot's control socket is watched the same way, so a sidecar that dies wakes the waiter at
@@ -49,21 +49,24 @@ from kalos.validation import Item, check_embed_texts
 
 __all__ = ["AsyncClient", "DEFAULT_MAX_SPIN_US", "SHORT_SPIN_US"]
 
-#: The longest a recall busy-polls its slot on the event loop before it sleeps on the wake
-#: socket, while this client's answers typically come within it. Spinning holds the loop (no
+#: The longest a request busy-polls its slot on the event loop before it sleeps on the wake
+#: socket, while that whole spin catches this client's answers. Spinning holds the loop (no
 #: other coroutine runs meanwhile), so it stays below the sync client's 1 ms (GPU sidecar);
 #: sleeping costs the sidecar's bell and a trip through the loop, which a GPU sidecar's single
 #: recalls, answered soon after a shorter spin, would pay every time.
 DEFAULT_MAX_SPIN_US = 250.0
-#: The spin once this client's answers typically take longer than its ``max_spin_us`` (a CPU
-#: sidecar searching a large store): a longer one would hold the loop for nothing.
+#: The spin while the whole one does not catch the answers (a CPU sidecar searching a large
+#: store, where a longer spin would hold the loop for nothing), and for a request made while
+#: other callers of the client wait.
 SHORT_SPIN_US = 50.0
-#: The weight of the newest wait in the typical one (an exponential average): a slow answer
-#: shortens the spin of the next few recalls, until quick answers bring the average back.
-_WAIT_WEIGHT = 1 / 8
+#: Whole spins in a row that the answer outlasted before the spin shortens.
+_MISSES_TO_SHORTEN = 3
+#: While the spin is short, every this many waits spins the whole budget once, so that answers
+#: that came quickly again are seen (a short spin cannot tell "quick" from "slow").
+_PROBE_EVERY = 16
 #: True while the task's request carries the recalls of several callers (:meth:`AsyncClient._send_next`):
-#: the answer before it woke callers that are ready to run, and a long spin would hold them
-#: until this answer too is in; such a request spins :data:`SHORT_SPIN_US` at most.
+#: the answer before it likely woke callers that are ready to run, and a long spin would hold
+#: them until this answer is in (as it would the callers queued behind it).
 _SEVERAL_CALLERS: contextvars.ContextVar[bool] = contextvars.ContextVar("kalos_several_callers", default=False)
 
 _T = TypeVar("_T")
@@ -119,9 +122,11 @@ class AsyncClient:
     Every method of :class:`Client` is a coroutine here, with the same arguments, results and
     errors. ``timeout`` and the other keyword arguments (``spin_us``, ``embedder``, ...) are
     :class:`Client`'s, passed on as they are. ``max_spin_us`` caps the busy-poll on the event
-    loop before a recall sleeps (:data:`DEFAULT_MAX_SPIN_US`; 0: never spin); while this
-    client's answers typically take longer than that, or a request carries several coroutines'
-    recalls, it spins :data:`SHORT_SPIN_US` at most.
+    loop before a request sleeps (:data:`DEFAULT_MAX_SPIN_US`; 0: never spin); after a few
+    answers in a row that outlasted it, and while other callers of this client wait, a request
+    spins :data:`SHORT_SPIN_US` at most (every 16th such wait spins the whole again, to see
+    quick answers come back). A call of several requests (a ``recall_many`` larger than the
+    sidecar's max_batch) lets the loop run between them.
 
     Constructing one does not connect: ``async with``, :meth:`connect` or the first call does,
     in a worker thread (the hello is a blocking socket exchange).
@@ -169,8 +174,11 @@ class AsyncClient:
         self.timeout = timeout
         self._client_kwargs = client_kwargs
         self._max_spin_s = max_spin_us / 1e6
-        # How long this client's answers typically take (the exponential average of its waits).
-        self._typical_wait_s = 0.0
+        # The spin on the event loop (_spin_for, _note_spin): short after whole spins in a row
+        # that missed their answer, until a probe (every _PROBE_EVERY-th short wait) catches one.
+        self._spin_short = False
+        self._spin_misses = 0
+        self._short_waits = 0
         # Owns the recall slot; touched only on the event loop with the slot lock held.
         self._recaller: Client | None = None
         # Control operations, called in worker threads (the sync Client is thread-safe).
@@ -583,6 +591,8 @@ class AsyncClient:
                 ids[start:stop] = slot.ids[: stop - start, :k]
                 scores[start:stop] = slot.scores[: stop - start, :k]
                 start = stop
+                if start < q:  # (each request may spin: the loop runs between them)
+                    await asyncio.sleep(0)
             return RecallBatch(ids, scores)
 
     async def ping(self) -> None:
@@ -621,29 +631,45 @@ class AsyncClient:
         resp_seq = slot.resp_seq
         want = np.uint64(seq)  # (uint64 against uint64: exact past 2**53, and no conversion per look)
         if resp_seq[0] != want:
-            clock = time.perf_counter
-            started = clock()
-            spin_s = min(channel.spin_budget_s(), self._spin_s())
+            whole_s = min(channel.spin_budget_s(), self._max_spin_s)
+            spin_s = self._spin_for(whole_s)
             if spin_s > 0:
-                spin_until = started + spin_s
+                clock = time.perf_counter
+                spin_until = clock() + spin_s
                 while resp_seq[0] != want and clock() < spin_until:
                     pass
+                if spin_s == whole_s:
+                    self._note_spin(caught=resp_seq[0] == want)
             if resp_seq[0] != want:
                 await self._sleep(conn, seq)
-            self._note_wait(clock() - started)
         full_fence()  # acquire: resp_seq is read before the response fields and result rows
         return int(slot.status[0])
 
-    def _spin_s(self) -> float:
-        """How long the next wait may spin: ``max_spin_us`` while this client's answers typically
-        come within it and the request is one caller's, else :data:`SHORT_SPIN_US` at most."""
-        if self._typical_wait_s <= self._max_spin_s and not _SEVERAL_CALLERS.get():
-            return self._max_spin_s
-        return min(self._max_spin_s, SHORT_SPIN_US / 1e6)
+    def _spin_for(self, whole_s: float) -> float:
+        """How long this wait spins, of the ``whole_s`` the channel and ``max_spin_us`` allow:
+        all of it, unless other callers of this client wait or the spin is short (then
+        :data:`SHORT_SPIN_US` at most, but all of it every :data:`_PROBE_EVERY`-th wait)."""
+        short_s = min(whole_s, SHORT_SPIN_US / 1e6)
+        if whole_s <= 0 or self._others_wait():
+            return short_s
+        if not self._spin_short:
+            return whole_s
+        self._short_waits += 1
+        return whole_s if self._short_waits % _PROBE_EVERY == 0 else short_s
 
-    def _note_wait(self, waited_s: float) -> None:
-        """Folds a wait for an answer into the typical one."""
-        self._typical_wait_s += (waited_s - self._typical_wait_s) * _WAIT_WEIGHT
+    def _others_wait(self) -> bool:
+        """Whether other callers of this client wait on this request: several in it, or queued."""
+        return _SEVERAL_CALLERS.get() or any(queue.groups for queue in self._queues.values())
+
+    def _note_spin(self, *, caught: bool) -> None:
+        """After a wait that spun all it was allowed: a caught answer keeps (or brings back) the
+        whole spin; :data:`_MISSES_TO_SHORTEN` missed in a row shorten it."""
+        if caught:
+            self._spin_short, self._spin_misses = False, 0
+        elif not self._others_wait():
+            self._spin_misses += 1
+            if self._spin_misses >= _MISSES_TO_SHORTEN:
+                self._spin_short = True
 
     @staticmethod
     async def _sleep(conn: Connection, seq: int) -> None:

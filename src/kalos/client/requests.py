@@ -56,7 +56,8 @@ _FLOAT32 = np.dtype(np.float32)
 def as_matrix(
     value: Any, dim: int, *, single: bool, what: str = "query", error: type[KalosError] = InvalidQuery
 ) -> np.ndarray:
-    if single and type(value) is np.ndarray and value.dtype is _FLOAT32 and value.shape == (dim,):
+    if (single and type(value) is np.ndarray and (value.dtype is _FLOAT32 or value.dtype == _FLOAT32)
+            and value.shape == (dim,)):  # (an unpickled array's float32 is equal, not the same object)
         return value[None]  # a recall's usual query passes every check below: skip them (the hot path)
     try:
         array = np.asarray(value)
