@@ -235,10 +235,10 @@ def test_the_spin_shortens_after_missed_answers_and_a_probe_brings_it_back() -> 
     """The spin rule by itself: the whole budget while it catches the answers; SHORT_SPIN_US after
     _MISSES_TO_SHORTEN whole spins in a row missed theirs (fewer do not), with every
     _PROBE_EVERY-th wait spinning the whole again; a caught probe brings the whole spin back, a
-    missed one does not; never more than the budget, none at 0; with other callers waiting,
-    the short spin (several callers in the request, or a caller queued behind it), and their
-    misses do not count."""
-    from kalos.client.aio import _MISSES_TO_SHORTEN, _PROBE_EVERY, _SEVERAL_CALLERS, SHORT_SPIN_US, _Group, _Queue
+    missed one does not; never more than the budget, none at 0; while other recalls wait on
+    the request (several callers in it, or a recall queued behind it in its own queue, or in
+    any queue for a call that is no queue's), the short spin, and misses do not count."""
+    from kalos.client.aio import _MISSES_TO_SHORTEN, _PROBE_EVERY, _SENDING, SHORT_SPIN_US, _Group, _Queue
 
     whole, short = 250e-6, SHORT_SPIN_US / 1e6
     client = AsyncClient("unused")
@@ -258,41 +258,51 @@ def test_the_spin_shortens_after_missed_answers_and_a_probe_brings_it_back() -> 
     client._note_spin(caught=True)  # a caught probe
     assert client._spin_for(whole) == whole
     assert client._spin_for(20e-6) == 20e-6 and client._spin_for(0.0) == 0.0
-    token = _SEVERAL_CALLERS.set(True)
-    try:
-        assert client._spin_for(whole) == short
-        for _ in range(2 * _MISSES_TO_SHORTEN):
-            client._note_spin(caught=False)
-    finally:
-        _SEVERAL_CALLERS.reset(token)
-    assert client._spin_for(whole) == whole, "misses with other callers waiting do not count"
-    queued = client._queues.setdefault("vector", _Queue())
-    queued.groups["key"] = _Group(("vector", 8, "default", None, None, None), [])
-    assert client._spin_for(whole) == short, "a caller queued behind the request"
-    for _ in range(2 * _MISSES_TO_SHORTEN):
-        client._note_spin(caught=False)
-    queued.groups.clear()
-    assert client._spin_for(whole) == whole, "nobody queued any more, and those misses did not count"
+    vectors = client._queues.setdefault("vector", _Queue())
+    texts = client._queues.setdefault("text", _Queue())
+    group = _Group(("vector", 8, "default", None, None, None), [])
+    for sending, queued, others_wait in (
+        ((True, vectors), None, True),  # several callers in the request
+        ((False, vectors), vectors, True),  # one, with a caller queued behind it
+        ((False, vectors), texts, False),  # a text recall queued waits for its embedding, not this
+        ((False, None), texts, True),  # a call that is no queue's (recall_many): every queue waits
+        ((False, vectors), None, False),
+    ):
+        if queued is not None:
+            queued.groups["key"] = group
+        token = _SENDING.set(sending)
+        try:
+            assert client._others_wait() is others_wait, (sending, queued)
+            assert client._spin_for(whole) == (short if others_wait else whole), (sending, queued)
+            for _ in range(2 * _MISSES_TO_SHORTEN):
+                client._note_spin(caught=False)
+            if not others_wait:
+                client._note_spin(caught=True)  # (what the misses above did, undone)
+        finally:
+            _SENDING.reset(token)
+            vectors.groups.clear()
+            texts.groups.clear()
+        assert client._spin_for(whole) == whole, f"misses while others waited counted: {sending} {queued}"
 
 
 def test_recalls_wait_by_the_spin_rule_and_several_callers_spin_short(served: Served, rng) -> None:
-    """On real recalls: a wait that finds no answer yet asks the rule with the whole budget the
-    channel and max_spin_us allow (the smaller), and reports what that whole spin caught; a
-    request with several callers in it is made as "several callers", a lone one is not, and
-    while callers queue behind them both spin short; a recall_many of several requests lets the
-    loop run between them."""
-    from kalos.client.aio import _SEVERAL_CALLERS, DEFAULT_MAX_SPIN_US, SHORT_SPIN_US
+    """On real recalls: a wait that finds no answer yet spins by the rule, with the whole spin
+    the smaller of the channel's budget and max_spin_us, and reports what that whole spin did:
+    caught (an answer within a long spin) or missed (the sidecar stopped); a ping teaches the
+    rule nothing; a request with several callers in it is made as "several callers", one with
+    others queued behind it sees them; a recall_many of several requests lets the loop run
+    between them."""
+    from kalos.client.aio import _SENDING
 
     q = rng.standard_normal(DIM).astype(np.float32)
     queries = rng.standard_normal((8, DIM)).astype(np.float32)
     asked: list[tuple[float, float]] = []  # (whole budget, the spin planned)
     noted: list[bool] = []
-    requests: list[tuple[int, bool]] = []  # (callers in the request, made as several callers)
+    requests: list[tuple[int, bool, bool]] = []  # (callers in it, made as several, others waited)
 
     async def scenario() -> None:
-        async with AsyncClient(served.name, timeout=10.0, spin_us=1000.0) as recaller:
-            channel_budget = (await recaller._slot_connection()).channel.spin_budget_s()
-            whole = min(channel_budget, DEFAULT_MAX_SPIN_US / 1e6)
+        async with AsyncClient(served.name, timeout=10.0, max_spin_us=200_000.0) as recaller:
+            channel = (await recaller._slot_connection()).channel
             plan, note, answers = recaller._spin_for, recaller._note_spin, recaller._answers
 
             def planned(whole_s: float) -> float:
@@ -304,28 +314,50 @@ def test_recalls_wait_by_the_spin_rule_and_several_callers_spin_short(served: Se
                 note(caught=caught)
 
             async def counted(batch: list[Any], args: tuple[Any, ...]) -> list[Any]:
-                requests.append((len(batch), _SEVERAL_CALLERS.get()))
+                requests.append((len(batch), _SENDING.get()[0], recaller._others_wait()))
                 return await answers(batch, args)
 
             recaller._spin_for, recaller._note_spin = planned, noting  # type: ignore[method-assign]
             recaller._answers = counted  # type: ignore[method-assign]
-            for _ in range(200):  # (an answer already in at the first look asks nothing)
-                served.model.check(await recaller.recall(q, k=3), q, 3, context="lone")
-                if asked:
-                    break
-            assert asked and all(budget == whole for budget, _ in asked), (asked, channel_budget)
-            assert len(noted) == sum(spin == whole > 0 for _, spin in asked), "each whole spin's outcome is noted"
-            assert requests and all(not several for _, several in requests), requests
+            for budget_s, whole_s in ((0.2, 0.2), (100e-6, 100e-6)):  # (the channel's, the whole spin)
+                channel.spin_budget_s = lambda: budget_s  # type: ignore[method-assign]
+                asked.clear()
+                noted.clear()
+                for _ in range(200):  # (an answer already in at the first look asks nothing)
+                    served.model.check(await recaller.recall(q, k=3), q, 3, context="lone")
+                    if asked:
+                        break
+                assert asked and all(whole == whole_s for whole, _ in asked), (budget_s, asked)
+                if budget_s == 0.2:
+                    assert noted and all(noted), f"answers within a 0.2 s spin noted as missed: {noted}"
+            channel.spin_budget_s = lambda: 0.002  # type: ignore[method-assign]
+            recaller._spin_short, recaller._spin_misses = False, 0
+            noted.clear()
+            with stopped(served.pid):
+                missed = asyncio.ensure_future(recaller.recall(q, k=3))
+                await until_sleeping(recaller, missed)
+            served.model.check(await missed, q, 3, context="after the stop")
+            assert noted == [False], f"a whole spin the answer outlasted: {noted}"
+            recaller._spin_short, recaller._short_waits = True, 0
+            noted.clear()
+            with stopped(served.pid):
+                short = asyncio.ensure_future(recaller.recall(q, k=3))
+                await until_sleeping(recaller, short)
+            served.model.check(await short, q, 3, context="after the stop")
+            assert noted == [] and recaller._spin_short, f"a short spin taught the rule: {noted}"
+            await recaller.ping()
+            assert noted == [], "a ping taught the rule"
+
             requests.clear()
-            gathered = len(asked)
-            async with recaller._slot_lock():  # the first request waits for the slot: the others queue
-                tasks = [asyncio.ensure_future(recaller.recall(row, k=3)) for row in queries]
-                await asyncio.sleep(0)
-            hits = await asyncio.gather(*tasks)
+            with stopped(served.pid):  # the first request waits in the slot while the rest queue
+                first = asyncio.ensure_future(recaller.recall(queries[0], k=3))
+                await until_sleeping(recaller, first)
+                rest = [asyncio.ensure_future(recaller.recall(row, k=3)) for row in queries[1:]]
+                await asyncio.sleep(0.01)
+            hits = await asyncio.gather(first, *rest)
             for row, hit in zip(queries, hits):
                 served.model.check(hit, row, 3, context="several callers")
-            assert requests == [(1, False), (len(queries) - 1, True)], requests
-            assert all(spin <= SHORT_SPIN_US / 1e6 for _, spin in asked[gathered:]), asked[gathered:]
+            assert requests == [(1, False, False), (len(queries) - 1, True, True)], requests
 
             ticks = 0
 

@@ -9,7 +9,8 @@
 #   with the co-located case, HEAD (c7224a2, 54bcfe6) then c5539f3. Predicted: within session
 #   35's noise (C = 64 about 100k recalls/s), then the fast crowd as above.
 #   mkdir -p .snap/trees/s35-base && git archive c5539f3 src | tar -x -C .snap/trees/s35-base
-#   BUDGET_S=540 OUT=$OUT bash benchmarks/results/h100-s39/call2.sh   (carry .snap/trees/s35-base)
+#   BUDGET_S=540 OUT=$OUT bash benchmarks/results/h100-s39/call2.sh
+#     (carry .snap/trees/s35-base and benchmarks/results/h100-s39, which git ignores)
 cd "$(dirname "$0")/../../.."
 source benchmarks/results/h100-s32/lib.sh
 B=.snap/trees/s35-base/src

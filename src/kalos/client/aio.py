@@ -55,19 +55,21 @@ __all__ = ["AsyncClient", "DEFAULT_MAX_SPIN_US", "SHORT_SPIN_US"]
 #: sleeping costs the sidecar's bell and a trip through the loop, which a GPU sidecar's single
 #: recalls, answered soon after a shorter spin, would pay every time.
 DEFAULT_MAX_SPIN_US = 250.0
-#: The spin while the whole one does not catch the answers (a CPU sidecar searching a large
-#: store, where a longer spin would hold the loop for nothing), and for a request made while
-#: other callers of the client wait.
+#: The spin while the whole one does not catch the answers (a CPU sidecar's, whose search takes
+#: longer than the spin it advises its clients; a longer spin would hold the loop for nothing),
+#: for a request made while other recalls of the client wait, and for a ping.
 SHORT_SPIN_US = 50.0
 #: Whole spins in a row that the answer outlasted before the spin shortens.
 _MISSES_TO_SHORTEN = 3
 #: While the spin is short, every this many waits spins the whole budget once, so that answers
 #: that came quickly again are seen (a short spin cannot tell "quick" from "slow").
 _PROBE_EVERY = 16
-#: True while the task's request carries the recalls of several callers (:meth:`AsyncClient._send_next`):
-#: the answer before it likely woke callers that are ready to run, and a long spin would hold
-#: them until this answer is in (as it would the callers queued behind it).
-_SEVERAL_CALLERS: contextvars.ContextVar[bool] = contextvars.ContextVar("kalos_several_callers", default=False)
+#: Set while the task sends the single recalls of a queue (:meth:`AsyncClient._send_next`): whether
+#: the request carries several callers' recalls, and the queue. The answer before such a request
+#: likely woke callers that are ready to run, and a long spin would hold them until this answer
+#: is in, as it would the callers queued behind it.
+_SENDING: "contextvars.ContextVar[tuple[bool, _Queue | None]]" = contextvars.ContextVar(
+    "kalos_sending", default=(False, None))
 
 _T = TypeVar("_T")
 _WAKE = "wake"
@@ -122,11 +124,11 @@ class AsyncClient:
     Every method of :class:`Client` is a coroutine here, with the same arguments, results and
     errors. ``timeout`` and the other keyword arguments (``spin_us``, ``embedder``, ...) are
     :class:`Client`'s, passed on as they are. ``max_spin_us`` caps the busy-poll on the event
-    loop before a request sleeps (:data:`DEFAULT_MAX_SPIN_US`; 0: never spin); after a few
-    answers in a row that outlasted it, and while other callers of this client wait, a request
-    spins :data:`SHORT_SPIN_US` at most (every 16th such wait spins the whole again, to see
-    quick answers come back). A call of several requests (a ``recall_many`` larger than the
-    sidecar's max_batch) lets the loop run between them.
+    loop before a recall's request sleeps (:data:`DEFAULT_MAX_SPIN_US`; 0: never spin). It spins
+    :data:`SHORT_SPIN_US` at most while other recalls of this client wait on it, and after a
+    few answers in a row outlasted the whole spin (then every 16th of its waits spins the whole
+    again, to see quick answers come back). A call of several requests (a ``recall_many`` larger
+    than the sidecar's max_batch) lets the loop run between them.
 
     Constructing one does not connect: ``async with``, :meth:`connect` or the first call does,
     in a worker thread (the hello is a blocking socket exchange).
@@ -458,7 +460,7 @@ class AsyncClient:
             queue.groups[key] = group
         if not batch:
             return
-        several = _SEVERAL_CALLERS.set(len(batch) > 1)
+        sending = _SENDING.set((len(batch) > 1, queue))
         try:
             answers = await self._answers(batch, group.args)
         except asyncio.CancelledError:
@@ -479,7 +481,7 @@ class AsyncClient:
                 raise
             return
         finally:
-            _SEVERAL_CALLERS.reset(several)
+            _SENDING.reset(sending)
         for waiting, answer in zip(batch, answers):
             if waiting.future.done():
                 continue
@@ -613,32 +615,35 @@ class AsyncClient:
             # A cancelled recall's request is still in the sidecar's hands: the slot is not
             # ours to rewrite until it is answered. Its answer is waited for and discarded.
             _, seq = self._outstanding
-            await self._wait(conn, seq)
+            await self._wait(conn, seq, learn=False)
             self._outstanding = None
         self._recaller._write_request(conn, rows, request, op)  # type: ignore[union-attr]
         channel = conn.channel
         seq = channel.submit()
         self._outstanding = (conn, seq)
-        status = await self._wait(conn, seq)
+        status = await self._wait(conn, seq, learn=op == Op.RECALL)
         self._outstanding = None
         if status:
             raise error_from_code(status, channel.slot.read_message())
 
-    async def _wait(self, conn: Connection, seq: int) -> int:
-        """:meth:`ClientChannel.wait` without blocking the loop: the answer's status (0: in the slot)."""
+    async def _wait(self, conn: Connection, seq: int, *, learn: bool = True) -> int:
+        """:meth:`ClientChannel.wait` without blocking the loop: the answer's status (0: in the
+        slot). ``learn``: the wait is a recall's, whose spin follows and teaches the spin rule
+        (:meth:`_spin_for`); a ping's, or a cancelled recall's answer waited for, spins
+        :data:`SHORT_SPIN_US` at most and teaches nothing."""
         channel = conn.channel
         slot = channel.slot
         resp_seq = slot.resp_seq
         want = np.uint64(seq)  # (uint64 against uint64: exact past 2**53, and no conversion per look)
         if resp_seq[0] != want:
             whole_s = min(channel.spin_budget_s(), self._max_spin_s)
-            spin_s = self._spin_for(whole_s)
+            spin_s = self._spin_for(whole_s) if learn else min(whole_s, SHORT_SPIN_US / 1e6)
             if spin_s > 0:
                 clock = time.perf_counter
                 spin_until = clock() + spin_s
                 while resp_seq[0] != want and clock() < spin_until:
                     pass
-                if spin_s == whole_s:
+                if learn and spin_s == whole_s:
                     self._note_spin(caught=resp_seq[0] == want)
             if resp_seq[0] != want:
                 await self._sleep(conn, seq)
@@ -647,8 +652,9 @@ class AsyncClient:
 
     def _spin_for(self, whole_s: float) -> float:
         """How long this wait spins, of the ``whole_s`` the channel and ``max_spin_us`` allow:
-        all of it, unless other callers of this client wait or the spin is short (then
-        :data:`SHORT_SPIN_US` at most, but all of it every :data:`_PROBE_EVERY`-th wait)."""
+        :data:`SHORT_SPIN_US` at most while other callers wait on this request
+        (:meth:`_others_wait`); else all of it, unless the spin is short after missed answers
+        (:meth:`_note_spin`), when every :data:`_PROBE_EVERY`-th such wait spins all of it."""
         short_s = min(whole_s, SHORT_SPIN_US / 1e6)
         if whole_s <= 0 or self._others_wait():
             return short_s
@@ -658,8 +664,13 @@ class AsyncClient:
         return whole_s if self._short_waits % _PROBE_EVERY == 0 else short_s
 
     def _others_wait(self) -> bool:
-        """Whether other callers of this client wait on this request: several in it, or queued."""
-        return _SEVERAL_CALLERS.get() or any(queue.groups for queue in self._queues.values())
+        """Whether other callers of this client wait on this request: several callers' recalls in
+        it, or recalls queued behind it (in its own queue; for a call that is not a queue's,
+        such as recall_many, in any queue: they all wait for the slot)."""
+        several, queue = _SENDING.get()
+        if several:
+            return True
+        return any(q.groups for q in ((queue,) if queue is not None else self._queues.values()))
 
     def _note_spin(self, *, caught: bool) -> None:
         """After a wait that spun all it was allowed: a caught answer keeps (or brings back) the
