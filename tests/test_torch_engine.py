@@ -40,7 +40,7 @@ from kalos.engine.gpu import (  # noqa: E402
 from kalos.engine.gpu.bounds import quantize_rows  # noqa: E402
 from kalos.engine.gpu.engine import load_kernels  # noqa: E402
 from kalos.engine.gpu.layout import HDR_WORDS, HEADER, HEADER_DTYPE, check_kernel_layout, kernel_constants  # noqa: E402
-from kalos.engine.gpu.planner import SPLIT_MAX_CANDIDATES, fast_candidates, next_pow2  # noqa: E402
+from kalos.engine.gpu.planner import DEFAULT_TUNING, SPLIT_MAX_CANDIDATES, fast_candidates, next_pow2  # noqa: E402
 from kalos.errors import InvalidArgument, InvalidQuery  # noqa: E402
 from kalos.validation import normalise_rows, row_scales  # noqa: E402
 
@@ -633,6 +633,18 @@ def test_single_scan_f16_holds_no_8bit_copy(rng):
     m.check(unit_queries(rng, 1, 24), 5)
     with pytest.raises(InvalidArgument, match="single_scan"):
         triton_engine(24, precision="fast", tune={"single_scan": "int4"})
+
+
+def test_a_tile_tuned_as_a_mapping_becomes_a_scan_config():
+    """A benchmark's JSON variant names a tile by its fields; a field that is no tile's is refused."""
+    tuned = DEFAULT_TUNING.replace({"scores_f16_batch": {"block_n": 64, "block_d": 64, "block_q": 64, "warps": 8,
+                                                         "stages": 3}})
+    assert tuned.scores_f16_batch == ScanConfig(block_n=64, block_d=64, block_q=64, warps=8, stages=3)
+    assert tuned.scores_f32_batch == DEFAULT_TUNING.scores_f32_batch
+    with pytest.raises(InvalidArgument, match="scores_f16_batch.*block_rows.*fields are block_n"):
+        DEFAULT_TUNING.replace({"scores_f16_batch": {"block_rows": 64}})
+    with pytest.raises(InvalidArgument, match="unknown tuning key 'scores_f16_batches'"):
+        DEFAULT_TUNING.replace({"scores_f16_batches": {"block_n": 64}})
 
 
 # -- searching in place in an attached host buffer (the sidecar's zero-copy path) ----------------

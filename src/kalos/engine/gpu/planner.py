@@ -78,6 +78,18 @@ _TILE_FIELDS = {
 }
 
 
+_TILE_NAMES = frozenset(_TILE_FIELDS.values())
+
+
+def _scan_config(name: str, fields: Mapping[str, Any]) -> ScanConfig:
+    """The tile ``name`` given as {field: value} (a benchmark's JSON variant)."""
+    try:
+        return ScanConfig(**fields)
+    except TypeError as exc:
+        known = ", ".join(f.name for f in dataclasses.fields(ScanConfig))
+        raise InvalidArgument(f"tune {name}: {exc}; a tile's fields are {known}") from None
+
+
 @dataclass(frozen=True)
 class Tuning:
     """The engine's tuning table: the defaults are the fastest tiles and variants found on an
@@ -180,6 +192,8 @@ class Tuning:
             name = _TILE_FIELDS.get(key) if isinstance(key, tuple) else key
             if name not in names:
                 raise InvalidArgument(f"unknown tuning key {key!r}")
+            if name in _TILE_NAMES and isinstance(value, Mapping):  # (a tile as JSON gives it)
+                value = _scan_config(name, value)
             changes[name] = value
         return dataclasses.replace(self, **changes)
 
