@@ -458,6 +458,28 @@ def test_concurrent_single_recalls_go_to_the_sidecar_together(served: Served) ->
     run(scenario)
 
 
+def test_callers_answered_together_recall_again_together(served: Served) -> None:
+    """Coroutines that recall in a loop (agents of one process): once a request has answered
+    them together, the next request carries them all again, not the first woken alone and the
+    rest after it."""
+    queries = served.queries(8)
+
+    async def agent(client: AsyncClient, i: int) -> None:
+        for turn in range(5):
+            served.model.check(await client.recall(queries[i], k=4), queries[i], 4, context=f"agent {i} turn {turn}")
+
+    async def scenario() -> None:
+        async with AsyncClient(served.name, timeout=30.0, max_spin_us=0.0) as client:
+            await client.recall(queries[0], k=4)  # (connected before the agents start)
+            rows = counting_requests(client)
+            await asyncio.gather(*(agent(client, i) for i in range(len(queries))))
+            # The first agent goes alone, the seven others queue behind it and the first joins
+            # them; from then on all eight go together, the first's last turn done one earlier.
+            assert rows == [1, 8, 8, 8, 8, 7], rows
+
+    run(scenario)
+
+
 def test_a_bad_query_in_a_batch_fails_only_its_own_caller(served: Served) -> None:
     """A query the sidecar refuses (a zero vector) queued with good ones: the batch is sent
     again one recall at a time, the bad one's caller gets the sidecar's error, the others their

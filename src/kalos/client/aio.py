@@ -104,6 +104,9 @@ class _Queue:
     groups: dict[Any, _Group] = dataclasses.field(default_factory=dict)
     sending: bool = False
     sender: asyncio.Task | None = None
+    # The last request answered several callers at once: they are ready to run, and likely to
+    # recall again at once (a crowd of agents in one process).
+    answered_together: bool = False
 
     @property
     def idle(self) -> bool:
@@ -416,6 +419,11 @@ class AsyncClient:
             return await future
         queue.sending = True
         try:
+            if queue.answered_together:
+                # One turn of the loop lets the callers that answer woke join this request:
+                # sent at once, it would go alone and they in the next, every other request.
+                queue.answered_together = False
+                await asyncio.sleep(0)
             while not future.done():
                 await self._send_next(queue)
         finally:
@@ -482,6 +490,7 @@ class AsyncClient:
             return
         finally:
             _SENDING.reset(sending)
+        queue.answered_together = len(batch) > 1
         for waiting, answer in zip(batch, answers):
             if waiting.future.done():
                 continue
