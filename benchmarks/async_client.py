@@ -212,7 +212,8 @@ def bench_size(n_items: int, dim: int, recalls: int, rng: np.random.Generator, c
             print(f"  {label:<34} {percentiles(samples)} ({per_block * BLOCKS} recalls, {BLOCKS} alternating blocks)")
         for c in coroutines:
             latencies, rate, requests, wrong = crowd(name, queries, want, c, max(1, recalls // c))
-            print(f"  {f'async, {c} coroutines at once':<34} {percentiles(latencies)}   {rate:,.0f} recalls/s, "
+            print(f"  {f'async, {c} coroutines at once':<34} {percentiles(latencies)}   max {max(latencies) * 1e3:,.1f} ms   "
+                  f"{rate:,.0f} recalls/s, "
                   f"{len(latencies) / requests:.1f} recalls a request, {wrong} wrong of {len(latencies)}")
     finally:
         sidecar.stop()
