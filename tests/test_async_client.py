@@ -330,20 +330,21 @@ def test_recalls_wait_by_the_spin_rule_and_several_callers_spin_short(served: Se
                 assert asked and all(whole == whole_s for whole, _ in asked), (budget_s, asked)
                 if budget_s == 0.2:
                     assert noted and all(noted), f"answers within a 0.2 s spin noted as missed: {noted}"
+            async def recall_across_a_stop(context: str) -> None:
+                """A recall whose answer outlasts its spin: the sidecar is stopped until it sleeps."""
+                with stopped(served.pid):
+                    late = asyncio.ensure_future(recaller.recall(q, k=3))
+                    await until_sleeping(recaller, late)
+                served.model.check(await late, q, 3, context=context)
+
             channel.spin_budget_s = lambda: 0.002  # type: ignore[method-assign]
             recaller._spin_short, recaller._spin_misses = False, 0
             noted.clear()
-            with stopped(served.pid):
-                missed = asyncio.ensure_future(recaller.recall(q, k=3))
-                await until_sleeping(recaller, missed)
-            served.model.check(await missed, q, 3, context="after the stop")
+            await recall_across_a_stop("a whole spin missed")
             assert noted == [False], f"a whole spin the answer outlasted: {noted}"
             recaller._spin_short, recaller._short_waits = True, 0
             noted.clear()
-            with stopped(served.pid):
-                short = asyncio.ensure_future(recaller.recall(q, k=3))
-                await until_sleeping(recaller, short)
-            served.model.check(await short, q, 3, context="after the stop")
+            await recall_across_a_stop("a short spin missed")
             assert noted == [] and recaller._spin_short, f"a short spin taught the rule: {noted}"
             await recaller.ping()
             assert noted == [], "a ping taught the rule"

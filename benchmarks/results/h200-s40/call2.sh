@@ -29,3 +29,9 @@ summary
   --device cuda --sizes 65536 --dim 1024 --recalls 1500 --coroutines 1,16,64,1 --only-coroutines > $OUT/async-cuda.txt 2>&1
 pkill -9 -f "kalos[ ]serve" 2>/dev/null
 grep -E "p50" $OUT/async-cuda.txt
+# One client's request of 16 or 64 queries (handed to the sweep by the polling rounds) against
+# 16 or 64 clients' single recalls at once (gathered by the rounds): should AsyncClient spread?
+(( SECONDS + 30 < budget )) && PYTHONPATH=$T timeout $(( budget - SECONDS )) python3 \
+  benchmarks/results/h200-s40/batch_rtt.py > $OUT/batch-rtt.txt 2>&1
+pkill -9 -f "kalos[ ]serve" 2>/dev/null
+cat $OUT/batch-rtt.txt
