@@ -19,19 +19,20 @@ build_fence $T $B
 FAST="--serve-arg=--precision --serve-arg=fast"
 NEED_S=120 INTO=default crowd $T this 16,64
 NEED_S=120 INTO=default crowd $B base 16,64
+# One client's request of 16 or 64 queries (handed to the sweep by the polling rounds) against
+# 16 or 64 clients' single recalls at once (gathered by the rounds): should AsyncClient spread?
+(( SECONDS + 30 < budget )) && PYTHONPATH=$T timeout $(( budget - SECONDS )) python3 \
+  benchmarks/results/h200-s40/batch_rtt.py > $OUT/batch-rtt.txt 2>&1
+pkill -9 -f "kalos[ ]serve" 2>/dev/null
+cat $OUT/batch-rtt.txt
 NEED_S=40 INTO=fast CROWD=1,16,64 crowd $T this-fast "" $FAST
-NEED_S=40 INTO=fast CROWD=1,16,64 crowd $B base-fast "" $FAST
-echo "=== done ${SECONDS}s"
-summary
 # AsyncClient's coroutines at this tree (session 40's first call read one coroutine's rate at 445
 # recalls/s against a p50 of 130 us on an H100: some recall stalled for seconds; max shows it).
 (( SECONDS + 40 < budget )) && PYTHONPATH=$T timeout $(( budget - SECONDS )) python3 benchmarks/async_client.py \
   --device cuda --sizes 65536 --dim 1024 --recalls 1500 --coroutines 1,16,64,1 --only-coroutines > $OUT/async-cuda.txt 2>&1
 pkill -9 -f "kalos[ ]serve" 2>/dev/null
 grep -E "p50" $OUT/async-cuda.txt
-# One client's request of 16 or 64 queries (handed to the sweep by the polling rounds) against
-# 16 or 64 clients' single recalls at once (gathered by the rounds): should AsyncClient spread?
-(( SECONDS + 30 < budget )) && PYTHONPATH=$T timeout $(( budget - SECONDS )) python3 \
-  benchmarks/results/h200-s40/batch_rtt.py > $OUT/batch-rtt.txt 2>&1
-pkill -9 -f "kalos[ ]serve" 2>/dev/null
+NEED_S=40 INTO=fast CROWD=1,16,64 crowd $B base-fast "" $FAST
+echo "=== done ${SECONDS}s"
+summary
 cat $OUT/batch-rtt.txt
