@@ -473,7 +473,10 @@ def test_callers_answered_together_recall_again_together(served: Served) -> None
         async with AsyncClient(served.name, timeout=30.0, max_spin_us=0.0) as client:
             await client.recall(queries[0], k=4)  # (connected before the agents start)
             rows = counting_requests(client)
-            await asyncio.gather(*(agent(client, i) for i in range(len(queries))))
+            with stopped(served.pid):  # the first request waits in the slot while the rest queue
+                agents = [asyncio.ensure_future(agent(client, i)) for i in range(len(queries))]
+                await until_sleeping(client, agents[0])
+            await asyncio.gather(*agents)
             # The first agent goes alone, the seven others queue behind it and the first joins
             # them; from then on all eight go together, the first's last turn done one earlier.
             assert rows == [1, 8, 8, 8, 8, 7], rows

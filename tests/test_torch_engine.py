@@ -641,8 +641,14 @@ def test_a_tile_tuned_as_a_mapping_becomes_a_scan_config():
                                                          "stages": 3}})
     assert tuned.scores_f16_batch == ScanConfig(block_n=64, block_d=64, block_q=64, warps=8, stages=3)
     assert tuned.scores_f32_batch == DEFAULT_TUNING.scores_f32_batch
-    with pytest.raises(InvalidArgument, match="scores_f16_batch.*block_rows.*fields are block_n"):
+    with pytest.raises(InvalidArgument, match="scores_f16_batch: no tile field 'block_rows'; missing block_n, "
+                                              "block_d, block_q, warps, stages"):
         DEFAULT_TUNING.replace({"scores_f16_batch": {"block_rows": 64}})
+    with pytest.raises(InvalidArgument, match=r"block_n='64', warps=4.0 must be integers"):
+        DEFAULT_TUNING.replace({"scores_f16_batch": {"block_n": "64", "block_d": 64, "block_q": 16, "warps": 4.0,
+                                                     "stages": 3}})
+    with pytest.raises(InvalidArgument, match="tune gemm_min_q is not a tile"):
+        DEFAULT_TUNING.replace({"gemm_min_q": {"block_n": 64}})
     with pytest.raises(InvalidArgument, match="unknown tuning key 'scores_f16_batches'"):
         DEFAULT_TUNING.replace({"scores_f16_batches": {"block_n": 64}})
 

@@ -490,7 +490,7 @@ class AsyncClient:
             return
         finally:
             _SENDING.reset(sending)
-        queue.answered_together = len(batch) > 1
+        queue.answered_together = sum(not waiting.future.done() for waiting in batch) > 1
         for waiting, answer in zip(batch, answers):
             if waiting.future.done():
                 continue

@@ -82,12 +82,20 @@ _TILE_NAMES = frozenset(_TILE_FIELDS.values())
 
 
 def _scan_config(name: str, fields: Mapping[str, Any]) -> ScanConfig:
-    """The tile ``name`` given as {field: value} (a benchmark's JSON variant)."""
-    try:
-        return ScanConfig(**fields)
-    except TypeError as exc:
-        known = ", ".join(f.name for f in dataclasses.fields(ScanConfig))
-        raise InvalidArgument(f"tune {name}: {exc}; a tile's fields are {known}") from None
+    """The tile ``name`` given as {field: int} (a benchmark's JSON variant)."""
+    known = [f.name for f in dataclasses.fields(ScanConfig)]
+    required = [f.name for f in dataclasses.fields(ScanConfig) if f.default is dataclasses.MISSING]
+    unknown = sorted(set(fields) - set(known))
+    missing = [f for f in required if f not in fields]
+    if unknown or missing:
+        raise InvalidArgument(f"tune {name}: " + "; ".join(
+            ([f"no tile field {', '.join(map(repr, unknown))}"] if unknown else [])
+            + ([f"missing {', '.join(missing)}"] if missing else []))
+            + f" (a tile's fields are {', '.join(known)}; {', '.join(known[len(required):])} optional)")
+    bad = [f for f, v in fields.items() if not isinstance(v, int) or isinstance(v, bool)]
+    if bad:
+        raise InvalidArgument(f"tune {name}: {', '.join(f'{f}={fields[f]!r}' for f in bad)} must be integers")
+    return ScanConfig(**fields)
 
 
 @dataclass(frozen=True)
@@ -192,7 +200,9 @@ class Tuning:
             name = _TILE_FIELDS.get(key) if isinstance(key, tuple) else key
             if name not in names:
                 raise InvalidArgument(f"unknown tuning key {key!r}")
-            if name in _TILE_NAMES and isinstance(value, Mapping):  # (a tile as JSON gives it)
+            if isinstance(value, Mapping):  # (a tile as JSON gives it)
+                if name not in _TILE_NAMES:
+                    raise InvalidArgument(f"tune {name} is not a tile: it takes a value, not a mapping")
                 value = _scan_config(name, value)
             changes[name] = value
         return dataclasses.replace(self, **changes)
