@@ -330,6 +330,7 @@ def test_recalls_wait_by_the_spin_rule_and_several_callers_spin_short(served: Se
                 assert asked and all(whole == whole_s for whole, _ in asked), (budget_s, asked)
                 if budget_s == 0.2:
                     assert noted and all(noted), f"answers within a 0.2 s spin noted as missed: {noted}"
+
             async def recall_across_a_stop(context: str) -> None:
                 """A recall whose answer outlasts its spin: the sidecar is stopped until it sleeps."""
                 with stopped(served.pid):

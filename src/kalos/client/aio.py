@@ -142,7 +142,9 @@ class AsyncClient:
     in a queue by filter group (k, namespace, time window, ``where``), and the next request
     carries every waiting recall of the oldest group (up to the sidecar's max_batch) as one
     batch: the agents of one process cost the sidecar one engine pass, as the crowd of separate
-    processes does (issue 18). A lone recall goes at once, without waiting for company; each
+    processes does (issue 18). The first of the callers that one answer woke lets the loop run
+    once before it sends, so that the others join its request (coroutines that recall in a loop
+    stay together). A lone recall goes at once, without waiting for company; each
     caller gets its own answer, and a batch that fails on one caller's query (a zero vector,
     say) is sent again one recall at a time, so that each caller hears only of its own error.
     A pool of slots was not chosen: slots are a host-wide resource (``KALOS_SLOTS``) shared with
