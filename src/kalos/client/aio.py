@@ -492,14 +492,16 @@ class AsyncClient:
             return
         finally:
             _SENDING.reset(sending)
-        queue.answered_together = sum(not waiting.future.done() for waiting in batch) > 1
+        answered = 0
         for waiting, answer in zip(batch, answers):
             if waiting.future.done():
                 continue
+            answered += 1
             if isinstance(answer, BaseException):
                 waiting.future.set_exception(answer)
             else:
                 waiting.future.set_result(answer)
+        queue.answered_together = answered > 1
 
     async def _answers(self, batch: list["_Queued"], args: tuple[Any, ...]) -> list[Any]:
         """Each recall's answer (or its error) from one request (for texts one recall_texts: one

@@ -87,11 +87,15 @@ def _scan_config(name: str, fields: Mapping[str, Any]) -> ScanConfig:
     required = [f.name for f in dataclasses.fields(ScanConfig) if f.default is dataclasses.MISSING]
     unknown = sorted(set(fields) - set(known))
     missing = [f for f in required if f not in fields]
-    if unknown or missing:
-        raise InvalidArgument(f"tune {name}: " + "; ".join(
-            ([f"no tile field {', '.join(map(repr, unknown))}"] if unknown else [])
-            + ([f"missing {', '.join(missing)}"] if missing else []))
-            + f" (a tile's fields are {', '.join(known)}; {', '.join(known[len(required):])} optional)")
+    problems = []
+    if unknown:
+        problems.append(f"no tile field {', '.join(map(repr, unknown))}")
+    if missing:
+        problems.append(f"missing {', '.join(missing)}")
+    if problems:
+        optional = [f for f in known if f not in required]
+        raise InvalidArgument(f"tune {name}: {'; '.join(problems)} (a tile's fields are {', '.join(known)}; "
+                              f"{', '.join(optional)} optional)")
     bad = [f for f, v in fields.items() if not isinstance(v, int) or isinstance(v, bool)]
     if bad:
         raise InvalidArgument(f"tune {name}: {', '.join(f'{f}={fields[f]!r}' for f in bad)} must be integers")
