@@ -235,9 +235,9 @@ def test_the_spin_shortens_after_missed_answers_and_a_probe_brings_it_back() -> 
     """The spin rule by itself: the whole budget while it catches the answers; SHORT_SPIN_US after
     _MISSES_TO_SHORTEN whole spins in a row missed theirs (fewer do not), with every
     _PROBE_EVERY-th wait spinning the whole again; a caught probe brings the whole spin back, a
-    missed one does not; never more than the budget, none at 0; while other recalls wait on
-    the request (several callers in it, or a recall queued behind it in its own queue, or in
-    any queue for a call that is no queue's), the short spin, and misses do not count."""
+    missed one does not; never more than the budget, none at 0; while other recalls queue
+    behind the request (in its own queue, or in any queue for a call that is no queue's), the
+    short spin, and misses do not count; the request's own callers, one or several, do not."""
     from kalos.client.aio import _MISSES_TO_SHORTEN, _PROBE_EVERY, _SENDING, SHORT_SPIN_US, _Group, _Queue
 
     whole, short = 250e-6, SHORT_SPIN_US / 1e6
@@ -262,11 +262,10 @@ def test_the_spin_shortens_after_missed_answers_and_a_probe_brings_it_back() -> 
     texts = client._queues.setdefault("text", _Queue())
     group = _Group(("vector", 8, "default", None, None, None), [])
     for sending, queued, others_wait in (
-        ((True, vectors), None, True),  # several callers in the request
-        ((False, vectors), vectors, True),  # one, with a caller queued behind it
-        ((False, vectors), texts, False),  # a text recall queued waits for its embedding, not this
-        ((False, None), texts, True),  # a call that is no queue's (recall_many): every queue waits
-        ((False, vectors), None, False),
+        (vectors, vectors, True),  # a caller queued behind the request
+        (vectors, texts, False),  # a text recall queued waits for its embedding, not this
+        (None, texts, True),  # a call that is no queue's (recall_many): every queue waits
+        (vectors, None, False),  # the request's callers alone, however many
     ):
         if queued is not None:
             queued.groups["key"] = group
@@ -285,20 +284,17 @@ def test_the_spin_shortens_after_missed_answers_and_a_probe_brings_it_back() -> 
         assert client._spin_for(whole) == whole, f"misses while others waited counted: {sending} {queued}"
 
 
-def test_recalls_wait_by_the_spin_rule_and_several_callers_spin_short(served: Served, rng) -> None:
+def test_recalls_wait_by_the_spin_rule_and_several_callers_spin_by_it_too(served: Served, rng) -> None:
     """On real recalls: a wait that finds no answer yet spins by the rule, with the whole spin
     the smaller of the channel's budget and max_spin_us, and reports what that whole spin did:
     caught (an answer within a long spin) or missed (the sidecar stopped); a ping teaches the
-    rule nothing; a request with several callers in it is made as "several callers", one with
-    others queued behind it sees them; a recall_many of several requests lets the loop run
-    between them."""
-    from kalos.client.aio import _SENDING
-
+    rule nothing; a request with several callers in it spins by the rule as a lone one does
+    (nobody queues behind it); a recall_many of several requests lets the loop run between them."""
     q = rng.standard_normal(DIM).astype(np.float32)
     queries = rng.standard_normal((8, DIM)).astype(np.float32)
     asked: list[tuple[float, float]] = []  # (whole budget, the spin planned)
     noted: list[bool] = []
-    requests: list[tuple[int, bool, bool]] = []  # (callers in it, made as several, others waited)
+    requests: list[tuple[int, bool]] = []  # (callers in it, others queued behind it)
 
     async def scenario() -> None:
         async with AsyncClient(served.name, timeout=10.0, max_spin_us=200_000.0) as recaller:
@@ -314,7 +310,7 @@ def test_recalls_wait_by_the_spin_rule_and_several_callers_spin_short(served: Se
                 note(caught=caught)
 
             async def counted(batch: list[Any], args: tuple[Any, ...]) -> list[Any]:
-                requests.append((len(batch), _SENDING.get()[0], recaller._others_wait()))
+                requests.append((len(batch), recaller._others_wait()))
                 return await answers(batch, args)
 
             recaller._spin_for, recaller._note_spin = planned, noting  # type: ignore[method-assign]
@@ -351,6 +347,8 @@ def test_recalls_wait_by_the_spin_rule_and_several_callers_spin_short(served: Se
             assert noted == [], "a ping taught the rule"
 
             requests.clear()
+            recaller._spin_short, recaller._spin_misses = False, 0
+            asked.clear()
             with stopped(served.pid):  # the first request waits in the slot while the rest queue
                 first = asyncio.ensure_future(recaller.recall(queries[0], k=3))
                 await until_sleeping(recaller, first)
@@ -359,7 +357,10 @@ def test_recalls_wait_by_the_spin_rule_and_several_callers_spin_short(served: Se
             hits = await asyncio.gather(first, *rest)
             for row, hit in zip(queries, hits):
                 served.model.check(hit, row, 3, context="several callers")
-            assert requests == [(1, False, False), (len(queries) - 1, True, True)], requests
+            assert requests == [(1, False), (len(queries) - 1, False)], requests
+            # (Each wait that found no answer yet planned the whole spin: the lone first, whose
+            # whole spin the stop outlasted once, and the several callers' request after it.)
+            assert asked and all(planned == whole == 0.002 for whole, planned in asked), asked
 
             ticks = 0
 

@@ -50,26 +50,26 @@ from kalos.validation import Item, check_embed_texts
 __all__ = ["AsyncClient", "DEFAULT_MAX_SPIN_US", "SHORT_SPIN_US"]
 
 #: The longest a request busy-polls its slot on the event loop before it sleeps on the wake
-#: socket, while that whole spin catches this client's answers. Spinning holds the loop (no
+#: socket, while that whole spin catches this client's answers (a lone recall's or several
+#: callers' request alike: the spin holds the loop's other work either way). Spinning holds the loop (no
 #: other coroutine runs meanwhile), so it stays below the sync client's 1 ms (GPU sidecar);
 #: sleeping costs the sidecar's bell and a trip through the loop, which a GPU sidecar's single
 #: recalls, answered soon after a shorter spin, would pay every time.
 DEFAULT_MAX_SPIN_US = 250.0
 #: The spin while the whole one does not catch the answers (a CPU sidecar's, whose search takes
 #: longer than the spin it advises its clients; a longer spin would hold the loop for nothing),
-#: for a request made while other recalls of the client wait, and for a ping.
+#: for a request made while other recalls of the client queue behind it, and for a ping.
 SHORT_SPIN_US = 50.0
 #: Whole spins in a row that the answer outlasted before the spin shortens.
 _MISSES_TO_SHORTEN = 3
 #: While the spin is short, every this many waits spins the whole budget once, so that answers
 #: that came quickly again are seen (a short spin cannot tell "quick" from "slow").
 _PROBE_EVERY = 16
-#: Set while the task sends the single recalls of a queue (:meth:`AsyncClient._send_next`): whether
-#: the request carries several callers' recalls, and the queue. The answer before such a request
-#: likely woke callers that are ready to run, and a long spin would hold them until this answer
-#: is in, as it would the callers queued behind it.
-_SENDING: "contextvars.ContextVar[tuple[bool, _Queue | None]]" = contextvars.ContextVar(
-    "kalos_sending", default=(False, None))
+#: The queue whose single recalls the task is sending (:meth:`AsyncClient._send_next`), None
+#: for any other call: whose waiting callers a long spin would hold (:meth:`AsyncClient._others_wait`).
+#: The callers in the request itself are not held by it: the callers that the answer before it
+#: woke had one turn of the loop to join it (:attr:`_Queue.answered_together`).
+_SENDING: "contextvars.ContextVar[_Queue | None]" = contextvars.ContextVar("kalos_sending", default=None)
 
 _T = TypeVar("_T")
 _WAKE = "wake"
@@ -128,7 +128,7 @@ class AsyncClient:
     errors. ``timeout`` and the other keyword arguments (``spin_us``, ``embedder``, ...) are
     :class:`Client`'s, passed on as they are. ``max_spin_us`` caps the busy-poll on the event
     loop before a recall's request sleeps (:data:`DEFAULT_MAX_SPIN_US`; 0: never spin). It spins
-    :data:`SHORT_SPIN_US` at most while other recalls of this client wait on it, and after a
+    :data:`SHORT_SPIN_US` at most while other recalls of this client queue behind it, and after a
     few answers in a row outlasted the whole spin (then every 16th of its waits spins the whole
     again, to see quick answers come back). A call of several requests (a ``recall_many`` larger
     than the sidecar's max_batch) lets the loop run between them.
@@ -470,7 +470,7 @@ class AsyncClient:
             queue.groups[key] = group
         if not batch:
             return
-        sending = _SENDING.set((len(batch) > 1, queue))
+        sending = _SENDING.set(queue)
         try:
             answers = await self._answers(batch, group.args)
         except asyncio.CancelledError:
@@ -665,7 +665,7 @@ class AsyncClient:
 
     def _spin_for(self, whole_s: float) -> float:
         """How long this wait spins, of the ``whole_s`` the channel and ``max_spin_us`` allow:
-        :data:`SHORT_SPIN_US` at most while other callers wait on this request
+        :data:`SHORT_SPIN_US` at most while other callers queue behind this request
         (:meth:`_others_wait`); else all of it, unless the spin is short after missed answers
         (:meth:`_note_spin`), when every :data:`_PROBE_EVERY`-th such wait spins all of it."""
         short_s = min(whole_s, SHORT_SPIN_US / 1e6)
@@ -677,12 +677,11 @@ class AsyncClient:
         return whole_s if self._short_waits % _PROBE_EVERY == 0 else short_s
 
     def _others_wait(self) -> bool:
-        """Whether other callers of this client wait on this request: several callers' recalls in
-        it, or recalls queued behind it (in its own queue; for a call that is not a queue's,
-        such as recall_many, in any queue: they all wait for the slot)."""
-        several, queue = _SENDING.get()
-        if several:
-            return True
+        """Whether other callers of this client queue behind this request (in its own queue; for
+        a call that is not a queue's, such as recall_many, in any queue: they all wait for the
+        slot). Several callers' recalls in the request do not count: a long spin holds none of
+        them (each waits for this answer), and a spin that catches it saves the round its wake-up."""
+        queue = _SENDING.get()
         return any(q.groups for q in ((queue,) if queue is not None else self._queues.values()))
 
     def _note_spin(self, *, caught: bool) -> None:
