@@ -235,9 +235,10 @@ def test_the_spin_shortens_after_missed_answers_and_a_probe_brings_it_back() -> 
     """The spin rule by itself: the whole budget while it catches the answers; SHORT_SPIN_US after
     _MISSES_TO_SHORTEN whole spins in a row missed theirs (fewer do not), with every
     _PROBE_EVERY-th wait spinning the whole again; a caught probe brings the whole spin back, a
-    missed one does not; never more than the budget, none at 0; while other recalls queue
-    behind the request (in its own queue, or in any queue for a call that is no queue's), the
-    short spin, and misses do not count; the request's own callers, one or several, do not."""
+    missed one does not; never more than the budget, none at 0; while a long spin would hold
+    other callers (recalls queued behind the request: in its own queue for a vector recall
+    request, in any queue for another call; callers the last answer woke that have not run),
+    the short spin, and misses do not count; the request's own callers, one or several, do not."""
     from kalos.client.aio import _MISSES_TO_SHORTEN, _PROBE_EVERY, _SENDING, SHORT_SPIN_US, _Group, _Queue
 
     whole, short = 250e-6, SHORT_SPIN_US / 1e6
@@ -261,14 +262,17 @@ def test_the_spin_shortens_after_missed_answers_and_a_probe_brings_it_back() -> 
     vectors = client._queues.setdefault("vector", _Queue())
     texts = client._queues.setdefault("text", _Queue())
     group = _Group(("vector", 8, "default", None, None, None), [])
-    for sending, queued, others_wait in (
-        (vectors, vectors, True),  # a caller queued behind the request
-        (vectors, texts, False),  # a text recall queued waits for its embedding, not this
-        (None, texts, True),  # a call that is no queue's (recall_many): every queue waits
-        (vectors, None, False),  # the request's callers alone, however many
+    for sending, queued, woken, others_wait in (
+        (vectors, vectors, False, True),  # a caller queued behind the request
+        (vectors, texts, False, False),  # a text recall queued waits for its embedding, not this
+        (texts, vectors, False, True),  # a text batch holds the slot that a vector recall waits for
+        (None, texts, False, True),  # a call that is no queue's (recall_many): every queue waits
+        (vectors, None, True, True),  # callers the last answer woke that have not run since
+        (vectors, None, False, False),  # the request's callers alone, however many
     ):
         if queued is not None:
             queued.groups["key"] = group
+        vectors.answered_together = woken
         token = _SENDING.set(sending)
         try:
             assert client._others_wait() is others_wait, (sending, queued)
@@ -281,6 +285,7 @@ def test_the_spin_shortens_after_missed_answers_and_a_probe_brings_it_back() -> 
             _SENDING.reset(token)
             vectors.groups.clear()
             texts.groups.clear()
+            vectors.answered_together = False
         assert client._spin_for(whole) == whole, f"misses while others waited counted: {sending} {queued}"
 
 
@@ -293,6 +298,7 @@ def test_recalls_wait_by_the_spin_rule_and_several_callers_spin_by_it_too(served
     q = rng.standard_normal(DIM).astype(np.float32)
     queries = rng.standard_normal((8, DIM)).astype(np.float32)
     asked: list[tuple[float, float]] = []  # (whole budget, the spin planned)
+    asked_in: list[int] = []  # each of those waits': the callers in its request (0: no queue's)
     noted: list[bool] = []
     requests: list[tuple[int, bool]] = []  # (callers in it, others queued behind it)
 
@@ -303,15 +309,22 @@ def test_recalls_wait_by_the_spin_rule_and_several_callers_spin_by_it_too(served
 
             def planned(whole_s: float) -> float:
                 asked.append((whole_s, plan(whole_s)))
+                asked_in.append(callers[0])
                 return asked[-1][1]
 
             def noting(*, caught: bool) -> None:
                 noted.append(caught)
                 note(caught=caught)
 
+            callers = [0]
+
             async def counted(batch: list[Any], args: tuple[Any, ...]) -> list[Any]:
                 requests.append((len(batch), recaller._others_wait()))
-                return await answers(batch, args)
+                callers[0] = len(batch)
+                try:
+                    return await answers(batch, args)
+                finally:
+                    callers[0] = 0
 
             recaller._spin_for, recaller._note_spin = planned, noting  # type: ignore[method-assign]
             recaller._answers = counted  # type: ignore[method-assign]
@@ -346,21 +359,27 @@ def test_recalls_wait_by_the_spin_rule_and_several_callers_spin_by_it_too(served
             await recaller.ping()
             assert noted == [], "a ping taught the rule"
 
-            requests.clear()
-            recaller._spin_short, recaller._spin_misses = False, 0
-            asked.clear()
-            with stopped(served.pid):  # the first request waits in the slot while the rest queue
-                first = asyncio.ensure_future(recaller.recall(queries[0], k=3))
-                await until_sleeping(recaller, first)
-                rest = [asyncio.ensure_future(recaller.recall(row, k=3)) for row in queries[1:]]
-                await asyncio.sleep(0.01)
-            hits = await asyncio.gather(first, *rest)
-            for row, hit in zip(queries, hits):
-                served.model.check(hit, row, 3, context="several callers")
-            assert requests == [(1, False), (len(queries) - 1, False)], requests
-            # (Each wait that found no answer yet planned the whole spin: the lone first, whose
-            # whole spin the stop outlasted once, and the several callers' request after it.)
-            assert asked and all(planned == whole == 0.002 for whole, planned in asked), asked
+            several = len(queries) - 1
+            for _ in range(20):  # (until the several callers' answer is not in at its first look)
+                requests.clear()
+                asked.clear()
+                asked_in.clear()
+                recaller._spin_short, recaller._spin_misses = False, 0
+                with stopped(served.pid):  # the first request waits in the slot while the rest queue
+                    first = asyncio.ensure_future(recaller.recall(queries[0], k=3))
+                    await until_sleeping(recaller, first)
+                    rest = [asyncio.ensure_future(recaller.recall(row, k=3)) for row in queries[1:]]
+                    await asyncio.sleep(0.01)
+                hits = await asyncio.gather(first, *rest)
+                for row, hit in zip(queries, hits):
+                    served.model.check(hit, row, 3, context="several callers")
+                assert requests == [(1, False), (several, False)], requests
+                if several in asked_in:
+                    break
+            # Each wait planned the whole spin: the lone first (its one miss, across the stop,
+            # shortens nothing) and the several callers' request after it, which nobody queues behind.
+            assert several in asked_in, f"the several callers' answer was always in at the first look: {asked_in}"
+            assert all(planned == whole == 0.002 for whole, planned in asked), list(zip(asked_in, asked))
 
             ticks = 0
 

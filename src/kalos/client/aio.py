@@ -7,7 +7,7 @@ validation and request building, :meth:`Client._write_request`), then the answer
 for without blocking the event loop for long: a bounded spin on ``resp_seq`` (an answer that
 comes within it is read with no system call and no trip through the loop; the spin holds every
 other coroutine of the loop, so it is long only while it catches this client's answers and no
-other caller of this client waits: :data:`DEFAULT_MAX_SPIN_US`, :data:`SHORT_SPIN_US`), then the same
+other caller of this client is held by it: :data:`DEFAULT_MAX_SPIN_US`, :data:`SHORT_SPIN_US`), then the same
 Dekker handshake as :meth:`kalos.ipc.channel.ClientChannel._block` (``client_sleeping = 1``, full
 fence, re-read ``resp_seq``) and an await on the wake socket through ``loop.add_reader``. The
 slot's control socket is watched the same way, so a sidecar that dies wakes the waiter at
@@ -50,15 +50,16 @@ from kalos.validation import Item, check_embed_texts
 __all__ = ["AsyncClient", "DEFAULT_MAX_SPIN_US", "SHORT_SPIN_US"]
 
 #: The longest a request busy-polls its slot on the event loop before it sleeps on the wake
-#: socket, while that whole spin catches this client's answers (a lone recall's or several
-#: callers' request alike: the spin holds the loop's other work either way). Spinning holds the loop (no
-#: other coroutine runs meanwhile), so it stays below the sync client's 1 ms (GPU sidecar);
+#: socket, while that whole spin catches this client's answers (a lone recall's request or
+#: several callers' alike: the rule learns from both). Spinning holds the loop (no other
+#: coroutine runs meanwhile), so it stays below the sync client's 1 ms (GPU sidecar);
 #: sleeping costs the sidecar's bell and a trip through the loop, which a GPU sidecar's single
 #: recalls, answered soon after a shorter spin, would pay every time.
 DEFAULT_MAX_SPIN_US = 250.0
 #: The spin while the whole one does not catch the answers (a CPU sidecar's, whose search takes
 #: longer than the spin it advises its clients; a longer spin would hold the loop for nothing),
-#: for a request made while other recalls of the client queue behind it, and for a ping.
+#: for a request that would hold other callers of the client (:meth:`AsyncClient._others_wait`),
+#: and for a ping.
 SHORT_SPIN_US = 50.0
 #: Whole spins in a row that the answer outlasted before the spin shortens.
 _MISSES_TO_SHORTEN = 3
@@ -66,9 +67,7 @@ _MISSES_TO_SHORTEN = 3
 #: that came quickly again are seen (a short spin cannot tell "quick" from "slow").
 _PROBE_EVERY = 16
 #: The queue whose single recalls the task is sending (:meth:`AsyncClient._send_next`), None
-#: for any other call: whose waiting callers a long spin would hold (:meth:`AsyncClient._others_wait`).
-#: The callers in the request itself are not held by it: the callers that the answer before it
-#: woke had one turn of the loop to join it (:attr:`_Queue.answered_together`).
+#: for any other call: which callers a long spin would hold (:meth:`AsyncClient._others_wait`).
 _SENDING: "contextvars.ContextVar[_Queue | None]" = contextvars.ContextVar("kalos_sending", default=None)
 
 _T = TypeVar("_T")
@@ -677,16 +676,25 @@ class AsyncClient:
         return whole_s if self._short_waits % _PROBE_EVERY == 0 else short_s
 
     def _others_wait(self) -> bool:
-        """Whether other callers of this client queue behind this request (in its own queue; for
-        a call that is not a queue's, such as recall_many, in any queue: they all wait for the
-        slot). Several callers' recalls in the request do not count: a long spin holds none of
-        them (each waits for this answer), and a spin that catches it saves the round its wake-up."""
+        """Whether a long spin on this request would hold other callers of this client: callers
+        that the answer before it woke and that have not run since (its sender went on to the
+        next request without a turn of the loop), or recalls queued behind it (a vector recall
+        request's own queue: text recalls queued first wait for their embedding; for any other
+        call, such as a text batch or recall_many, every queue: they all wait for the slot).
+        The request's own callers, one or several, are not held: each waits for this answer,
+        and a spin that catches it saves the round a wake-up."""
         queue = _SENDING.get()
-        return any(q.groups for q in ((queue,) if queue is not None else self._queues.values()))
+        if queue is not None and queue.answered_together:
+            return True
+        own = queue is not None and queue is self._queues.get("vector")
+        return any(q.groups for q in ((queue,) if own else self._queues.values()))
 
     def _note_spin(self, *, caught: bool) -> None:
         """After a wait that spun all it was allowed: a caught answer keeps (or brings back) the
-        whole spin; :data:`_MISSES_TO_SHORTEN` missed in a row shorten it."""
+        whole spin; :data:`_MISSES_TO_SHORTEN` missed in a row shorten it. One rule for every
+        request of the client, a lone recall's, several callers' or a recall_many's: a client
+        whose large requests outlast the spin while its lone ones would not spins short for
+        its lone ones too, until a probe catches one."""
         if caught:
             self._spin_short, self._spin_misses = False, 0
         elif not self._others_wait():
