@@ -638,7 +638,7 @@ class AsyncClient:
         if status:
             raise error_from_code(status, channel.slot.read_message())
 
-    async def _wait(self, conn: Connection, seq: int, *, learn: bool = True) -> int:
+    async def _wait(self, conn: Connection, seq: int, *, learn: bool) -> int:
         """:meth:`ClientChannel.wait` without blocking the loop: the answer's status (0: in the
         slot). ``learn``: the wait is a recall's, whose spin follows and teaches the spin rule
         (:meth:`_spin_for`); a ping's, or a cancelled recall's answer waited for, spins
@@ -786,7 +786,7 @@ class AsyncClient:
                 conn = await self._slot_connection()
                 if conn.fits_one_recall_text(texts):
                     if self._outstanding is not None:  # (a cancelled recall's answer: see _round_trip)
-                        await self._wait(conn, self._outstanding[1])
+                        await self._wait(conn, self._outstanding[1], learn=False)
                         self._outstanding = None
                     # One round trip in the recall connection's own thread: the sidecar recalls in
                     # its slot meanwhile, so the slot lock is held until the reply, cancelled or not.
