@@ -300,7 +300,7 @@ def test_recalls_wait_by_the_spin_rule_and_several_callers_spin_by_it_too(served
     asked: list[tuple[float, float]] = []  # (whole budget, the spin planned)
     asked_in: list[int] = []  # each of those waits': the callers in its request (0: no queue's)
     noted: list[bool] = []
-    requests: list[tuple[int, bool]] = []  # (callers in it, others queued behind it)
+    requests: list[tuple[int, bool]] = []  # (callers in it, whether a long spin would hold others)
 
     async def scenario() -> None:
         async with AsyncClient(served.name, timeout=10.0, max_spin_us=200_000.0) as recaller:

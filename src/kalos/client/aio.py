@@ -127,7 +127,8 @@ class AsyncClient:
     errors. ``timeout`` and the other keyword arguments (``spin_us``, ``embedder``, ...) are
     :class:`Client`'s, passed on as they are. ``max_spin_us`` caps the busy-poll on the event
     loop before a recall's request sleeps (:data:`DEFAULT_MAX_SPIN_US`; 0: never spin). It spins
-    :data:`SHORT_SPIN_US` at most while other recalls of this client queue behind it, and after a
+    :data:`SHORT_SPIN_US` at most while a long spin would hold other callers of this client
+    (recalls queued behind it, or callers an answer woke that have not run yet), and after a
     few answers in a row outlasted the whole spin (then every 16th of its waits spins the whole
     again, to see quick answers come back). A call of several requests (a ``recall_many`` larger
     than the sidecar's max_batch) lets the loop run between them.
@@ -664,7 +665,7 @@ class AsyncClient:
 
     def _spin_for(self, whole_s: float) -> float:
         """How long this wait spins, of the ``whole_s`` the channel and ``max_spin_us`` allow:
-        :data:`SHORT_SPIN_US` at most while other callers queue behind this request
+        :data:`SHORT_SPIN_US` at most while a long spin would hold other callers of this client
         (:meth:`_others_wait`); else all of it, unless the spin is short after missed answers
         (:meth:`_note_spin`), when every :data:`_PROBE_EVERY`-th such wait spins all of it."""
         short_s = min(whole_s, SHORT_SPIN_US / 1e6)
