@@ -76,6 +76,11 @@ _CONTROL = "control"
 _PING_REQUEST = (1, 0, 0.0, 0.0, b"")
 
 
+def _short_spin_s(whole_s: float) -> float:
+    """The short spin (:data:`SHORT_SPIN_US`), never more than the whole one ``whole_s``, seconds."""
+    return min(whole_s, SHORT_SPIN_US / 1e6)
+
+
 def _resolve(waiter: asyncio.Future, what: str | None) -> None:
     if not waiter.done():
         waiter.set_result(what)
@@ -104,7 +109,8 @@ class _Queue:
     sending: bool = False
     sender: asyncio.Task | None = None
     # The last request answered several callers at once: they are ready to run, and likely to
-    # recall again at once (a crowd of agents in one process).
+    # recall again at once (a crowd of agents in one process); until the loop has run them, a
+    # long spin would hold them (AsyncClient._others_wait).
     answered_together: bool = False
 
     @property
@@ -650,7 +656,7 @@ class AsyncClient:
         want = np.uint64(seq)  # (uint64 against uint64: exact past 2**53, and no conversion per look)
         if resp_seq[0] != want:
             whole_s = min(channel.spin_budget_s(), self._max_spin_s)
-            spin_s = self._spin_for(whole_s) if learn else min(whole_s, SHORT_SPIN_US / 1e6)
+            spin_s = self._spin_for(whole_s) if learn else _short_spin_s(whole_s)
             if spin_s > 0:
                 clock = time.perf_counter
                 spin_until = clock() + spin_s
@@ -668,7 +674,7 @@ class AsyncClient:
         :data:`SHORT_SPIN_US` at most while a long spin would hold other callers of this client
         (:meth:`_others_wait`); else all of it, unless the spin is short after missed answers
         (:meth:`_note_spin`), when every :data:`_PROBE_EVERY`-th such wait spins all of it."""
-        short_s = min(whole_s, SHORT_SPIN_US / 1e6)
+        short_s = _short_spin_s(whole_s)
         if whole_s <= 0 or self._others_wait():
             return short_s
         if not self._spin_short:

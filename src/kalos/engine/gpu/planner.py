@@ -83,8 +83,9 @@ _TILE_NAMES = frozenset(_TILE_FIELDS.values())
 
 def _scan_config(name: str, fields: Mapping[str, Any]) -> ScanConfig:
     """The tile ``name`` given as {field: int} (a benchmark's JSON variant)."""
-    known = [f.name for f in dataclasses.fields(ScanConfig)]
-    required = [f.name for f in dataclasses.fields(ScanConfig) if f.default is dataclasses.MISSING]
+    tile_fields = dataclasses.fields(ScanConfig)
+    known = [f.name for f in tile_fields]
+    required = [f.name for f in tile_fields if f.default is dataclasses.MISSING]
     unknown = sorted(set(fields) - set(known))
     missing = [f for f in required if f not in fields]
     problems = []
