@@ -464,6 +464,9 @@ def test_recall_row_outside_the_npy_file(sidecars, store_dir, runtime_dir):
     (["--e2e-repeats", "5"], "--e2e-repeats must be >= 10"),
     (["--crowd", "1,2", "--crowd-seconds", "0"], "--crowd-seconds"),
     (["--crowd", "1,2", "--plot", "x.png"], "--plot"),
+    (["--crowd", "1,2", "--crowd-writers", "-1"], "--crowd-writers must be >= 0"),
+    (["--crowd", "1,2", "--crowd-writers", "2", "--crowd-scopes", "mixed"], "--crowd-scopes default or agents"),
+    (["--crowd-writers", "2"], "give --crowd"),
     (["--device", "cuda", "--plot", "x.png"], "--plot"),
     (["--device", "cuda", "--gpu-sizes", "1024,0"], "--gpu-sizes"),
 ])

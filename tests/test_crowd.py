@@ -6,6 +6,8 @@ the wrong slot would be another query's), and a client connecting and disconnect
 meanwhile always gets a slot. Two crowds: a mixed one (recalls in one namespace, in all, and
 with a time window, so each pass holds several filter groups), and agents each recalling in a
 namespace of its own (the rows spread over 64 namespaces), each answer its namespace's top-k.
+And a crowd beside writers: processes adding one memory at a time meanwhile, the store growing
+past the engine's capacity on the first add.
 """
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ import numpy as np
 import pytest
 from conftest import unique_name
 
+from kalos.client.client import Client
 from kalos.store.sqlite import Store
-from kalos.tools.crowd import _one_crowd, _passes, _store_rows, _unit, _wrong_answers
+from kalos.tools.crowd import WRITES_NAMESPACE, _one_crowd, _passes, _store_rows, _unit, _wrong_answers
 
 
 @pytest.mark.parametrize("scopes", ["mixed", "agents"])
@@ -39,6 +42,35 @@ def test_a_crowd_of_sixteen_processes_gets_every_answer_right(sidecars, store_di
     # Concurrent single recalls are gathered: passes hold more than one query on average.
     assert (queries_after - queries_before) / (passes_after - passes_before) > 1.0
     assert row["late_connects"] >= 5 and row["late_connect_failures"] == 0, row["first_error"]
+
+
+def test_a_crowd_beside_writers_gets_every_answer_right_and_every_add_stored(sidecars, store_dir, rng):
+    """Agents that remember between recalls: 8 recalling processes in namespace "default" beside 3
+    adding one memory at a time in a namespace of their own. Every recall is still the float64
+    top-k of the rows it may see (the adds change the engine under the crowd, and the first one
+    grows its capacity: 4,096 rows fill it), every add is acknowledged, and each acknowledged
+    add is in the store afterwards."""
+    n, dim, k = 4096, 64, 8
+    matrix = _unit(rng, n, dim)
+    queries = _unit(rng, 64, dim)
+    store_path = store_dir / "crowd.db"
+    data = str(store_dir / "queries.npz")
+    with Store.open(store_path, dim=dim) as store:
+        _store_rows(store, matrix, queries, k, "default", data)
+    name = unique_name("crowd")
+    sidecars.start(store_path, name=name, extra_args=["--slots", "16"])
+    with Client(name) as client:
+        capacity = client.stats()["capacity"]
+    row = _one_crowd(name, data, k, clients=8, seconds=3.0, writers=3, dim=dim, seed=7)
+    assert row["complete"], row["first_error"]
+    assert row["failed_connects"] == row["errors"] == row["write_errors"] == 0, row["first_error"]
+    assert row["wrong"] == 0 and row["checked"] == row["recalls"] > 0
+    assert row["fewest_by_one_client"] >= 1
+    assert row["writes"] >= 3, row  # (each writer's first add at least, on the slowest machine)
+    with Client(name) as client:
+        assert client.count(namespace=WRITES_NAMESPACE) == row["writes"]
+        assert client.count(namespace="default") == n
+        assert client.stats()["capacity"] > capacity == n
 
 
 def test_the_crowds_checker_tells_a_wrong_answer(rng):

@@ -703,6 +703,14 @@ def _check_bench_args(args: argparse.Namespace) -> None:
             raise InvalidArgument(f"{flag} must be >= {least}, got {value}")
     if args.crowd and args.crowd_seconds <= 0:
         raise InvalidArgument(f"--crowd-seconds must be > 0, got {args.crowd_seconds:g}")
+    if args.crowd_writers and not args.crowd:
+        raise InvalidArgument("--crowd-writers adds writers beside a crowd: give --crowd C1,C2,... too")
+    if args.crowd:
+        from kalos.tools.crowd import writers_problem
+
+        problem = writers_problem(args.crowd_writers, args.crowd_scopes)
+        if problem:
+            raise InvalidArgument(problem)
     gpu = args.device.startswith("cuda")
     if gpu and not args.crowd:
         _positive_list(args.gpu_sizes, "--gpu-sizes")

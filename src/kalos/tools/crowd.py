@@ -14,6 +14,11 @@ CPU as its recall does, and at C = 64 the rounds wait for the clients' CPU.
 client with a time window of its own; ``agents``: the rows spread over 64 namespaces ("agent-0" to
 "agent-63", row i in agent-(i mod 64)), client i recalling in agent-(i mod 64), as agents that each
 keep their own memories do (each answer checked against the float64 top-k of its namespace's rows).
+``--crowd-writers W``: W more processes store memories meanwhile, as agents that remember between
+their recalls do, each adding one row at a time in a loop into a namespace of their own ("crowd-writes",
+which no recall of the default or agents scopes reads, so the references still hold); their adds per
+second and latency are reported beside the crowd's row. The store they grow may pass the engine's
+capacity, so the crowd also meets the engine's growth.
 Reported per C: p50 / p99 / p99.9 per call, the aggregate recalls/s, connect p99 (the crowd's and
 the late connector's), errors, failed connects, wrong answers, and the sweep's queries per pass,
 time per pass and share of the crowd's time spent answering (where the GPU's polling answered most
@@ -39,13 +44,17 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-__all__ = ["run_crowd", "parse_crowd", "add_crowd_arguments"]
+__all__ = ["run_crowd", "parse_crowd", "add_crowd_arguments", "writers_problem"]
 
 _QUERIES = 256
 # Generous: C processes importing NumPy and Kalos at once on a small machine.
 _READY_TIMEOUT_S = 120.0
 #: Answers each client keeps to check after the crowd (the rest are timed, not checked).
 _KEPT_ANSWERS = 65_536
+#: The namespace the writers add to: no recall of the scopes that allow writers reads it.
+WRITES_NAMESPACE = "crowd-writes"
+#: The scopes whose recalls never read WRITES_NAMESPACE (the others recall in every namespace).
+WRITER_SCOPES = ("default", "agents")
 
 
 def parse_crowd(spec: str) -> list[int]:
@@ -82,6 +91,10 @@ def add_crowd_arguments(parser: argparse.ArgumentParser) -> None:
                         "(every namespace, each client its own time window, as agents asking for 'the last hour' "
                         "send) or 'agents' (the rows spread over 64 namespaces, client i in agent-(i mod 64): "
                         "agents each with their own memories) (default: %(default)s)")
+    parser.add_argument("--crowd-writers", type=int, default=0, metavar="W",
+                        help="--crowd: W more processes adding one memory at a time in a loop meanwhile (agents that "
+                        f"remember between recalls), into namespace {WRITES_NAMESPACE!r}; their adds/s and p50/p99 "
+                        "are reported beside each crowd (scopes default and agents only) (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=20261201, help="--crowd: seed of the random rows and queries")
 
 
@@ -241,6 +254,48 @@ def _wait(barrier: Any) -> None:
         pass  # someone never arrived: the parent reports the crowd as incomplete
 
 
+def writers_problem(writers: int, scopes: str) -> str | None:
+    """What is wrong with ``--crowd-writers writers`` beside ``--crowd-scopes scopes`` (None: nothing)."""
+    if writers < 0:
+        return f"--crowd-writers must be >= 0, got {writers}"
+    if writers and scopes not in WRITER_SCOPES:
+        return (f"--crowd-writers needs --crowd-scopes {' or '.join(WRITER_SCOPES)}: the {scopes!r} scope recalls in "
+                "every namespace, where the writers' rows would change the answers the check expects")
+    return None
+
+
+def _writer(name: str, dim: int, seconds: float, index: int, ready: Any, out: Any, seed: int) -> None:
+    """One agent that remembers: connect, wait at the barrier, add one unit row at a time (each
+    add acknowledged durable) for ``seconds``, into WRITES_NAMESPACE."""
+    from kalos.client.client import Client
+    from kalos.errors import KalosError
+
+    rng = np.random.default_rng([seed, index])
+    times, errors, last = [], 0, ""
+    try:
+        client = Client(name)
+        client.ping()
+    except KalosError as exc:
+        _wait(ready)
+        out.put((-2 - index, {"times": times, "errors": 1, "error_text": f"{type(exc).__name__}: {exc}"}))
+        return
+    _wait(ready)
+    with client:
+        end = time.perf_counter() + seconds
+        while True:
+            row = _unit(rng, 1, dim)
+            began = time.perf_counter()
+            if began >= end:
+                break
+            try:
+                client.add(row, namespace=WRITES_NAMESPACE)
+                times.append(time.perf_counter() - began)
+            except Exception as exc:  # noqa: BLE001 - counted and shown, whatever it is
+                errors += 1
+                last = f"{type(exc).__name__}: {exc}"
+    out.put((-2 - index, {"times": times, "errors": errors, "error_text": last}))
+
+
 def _connector(name: str, seconds: float, ready: Any, out: Any) -> None:
     """Connects, pings and disconnects in a loop while the crowd runs (from 20% of its time to 80%)."""
     from kalos.client.client import Client
@@ -309,18 +364,21 @@ def _pct(values: np.ndarray, q: float) -> float:
 
 
 def _one_crowd(name: str, data: str, k: int, clients: int, seconds: float, scopes: str = "default",
-               on_start: Callable[[], None] | None = None) -> dict[str, Any]:
-    """Runs C client processes (and the late connector) once all of them are connected and warm.
+               on_start: Callable[[], None] | None = None, writers: int = 0, dim: int = 0,
+               seed: int = 0) -> dict[str, Any]:
+    """Runs C client processes (and the late connector, and ``writers`` adding processes of
+    ``dim``-dimensional rows) once all of them are connected and warm.
 
     The arrays go to the children in a file: pickled into ``Process`` arguments, they made each
     ``start()`` wait until that child had imported Kalos, so that the processes of a large crowd
     came up one after another, and many after the crowd was over."""
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    ready = ctx.Barrier(clients + 2)  # the clients, the connector, and this process
+    ready = ctx.Barrier(clients + writers + 2)  # the clients, the writers, the connector, and this process
     procs = [ctx.Process(target=_crowd_client, args=(name, data, k, seconds, c, ready, out, scopes))
              for c in range(clients)]
     procs.append(ctx.Process(target=_connector, args=(name, seconds, ready, out)))
+    procs += [ctx.Process(target=_writer, args=(name, dim, seconds, w, ready, out, seed)) for w in range(writers)]
     for p in procs:
         p.start()
     complete = True
@@ -345,6 +403,9 @@ def _one_crowd(name: str, data: str, k: int, clients: int, seconds: float, scope
         if p.is_alive():
             p.kill()
     connector = results.pop(-1, {"connect_times": [], "failures": 1, "error_text": "the connector did not report"})
+    wrote = [results.pop(-2 - w, {"times": [], "errors": 1, "error_text": "a writer did not report"})
+             for w in range(writers)]
+    write_ms = np.concatenate([np.asarray(w["times"], np.float64) for w in wrote]) * 1e3 if wrote else np.empty(0)
     crowd = [results.get(c) for c in range(clients)]
     lost = sum(r is None for r in crowd)
     crowd = [r for r in crowd if r is not None]
@@ -366,7 +427,13 @@ def _one_crowd(name: str, data: str, k: int, clients: int, seconds: float, scope
         "wrong": sum(r["wrong"] for r in crowd),
         "complete": complete,  # every process connected and warm before the crowd started
         "fewest_by_one_client": min((len(r["samples"]) for r in crowd), default=0),
+        "writers": writers,
+        "writes": int(len(write_ms)),
+        "writes_per_s": len(write_ms) / seconds if complete and writers else 0.0,
+        "write_p50_ms": _pct(write_ms, 50), "write_p99_ms": _pct(write_ms, 99),
+        "write_errors": sum(w["errors"] for w in wrote),
         "first_error": (errors[0] if errors else connector["error_text"]
+                        or next((w["error_text"] for w in wrote if w["error_text"]), "")
                         or ("" if complete else "not every process came up in time"))[:300],
     }
 
@@ -386,6 +453,9 @@ def _print_rows(title: str, rows: list[dict[str, Any]]) -> None:
               f"{r['failed_connects'] + r['late_connect_failures']:>6} {r['errors']:>6} {r['wrong']:>6} "
               f"{r['checked']:>9,} {r['queries_per_pass']:>6.1f} {_cell(r['pass_us'], '.1f'):>7} "
               f"{_cell(r['sweep_busy'], '.0%'):>5}")
+        if r.get("writers"):
+            print(f"     beside {r['writers']} writers: {r['writes_per_s']:,.0f} adds/s, p50 {r['write_p50_ms']:.2f} / "
+                  f"p99 {r['write_p99_ms']:.2f} ms, {r['write_errors']} errors")
         if r["first_error"]:
             print(f"     first error: {r['first_error']}")
 
@@ -400,11 +470,16 @@ def run_crowd(args: argparse.Namespace) -> int:
         raise SystemExit(f"--crowd-scopes agents: --n {args.n:,} gives each of the {AGENT_NAMESPACES} namespaces "
                          f"{args.n // AGENT_NAMESPACES} rows, fewer than -k {args.k}; give --n >= "
                          f"{AGENT_NAMESPACES * args.k:,}")
+    writers = args.crowd_writers
+    problem = writers_problem(writers, args.crowd_scopes)
+    if problem:
+        raise SystemExit(problem)
     rng = np.random.default_rng(args.seed)
     n, dim, k = args.n, args.dim, args.k
     print(f"crowd bench: N={n:,} x dim {dim}, k={k}, device {args.device}, {os.cpu_count()} CPUs, "
-          f"crowds {sizes}, {args.crowd_seconds:g} s each; serve {' '.join(args.serve_args) or '(defaults)'}",
-          flush=True)
+          f"crowds {sizes}, {args.crowd_seconds:g} s each"
+          + (f", beside {writers} writers" if writers else "")
+          + f"; serve {' '.join(args.serve_args) or '(defaults)'}", flush=True)
     matrix = _unit(rng, n, dim)
     queries = _unit(rng, _QUERIES, dim)
     report: dict[str, Any] = {"n": n, "dim": dim, "k": k, "device": args.device, "cpus": os.cpu_count(),
@@ -416,19 +491,21 @@ def run_crowd(args: argparse.Namespace) -> int:
         with Store.open(store_path, dim=dim) as store:
             _store_rows(store, matrix, queries, k, args.crowd_scopes, data)
         del matrix
-        slots = max(sizes + colocated) + 8
+        slots = max(sizes + colocated) + writers + 8
         extra = ["--slots", str(slots), *args.serve_args]
         with SidecarProcess(store_path, name=name, device=args.device, extra_args=extra, ready_timeout=900) as sidecar:
             print(f"  {sidecar.ready_line}", flush=True)
             for c in sizes:
                 row = _with_passes(name, args.crowd_seconds,
-                                   lambda: _one_crowd(name, data, k, c, args.crowd_seconds, args.crowd_scopes))
+                                   lambda: _one_crowd(name, data, k, c, args.crowd_seconds, args.crowd_scopes,
+                                                      writers=writers, dim=dim, seed=args.seed))
                 report["rows"].append(row)
                 print(f"  C={c}: p50 {row['p50_us']:.1f} us, p99 {row['p99_us']:.1f}, "
                       f"{row['recalls_per_s']:,.0f} recalls/s, failed {row['failed_connects']}, "
                       f"errors {row['errors']}, wrong {row['wrong']}, {row['queries_per_pass']:.1f} queries per "
-                      f"{'round' if row['answered_by'] == 'gpu polling' else 'pass'}",
-                      flush=True)
+                      f"{'round' if row['answered_by'] == 'gpu polling' else 'pass'}"
+                      + (f"; {row['writes_per_s']:,.0f} adds/s beside it, p99 {row['write_p99_ms']:.2f} ms, "
+                         f"{row['write_errors']} errors" if writers else ""), flush=True)
             if colocated:
                 report["colocated"] = _colocated(name, data, k, colocated, args)
             report["sidecar_log_tail"] = sidecar.log()[-4000:]
@@ -449,7 +526,7 @@ def run_crowd(args: argparse.Namespace) -> int:
                   f"{r['gemm_tflops_during']:.0f} during the crowd")
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2))
-    failures = sum(r["failed_connects"] + r["late_connect_failures"] + r["errors"] + r["wrong"]
+    failures = sum(r["failed_connects"] + r["late_connect_failures"] + r["errors"] + r["wrong"] + r["write_errors"]
                    for r in report["rows"] + report["colocated"])
     return 1 if failures else 0
 
@@ -467,7 +544,8 @@ def _colocated(name: str, data: str, k: int, sizes: list[int], args: argparse.Na
                 raise RuntimeError("the GEMM process did not start")
             # Its rate is counted from the crowd's start (the signal marks it).
             row = _with_passes(name, args.crowd_seconds, lambda: _one_crowd_marked(
-                name, data, k, c, args.crowd_seconds, hog, args.crowd_scopes))
+                name, data, k, c, args.crowd_seconds, hog, args.crowd_scopes,
+                writers=args.crowd_writers, dim=args.dim, seed=args.seed))
             shared = hog.stdout.readline().split()
             row["gemm_tflops_alone"] = float(alone[1]) if alone else float("nan")
             row["gemm_tflops_during"] = float(shared[1]) if shared else float("nan")
@@ -479,7 +557,7 @@ def _colocated(name: str, data: str, k: int, sizes: list[int], args: argparse.Na
 
 
 def _one_crowd_marked(name: str, data: str, k: int, clients: int, seconds: float, hog: subprocess.Popen,
-                      scopes: str) -> dict[str, Any]:
+                      scopes: str, **writing: int) -> dict[str, Any]:
     """:func:`_one_crowd`, with the GEMM process told when the crowd starts and ends."""
 
     def mark() -> None:
@@ -490,7 +568,7 @@ def _one_crowd_marked(name: str, data: str, k: int, clients: int, seconds: float
         hog.send_signal(signal.SIGUSR1)
         threading.Thread(target=mark, daemon=True).start()
 
-    return _one_crowd(name, data, k, clients, seconds, scopes, on_start=started)
+    return _one_crowd(name, data, k, clients, seconds, scopes, on_start=started, **writing)
 
 
 if __name__ == "__main__":  # python -m kalos.tools.crowd: the same as kalos bench --crowd
