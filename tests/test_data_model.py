@@ -743,6 +743,32 @@ def test_gpu_polling_stops_before_an_expiry_and_stays_off_until_it_passed(runtim
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def test_an_add_that_fits_stops_the_gpu_polling_once_and_one_that_grows_the_engine_twice(rng):
+    """The polling kernel reads the engine's rows, so every add stops it before the engine takes
+    its rows. Making room before the store commits (issue 19) moves the columns only when the
+    engine grows: only then does it stop the kernel too, so a crowd beside writers whose rows
+    fit keeps its polling while the store commits."""
+    from kalos.ipc.control import array_blob
+
+    with in_process_sidecar("room") as sidecar:
+        kernel = _PollingKernel(sidecar.layout.n_slots)
+        sidecar._polling.install(kernel, sidecar.channel)
+        rows_at_stops: list[int] = []
+        kernel.stop = lambda: rows_at_stops.append(len(sidecar.engine))
+
+        def add(n: int) -> None:
+            spec, blob = array_blob(rng.standard_normal((n, DIM)).astype(np.float32), "float32")
+            sidecar._control._op_add({"vectors": spec, "namespace": "t"}, bytearray(blob))
+
+        capacity = sidecar.engine.capacity
+        add(1)
+        assert rows_at_stops == [0]  # once, before the engine's add: the room was there
+        rows_at_stops.clear()
+        add(capacity)  # past the capacity: the engine grows before the commit, then adds
+        assert rows_at_stops == [1, 1]
+        assert sidecar.engine.capacity > capacity and len(sidecar.engine) == capacity + 1
+
+
 @contextlib.contextmanager
 def in_process_sidecar(prefix: str) -> Iterator[Any]:
     """A CPU sidecar in this process that does not serve (no threads run): its control

@@ -304,6 +304,10 @@ class Engine(ABC):
         """Ids of the live rows that pass ``flt`` (namespace, time, where): count / scoped delete."""
         return self.rows.ids_where(self.rows.simplify(flt))
 
+    def has_room(self, extra: int) -> bool:
+        """Whether ``extra`` more rows fit as the engine is (:meth:`reserve` would change nothing)."""
+        return self.rows.capacity_for(int(extra)) is None
+
     def reserve(self, extra: int) -> None:
         """Makes room for ``extra`` more rows now, so that an :meth:`add` of that many allocates
         nothing. The sidecar calls it before the store commits: an allocation that fails

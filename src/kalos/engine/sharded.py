@@ -108,6 +108,10 @@ class ShardedEngine:
         """Ids of the live rows that pass ``flt``, over every shard."""
         return np.concatenate([shard.ids_where(flt) for shard in self.shards])
 
+    def has_room(self, extra: int) -> bool:
+        """Whether the shard the next add goes to holds ``extra`` more rows as it is."""
+        return min(self.shards, key=len).has_room(extra)
+
     def reserve(self, extra: int) -> None:
         """Room for ``extra`` rows in the shard the next add goes to (the one with the fewest)."""
         min(self.shards, key=len).reserve(extra)

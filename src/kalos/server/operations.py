@@ -332,12 +332,7 @@ class ControlServer:
                         )
                     spec, out = array_blob(done, "int64")
                     return ok_reply(ids=spec, repeated=True), out
-            # Room in the engine first: an allocation that fails (MemoryError, CUDA out of
-            # memory) then fails an add that stored nothing. After the commit it left rows that
-            # recall could not see, and a retry stored them twice (issue 19).
-            with self._state_lock:
-                self._polling.pause()
-                self.engine.reserve(len(unit))
+            self._make_room(len(unit))
             # The sidecar's clock sets the expiry: the one its recalls, gets and lists compare with.
             expires_at = None if ttl is None else time.time() + ttl
             if keys is not None:
@@ -360,6 +355,18 @@ class ControlServer:
             self._wrote.set()
         spec, out = array_blob(ids, "int64")
         return ok_reply(ids=spec), out
+
+    def _make_room(self, extra: int) -> None:
+        """Room in the engine for ``extra`` more rows before the store commits (``_write_lock``
+        held): an allocation that fails (MemoryError, CUDA out of memory) then fails a write that
+        stored nothing. After the commit it left rows that recall could not see, and a retry
+        stored them twice (issue 19). Only growing moves the columns the GPU's polling reads, so
+        only then is the polling stopped: beside writers whose rows fit, a crowd loses its
+        polling once per write (the engine's change), not twice."""
+        with self._state_lock:
+            if not self.engine.has_room(extra):
+                self._polling.pause()
+                self.engine.reserve(extra)
 
     def _upsert(self, unit: np.ndarray, keys: list[str], namespace: str, message: dict[str, Any],
                 request_id: str | None, expires_at: np.ndarray | None = None) -> np.ndarray:
@@ -506,9 +513,7 @@ class ControlServer:
             change = dataclasses.replace(change, vector=unit[0])
         with self._write_lock:
             if change.vector is not None:
-                with self._state_lock:  # room first, as an add: an allocation failure stores nothing
-                    self._polling.pause()
-                    self.engine.reserve(1)
+                self._make_room(1)  # as an add: an allocation failure stores nothing
             item_id, namespace_id, created_at = self.store.update(change)
             indexed = stored = None
             if change.vector is not None or change.metadata is not UNSET or change.ttl is not UNSET:

@@ -418,6 +418,7 @@ def _one_crowd(name: str, data: str, k: int, clients: int, seconds: float, scope
         "recalls": int(len(samples)),
         "checked": sum(r.get("checked", 0) for r in crowd),
         "p50_us": _pct(samples, 50), "p99_us": _pct(samples, 99), "p999_us": _pct(samples, 99.9),
+        "max_us": _pct(samples, 100),  # (one stall, a compile say, shows here and nowhere else)
         "recalls_per_s": len(samples) / seconds if complete else 0.0,
         "connect_p99_ms": _pct(connects, 99),
         "late_connect_p50_ms": _pct(late_ms, 50), "late_connect_p99_ms": _pct(late_ms, 99),
@@ -500,7 +501,7 @@ def run_crowd(args: argparse.Namespace) -> int:
                                    lambda: _one_crowd(name, data, k, c, args.crowd_seconds, args.crowd_scopes,
                                                       writers=writers, dim=dim, seed=args.seed))
                 report["rows"].append(row)
-                print(f"  C={c}: p50 {row['p50_us']:.1f} us, p99 {row['p99_us']:.1f}, "
+                print(f"  C={c}: p50 {row['p50_us']:.1f} us, p99 {row['p99_us']:.1f}, max {row['max_us'] / 1e3:.1f} ms, "
                       f"{row['recalls_per_s']:,.0f} recalls/s, failed {row['failed_connects']}, "
                       f"errors {row['errors']}, wrong {row['wrong']}, {row['queries_per_pass']:.1f} queries per "
                       f"{'round' if row['answered_by'] == 'gpu polling' else 'pass'}"
