@@ -1297,6 +1297,27 @@ def test_a_stopped_sidecar_is_noticed_by_its_heartbeat_and_clients_recover(sidec
         client.close()
 
 
+def test_a_timeout_shorter_than_the_heartbeat_interval_does_not_call_a_live_sidecar_dead(
+        sidecars, store_dir, seed, monkeypatch):
+    """The sidecar shows life only at each heartbeat stamp: a client whose timeout is shorter than
+    the interval between two must still wait them out (the hello says how long one is), not call
+    the sidecar dead in every gap (issue 18's review: a 0.03 s timeout failed every wait)."""
+    rng = np.random.default_rng(seed)
+    monkeypatch.setenv("KALOS_HEARTBEAT_S", "0.5")  # (the sidecar's; it inherits the environment)
+    name = unique_name("beat")
+    sidecars.start(store_dir / "beat.db", name=name, dim=DIM)
+    with Client(name, timeout=0.05) as client:
+        client.add(rng.standard_normal((20, DIM)).astype(np.float32))
+        channel = client._conn.channel
+        # What every wait of a recall or a control operation asks between its polls, over three
+        # gaps between stamps, each 10x the client's timeout.
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            channel.check_alive()
+            time.sleep(0.01)
+        assert len(client.recall(rng.standard_normal(DIM).astype(np.float32), k=3).ids) == 3
+
+
 def _try_recall(client: Client, q: np.ndarray, k: int) -> Any:
     try:
         return client.recall(q, k=k)

@@ -30,6 +30,10 @@ __all__ = ["Connection"]
 
 #: How often a control operation that waits on the socket checks the sidecar's heartbeat.
 _CONTROL_POLL_S = 0.05
+#: Heartbeat intervals (the sidecar's, from its hello) a wait lets pass without a stamp before
+#: it calls the sidecar dead, whatever the client's timeout: a timeout shorter than this would
+#: call a live sidecar dead between two of its stamps.
+HEARTBEATS_MISSED = 4
 
 
 class Connection:
@@ -97,6 +101,9 @@ class Connection:
             crowded = reply.get("client_crowded")
             if crowded not in CROWDED_WAITS:  # a sidecar from before the advice: nap unless it said not to
                 crowded = "sleep" if reply.get("client_naps") is False else "nap"
+            beat = reply.get("heartbeat_s")  # (a sidecar from before it said: the timeout alone)
+            if isinstance(beat, (int, float)) and not isinstance(beat, bool) and 0 < beat <= 1:
+                timeout = max(timeout, HEARTBEATS_MISSED * beat)
             self.channel = ClientChannel(
                 self.segment, self.layout, int(reply["slot"]), wake=self.wake, control=self.sock,
                 epoch=self.epoch, timeout=timeout, spin_s=spin_s, crowded=crowded,

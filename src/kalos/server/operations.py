@@ -295,6 +295,8 @@ class ControlServer:
                 # (A client from before client_crowded reads this: it sleeps at once where told not to nap.)
                 client_naps=crowded != "sleep",
                 max_message_bytes=settings().max_message_bytes,
+                # (A client waits a few of these without a stamp before it calls this sidecar dead.)
+                heartbeat_s=self._sidecar.config.heartbeat_interval_s,
                 # Operations added since the protocol's version: a client uses them only when named.
                 ops=["recall_text", "update_ttl", "renew"],
             ))
@@ -360,13 +362,16 @@ class ControlServer:
         """Room in the engine for ``extra`` more rows before the store commits (``_write_lock``
         held): an allocation that fails (MemoryError, CUDA out of memory) then fails a write that
         stored nothing. After the commit it left rows that recall could not see, and a retry
-        stored them twice (issue 19). Only growing moves the columns the GPU's polling reads, so
-        only then is the polling stopped: beside writers whose rows fit, a crowd loses its
-        polling once per write (the engine's change), not twice."""
+        stored them twice (issue 19). Only growing changes the engine, so only then are the
+        sweep (its state lock) and the GPU's polling stopped: beside a crowd, a write whose rows
+        fit waits for one pass of the sweep and stops the polling once (the engine's add), not
+        twice. (Whether they fit is read without the state lock: every writer that grows the
+        engine holds ``_write_lock``, and the expirer's compaction only leaves more room.)"""
+        if self.engine.has_room(extra):
+            return
         with self._state_lock:
-            if not self.engine.has_room(extra):
-                self._polling.pause()
-                self.engine.reserve(extra)
+            self._polling.pause()
+            self.engine.reserve(extra)
 
     def _upsert(self, unit: np.ndarray, keys: list[str], namespace: str, message: dict[str, Any],
                 request_id: str | None, expires_at: np.ndarray | None = None) -> np.ndarray:
