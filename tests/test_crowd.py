@@ -61,7 +61,7 @@ def test_a_crowd_beside_writers_gets_every_answer_right_and_every_add_stored(sid
     sidecars.start(store_path, name=name, extra_args=["--slots", "16"])
     with Client(name) as client:
         capacity = client.stats()["capacity"]
-    row = _one_crowd(name, data, k, clients=8, seconds=3.0, writers=3, dim=dim, seed=7)
+    row = _one_crowd(name, data, k, clients=8, seconds=3.0, writers=3, seed=7)
     assert row["complete"], row["first_error"]
     assert row["failed_connects"] == row["errors"] == row["write_errors"] == 0, row["first_error"]
     assert row["wrong"] == 0 and row["checked"] == row["recalls"] > 0

@@ -76,6 +76,24 @@ def test_adds_reject_an_id_another_shard_holds(rng):
     assert len(eng) == 4 and 5 not in eng
 
 
+def test_an_add_goes_where_the_room_is_so_nothing_grows_after_the_room_was_made(rng):
+    """The sidecar makes room before the store commits (has_room, reserve: issue 19), and an
+    update then deletes the old row before it adds the new one: the delete moves the fewest
+    live rows to a full shard, and the add must still go where the room is, growing nothing."""
+    eng = cpu_shards(2, 8)
+    vec = unit_queries(rng, 15, 8)
+    eng.add(np.arange(8), vec[:8], 0, 0.0)  # shard 0 full (capacity 8)
+    eng.add(np.arange(8, 15), vec[8:], 0, 0.0)  # shard 1: 7 of 8
+    capacities = [shard.capacity for shard in eng.shards]
+    assert eng.has_room(1) and not eng.has_room(2)
+    eng.reserve(1)  # nothing to do: shard 1 holds one more
+    eng.delete(np.array([3]))  # shard 0 now has the fewest live rows, and no room
+    eng.add(np.array([3]), vec[3:4], 0, 0.0)
+    assert [shard.capacity for shard in eng.shards] == capacities and 3 in eng.shards[1]
+    eng.reserve(2)  # no shard holds two more: the one with the fewest live rows grows
+    assert eng.has_room(2) and sum(shard.capacity for shard in eng.shards) > sum(capacities)
+
+
 @needs_interpreter
 def test_triton_shards_through_search_start(rng):
     """The shards' start-then-wait path with the Triton kernels (interpreter). On the CPU a

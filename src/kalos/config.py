@@ -57,8 +57,9 @@ class Settings:
     # holds max_batch query rows and results (~0.45 MiB at dim 1024), reserved at start.
     slots: int = _setting(128, "KALOS_SLOTS", "slots in the shared segment: most clients connected at once "
                                               "(serve --slots)")
-    # A client declares the sidecar dead when the stamp is older than the client's timeout, so
-    # keep this well under the default 1 s.
+    # A client declares the sidecar dead when the stamp is older than its timeout or four of
+    # these intervals (the hello says it), whichever is longer: well under 1 s keeps the default
+    # timeout the bound.
     heartbeat_interval_s: float = _setting(0.05, "KALOS_HEARTBEAT_S", "how often the sidecar stamps its heartbeat, s")
     # Bounded so that a malformed length prefix cannot make the sidecar allocate without limit.
     max_message_bytes: int = _setting(1 << 30, "KALOS_MAX_MESSAGE_BYTES",

@@ -3,8 +3,8 @@
 # serve: C = 1, 16, 64 single recalls with 0 and with 8 processes adding one memory at a time
 # (the first add grows the engine past its capacity, 65,536, in the C = 1 crowd), this tree (an
 # add stops the GPU's polling once, twice only when the engine grows) beside cb58ec2 (every add
-# stops it twice), alternated this, base, this. On an H200, first the default crowd 1-64 of this
-# tree (issue 18's targets; none lent since session 26).
+# stops it twice), alternated this, base, this, then base without writers. On an H200, first the
+# default crowd 1-64 of this tree (issue 18's targets; none lent since session 26).
 # Predicted: beside 8 writers this tree loses about half the recall rate that cb58ec2 loses
 # against no writers at C = 16 and 64; the C = 1 crowd's max holds the growth's recompile.
 #   mkdir -p .snap/trees/s42-base && git archive cb58ec2 src | tar -x -C .snap/trees/s42-base

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from kalos.config import open_runtime_dir, settings
 from kalos.errors import ProtocolMismatch, SidecarUnavailable
@@ -34,6 +34,13 @@ _CONTROL_POLL_S = 0.05
 #: it calls the sidecar dead, whatever the client's timeout: a timeout shorter than this would
 #: call a live sidecar dead between two of its stamps.
 HEARTBEATS_MISSED = 4
+
+
+def _said(reply: dict[str, Any], key: str, fits: Callable[[Any], bool], kinds: tuple[type, ...] | type = (int, float)) -> Any:
+    """The number the sidecar's hello gives as ``key`` if it is one of ``kinds`` (not a bool)
+    that ``fits``, else None: a sidecar from before it said, or one that says nonsense."""
+    value = reply.get(key)
+    return value if isinstance(value, kinds) and not isinstance(value, bool) and fits(value) else None
 
 
 class Connection:
@@ -95,14 +102,13 @@ class Connection:
                 raise ProtocolMismatch(f"{source} does not match the sidecar's hello {expected}")
             self.epoch = int(reply["epoch"])
             if spin_s is None:  # the sidecar's advice (longer for a GPU sidecar), else the default
-                advised = reply.get("client_spin_us")
-                ok = isinstance(advised, (int, float)) and not isinstance(advised, bool) and 0 <= advised <= 1e5
-                spin_s = (advised if ok else settings().client_spin_us) / 1e6
+                advised = _said(reply, "client_spin_us", lambda us: 0 <= us <= 1e5)
+                spin_s = (settings().client_spin_us if advised is None else advised) / 1e6
             crowded = reply.get("client_crowded")
             if crowded not in CROWDED_WAITS:  # a sidecar from before the advice: nap unless it said not to
                 crowded = "sleep" if reply.get("client_naps") is False else "nap"
-            beat = reply.get("heartbeat_s")  # (a sidecar from before it said: the timeout alone)
-            if isinstance(beat, (int, float)) and not isinstance(beat, bool) and 0 < beat <= 1:
+            beat = _said(reply, "heartbeat_s", lambda s: 0 < s <= 1)
+            if beat is not None:  # (a sidecar from before it said: the timeout alone)
                 timeout = max(timeout, HEARTBEATS_MISSED * beat)
             self.channel = ClientChannel(
                 self.segment, self.layout, int(reply["slot"]), wake=self.wake, control=self.sock,
@@ -118,11 +124,8 @@ class Connection:
             self.sock.settimeout(_CONTROL_POLL_S)
             ops = reply.get("ops")
             self.ops = frozenset(op for op in ops if isinstance(op, str)) if isinstance(ops, list) else frozenset()
-            limit = reply.get("max_message_bytes")
-            self.max_message_bytes = (
-                limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0
-                else settings().max_message_bytes
-            )
+            limit = _said(reply, "max_message_bytes", lambda n: n > 0, int)
+            self.max_message_bytes = settings().max_message_bytes if limit is None else limit
         except (ConnectionClosed, socket.timeout, BrokenPipeError, ConnectionResetError) as exc:
             self.close()
             raise SidecarUnavailable(f"the sidecar did not complete the hello ({type(exc).__name__}: {exc})") from None

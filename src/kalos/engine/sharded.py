@@ -86,11 +86,12 @@ class ShardedEngine:
 
     def add(self, ids: np.ndarray, vectors: np.ndarray, namespaces: np.ndarray, created_at: np.ndarray,
             metadata: Sequence[Mapping[str, Any] | None] | None = None) -> None:
-        """Appends the batch to the shard with the fewest live rows (ids new to every shard)."""
+        """Appends the batch to the shard with the fewest live rows among those it fits as they
+        are, else to the one with the fewest (ids new to every shard)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
         if len(ids) == 0:
             return
-        target = min(self.shards, key=len)
+        target = self._target(len(ids))
         for shard in self.shards:
             if shard is target:
                 continue  # its own add checks its ids
@@ -108,13 +109,21 @@ class ShardedEngine:
         """Ids of the live rows that pass ``flt``, over every shard."""
         return np.concatenate([shard.ids_where(flt) for shard in self.shards])
 
+    def _target(self, n: int) -> Any:
+        """The shard an add of ``n`` rows goes to. One it fits goes first: room made by
+        :meth:`reserve` (before the store commits) stays where it was made while live counts
+        move (a delete, an expiry) until the add, which then grows nothing (issue 19)."""
+        fitting = [shard for shard in self.shards if shard.has_room(n)]
+        return min(fitting or self.shards, key=len)
+
     def has_room(self, extra: int) -> bool:
-        """Whether the shard the next add goes to holds ``extra`` more rows as it is."""
-        return min(self.shards, key=len).has_room(extra)
+        """Whether some shard holds ``extra`` more rows as it is (the next add goes to one)."""
+        return any(shard.has_room(extra) for shard in self.shards)
 
     def reserve(self, extra: int) -> None:
-        """Room for ``extra`` rows in the shard the next add goes to (the one with the fewest)."""
-        min(self.shards, key=len).reserve(extra)
+        """Room for ``extra`` rows: where no shard has it, the one with the fewest live rows grows."""
+        if not self.has_room(extra):
+            min(self.shards, key=len).reserve(extra)
 
     def delete(self, ids: np.ndarray) -> int:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)

@@ -366,7 +366,8 @@ class ControlServer:
         sweep (its state lock) and the GPU's polling stopped: beside a crowd, a write whose rows
         fit waits for one pass of the sweep and stops the polling once (the engine's add), not
         twice. (Whether they fit is read without the state lock: every writer that grows the
-        engine holds ``_write_lock``, and the expirer's compaction only leaves more room.)"""
+        engine holds ``_write_lock``; what the sweep's expiries change without it, tombstones
+        and compaction, only leaves more room; a sharded engine adds where the room is.)"""
         if self.engine.has_room(extra):
             return
         with self._state_lock:
