@@ -109,8 +109,8 @@ class Client:
 
     ``timeout`` bounds how long a call waits without a sign of life from the sidecar before
     it raises :class:`SidecarUnavailable` (a slow but live sidecar is waited for); at least four
-    of the sidecar's heartbeat intervals (0.2 s by default), since it shows life only at each. ``spin_us``
-    is how long a recall busy-polls for its answer before it sleeps on its doorbell (default:
+    of the sidecar's heartbeat intervals (0.2 s by default), since it shows life only at each.
+    ``spin_us`` is how long a recall busy-polls for its answer before it sleeps on its doorbell (default:
     ``KALOS_CLIENT_SPIN_US`` if set, else what the sidecar advises: 1000 for a GPU sidecar, 100
     for a CPU one; past cores - 1 connected clients the poll yields its core at each look).
     ``embedder`` turns text into vectors for :meth:`remember` and :meth:`recall_text`: None (the

@@ -36,7 +36,8 @@ _CONTROL_POLL_S = 0.05
 HEARTBEATS_MISSED = 4
 
 
-def _said(reply: dict[str, Any], key: str, fits: Callable[[Any], bool], kinds: tuple[type, ...] | type = (int, float)) -> Any:
+def _said(reply: dict[str, Any], key: str, fits: Callable[[Any], bool],
+          kinds: tuple[type, ...] | type = (int, float)) -> Any:
     """The number the sidecar's hello gives as ``key`` if it is one of ``kinds`` (not a bool)
     that ``fits``, else None: a sidecar from before it said, or one that says nonsense."""
     value = reply.get(key)

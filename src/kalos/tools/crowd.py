@@ -502,7 +502,8 @@ def run_crowd(args: argparse.Namespace) -> int:
                                    lambda: _one_crowd(name, data, k, c, args.crowd_seconds, args.crowd_scopes,
                                                       writers=writers, seed=args.seed))
                 report["rows"].append(row)
-                print(f"  C={c}: p50 {row['p50_us']:.1f} us, p99 {row['p99_us']:.1f}, max {row['max_us'] / 1e3:.1f} ms, "
+                print(f"  C={c}: p50 {row['p50_us']:.1f} us, p99 {row['p99_us']:.1f}, "
+                      f"max {row['max_us'] / 1e3:.1f} ms, "
                       f"{row['recalls_per_s']:,.0f} recalls/s, failed {row['failed_connects']}, "
                       f"errors {row['errors']}, wrong {row['wrong']}, {row['queries_per_pass']:.1f} queries per "
                       f"{'round' if row['answered_by'] == 'gpu polling' else 'pass'}"
