@@ -11,6 +11,8 @@ past the engine's capacity on the first add.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from conftest import unique_name
@@ -20,15 +22,21 @@ from kalos.store.sqlite import Store
 from kalos.tools.crowd import WRITES_NAMESPACE, _one_crowd, _passes, _store_rows, _unit, _wrong_answers
 
 
-@pytest.mark.parametrize("scopes", ["mixed", "agents"])
-def test_a_crowd_of_sixteen_processes_gets_every_answer_right(sidecars, store_dir, rng, scopes):
-    n, dim, k = 4096, 64, 8
-    matrix = _unit(rng, n, dim)
-    queries = _unit(rng, 64, dim)
+def _crowd_store(store_dir: Path, rng: np.random.Generator, n: int, k: int, scopes: str) -> tuple[Path, str]:
+    """A store of ``n`` random 64-dimensional unit rows laid out for ``scopes``, and the crowd's
+    data file (64 queries and their float64 references)."""
+    dim = 64
     store_path = store_dir / "crowd.db"
     data = str(store_dir / "queries.npz")
     with Store.open(store_path, dim=dim) as store:
-        _store_rows(store, matrix, queries, k, scopes, data)
+        _store_rows(store, _unit(rng, n, dim), _unit(rng, 64, dim), k, scopes, data)
+    return store_path, data
+
+
+@pytest.mark.parametrize("scopes", ["mixed", "agents"])
+def test_a_crowd_of_sixteen_processes_gets_every_answer_right(sidecars, store_dir, rng, scopes):
+    n, k = 4096, 8
+    store_path, data = _crowd_store(store_dir, rng, n, k, scopes)
     name = unique_name("crowd")
     sidecars.start(store_path, name=name, extra_args=["--slots", "24"])
     queries_before, passes_before, *_ = _passes(name)
@@ -50,13 +58,8 @@ def test_a_crowd_beside_writers_gets_every_answer_right_and_every_add_stored(sid
     top-k of the rows it may see (the adds change the engine under the crowd, and the first one
     grows its capacity: 4,096 rows fill it), every add is acknowledged, and each acknowledged
     add is in the store afterwards."""
-    n, dim, k = 4096, 64, 8
-    matrix = _unit(rng, n, dim)
-    queries = _unit(rng, 64, dim)
-    store_path = store_dir / "crowd.db"
-    data = str(store_dir / "queries.npz")
-    with Store.open(store_path, dim=dim) as store:
-        _store_rows(store, matrix, queries, k, "default", data)
+    n, k = 4096, 8
+    store_path, data = _crowd_store(store_dir, rng, n, k, "default")
     name = unique_name("crowd")
     sidecars.start(store_path, name=name, extra_args=["--slots", "16"])
     with Client(name) as client:

@@ -273,28 +273,27 @@ def _writer(name: str, data: str, seconds: float, index: int, ready: Any, out: A
 
     dim = np.load(data, allow_pickle=False)["queries"].shape[1]
     rng = np.random.default_rng([seed, index])
-    times, errors, last = [], 0, ""
+    times, errors, last, client = [], 0, "", None
     try:
         client = Client(name)
         client.ping()
     except KalosError as exc:
-        _wait(ready)
-        out.put((-2 - index, {"times": times, "errors": 1, "error_text": f"{type(exc).__name__}: {exc}"}))
-        return
-    _wait(ready)
-    with client:
-        end = time.perf_counter() + seconds
-        while True:
-            row = _unit(rng, 1, dim)
-            began = time.perf_counter()
-            if began >= end:
-                break
-            try:
-                client.add(row, namespace=WRITES_NAMESPACE)
-                times.append(time.perf_counter() - began)
-            except Exception as exc:  # noqa: BLE001 - counted and shown, whatever it is
-                errors += 1
-                last = f"{type(exc).__name__}: {exc}"
+        client, errors, last = None, 1, f"{type(exc).__name__}: {exc}"
+    _wait(ready)  # everyone, failed or not: the crowd starts when all are in
+    if client is not None:
+        with client:
+            end = time.perf_counter() + seconds
+            while True:
+                row = _unit(rng, 1, dim)
+                began = time.perf_counter()
+                if began >= end:
+                    break
+                try:
+                    client.add(row, namespace=WRITES_NAMESPACE)
+                    times.append(time.perf_counter() - began)
+                except Exception as exc:  # noqa: BLE001 - counted and shown, whatever it is
+                    errors += 1
+                    last = f"{type(exc).__name__}: {exc}"
     out.put((-2 - index, {"times": times, "errors": errors, "error_text": last}))
 
 
@@ -431,7 +430,7 @@ def _one_crowd(name: str, data: str, k: int, clients: int, seconds: float, scope
         "fewest_by_one_client": min((len(r["samples"]) for r in crowd), default=0),
         "writers": writers,
         "writes": int(len(write_ms)),
-        "writes_per_s": len(write_ms) / seconds if complete and writers else 0.0,
+        "writes_per_s": len(write_ms) / seconds if complete else 0.0,
         "write_p50_ms": _pct(write_ms, 50), "write_p99_ms": _pct(write_ms, 99),
         "write_errors": sum(w["errors"] for w in wrote),
         "first_error": (errors[0] if errors else connector["error_text"]
